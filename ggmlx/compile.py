@@ -1,0 +1,253 @@
+"""Programs and the compiled-graph cache.
+
+A `Program` is a run of nodes (a whole graph, or one scheduler split) as one pure function
+`f(weights, inputs, state) -> (outputs, new_state)`, jitted once with the state donated so a
+`set_rows` into the KV cache updates it in place. The cache key is the program's structural
+signature (ops, shapes, strides, types, op params, names, leaf roles, weight formats,
+device), never weight values: two separately built but identical graphs share one
+executable, like llama.cpp reusing a graph when `can_reuse` holds.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from ggmlx import lower, weights
+from ggmlx.graph import Graph
+from ggmlx.tensor import Flag, Op, Tensor
+
+_persistent_cache_on = False
+
+
+def enable_persistent_cache() -> None:
+    """Turn on XLA's on-disk compilation cache so a second process starts warm.
+    Opt out with GGMLX_NO_PERSISTENT_CACHE=1; GGMLX_CACHE_DIR moves it."""
+    global _persistent_cache_on
+    if _persistent_cache_on or os.environ.get("GGMLX_NO_PERSISTENT_CACHE") == "1":
+        return
+    root = os.environ.get("GGMLX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ggmlx")
+    path = os.path.join(root, "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _persistent_cache_on = True
+
+
+def _state_root(t: Tensor) -> Tensor:
+    while t.op is Op.SET_ROWS:
+        t = t.src[0]
+    return t
+
+
+@dataclass
+class Program:
+    """Nodes to evaluate in order and the tensors they read from outside."""
+    nodes: list[Tensor]
+    weights: list[Tensor]
+    inputs: list[Tensor]
+    states: list[Tensor]
+    outputs: list[Tensor]
+    device: jax.Device | None = None
+    state_writes: dict[int, Tensor] = field(default_factory=dict)   # state leaf id -> last writer
+
+    @classmethod
+    def from_nodes(cls, nodes: list[Tensor], outputs: list[Tensor], device=None) -> "Program":
+        inside = {n.id for n in nodes}
+        ext: dict[int, Tensor] = {}
+        for n in nodes:
+            for s in n.src:
+                if s.id not in inside:
+                    ext.setdefault(s.id, s)
+        for o in outputs:
+            if o.id not in inside:
+                ext.setdefault(o.id, o)
+        exts = list(ext.values())
+        w = [t for t in exts if t.is_leaf and t.flags & Flag.WEIGHT]
+        st = [t for t in exts if t.is_leaf and t.flags & Flag.STATE]
+        inp = [t for t in exts if t not in w and t not in st]
+        writes = {}
+        for n in nodes:
+            if n.op is Op.SET_ROWS:
+                root = _state_root(n)
+                if root.flags & Flag.STATE:
+                    writes[root.id] = n
+        return cls(nodes, w, inp, st, list(outputs), device, writes)
+
+    @classmethod
+    def from_graph(cls, graph: Graph, extra_outputs: list[Tensor] = (), device=None) -> "Program":
+        outs = list(graph.outputs())
+        outs += [t for t in extra_outputs if t not in outs]
+        return cls.from_nodes(graph.nodes, outs, device)
+
+    # ---- signature -------------------------------------------------------------------
+
+    def signature(self) -> list[tuple]:
+        """Everything that decides the compiled code, one readable entry per item."""
+        ref: dict[int, str] = {}
+        sig: list[tuple] = [("device", str(self.device))]
+        for role, ts in (("weight", self.weights), ("input", self.inputs), ("state", self.states)):
+            for j, t in enumerate(ts):
+                ref[t.id] = f"{role}{j}"
+                fmt = t.data.spec if isinstance(t.data, weights.DeviceWeight) else None
+                sig.append((role, j, t.name, t.type.name, t.ne, t.nb, fmt))
+        for k, n in enumerate(self.nodes):
+            ref[n.id] = f"node{k}"
+            sig.append(("node", k, n.name, n.op.value, n.type.name, n.ne, n.nb, n.op_params,
+                        n.view_offs, tuple(ref[s.id] for s in n.src)))
+        sig.append(("outputs", tuple(ref[o.id] for o in self.outputs)))
+        sig.append(("state_writes", tuple(ref[self.state_writes[s.id].id] if s.id in self.state_writes
+                                          else None for s in self.states)))
+        return sig
+
+    # ---- the function ----------------------------------------------------------------
+
+    def make_fn(self):
+        nodes, outs = self.nodes, self.outputs
+        w_leaves, in_leaves, st_leaves = self.weights, self.inputs, self.states
+        writes = self.state_writes
+
+        def fn(w_vals, in_vals, st_vals):
+            env = {}
+            env.update(zip(w_leaves, w_vals))
+            env.update(zip(in_leaves, in_vals))
+            env.update(zip(st_leaves, st_vals))
+            lower.run_nodes(nodes, env)
+            new_state = tuple(env[writes[s.id]] if s.id in writes else env[s] for s in st_leaves)
+            return tuple(env[o] for o in outs), new_state
+
+        return fn
+
+
+def _abstract(x, device):
+    sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+class CompiledProgram:
+    """An executable plus the order in which it takes its arguments."""
+
+    def __init__(self, executable, key: str, compile_seconds: float):
+        self.executable = executable
+        self.key = key
+        self.compile_seconds = compile_seconds
+
+    def __call__(self, w_vals, in_vals, st_vals):
+        return self.executable(tuple(w_vals), tuple(in_vals), tuple(st_vals))
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    compile_seconds: float = 0.0
+
+
+class GraphCache:
+    """Compiled programs keyed by structural signature; counts hits, misses and compile time
+    and can say why the last lookup missed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, CompiledProgram] = {}
+        self._sigs: dict[str, list[tuple]] = {}
+        self.stats = CacheStats()
+        self.last_miss_reason: str | None = None
+        enable_persistent_cache()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._sigs.clear()
+
+    @staticmethod
+    def key_of(sig: list[tuple]) -> str:
+        return hashlib.sha256(repr(sig).encode()).hexdigest()
+
+    def lookup(self, program: Program) -> CompiledProgram | None:
+        return self._entries.get(self.key_of(program.signature()))
+
+    def get(self, program: Program, w_vals, in_vals, st_vals) -> CompiledProgram:
+        """The executable for program, compiling it (for these argument shapes) on a miss."""
+        sig = program.signature()
+        key = self.key_of(sig)
+        hit = self._entries.get(key)
+        if hit is not None:
+            self.stats.hits += 1
+            return hit
+        self.stats.misses += 1
+        self.last_miss_reason = self._explain_miss(sig)
+        dev = program.device
+        abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_vals), tuple(in_vals), tuple(st_vals)))
+        t0 = time.perf_counter()
+        jitted = jax.jit(program.make_fn(), donate_argnums=(2,))
+        executable = jitted.lower(*abstract).compile()
+        dt = time.perf_counter() - t0
+        self.stats.compile_seconds += dt
+        entry = CompiledProgram(executable, key, dt)
+        self._entries[key] = entry
+        self._sigs[key] = sig
+        return entry
+
+    def _explain_miss(self, sig: list[tuple]) -> str:
+        if not self._sigs:
+            return "cache is empty"
+        same_len = [s for s in self._sigs.values() if len(s) == len(sig)]
+        other = (same_len or list(self._sigs.values()))[-1]
+        for a, b in zip(sig, other):
+            if a != b:
+                return f"{_describe(a)} differs from the cached {_describe(b)}"
+        return f"signature has {len(sig)} entries, the closest cached one {len(other)}"
+
+
+def _describe(entry: tuple) -> str:
+    kind = entry[0]
+    if kind == "node":
+        _, k, name, op, typ, ne, nb, params, offs, srcs = entry
+        return f"node {k} {name!r} ({op} {typ} ne={list(ne)} nb={list(nb)} params={params} src={srcs})"
+    if kind in ("weight", "input", "state"):
+        _, j, name, typ, ne, nb, fmt = entry
+        return f"{kind} {j} {name!r} ({typ} ne={list(ne)} format={fmt})"
+    return repr(entry)
+
+
+default_cache: GraphCache | None = None
+
+
+def get_default_cache() -> GraphCache:
+    global default_cache
+    if default_cache is None:
+        default_cache = GraphCache()
+    return default_cache
+
+
+def compute(graph: Graph, inputs: dict[Tensor, object] | None = None,
+            state: dict[Tensor, jax.Array] | None = None, *, cache: GraphCache | None = None,
+            device=None, extra_outputs: list[Tensor] = ()):
+    """Run a whole graph on one device. Returns ({output tensor: value}, {state leaf: new value}).
+    State arrays passed in are donated: use the returned ones afterwards."""
+    cache = cache or get_default_cache()
+    device = device or jax.devices()[0]
+    prog = Program.from_graph(graph, list(extra_outputs), device)
+    inputs = inputs or {}
+    state = state or {}
+    missing = [t.name for t in prog.inputs if t not in inputs] + [t.name for t in prog.states if t not in state]
+    if missing:
+        raise ValueError(f"compute: no value given for {missing}")
+    unbound = [t.name for t in prog.weights if not isinstance(t.data, weights.DeviceWeight)]
+    if unbound:
+        raise ValueError(f"compute: weights without device data: {unbound}")
+    w_vals = [t.data for t in prog.weights]
+    in_vals = [jax.device_put(np.asarray(inputs[t]).reshape(t.shape).astype(lower.jnp_dtype(t.type)), device)
+               for t in prog.inputs]
+    st_vals = [state[t] for t in prog.states]
+    exe = cache.get(prog, w_vals, in_vals, st_vals)
+    outs, new_state = exe(w_vals, in_vals, st_vals)
+    return dict(zip(prog.outputs, outs)), dict(zip(prog.states, new_state))

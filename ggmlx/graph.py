@@ -1,0 +1,115 @@
+"""Graphs: the nodes reachable from the tensors expanded into it, in execution order, with
+text and Graphviz dumps (like ggml_graph_print and ggml_graph_dump_dot)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from ggmlx.tensor import Flag, Tensor
+
+
+class Graph:
+    """Leafs (op NONE) and nodes in the order ggml's build_forward_expand visits them:
+    sources before the node that reads them, earlier expansions first."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Tensor] = []
+        self.leafs: list[Tensor] = []
+        self._seen: set[int] = set()
+
+    def build_forward_expand(self, t: Tensor) -> "Graph":
+        stack = [(t, False)]
+        while stack:
+            cur, ready = stack.pop()
+            if cur.id in self._seen:
+                continue
+            if ready or cur.is_leaf:
+                self._seen.add(cur.id)
+                (self.leafs if cur.is_leaf else self.nodes).append(cur)
+                continue
+            stack.append((cur, True))
+            for s in reversed(cur.src):
+                if s.id not in self._seen:
+                    stack.append((s, False))
+        return self
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.nodes)
+
+    def get_tensor(self, name: str) -> Tensor:
+        """The node or leaf with this name (ggml_graph_get_tensor); KeyError if absent."""
+        for t in self.nodes + self.leafs:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor named {name!r} in the graph")
+
+    def outputs(self) -> list[Tensor]:
+        """Nodes flagged as outputs; the last node when none is flagged (ggml's result)."""
+        outs = [n for n in self.nodes if n.flags & Flag.OUTPUT]
+        return outs or self.nodes[-1:]
+
+    # ---- dumps -----------------------------------------------------------------------
+
+    def dump_text(self, placement: Callable[[Tensor], str] | None = None) -> str:
+        """One line per node and leaf: index, shape (ne), op, type, name, [backend]."""
+        lines = ["=== GRAPH ===", f"n_nodes = {len(self.nodes)}"]
+        for i, n in enumerate(self.nodes):
+            lines.append(_line(i, n, placement))
+        lines.append(f"n_leafs = {len(self.leafs)}")
+        for i, n in enumerate(self.leafs):
+            lines.append(_line(i, n, placement))
+        lines.append("========================================")
+        return "\n".join(lines)
+
+    def dump_dot(self, placement: Callable[[Tensor], str] | None = None) -> str:
+        """Graphviz DOT; leafs are boxes, nodes records; colour by backend when placed."""
+        palette = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c"]
+        colours: dict[str, str] = {}
+
+        def colour(t: Tensor) -> str:
+            if placement is None:
+                return "white" if not t.is_leaf else "#eeeeee"
+            return colours.setdefault(placement(t), palette[len(colours) % len(palette)])
+
+        out = ["digraph G {", '  newrank = true;', '  rankdir = TB;']
+        for t in self.leafs:
+            out.append(f'  t{t.id} [shape=box, style=filled, fillcolor="{colour(t)}", '
+                       f'label="{_esc(_label(t, placement))}"];')
+        for t in self.nodes:
+            out.append(f'  t{t.id} [shape=record, style="rounded,filled", fillcolor="{colour(t)}", '
+                       f'label="{_esc(_label(t, placement))}"];')
+        for t in self.nodes:
+            for j, s in enumerate(t.src):
+                out.append(f'  t{s.id} -> t{t.id} [label="src{j}"];')
+        out.append("}")
+        return "\n".join(out)
+
+
+def _role(t: Tensor) -> str:
+    for flag, role in ((Flag.WEIGHT, "weight"), (Flag.STATE, "state"), (Flag.INPUT, "input")):
+        if t.flags & flag:
+            return role
+    return "output" if t.flags & Flag.OUTPUT else ""
+
+
+def _line(i: int, t: Tensor, placement) -> str:
+    ne = ", ".join(f"{d:6d}" for d in t.ne)
+    extra = f" [{placement(t)}]" if placement else ""
+    role = _role(t)
+    return f" - {i:4d}: [{ne}] {t.op.value:>16} {t.type.name:>6} {t.name}{' (' + role + ')' if role else ''}{extra}"
+
+
+def _label(t: Tensor, placement) -> str:
+    where = f" | {placement(t)}" if placement else ""
+    return f"{t.name or '?'} | {t.op.value} | {t.type.name} {list(t.ne)}{where}"
+
+
+def _esc(s: str) -> str:
+    return s.replace('"', '\\"').replace("<", "\\<").replace(">", "\\>").replace("{", "\\{").replace("}", "\\}")
+
+
+def build_graph(outputs: Iterable[Tensor]) -> Graph:
+    g = Graph()
+    for t in outputs:
+        g.build_forward_expand(t)
+    return g

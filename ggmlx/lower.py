@@ -1,0 +1,326 @@
+"""Lowering: what each op computes, in JAX.
+
+A value is a jax array in numpy order: shape `tuple(reversed(t.ne))`, i.e. [ne3, ne2, ne1,
+ne0]. `run_nodes` evaluates a list of nodes in order, each inside `jax.named_scope(name)`,
+and is called only while tracing: after compilation no Python runs per op.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ggmlx import types, weights
+from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, ROPE_TYPE_NEOX, SORT_DESC
+from ggmlx.tensor import Flag, Op, Tensor, np_dtype
+from ggmlx.types import GGMLType
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+_VIEW_OPS = (Op.VIEW, Op.PERMUTE, Op.RESHAPE)
+
+
+def jnp_dtype(t: GGMLType):
+    return jnp.dtype(np_dtype(t))
+
+
+def _f32(x):
+    return x if x.dtype == jnp.float32 else x.astype(jnp.float32)
+
+
+def _tile_to(b, shape):
+    """Repeat b into shape the way ggml repeats src1 (tiling, not only broadcasting)."""
+    if b.shape == tuple(shape):
+        return b
+    if all(bd == 1 or bd == sd for bd, sd in zip(b.shape, shape)):
+        return jnp.broadcast_to(b, shape)
+    return jnp.tile(b, [sd // bd for sd, bd in zip(shape, b.shape)])
+
+
+def _value_f32(env, t: Tensor):
+    """A source's value as f32; weights are materialized (dequantized) where they are read."""
+    if t.flags & Flag.WEIGHT:
+        return weights.materialize(env[t])
+    return _f32(env[t])
+
+
+# ---- views -----------------------------------------------------------------------------
+
+def _view_base(t: Tensor) -> tuple[Tensor, int]:
+    """The tensor whose memory a chain of views reads, and the total byte offset into it."""
+    offs = 0
+    while t.op in _VIEW_OPS:
+        offs += t.view_offs
+        t = t.src[0]
+    return t, offs
+
+
+def strided_window(flat, esz: int, ne, nb, offset: int):
+    """Elements of flat memory at offset + sum(i_k * nb_k), as an array of numpy shape
+    reversed(ne). Uses reshape + static slices when the strides nest (every real view in
+    llama graphs), else a gather."""
+    s = [n // esz for n in nb]
+    o = offset // esz
+    dims = sorted((d for d in range(4) if ne[d] > 1), key=lambda d: -s[d])
+    out_shape = tuple(reversed(ne))
+    if not dims:
+        return flat[o].reshape(out_shape)
+    nested = all(s[a] % s[b] == 0 and s[a] >= ne[b] * s[b] for a, b in zip(dims, dims[1:]))
+    if nested:
+        length = ne[dims[0]] * s[dims[0]]
+        window = jax.lax.slice(flat, (o,), (min(o + length, flat.shape[0]),))
+        if window.shape[0] < length:
+            window = jnp.pad(window, (0, length - window.shape[0]))
+        shape = [ne[dims[0]]] + [s[a] // s[b] for a, b in zip(dims, dims[1:])] + [s[dims[-1]]]
+        x = window.reshape(shape)
+        x = x[tuple(slice(0, ne[d]) for d in dims) + (0,)]
+        order = sorted(range(len(dims)), key=lambda k: -dims[k])
+        return jnp.transpose(x, order).reshape(out_shape)
+    idx = np.full(out_shape, o, dtype=np.int64)
+    for d in range(4):
+        axis_shape = [1, 1, 1, 1]
+        axis_shape[3 - d] = ne[d]
+        idx = idx + (np.arange(ne[d], dtype=np.int64) * s[d]).reshape(axis_shape)
+    return jnp.take(flat, jnp.asarray(idx))
+
+
+def _view(env, t: Tensor):
+    base, offs = _view_base(t)
+    flat = env[base].reshape(-1) if not base.flags & Flag.WEIGHT else weights.materialize(env[base]).reshape(-1)
+    return strided_window(flat, types.type_size(t.type), t.ne, t.nb, offs)
+
+
+# ---- math ops --------------------------------------------------------------------------
+
+def _mul_mat(a, b):
+    """a [A3, A2, M, K], b [B3, B2, N, K] -> [B3, B2, N, M] with ggml's channel broadcast."""
+    A3, A2, M, K = a.shape
+    B3, B2, N, _ = b.shape
+    r3, r2 = B3 // A3, B2 // A2
+    if r2 == 1 and r3 == 1:
+        return jnp.einsum("xymk,xynk->xynm", a, b, precision=HIGHEST)
+    bb = b.reshape(A3, r3, A2, r2, N, K)
+    out = jnp.einsum("xzmk,xyzwnk->xyzwnm", a, bb, precision=HIGHEST)
+    return out.reshape(B3, B2, N, M)
+
+
+def _rope(x, pos, ff, p):
+    n_dims, mode, n_ctx_orig, base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = p
+    half = n_dims // 2
+    theta_scale = np.float32(base) ** np.float32(-2.0 / n_dims)
+    # theta is advanced by repeated f32 multiplication, as ggml's rope cache does
+    theta = [_f32(pos)]
+    for _ in range(half - 1):
+        theta.append(theta[-1] * theta_scale)
+    theta_extrap = jnp.stack(theta, axis=-1)                    # [T, half]
+    if ff is not None:
+        theta_extrap = theta_extrap / _f32(ff).reshape(-1)[:half]
+    theta_interp = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        def corr_dim(n_rot):
+            return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+        low = max(0.0, math.floor(corr_dim(beta_fast)))
+        high = min(n_dims - 1.0, math.ceil(corr_dim(beta_slow)))
+        y = (np.arange(half, dtype=np.float32) - low) / max(0.001, high - low)
+        ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
+        theta = theta_interp * (1 - ramp) + theta_extrap * ramp
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    else:
+        theta = theta_interp
+    cos = (jnp.cos(theta) * mscale)[None, :, None, :]          # [1, T, 1, half]
+    sin = (jnp.sin(theta) * mscale)[None, :, None, :]
+    x = _f32(x)
+    rot, rest = x[..., :n_dims], x[..., n_dims:]
+    if mode == ROPE_TYPE_NEOX:
+        x0, x1 = rot[..., :half], rot[..., half:]
+        out = jnp.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+    else:
+        x0, x1 = rot[..., 0::2], rot[..., 1::2]
+        out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """Per-head ALiBi slopes as ggml's soft_max computes them; ones when max_bias is 0."""
+    if max_bias <= 0.0:
+        return np.ones(n_head, np.float32)
+    n_head_log2 = 2 ** int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m1 = 2.0 ** (-(max_bias / 2.0) / n_head_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1)).astype(np.float32)
+
+
+def _mask_for(mask, rows: int, shape):
+    """Trim mask padding rows and tile it over the head and batch dims of shape."""
+    m = _f32(mask)[:, :, :rows, :]
+    return _tile_to(m, shape)
+
+
+def _soft_max(a, mask, scale, max_bias):
+    x = _f32(a) * scale
+    if mask is not None:
+        m = _mask_for(mask, x.shape[2], x.shape)
+        slopes = alibi_slopes(x.shape[1], max_bias)[None, :, None, None]
+        x = x + (m * slopes if max_bias > 0 else m)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _flash_attn(q, k, v, mask, scale, max_bias, softcap):
+    """q [B, H, n_q, D], k [B, Hkv, n_kv, D], v [B, Hkv, n_kv, Dv] -> [B, n_q, H, Dv]."""
+    B, H, n_q, D = q.shape
+    Hkv, n_kv = k.shape[1], k.shape[2]
+    r = H // Hkv
+    qq = _f32(q).reshape(B, Hkv, r, n_q, D)
+    s = jnp.einsum("bgrqd,bgkd->bgrqk", qq, _f32(k), precision=HIGHEST) * scale
+    if softcap > 0:
+        s = softcap * jnp.tanh(s / softcap)
+    if mask is not None:
+        m = _f32(mask)[:, :, :n_q, :]                           # [M3, M2, n_q, n_kv]
+        m = _tile_to(m, (B, H, n_q, n_kv)).reshape(B, Hkv, r, n_q, n_kv)
+        slopes = alibi_slopes(H, max_bias).reshape(1, Hkv, r, 1, 1)
+        s = s + (m * slopes if max_bias > 0 else m)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bgrqk,bgkd->bgrqd", p, _f32(v), precision=HIGHEST)
+    return o.reshape(B, H, n_q, -1).transpose(0, 2, 1, 3)
+
+
+def _gelu(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _glu(n: Tensor, env):
+    op, swapped = n.op_params
+    act = {GLU_SWIGLU: jax.nn.silu, GLU_GEGLU: _gelu, GLU_REGLU: jax.nn.relu}[op]
+    a = _value_f32(env, n.src[0])
+    if len(n.src) == 2:
+        x, g = a, _value_f32(env, n.src[1])
+    else:
+        half = a.shape[-1] // 2
+        x, g = a[..., :half], a[..., half:]
+    if swapped:
+        x, g = g, x
+    return act(x) * g
+
+
+def _mul_mat_id(as_, b, ids):
+    """as_ [1, E, M, K]; b [1, T, n_b, K]; ids [1, 1, T, n_used] -> [1, T, n_used, M]."""
+    w = as_[0]                                                 # [E, M, K]
+    idx = ids[0, 0]                                            # [T, n_used]
+    bb = jnp.broadcast_to(b[0], (idx.shape[0], idx.shape[1], b.shape[-1]))
+    picked = jnp.take(w, idx, axis=0)                          # [T, n_used, M, K]
+    return jnp.einsum("tumk,tuk->tum", picked, bb, precision=HIGHEST)[None]
+
+
+def _get_rows(env, n: Tensor):
+    a, b = n.src
+    idx = env[b]                                               # [1, b2, b1, n] numpy order
+    if a.flags & Flag.WEIGHT and a.ne[2] == 1 and a.ne[3] == 1 and b.ne[1] == 1 and b.ne[2] == 1:
+        rows = weights.get_rows(env[a], idx.reshape(-1))
+        return rows.reshape(n.shape)
+    src = _value_f32(env, a) if a.type != GGMLType.I32 else env[a]
+    # src [A3, A2, R, ne0]; per (i3, i2) channel pick rows idx[0, i3, i2]
+    return jax.vmap(jax.vmap(lambda m, i: jnp.take(m, i, axis=0)))(src, idx[0])
+
+
+def _set_rows(env, n: Tensor):
+    dst, src, idx = n.src
+    d = env[dst]
+    v = _f32(env[src]).astype(d.dtype)
+    rows = env[idx].reshape(-1).astype(jnp.int32)
+    return d.at[:, :, rows, :].set(v, mode="drop")
+
+
+def _argsort(a, order):
+    a = _f32(a)
+    return jnp.argsort(-a if order == SORT_DESC else a, axis=-1, stable=True).astype(jnp.int32)
+
+
+def eval_node(n: Tensor, env):
+    """The value of one node given the values of its sources in env."""
+    op = n.op
+    s = n.src
+    if op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV):
+        a = _value_f32(env, s[0])
+        b = _tile_to(_value_f32(env, s[1]), a.shape)
+        return {Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide}[op](a, b)
+    if op is Op.MUL_MAT:
+        return _mul_mat(_value_f32(env, s[0]), _value_f32(env, s[1]))
+    if op is Op.GET_ROWS:
+        return _get_rows(env, n)
+    if op is Op.SCALE:
+        return _value_f32(env, s[0]) * n.op_params[0] + n.op_params[1]
+    if op is Op.SQR:
+        x = _value_f32(env, s[0])
+        return x * x
+    if op is Op.SQRT:
+        return jnp.sqrt(_value_f32(env, s[0]))
+    if op is Op.TANH:
+        return jnp.tanh(_value_f32(env, s[0]))
+    if op is Op.CLAMP:
+        return jnp.clip(_value_f32(env, s[0]), n.op_params[0], n.op_params[1])
+    if op is Op.SILU:
+        return jax.nn.silu(_value_f32(env, s[0]))
+    if op is Op.GELU:
+        return _gelu(_value_f32(env, s[0]))
+    if op is Op.GELU_QUICK:
+        x = _value_f32(env, s[0])
+        return x * jax.nn.sigmoid(1.702 * x)
+    if op is Op.GLU:
+        return _glu(n, env)
+    if op is Op.RMS_NORM:
+        x = _value_f32(env, s[0])
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
+    if op is Op.NORM:
+        x = _value_f32(env, s[0])
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
+    if op is Op.ROPE:
+        ff = _value_f32(env, s[2]) if len(s) > 2 else None
+        return _rope(env[s[0]], env[s[1]].reshape(-1), ff, n.op_params)
+    if op is Op.SOFT_MAX:
+        mask = env[s[1]] if len(s) > 1 else None
+        return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
+    if op is Op.FLASH_ATTN_EXT:
+        mask = env[s[3]] if len(s) > 3 else None
+        return _flash_attn(env[s[0]], env[s[1]], env[s[2]], mask, *n.op_params)
+    if op is Op.VIEW:
+        return _view(env, n)
+    if op is Op.RESHAPE:
+        return env[s[0]].reshape(n.shape)
+    if op is Op.PERMUTE:
+        axes = n.op_params
+        # ggml dim i -> dim axes[i]; in numpy order dim d is axis 3 - d
+        order = [0] * 4
+        for i, ax in enumerate(axes):
+            order[3 - ax] = 3 - i
+        return jnp.transpose(env[s[0]], order)
+    if op is Op.CONT:
+        return env[s[0]]
+    if op is Op.CPY:
+        src = weights.materialize(env[s[0]]) if s[0].flags & Flag.WEIGHT else env[s[0]]
+        return src.reshape(n.shape).astype(jnp_dtype(n.type))
+    if op is Op.SET_ROWS:
+        return _set_rows(env, n)
+    if op is Op.CONCAT:
+        return jnp.concatenate([env[s[0]], env[s[1]]], axis=3 - n.op_params[0])
+    if op is Op.SUM_ROWS:
+        return jnp.sum(_value_f32(env, s[0]), axis=-1, keepdims=True)
+    if op is Op.ARGSORT:
+        return _argsort(env[s[0]], n.op_params[0])
+    if op is Op.TOP_K:
+        return jax.lax.top_k(_f32(env[s[0]]), n.op_params[0])[1].astype(jnp.int32)
+    if op is Op.MUL_MAT_ID:
+        return _mul_mat_id(_value_f32(env, s[0]), _value_f32(env, s[1]), env[s[2]])
+    raise NotImplementedError(f"no lowering for op {op.value} (node {n.name!r})")
+
+
+def run_nodes(nodes: list[Tensor], env: dict) -> dict:
+    """Evaluate nodes in order into env (tensor -> value); returns env."""
+    for i, n in enumerate(nodes):
+        with jax.named_scope(n.name or f"node_{i}"):
+            env[n] = eval_node(n, env)
+    return env

@@ -1,0 +1,437 @@
+"""Op constructors named like ggml (without the `ggml_` prefix), in ggml's argument order.
+
+Shapes are ggml's `ne`: innermost first, 4 dims. Each constructor checks its shape rules
+at build time and raises `ShapeError` naming the op and both shapes; no math happens here
+(see `ggmlx.lower` for what each op computes).
+"""
+from __future__ import annotations
+
+import math
+
+from ggmlx import types
+from ggmlx.tensor import Op, Tensor, contiguous_strides, new_tensor, pad_ne
+from ggmlx.types import GGMLType
+
+F32 = GGMLType.F32
+I32 = GGMLType.I32
+
+# rope modes (ggml.h)
+ROPE_TYPE_NORMAL = 0
+ROPE_TYPE_NEOX = 2
+
+# glu ops (ggml_glu_op)
+GLU_REGLU, GLU_GEGLU, GLU_SWIGLU = "reglu", "geglu", "swiglu"
+
+SORT_ASC, SORT_DESC = "asc", "desc"
+
+
+class ShapeError(ValueError):
+    """Operands whose shapes or types an op cannot take."""
+
+
+def _fail(op: str, msg: str, *ts: Tensor) -> None:
+    shapes = ", ".join(f"{t.name or 'tensor'}{list(t.ne)} {t.type.name}" for t in ts)
+    raise ShapeError(f"{op}: {msg} ({shapes})")
+
+
+def _node(op: Op, t: GGMLType, ne, src, op_params=()) -> Tensor:
+    return new_tensor(t, ne, op=op, src=src, op_params=op_params)
+
+
+def _float(op: str, *ts: Tensor) -> None:
+    for t in ts:
+        if types.traits(t.type).is_quantized or t.type in (GGMLType.I32, GGMLType.I64):
+            _fail(op, f"needs float operands, got {t.type.name}", *ts)
+
+
+def can_repeat(b: Tensor, a: Tensor) -> bool:
+    """True when b tiles a whole number of times into a (ggml_can_repeat)."""
+    return all(bd > 0 and ad % bd == 0 or ad == bd == 0 for ad, bd in zip(a.ne, b.ne))
+
+
+# ---- element-wise ----------------------------------------------------------------------
+
+def _binary(op: Op, a: Tensor, b: Tensor) -> Tensor:
+    _float(op.value, a, b)
+    if not can_repeat(b, a):
+        _fail(op.value.lower(), "src1 must repeat into src0 (every ne0 % ne1 == 0)", a, b)
+    return _node(op, F32, a.ne, (a, b))
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    """a + b; b broadcasts by tiling into a. -> a.ne, F32."""
+    return _binary(Op.ADD, a, b)
+
+
+def sub(a: Tensor, b: Tensor) -> Tensor:
+    """a - b; b tiles into a. -> a.ne, F32."""
+    return _binary(Op.SUB, a, b)
+
+
+def mul(a: Tensor, b: Tensor) -> Tensor:
+    """a * b; b tiles into a (e.g. a norm weight [n_embd] times [n_embd, n_tokens]). -> a.ne."""
+    return _binary(Op.MUL, a, b)
+
+
+def div(a: Tensor, b: Tensor) -> Tensor:
+    """a / b; b tiles into a. -> a.ne, F32."""
+    return _binary(Op.DIV, a, b)
+
+
+def _unary(op: Op, a: Tensor, op_params=()) -> Tensor:
+    _float(op.value.lower(), a)
+    return _node(op, F32, a.ne, (a,), op_params)
+
+
+def scale(a: Tensor, s: float, b: float = 0.0) -> Tensor:
+    """s * a + b (ggml_scale / ggml_scale_bias). -> a.ne."""
+    return _unary(Op.SCALE, a, (float(s), float(b)))
+
+
+def sqr(a: Tensor) -> Tensor:
+    """a * a. -> a.ne."""
+    return _unary(Op.SQR, a)
+
+
+def sqrt(a: Tensor) -> Tensor:
+    """sqrt(a). -> a.ne."""
+    return _unary(Op.SQRT, a)
+
+
+def tanh(a: Tensor) -> Tensor:
+    """tanh(a). -> a.ne."""
+    return _unary(Op.TANH, a)
+
+
+def clamp(a: Tensor, min: float, max: float) -> Tensor:
+    """a clipped to [min, max]. -> a.ne."""
+    if min > max:
+        raise ValueError(f"clamp: min {min} > max {max}")
+    return _unary(Op.CLAMP, a, (float(min), float(max)))
+
+
+def silu(a: Tensor) -> Tensor:
+    """a * sigmoid(a). -> a.ne."""
+    return _unary(Op.SILU, a)
+
+
+def gelu(a: Tensor) -> Tensor:
+    """tanh-approximated GELU, as ggml_gelu. -> a.ne."""
+    return _unary(Op.GELU, a)
+
+
+def gelu_quick(a: Tensor) -> Tensor:
+    """a * sigmoid(1.702 a). -> a.ne."""
+    return _unary(Op.GELU_QUICK, a)
+
+
+def glu(a: Tensor, b: Tensor | None, op: str, swapped: bool = False) -> Tensor:
+    """Gated linear unit. With b: act(a) * b (a.ne == b.ne). Without: a's ne0 halves are
+    [x, g] and the result act(x) * g has ne0 / 2 (swapped: act(g) * x)."""
+    if op not in (GLU_REGLU, GLU_GEGLU, GLU_SWIGLU):
+        raise ValueError(f"glu: unknown op {op!r}")
+    if b is None:
+        _float("glu", a)
+        if a.ne[0] % 2:
+            _fail("glu", "fused glu needs an even ne0", a)
+        return _node(Op.GLU, F32, (a.ne[0] // 2,) + a.ne[1:], (a,), (op, bool(swapped)))
+    _float("glu", a, b)
+    if a.ne != b.ne:
+        _fail("glu", "split glu needs equal shapes", a, b)
+    return _node(Op.GLU, F32, a.ne, (a, b), (op, bool(swapped)))
+
+
+def swiglu(a: Tensor) -> Tensor:
+    """silu(first half of ne0) * second half. -> [ne0/2, ...]."""
+    return glu(a, None, GLU_SWIGLU)
+
+
+def swiglu_split(a: Tensor, b: Tensor) -> Tensor:
+    """silu(a) * b. -> a.ne."""
+    return glu(a, b, GLU_SWIGLU)
+
+
+def geglu(a: Tensor) -> Tensor:
+    """gelu(first half of ne0) * second half. -> [ne0/2, ...]."""
+    return glu(a, None, GLU_GEGLU)
+
+
+def geglu_split(a: Tensor, b: Tensor) -> Tensor:
+    """gelu(a) * b. -> a.ne."""
+    return glu(a, b, GLU_GEGLU)
+
+
+# ---- normalization ---------------------------------------------------------------------
+
+def rms_norm(a: Tensor, eps: float) -> Tensor:
+    """a / sqrt(mean(a^2 over ne0) + eps). -> a.ne."""
+    if eps < 0:
+        raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    return _unary(Op.RMS_NORM, a, (float(eps),))
+
+
+def norm(a: Tensor, eps: float) -> Tensor:
+    """(a - mean) / sqrt(var + eps) over ne0. -> a.ne."""
+    if eps < 0:
+        raise ValueError(f"norm: eps must be >= 0, got {eps}")
+    return _unary(Op.NORM, a, (float(eps),))
+
+
+# ---- matrix products and rows ----------------------------------------------------------
+
+def mul_mat(a: Tensor, b: Tensor) -> Tensor:
+    """a [K, M, A2, A3] (may be quantized) times b [K, N, B2, B3] -> F32 [M, N, B2, B3]:
+    result[n, m] = dot(a row m, b row n). a broadcasts over dims 2 and 3 when B2 % A2 == 0
+    (b channel i uses a channel i // (B2 / A2), as grouped-query attention needs)."""
+    if a.ne[0] != b.ne[0]:
+        _fail("mul_mat", "ne0 (the reduced dim) differs", a, b)
+    if a.ne[2] == 0 or a.ne[3] == 0 or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
+        _fail("mul_mat", "src0 dims 2 and 3 must divide src1's", a, b)
+    _float("mul_mat", b)
+    return _node(Op.MUL_MAT, F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), (a, b))
+
+
+def mul_mat_id(as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    """Mixture-of-experts product. as_ [K, M, n_expert] stacked expert matrices; b
+    [K, n_b, n_tokens] (n_b is 1 or n_used); ids I32 [n_used, n_tokens] chosen experts.
+    -> F32 [M, n_used, n_tokens]: result[t, e] = as_[ids[t, e]] @ b[t, e % n_b]."""
+    if as_.ne[3] != 1 or b.ne[3] != 1:
+        _fail("mul_mat_id", "4-d operands are not supported", as_, b)
+    if as_.ne[0] != b.ne[0]:
+        _fail("mul_mat_id", "ne0 (the reduced dim) differs", as_, b)
+    if ids.type != I32 or ids.ne[1] != b.ne[2] or ids.ne[2] != 1:
+        _fail("mul_mat_id", "ids must be I32 [n_used, n_tokens]", ids, b)
+    if b.ne[1] not in (1, ids.ne[0]):
+        _fail("mul_mat_id", "b ne1 must be 1 or n_used", b, ids)
+    return _node(Op.MUL_MAT_ID, F32, (as_.ne[1], ids.ne[0], b.ne[2], 1), (as_, b, ids))
+
+
+def get_rows(a: Tensor, b: Tensor) -> Tensor:
+    """Rows of a [ne0, n_rows, ne2, ne3] (may be quantized) picked by I32 b [n, ne2, ne3]:
+    -> F32 [ne0, n, ne2, ne3]."""
+    if b.type != I32:
+        _fail("get_rows", "indices must be I32", b)
+    if a.ne[2] != b.ne[1] or b.ne[3] != 1 or a.ne[3] != b.ne[2]:
+        _fail("get_rows", "index dims 1, 2 must match src0 dims 2, 3", a, b)
+    out_t = I32 if a.type == I32 else F32
+    return _node(Op.GET_ROWS, out_t, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), (a, b))
+
+
+def set_rows(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """a with rows c[i] replaced by b's row i (converted to a's type). a [ne0, n_rows, ...]
+    is usually a state buffer (a KV cache layer); b F32 [ne0, n, ...]; c I32/I64 [n].
+    Indices outside [0, n_rows) are dropped, so padded tokens write nothing. -> a.ne, a.type."""
+    if a.ne[0] != b.ne[0] or a.ne[2:] != b.ne[2:]:
+        _fail("set_rows", "src and dst rows must match (ne0, ne2, ne3)", a, b)
+    if c.type not in (I32, GGMLType.I64) or c.ne[0] != b.ne[1] or c.nrows() != 1:
+        _fail("set_rows", "indices must be I32/I64 [n_rows of src]", c, b)
+    if types.traits(a.type).is_quantized:
+        _fail("set_rows", "quantized destinations are not supported", a)
+    return _node(Op.SET_ROWS, a.type, a.ne, (a, b, c))
+
+
+# ---- rope, softmax, attention ----------------------------------------------------------
+
+def rope_ext(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, mode: int, n_ctx_orig: int,
+             freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+             beta_fast: float, beta_slow: float) -> Tensor:
+    """Rotary position embedding of a [head_dim, n_head, n_tokens, 1] at positions I32 b
+    [n_tokens]; the first n_dims of head_dim rotate (NORMAL: adjacent pairs, NEOX: halves),
+    optional c [n_dims/2] divides the frequencies; YaRN when ext_factor != 0. -> a.ne."""
+    if mode not in (ROPE_TYPE_NORMAL, ROPE_TYPE_NEOX):
+        raise ValueError(f"rope_ext: unsupported mode {mode}")
+    if b.type != I32 or b.ne[0] != a.ne[2] or b.nrows() != 1:
+        _fail("rope_ext", "positions must be I32 [ne2 of a]", a, b)
+    if n_dims <= 0 or n_dims % 2 or n_dims > a.ne[0]:
+        _fail("rope_ext", f"n_dims {n_dims} must be even and <= ne0", a)
+    src = (a, b)
+    if c is not None:
+        if c.ne[0] < n_dims // 2:
+            _fail("rope_ext", "freq_factors needs n_dims/2 entries", c, a)
+        src = (a, b, c)
+    _float("rope_ext", a)
+    params = (int(n_dims), int(mode), int(n_ctx_orig), float(freq_base), float(freq_scale),
+              float(ext_factor), float(attn_factor), float(beta_fast), float(beta_slow))
+    return _node(Op.ROPE, F32, a.ne, src, params)
+
+
+def soft_max_ext(a: Tensor, mask: Tensor | None, scale: float, max_bias: float) -> Tensor:
+    """softmax over ne0 of a*scale + mask (with ALiBi slopes when max_bias > 0). mask
+    [ne0, >= ne1, ...] broadcasts over dims 2, 3 and may have extra (padding) rows. -> a.ne."""
+    _float("soft_max_ext", a)
+    src = (a,)
+    if mask is not None:
+        _float("soft_max_ext", mask)
+        if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
+            _fail("soft_max_ext", "mask must be [ne0, >= ne1] and broadcast over dims 2, 3", a, mask)
+        src = (a, mask)
+    return _node(Op.SOFT_MAX, F32, a.ne, src, (float(scale), float(max_bias)))
+
+
+def soft_max(a: Tensor) -> Tensor:
+    """softmax over ne0. -> a.ne."""
+    return soft_max_ext(a, None, 1.0, 0.0)
+
+
+def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                   max_bias: float, logit_softcap: float) -> Tensor:
+    """Fused attention. q [D, n_q, n_head, B], k [D, n_kv, n_head_kv, B], v [Dv, n_kv,
+    n_head_kv, B] with n_head % n_head_kv == 0; mask [n_kv, >= n_q, ...]. Scores are
+    q.k*scale, soft-capped when logit_softcap > 0, plus mask. -> F32 [Dv, n_head, n_q, B]
+    (note the permuted result, as in ggml)."""
+    if q.ne[0] != k.ne[0] or k.ne[1] != v.ne[1] or k.ne[2] != v.ne[2]:
+        _fail("flash_attn_ext", "q/k head dims or k/v lengths differ", q, k, v)
+    if k.ne[2] == 0 or q.ne[2] % k.ne[2] or q.ne[3] != k.ne[3]:
+        _fail("flash_attn_ext", "n_head must be a multiple of n_head_kv", q, k)
+    src = (q, k, v)
+    if mask is not None:
+        if mask.ne[0] != k.ne[1] or mask.ne[1] < q.ne[1]:
+            _fail("flash_attn_ext", "mask must be [n_kv, >= n_q]", mask, q, k)
+        src = (q, k, v, mask)
+    return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src,
+                 (float(scale), float(max_bias), float(logit_softcap)))
+
+
+# ---- shape ops and views ---------------------------------------------------------------
+
+def _check_view_type(op: str, a: Tensor) -> None:
+    if types.traits(a.type).is_quantized:
+        _fail(op, "views of block-quantized tensors are not supported", a)
+
+
+def reshape(a: Tensor, *ne: int) -> Tensor:
+    """Same data, new shape (a must be contiguous, element counts equal). 1..4 dims."""
+    ne4 = pad_ne(ne)
+    if math.prod(ne4) != a.nelements():
+        _fail("reshape", f"element count differs from {list(ne4)}", a)
+    if not a.is_contiguous():
+        _fail("reshape", "source must be contiguous (use cont first)", a)
+    return _node(Op.RESHAPE, a.type, ne4, (a,))
+
+
+def reshape_1d(a: Tensor, ne0: int) -> Tensor:
+    return reshape(a, ne0)
+
+
+def reshape_2d(a: Tensor, ne0: int, ne1: int) -> Tensor:
+    return reshape(a, ne0, ne1)
+
+
+def reshape_3d(a: Tensor, ne0: int, ne1: int, ne2: int) -> Tensor:
+    return reshape(a, ne0, ne1, ne2)
+
+
+def reshape_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int) -> Tensor:
+    return reshape(a, ne0, ne1, ne2, ne3)
+
+
+def view_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int, nb1: int, nb2: int, nb3: int,
+            offset: int) -> Tensor:
+    """A strided window into a's memory: element (i0..i3) is at byte offset + i0*nb0 +
+    i1*nb1 + i2*nb2 + i3*nb3 of a (nb0 = a's element size); must stay inside a."""
+    _check_view_type("view", a)
+    ne4 = pad_ne((ne0, ne1, ne2, ne3))
+    esz = types.type_size(a.type)
+    nb = (esz, int(nb1), int(nb2), int(nb3))
+    if offset < 0 or any(s % esz for s in nb) or offset % esz:
+        _fail("view", f"offset {offset} and strides {nb} must be multiples of {esz}", a)
+    last = offset + sum((n - 1) * s for n, s in zip(ne4, nb)) + esz if min(ne4) > 0 else 0
+    span = a.nelements() * esz
+    if last > span:
+        _fail("view", f"window {list(ne4)} nb={list(nb)} offset={offset} ends at byte {last} > {span}", a)
+    t = new_tensor(a.type, ne4, op=Op.VIEW, src=(a,), op_params=(nb, int(offset)))
+    t.nb = nb
+    t.view_offs = int(offset)
+    return t
+
+
+def view_1d(a: Tensor, ne0: int, offset: int) -> Tensor:
+    esz = types.type_size(a.type)
+    return view_4d(a, ne0, 1, 1, 1, ne0 * esz, ne0 * esz, ne0 * esz, offset)
+
+
+def view_2d(a: Tensor, ne0: int, ne1: int, nb1: int, offset: int) -> Tensor:
+    return view_4d(a, ne0, ne1, 1, 1, nb1, nb1 * ne1, nb1 * ne1, offset)
+
+
+def view_3d(a: Tensor, ne0: int, ne1: int, ne2: int, nb1: int, nb2: int, offset: int) -> Tensor:
+    return view_4d(a, ne0, ne1, ne2, 1, nb1, nb2, nb2 * ne2, offset)
+
+
+def permute(a: Tensor, axis0: int, axis1: int, axis2: int, axis3: int) -> Tensor:
+    """Dim i of a becomes dim axis_i of the result (ggml_permute); no data moves."""
+    axes = (axis0, axis1, axis2, axis3)
+    if sorted(axes) != [0, 1, 2, 3]:
+        raise ValueError(f"permute: axes {axes} are not a permutation of 0..3")
+    ne = [0] * 4
+    nb = [0] * 4
+    for i, ax in enumerate(axes):
+        ne[ax] = a.ne[i]
+        nb[ax] = a.nb[i]
+    t = new_tensor(a.type, ne, op=Op.PERMUTE, src=(a,), op_params=axes)
+    t.nb = tuple(nb)
+    return t
+
+
+def transpose(a: Tensor) -> Tensor:
+    """Swap dims 0 and 1 (a permuted view)."""
+    return permute(a, 1, 0, 2, 3)
+
+
+def cont(a: Tensor) -> Tensor:
+    """A contiguous copy of a (e.g. after permute). -> a.ne, a.type."""
+    _check_view_type("cont", a)
+    return _node(Op.CONT, a.type, a.ne, (a,))
+
+
+def cont_2d(a: Tensor, ne0: int, ne1: int) -> Tensor:
+    return reshape(cont(a), ne0, ne1)
+
+
+def cpy(a: Tensor, b: Tensor) -> Tensor:
+    """a's values converted into b's type and shape (equal element counts). -> b.ne, b.type."""
+    _check_view_type("cpy", b)
+    if a.nelements() != b.nelements():
+        _fail("cpy", "element counts differ", a, b)
+    return _node(Op.CPY, b.type, b.ne, (a, b))
+
+
+def cast(a: Tensor, t: GGMLType) -> Tensor:
+    """a converted to type t. -> a.ne."""
+    if types.traits(t).is_quantized:
+        _fail("cast", f"cannot cast to block type {GGMLType(t).name}", a)
+    return _node(Op.CPY, t, a.ne, (a,))
+
+
+def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    """a and b joined along dim (all other dims equal)."""
+    if not 0 <= dim < 4:
+        raise ValueError(f"concat: dim {dim} out of range")
+    if a.type != b.type or any(a.ne[i] != b.ne[i] for i in range(4) if i != dim):
+        _fail("concat", f"dims other than {dim} (and types) must match", a, b)
+    ne = list(a.ne)
+    ne[dim] += b.ne[dim]
+    return _node(Op.CONCAT, a.type, ne, (a, b), (int(dim),))
+
+
+def sum_rows(a: Tensor) -> Tensor:
+    """Sum over ne0. -> [1, ne1, ne2, ne3]."""
+    _float("sum_rows", a)
+    return _node(Op.SUM_ROWS, F32, (1,) + a.ne[1:], (a,))
+
+
+def argsort(a: Tensor, order: str = SORT_ASC) -> Tensor:
+    """Indices that sort each row (ne0) of a; stable, ties keep the lower index. -> I32 a.ne."""
+    if order not in (SORT_ASC, SORT_DESC):
+        raise ValueError(f"argsort: order must be 'asc' or 'desc', got {order!r}")
+    _float("argsort", a)
+    return _node(Op.ARGSORT, I32, a.ne, (a,), (order,))
+
+
+def top_k(a: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of each row, largest first. -> I32 [k, ne1, ne2, ne3]."""
+    if not 0 < k <= a.ne[0]:
+        _fail("top_k", f"k={k} must be in [1, ne0]", a)
+    _float("top_k", a)
+    return _node(Op.TOP_K, I32, (k,) + a.ne[1:], (a,), (int(k),))
+
