@@ -1,0 +1,347 @@
+"""Name tables of llama.cpp's llama-arch.h/.cpp: architectures, GGUF keys, tensor names.
+
+GGUF key and tensor names come from these tables (`LLMKV.X.key(arch)`, `tn(...)`), never
+from string literals scattered in model files. The architecture registry maps
+`general.architecture` to the model builder that `llm/models/*.py` registers.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, TypeVar
+
+from llm.errors import ModelLoadError
+
+
+class LLMArch(enum.Enum):
+    """Architecture names as written in `general.architecture` (llama.cpp's LLM_ARCH_NAMES).
+
+    A name here is known to llama.cpp; only those with a registered builder can be loaded.
+    """
+
+    LLAMA = "llama"
+    LLAMA4 = "llama4"
+    DECI = "deci"
+    FALCON = "falcon"
+    GROK = "grok"
+    GPT2 = "gpt2"
+    GPTJ = "gptj"
+    GPTNEOX = "gptneox"
+    MPT = "mpt"
+    BAICHUAN = "baichuan"
+    STARCODER = "starcoder"
+    REFACT = "refact"
+    BERT = "bert"
+    NOMIC_BERT = "nomic-bert"
+    BLOOM = "bloom"
+    STABLELM = "stablelm"
+    QWEN = "qwen"
+    QWEN2 = "qwen2"
+    QWEN2MOE = "qwen2moe"
+    QWEN2VL = "qwen2vl"
+    QWEN3 = "qwen3"
+    QWEN3MOE = "qwen3moe"
+    PHI2 = "phi2"
+    PHI3 = "phi3"
+    PHIMOE = "phimoe"
+    PLAMO = "plamo"
+    CODESHELL = "codeshell"
+    ORION = "orion"
+    INTERNLM2 = "internlm2"
+    MINICPM = "minicpm"
+    MINICPM3 = "minicpm3"
+    GEMMA = "gemma"
+    GEMMA2 = "gemma2"
+    GEMMA3 = "gemma3"
+    GEMMA3N = "gemma3n"
+    STARCODER2 = "starcoder2"
+    MAMBA = "mamba"
+    XVERSE = "xverse"
+    COMMAND_R = "command-r"
+    COHERE2 = "cohere2"
+    DBRX = "dbrx"
+    OLMO = "olmo"
+    OLMO2 = "olmo2"
+    OLMOE = "olmoe"
+    OPENELM = "openelm"
+    ARCTIC = "arctic"
+    DEEPSEEK = "deepseek"
+    DEEPSEEK2 = "deepseek2"
+    CHATGLM = "chatglm"
+    GLM4 = "glm4"
+    BITNET = "bitnet"
+    T5 = "t5"
+    T5ENCODER = "t5encoder"
+    JAIS = "jais"
+    NEMOTRON = "nemotron"
+    EXAONE = "exaone"
+    RWKV6 = "rwkv6"
+    GRANITE = "granite"
+    GRANITE_MOE = "granitemoe"
+    CHAMELEON = "chameleon"
+    SMOLLM3 = "smollm3"
+    MISTRAL3 = "mistral3"
+
+
+def arch_from_name(name: str) -> LLMArch:
+    """The LLMArch for a `general.architecture` value; ModelLoadError naming an unknown one."""
+    try:
+        return LLMArch(name)
+    except ValueError:
+        raise ModelLoadError(f"unknown model architecture: '{name}'") from None
+
+
+def _arch_name(arch: LLMArch | str) -> str:
+    return arch.value if isinstance(arch, LLMArch) else arch
+
+
+class LLMKV(enum.Enum):
+    """GGUF metadata keys (llama.cpp's LLM_KV_NAMES); `%s` stands for the architecture name."""
+
+    GENERAL_TYPE = "general.type"
+    GENERAL_ARCHITECTURE = "general.architecture"
+    GENERAL_QUANTIZATION_VERSION = "general.quantization_version"
+    GENERAL_ALIGNMENT = "general.alignment"
+    GENERAL_FILE_TYPE = "general.file_type"
+    GENERAL_NAME = "general.name"
+    GENERAL_AUTHOR = "general.author"
+    GENERAL_VERSION = "general.version"
+    GENERAL_URL = "general.url"
+    GENERAL_DESCRIPTION = "general.description"
+    GENERAL_LICENSE = "general.license"
+    GENERAL_SOURCE_URL = "general.source.url"
+    GENERAL_SOURCE_HF_REPO = "general.source.huggingface.repository"
+
+    VOCAB_SIZE = "%s.vocab_size"
+    CONTEXT_LENGTH = "%s.context_length"
+    EMBEDDING_LENGTH = "%s.embedding_length"
+    BLOCK_COUNT = "%s.block_count"
+    LEADING_DENSE_BLOCK_COUNT = "%s.leading_dense_block_count"
+    FEED_FORWARD_LENGTH = "%s.feed_forward_length"
+    EXPERT_FEED_FORWARD_LENGTH = "%s.expert_feed_forward_length"
+    EXPERT_SHARED_FEED_FORWARD_LENGTH = "%s.expert_shared_feed_forward_length"
+    USE_PARALLEL_RESIDUAL = "%s.use_parallel_residual"
+    TENSOR_DATA_LAYOUT = "%s.tensor_data_layout"
+    EXPERT_COUNT = "%s.expert_count"
+    EXPERT_USED_COUNT = "%s.expert_used_count"
+    EXPERT_SHARED_COUNT = "%s.expert_shared_count"
+    EXPERT_WEIGHTS_SCALE = "%s.expert_weights_scale"
+    EXPERT_WEIGHTS_NORM = "%s.expert_weights_norm"
+    EXPERT_GATING_FUNC = "%s.expert_gating_func"
+    POOLING_TYPE = "%s.pooling_type"
+    LOGIT_SCALE = "%s.logit_scale"
+    DECODER_START_TOKEN_ID = "%s.decoder_start_token_id"
+    ATTN_LOGIT_SOFTCAPPING = "%s.attn_logit_softcapping"
+    FINAL_LOGIT_SOFTCAPPING = "%s.final_logit_softcapping"
+    RESIDUAL_SCALE = "%s.residual_scale"
+    EMBEDDING_SCALE = "%s.embedding_scale"
+
+    ATTENTION_HEAD_COUNT = "%s.attention.head_count"
+    ATTENTION_HEAD_COUNT_KV = "%s.attention.head_count_kv"
+    ATTENTION_MAX_ALIBI_BIAS = "%s.attention.max_alibi_bias"
+    ATTENTION_CLAMP_KQV = "%s.attention.clamp_kqv"
+    ATTENTION_KEY_LENGTH = "%s.attention.key_length"
+    ATTENTION_VALUE_LENGTH = "%s.attention.value_length"
+    ATTENTION_LAYERNORM_EPS = "%s.attention.layer_norm_epsilon"
+    ATTENTION_LAYERNORM_RMS_EPS = "%s.attention.layer_norm_rms_epsilon"
+    ATTENTION_CAUSAL = "%s.attention.causal"
+    ATTENTION_SLIDING_WINDOW = "%s.attention.sliding_window"
+    ATTENTION_SLIDING_WINDOW_PATTERN = "%s.attention.sliding_window_pattern"
+    ATTENTION_SCALE = "%s.attention.scale"
+
+    ROPE_DIMENSION_COUNT = "%s.rope.dimension_count"
+    ROPE_DIMENSION_SECTIONS = "%s.rope.dimension_sections"
+    ROPE_FREQ_BASE = "%s.rope.freq_base"
+    ROPE_FREQ_BASE_SWA = "%s.rope.freq_base_swa"
+    ROPE_SCALE_LINEAR = "%s.rope.scale_linear"
+    ROPE_SCALING_TYPE = "%s.rope.scaling.type"
+    ROPE_SCALING_FACTOR = "%s.rope.scaling.factor"
+    ROPE_SCALING_ATTN_FACTOR = "%s.rope.scaling.attn_factor"
+    ROPE_SCALING_ORIG_CTX_LEN = "%s.rope.scaling.original_context_length"
+    ROPE_SCALING_FINETUNED = "%s.rope.scaling.finetuned"
+    ROPE_SCALING_YARN_LOG_MUL = "%s.rope.scaling.yarn_log_multiplier"
+    ROPE_SCALING_YARN_EXT_FACTOR = "%s.rope.scaling.yarn_ext_factor"
+    ROPE_SCALING_YARN_ATTN_FACTOR = "%s.rope.scaling.yarn_attn_factor"
+    ROPE_SCALING_YARN_BETA_FAST = "%s.rope.scaling.yarn_beta_fast"
+    ROPE_SCALING_YARN_BETA_SLOW = "%s.rope.scaling.yarn_beta_slow"
+
+    SPLIT_NO = "split.no"
+    SPLIT_COUNT = "split.count"
+    SPLIT_TENSORS_COUNT = "split.tensors.count"
+
+    TOKENIZER_MODEL = "tokenizer.ggml.model"
+    TOKENIZER_PRE = "tokenizer.ggml.pre"
+    TOKENIZER_LIST = "tokenizer.ggml.tokens"
+    TOKENIZER_TOKEN_TYPE = "tokenizer.ggml.token_type"
+    TOKENIZER_TOKEN_TYPE_COUNT = "tokenizer.ggml.token_type_count"
+    TOKENIZER_SCORES = "tokenizer.ggml.scores"
+    TOKENIZER_MERGES = "tokenizer.ggml.merges"
+    TOKENIZER_BOS_ID = "tokenizer.ggml.bos_token_id"
+    TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
+    TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"
+    TOKENIZER_EOM_ID = "tokenizer.ggml.eom_token_id"
+    TOKENIZER_UNK_ID = "tokenizer.ggml.unknown_token_id"
+    TOKENIZER_SEP_ID = "tokenizer.ggml.seperator_token_id"
+    TOKENIZER_PAD_ID = "tokenizer.ggml.padding_token_id"
+    TOKENIZER_CLS_ID = "tokenizer.ggml.cls_token_id"
+    TOKENIZER_MASK_ID = "tokenizer.ggml.mask_token_id"
+    TOKENIZER_ADD_BOS = "tokenizer.ggml.add_bos_token"
+    TOKENIZER_ADD_EOS = "tokenizer.ggml.add_eos_token"
+    TOKENIZER_ADD_SEP = "tokenizer.ggml.add_sep_token"
+    TOKENIZER_ADD_PREFIX = "tokenizer.ggml.add_space_prefix"
+    TOKENIZER_REMOVE_EXTRA_WS = "tokenizer.ggml.remove_extra_whitespaces"
+    TOKENIZER_PRECOMPILED_CHARSMAP = "tokenizer.ggml.precompiled_charsmap"
+    TOKENIZER_HF_JSON = "tokenizer.huggingface.json"
+    TOKENIZER_RWKV = "tokenizer.rwkv.world"
+    TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
+    TOKENIZER_FIM_PRE_ID = "tokenizer.ggml.fim_pre_token_id"
+    TOKENIZER_FIM_SUF_ID = "tokenizer.ggml.fim_suf_token_id"
+    TOKENIZER_FIM_MID_ID = "tokenizer.ggml.fim_mid_token_id"
+    TOKENIZER_FIM_PAD_ID = "tokenizer.ggml.fim_pad_token_id"
+    TOKENIZER_FIM_REP_ID = "tokenizer.ggml.fim_rep_token_id"
+    TOKENIZER_FIM_SEP_ID = "tokenizer.ggml.fim_sep_token_id"
+    # deprecated spellings of the FIM ids, still found in older files
+    TOKENIZER_PREFIX_ID = "tokenizer.ggml.prefix_token_id"
+    TOKENIZER_SUFFIX_ID = "tokenizer.ggml.suffix_token_id"
+    TOKENIZER_MIDDLE_ID = "tokenizer.ggml.middle_token_id"
+
+    def key(self, arch: LLMArch | str | None = None) -> str:
+        """The key string, with `%s` replaced by the architecture name (like llama.cpp's LLM_KV)."""
+        if "%s" not in self.value:
+            return self.value
+        if arch is None:
+            raise ValueError(f"key {self.name} ({self.value!r}) needs an architecture name")
+        return self.value % _arch_name(arch)
+
+
+class LLMTensor(enum.Enum):
+    """Tensor name templates (llama.cpp's LLM_TENSOR_NAMES); `%d` = block id, then expert id."""
+
+    TOKEN_EMBD = "token_embd"
+    TOKEN_EMBD_NORM = "token_embd_norm"
+    TOKEN_TYPES = "token_types"
+    POS_EMBD = "position_embd"
+    OUTPUT = "output"
+    OUTPUT_NORM = "output_norm"
+    ROPE_FREQS = "rope_freqs"
+    ROPE_FACTORS_LONG = "rope_factors_long"
+    ROPE_FACTORS_SHORT = "rope_factors_short"
+    ATTN_NORM = "blk.%d.attn_norm"
+    ATTN_NORM_2 = "blk.%d.attn_norm_2"
+    ATTN_Q = "blk.%d.attn_q"
+    ATTN_K = "blk.%d.attn_k"
+    ATTN_V = "blk.%d.attn_v"
+    ATTN_QKV = "blk.%d.attn_qkv"
+    ATTN_OUT = "blk.%d.attn_output"
+    ATTN_OUT_NORM = "blk.%d.attn_output_norm"
+    ATTN_Q_NORM = "blk.%d.attn_q_norm"
+    ATTN_K_NORM = "blk.%d.attn_k_norm"
+    ATTN_POST_NORM = "blk.%d.post_attention_norm"
+    ATTN_ROT_EMBD = "blk.%d.attn_rot_embd"
+    ATTN_SINKS = "blk.%d.attn_sinks"
+    FFN_NORM = "blk.%d.ffn_norm"
+    FFN_POST_NORM = "blk.%d.post_ffw_norm"
+    FFN_GATE = "blk.%d.ffn_gate"
+    FFN_UP = "blk.%d.ffn_up"
+    FFN_DOWN = "blk.%d.ffn_down"
+    FFN_ACT = "blk.%d.ffn.act"
+    FFN_GATE_INP = "blk.%d.ffn_gate_inp"
+    FFN_GATE_EXP = "blk.%d.ffn_gate.%d"
+    FFN_UP_EXP = "blk.%d.ffn_up.%d"
+    FFN_DOWN_EXP = "blk.%d.ffn_down.%d"
+    FFN_GATE_EXPS = "blk.%d.ffn_gate_exps"
+    FFN_UP_EXPS = "blk.%d.ffn_up_exps"
+    FFN_DOWN_EXPS = "blk.%d.ffn_down_exps"
+    FFN_GATE_INP_SHEXP = "blk.%d.ffn_gate_inp_shexp"
+    FFN_GATE_SHEXP = "blk.%d.ffn_gate_shexp"
+    FFN_UP_SHEXP = "blk.%d.ffn_up_shexp"
+    FFN_DOWN_SHEXP = "blk.%d.ffn_down_shexp"
+    FFN_EXP_PROBS_B = "blk.%d.exp_probs_b"
+    LAYER_OUT_NORM = "blk.%d.layer_output_norm"
+
+
+_T = LLMTensor
+_LLAMA_TENSORS = frozenset({
+    _T.TOKEN_EMBD, _T.OUTPUT_NORM, _T.OUTPUT, _T.ROPE_FREQS,
+    _T.ATTN_NORM, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT, _T.ATTN_ROT_EMBD,
+    _T.FFN_GATE_INP, _T.FFN_NORM, _T.FFN_GATE, _T.FFN_DOWN, _T.FFN_UP,
+    _T.FFN_GATE_EXP, _T.FFN_DOWN_EXP, _T.FFN_UP_EXP,
+    _T.FFN_GATE_EXPS, _T.FFN_DOWN_EXPS, _T.FFN_UP_EXPS,
+})
+_QWEN2_TENSORS = frozenset({
+    _T.TOKEN_EMBD, _T.OUTPUT_NORM, _T.OUTPUT,
+    _T.ATTN_NORM, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT,
+    _T.FFN_NORM, _T.FFN_GATE, _T.FFN_DOWN, _T.FFN_UP,
+})
+_GEMMA2_TENSORS = frozenset({
+    _T.TOKEN_EMBD, _T.OUTPUT_NORM,
+    _T.ATTN_NORM, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT, _T.ATTN_POST_NORM,
+    _T.FFN_NORM, _T.FFN_GATE, _T.FFN_DOWN, _T.FFN_UP, _T.FFN_POST_NORM,
+})
+
+# The tensors each architecture may declare (llama.cpp keeps one such table per architecture).
+ARCH_TENSORS: dict[LLMArch, frozenset[LLMTensor]] = {
+    LLMArch.LLAMA: _LLAMA_TENSORS,
+    LLMArch.QWEN2: _QWEN2_TENSORS,
+    LLMArch.QWEN3: _QWEN2_TENSORS | {_T.ATTN_Q_NORM, _T.ATTN_K_NORM},
+    LLMArch.PHI3: frozenset({
+        _T.TOKEN_EMBD, _T.OUTPUT_NORM, _T.OUTPUT, _T.ROPE_FACTORS_LONG, _T.ROPE_FACTORS_SHORT,
+        _T.ATTN_NORM, _T.ATTN_QKV, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT,
+        _T.FFN_NORM, _T.FFN_DOWN, _T.FFN_UP,
+    }),
+    LLMArch.GEMMA2: _GEMMA2_TENSORS,
+    LLMArch.GEMMA3: _GEMMA2_TENSORS | {_T.OUTPUT, _T.ATTN_Q_NORM, _T.ATTN_K_NORM},
+}
+
+
+def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,
+       xid: int | None = None, *, arch: LLMArch | None = None) -> str:
+    """A tensor's GGUF name, like llama.cpp's LLM_TN: tn(ATTN_Q, "weight", 3) -> "blk.3.attn_q.weight".
+
+    bid is the block (layer) id, xid the expert id, each required exactly when the template
+    has a slot for it. With `arch`, the tensor must be one that architecture declares.
+    """
+    if arch is not None and tensor not in ARCH_TENSORS.get(arch, frozenset()):
+        raise ValueError(f"tensor {tensor.name} ('{tensor.value}') is not a tensor of "
+                         f"architecture '{arch.value}'")
+    n_slots = tensor.value.count("%d")
+    ids = [i for i in (bid, xid) if i is not None]
+    if len(ids) != n_slots or (xid is not None and bid is None):
+        raise ValueError(f"tensor {tensor.name} ('{tensor.value}') takes {n_slots} ids "
+                         f"(block, expert), got bid={bid}, xid={xid}")
+    name = tensor.value % tuple(ids) if n_slots else tensor.value
+    return f"{name}.{suffix}" if suffix else name
+
+
+# Model builders by architecture, filled by llm/models/*.py through @register_arch.
+_BUILDERS: dict[LLMArch, object] = {}
+
+_B = TypeVar("_B")
+
+
+def register_arch(name: str) -> Callable[[_B], _B]:
+    """Decorator registering the model builder for architecture `name` (a `general.architecture` value)."""
+    arch = arch_from_name(name)
+
+    def decorate(builder: _B) -> _B:
+        if arch in _BUILDERS:
+            raise ValueError(f"architecture '{name}' already has a registered builder: "
+                             f"{_BUILDERS[arch]!r}")
+        _BUILDERS[arch] = builder
+        return builder
+
+    return decorate
+
+
+def get_arch(name: str) -> object:
+    """The builder registered for `name`; ModelLoadError for an unknown or unsupported architecture."""
+    arch = arch_from_name(name)
+    if arch not in _BUILDERS:
+        supported = ", ".join(registered_archs()) or "none"
+        raise ModelLoadError(f"model architecture '{name}' is not supported "
+                             f"(supported: {supported})")
+    return _BUILDERS[arch]
+
+
+def registered_archs() -> list[str]:
+    """Names of the architectures that have a registered builder, sorted."""
+    return sorted(a.value for a in _BUILDERS)
