@@ -300,11 +300,10 @@ class _RawTensorInfo:
     ne: tuple[int, ...]
     rel_offset: int
     nbytes: int
-    info_offset: int        # where its tensor info starts, for error messages
+    offset_at: int          # where its offset field lies, for error messages
 
 
 def _read_tensor_info(cur: _Cursor, i: int, n_tensors: int, seen: set[str]) -> _RawTensorInfo:
-    start = cur.pos
     cur.where = f"tensor {i} of {n_tensors}"
     name_at = cur.pos
     n = cur.u64("tensor name length")
@@ -350,8 +349,9 @@ def _read_tensor_info(cur: _Cursor, i: int, n_tensors: int, seen: set[str]) -> _
         nbytes = types.nbytes(ggml_type, ne4)
     except types.TypeSizeError as e:
         raise cur.error(f"shape {ne} of type {ggml_type.name}: {e}", type_at) from None
+    offset_at = cur.pos
     rel_offset = cur.u64("tensor data offset")
-    return _RawTensorInfo(name, ggml_type, ne, rel_offset, nbytes, start)
+    return _RawTensorInfo(name, ggml_type, ne, rel_offset, nbytes, offset_at)
 
 
 def _open_mapping(path: str) -> tuple[mmap.mmap | None, int]:
@@ -369,9 +369,18 @@ def read_shard(path: str | os.PathLike, shard: int = 0) -> GGUFShard:
     try:
         return _parse(path, buf, size, shard)
     except BaseException:
-        if buf is not None:
-            buf.close()
+        _close_mapping(buf)
         raise
+
+
+def _close_mapping(buf: mmap.mmap | None) -> None:
+    """Unmap, unless numpy views still export the buffer: then it goes with the last view."""
+    if buf is None:
+        return
+    try:
+        buf.close()
+    except BufferError:
+        pass
 
 
 def _parse(path: str, buf: mmap.mmap | None, size: int, shard: int) -> GGUFShard:
@@ -411,18 +420,21 @@ def _parse(path: str, buf: mmap.mmap | None, size: int, shard: int) -> GGUFShard
         raw_infos.append(ti)
 
     data_offset = _pad(cur.pos, alignment)
-    tensors: dict[str, TensorInfo] = {}
     expected = 0
     for ti in raw_infos:
         cur.where = f"tensor {ti.name!r}"
         if ti.rel_offset != expected:
             raise cur.error(f"data offset {ti.rel_offset} does not match the expected {expected} "
-                            f"(running total of sizes padded to {alignment})", ti.info_offset)
+                            f"(running total of sizes padded to {alignment})", ti.offset_at)
         expected += _pad(ti.nbytes, alignment)
         offset = data_offset + ti.rel_offset
         if offset + ti.nbytes > size:
             raise cur.error(f"data [{offset}, {offset + ti.nbytes}) lies outside the file of "
-                            f"{size} bytes", ti.info_offset)
+                            f"{size} bytes", ti.offset_at)
+    # Views are made only once everything is valid, so a failed open leaves none behind.
+    tensors: dict[str, TensorInfo] = {}
+    for ti in raw_infos:
+        offset = data_offset + ti.rel_offset
         data = np.frombuffer(buf, dtype=np.uint8, count=ti.nbytes, offset=offset)
         tensors[ti.name] = TensorInfo(name=ti.name, type=ti.type, ne=ti.ne, offset=offset,
                                       nbytes=ti.nbytes, data=data, path=path, shard=shard)
@@ -521,12 +533,7 @@ class GGUFReader:
         self.tensors = {}
         for shard in self.shards:
             shard.tensors.clear()
-            if shard.mapping is None:
-                continue
-            try:
-                shard.mapping.close()
-            except BufferError:
-                pass
+            _close_mapping(shard.mapping)
         self.shards = []
 
     def __enter__(self) -> GGUFReader:
@@ -534,3 +541,298 @@ class GGUFReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _infer_int_type(lo: int, hi: int) -> GGUFValueType:
+    """Smallest of UINT32, INT32, INT64, UINT64 (in that order of preference) holding [lo, hi]."""
+    for t in (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.INT64, GGUFValueType.UINT64):
+        t_lo, t_hi = _INT_RANGE[t]
+        if t_lo <= lo and hi <= t_hi:
+            return t
+    raise ValueError(f"integer range [{lo}, {hi}] does not fit in 64 bits")
+
+
+_DTYPE_VALUE_TYPE = {np.dtype(np.bool_): GGUFValueType.BOOL}
+_DTYPE_VALUE_TYPE.update({dt: t for t, dt in _ARRAY_DTYPE.items() if t != GGUFValueType.BOOL})
+
+
+def _infer_scalar_type(value) -> GGUFValueType:
+    if isinstance(value, np.generic):
+        if value.dtype not in _DTYPE_VALUE_TYPE:
+            raise ValueError(f"no GGUF value type for numpy {value.dtype}")
+        return _DTYPE_VALUE_TYPE[value.dtype]
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return _infer_int_type(value, value)
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, (str, bytes)):
+        return GGUFValueType.STRING
+    raise ValueError(f"no GGUF value type for {type(value).__name__}")
+
+
+def _infer_array_type(value) -> GGUFValueType:
+    if isinstance(value, np.ndarray):
+        if value.dtype not in _DTYPE_VALUE_TYPE:
+            raise ValueError(f"no GGUF array element type for numpy {value.dtype}")
+        return _DTYPE_VALUE_TYPE[value.dtype]
+    if not value:
+        raise ValueError("cannot infer the element type of an empty array: pass array_type")
+    if all(isinstance(v, (str, bytes)) for v in value):
+        return GGUFValueType.STRING
+    if all(isinstance(v, bool) for v in value):
+        return GGUFValueType.BOOL
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return _infer_int_type(min(value), max(value))
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return GGUFValueType.FLOAT32
+    raise ValueError("array elements must all be str, all bool, all int or all numbers")
+
+
+def _encode_string(value) -> bytes:
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    elif not isinstance(value, bytes):
+        raise ValueError(f"STRING value must be str or bytes, not {type(value).__name__}")
+    return struct.pack("<Q", len(value)) + value
+
+
+def _encode_scalar(vtype: GGUFValueType, value) -> bytes:
+    if vtype == GGUFValueType.STRING:
+        return _encode_string(value)
+    if vtype == GGUFValueType.BOOL:
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"BOOL value must be a bool, not {type(value).__name__}")
+        return b"\x01" if value else b"\x00"
+    if vtype in _INTEGER_TYPES:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{vtype.name} value must be an int, not {type(value).__name__}")
+        lo, hi = _INT_RANGE[vtype]
+        if not lo <= int(value) <= hi:
+            raise ValueError(f"{value} is out of range for {vtype.name}")
+        return struct.pack(_SCALAR_FORMAT[vtype], int(value))
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{vtype.name} value must be a number, not {type(value).__name__}")
+    try:
+        return struct.pack(_SCALAR_FORMAT[vtype], float(value))
+    except OverflowError:
+        raise ValueError(f"{value} is out of range for {vtype.name}") from None
+
+
+def _check_element(etype: GGUFValueType, v) -> None:
+    """One element of a Python list against the array's element type."""
+    if etype == GGUFValueType.BOOL:
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"BOOL array element must be a bool, not {type(v).__name__}")
+    elif isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{etype.name} array element must be a number, not bool")
+    elif etype in _INTEGER_TYPES:
+        if not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{etype.name} array element must be an int, not {type(v).__name__}")
+        lo, hi = _INT_RANGE[etype]
+        if not lo <= int(v) <= hi:
+            raise ValueError(f"array element {v} is out of range for {etype.name}")
+    elif not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{etype.name} array element must be a number, not {type(v).__name__}")
+
+
+def _encode_array(etype: GGUFValueType, value) -> bytes:
+    head = struct.pack("<IQ", etype, len(value))
+    if etype == GGUFValueType.STRING:
+        return head + b"".join(_encode_string(v) for v in value)
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise ValueError(f"array value must be one-dimensional, got shape {value.shape}")
+        kind = "b" if etype == GGUFValueType.BOOL else "iu" if etype in _INTEGER_TYPES else "iuf"
+        if value.size and value.dtype.kind not in kind:
+            raise ValueError(f"{etype.name} array cannot hold numpy {value.dtype}")
+        if value.size and etype in _INTEGER_TYPES:
+            lo, hi = _INT_RANGE[etype]
+            if not (lo <= int(value.min()) and int(value.max()) <= hi):
+                raise ValueError(f"values out of range for {etype.name}")
+    else:
+        for v in value:
+            _check_element(etype, v)
+    src = np.asarray(value, dtype=np.float64) if etype in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64) else None
+    with np.errstate(over="ignore"):
+        arr = np.array(value, dtype=_ARRAY_DTYPE[etype])
+    if src is not None and not np.array_equal(np.isfinite(src), np.isfinite(arr)):
+        raise ValueError(f"values out of range for {etype.name}")
+    return head + arr.tobytes()
+
+
+_DTYPE_GGML_TYPE = {
+    np.dtype(np.float32): GGMLType.F32, np.dtype(np.float16): GGMLType.F16,
+    np.dtype(np.float64): GGMLType.F64, np.dtype(np.int8): GGMLType.I8,
+    np.dtype(np.int16): GGMLType.I16, np.dtype(np.int32): GGMLType.I32,
+    np.dtype(np.int64): GGMLType.I64,
+}
+
+
+@dataclass
+class _PendingTensor:
+    name: bytes
+    type: GGMLType
+    ne: tuple[int, ...]
+    data: np.ndarray        # contiguous uint8 bytes
+
+
+class GGUFWriter:
+    """Builds a GGUF file: key/value pairs in insertion order, then tensors.
+
+    Value types are explicit (`vtype`, and `array_type` for the elements of an array) or
+    inferred: bool -> BOOL, int -> UINT32 if it fits, else INT32, INT64, UINT64;
+    float -> FLOAT32; str/bytes -> STRING; numpy scalars and arrays by dtype; a list ->
+    ARRAY whose element type follows the same rules over all elements (ints by min/max).
+    The alignment is the value of `general.alignment` if added (it must be UINT32), else 32.
+    """
+
+    def __init__(self, version: int = 3):
+        if version not in GGUF_VERSIONS:
+            raise ValueError(f"GGUF version {version} cannot be written; supported: 2, 3")
+        self.version = version
+        self._kv: dict[str, bytes] = {}
+        self._kv_values: dict[str, tuple[GGUFValueType, object]] = {}
+        self._tensors: list[_PendingTensor] = []
+        self._tensor_names: set[str] = set()
+
+    def add_kv(self, key: str, value, vtype: GGUFValueType | None = None,
+               array_type: GGUFValueType | None = None) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"GGUF key must be a non-empty str, got {key!r}")
+        if key in self._kv:
+            raise ValueError(f"duplicate GGUF key {key!r}")
+        is_array = isinstance(value, (list, tuple, np.ndarray))
+        try:
+            if vtype is None:
+                vtype = GGUFValueType.ARRAY if is_array else _infer_scalar_type(value)
+            vtype = GGUFValueType(vtype)
+            if (vtype == GGUFValueType.ARRAY) != is_array:
+                raise ValueError(f"value of type {type(value).__name__} does not match {vtype.name}")
+            if vtype == GGUFValueType.ARRAY:
+                etype = GGUFValueType(array_type) if array_type is not None else _infer_array_type(value)
+                if etype == GGUFValueType.ARRAY:
+                    raise ValueError("arrays of arrays are not allowed")
+                payload = _encode_array(etype, value)
+            else:
+                if array_type is not None:
+                    raise ValueError("array_type given for a scalar value")
+                payload = _encode_scalar(vtype, value)
+        except ValueError as e:
+            raise ValueError(f"GGUF key {key!r}: {e}") from None
+        self._kv[key] = _encode_string(key) + struct.pack("<I", vtype) + payload
+        self._kv_values[key] = (vtype, value)
+
+    def add_tensor(self, name: str, data: np.ndarray, type: GGMLType | None = None,
+                   ne: tuple[int, ...] | None = None) -> None:
+        """Add a tensor from typed values (type inferred from the dtype) or from raw bytes.
+
+        `ne` is in ggml order and defaults to the reversed numpy shape; the bytes of `data`
+        must be exactly what `type` needs for `ne` (raw quant blocks: pass uint8 data, type
+        and ne).
+        """
+        encoded = name.encode("utf-8")
+        if len(encoded) >= GGML_MAX_NAME:
+            raise ValueError(f"tensor name {name!r} is {len(encoded)} bytes, must be under {GGML_MAX_NAME}")
+        if name in self._tensor_names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        data = np.ascontiguousarray(data)
+        if type is None:
+            if data.dtype not in _DTYPE_GGML_TYPE and data.dtype.name != "bfloat16":
+                raise ValueError(f"tensor {name!r}: no ggml type for dtype {data.dtype}; pass type")
+            type = GGMLType.BF16 if data.dtype.name == "bfloat16" else _DTYPE_GGML_TYPE[data.dtype]
+        type = GGMLType(type)
+        ne = tuple(int(d) for d in (reversed(data.shape) if ne is None else ne))
+        if len(ne) > GGML_MAX_DIMS:
+            raise ValueError(f"tensor {name!r}: {len(ne)} dimensions, at most {GGML_MAX_DIMS}")
+        try:
+            expected = types.nbytes(type, ne + (1,) * (GGML_MAX_DIMS - len(ne)))
+        except types.TypeSizeError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
+        raw = data.reshape(-1).view(np.uint8)
+        if raw.size != expected:
+            raise ValueError(f"tensor {name!r}: data has {raw.size} bytes, {type.name} with "
+                             f"ne {ne} needs {expected}")
+        self._tensors.append(_PendingTensor(encoded, type, ne, raw))
+        self._tensor_names.add(name)
+
+    def alignment(self) -> int:
+        if KEY_ALIGNMENT not in self._kv_values:
+            return GGUF_DEFAULT_ALIGNMENT
+        vtype, a = self._kv_values[KEY_ALIGNMENT]
+        if vtype != GGUFValueType.UINT32 or a == 0 or a & (a - 1) or a > GGUF_MAX_ALIGNMENT:
+            raise ValueError(f"{KEY_ALIGNMENT} must be a UINT32 power of two up to "
+                             f"{GGUF_MAX_ALIGNMENT}, got {a!r} ({vtype.name})")
+        return a
+
+    def write(self, path: str | os.PathLike) -> None:
+        alignment = self.alignment()
+        infos = []
+        offset = 0
+        for t in self._tensors:
+            infos.append(struct.pack("<Q", len(t.name)) + t.name + struct.pack("<I", len(t.ne))
+                         + struct.pack(f"<{len(t.ne)}q", *t.ne) + struct.pack("<IQ", t.type, offset))
+            offset += _pad(t.data.size, alignment)
+        head = b"".join([GGUF_MAGIC, struct.pack("<IQQ", self.version, len(self._tensors), len(self._kv)),
+                         *self._kv.values(), *infos])
+        with open(path, "wb") as fh:
+            fh.write(head)
+            fh.write(bytes(_pad(len(head), alignment) - len(head)))
+            for t in self._tensors:
+                fh.write(t.data.data)
+                fh.write(bytes(_pad(t.data.size, alignment) - t.data.size))
+
+
+def _format_value(value, vtype: GGUFValueType, limit: int = 60) -> str:
+    if vtype == GGUFValueType.STRING:
+        text = repr(value)
+        return text if len(text) <= limit else text[:limit] + "..."
+    if vtype == GGUFValueType.FLOAT32:
+        return str(np.float32(value))       # shortest text that reads back as this float32
+    return str(value)
+
+
+def _format_kv(value, vtype: GGUFValueType, etype: GGUFValueType | None) -> tuple[str, int, str]:
+    if vtype != GGUFValueType.ARRAY:
+        return vtype.name, 1, _format_value(value, vtype)
+    items = [_format_value(v, etype, 30) for v in value[:5]]
+    more = ", ..." if len(value) > 5 else ""
+    return f"[{etype.name}]", len(value), f"[{', '.join(items)}{more}]"
+
+
+def dump(reader: GGUFReader, out=None) -> None:
+    """Print metadata (arrays abbreviated) and the tensor table, like gguf-dump."""
+    out = sys.stdout if out is None else out
+    print(f"* File: {reader.path}", file=out)
+    print(f"* GGUF v{reader.version}, alignment {reader.alignment}, data at offset "
+          f"{reader.data_offset}, {len(reader.shards)} file(s)", file=out)
+    print(f"* Metadata: {len(reader.kv)} key/value pairs", file=out)
+    for i, (key, value) in enumerate(reader.kv.items(), 1):
+        tname, n, text = _format_kv(value, reader.kv_types[key], reader.kv_array_types.get(key))
+        print(f"{i:6}: {tname:10} | {n:8} | {key} = {text}", file=out)
+    print(f"* Tensors: {len(reader.tensors)}", file=out)
+    print(f"{'':6}  {'name':40} {'type':8} {'shape (ne)':24} {'offset':>12} {'bytes':>12}"
+          + ("  file" if len(reader.shards) > 1 else ""), file=out)
+    for i, t in enumerate(reader.tensors.values(), 1):
+        shape = " x ".join(str(d) for d in t.ne)
+        shard = f"  {t.shard + 1}" if len(reader.shards) > 1 else ""
+        print(f"{i:6}: {t.name:40} {t.type.name:8} {shape:24} {t.offset:12} {t.nbytes:12}{shard}", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ggmlx.gguf",
+                                     description="Print the metadata and tensor table of a GGUF file.")
+    parser.add_argument("file", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        with GGUFReader(args.file) as reader:
+            dump(reader)
+    except (GGUFError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
