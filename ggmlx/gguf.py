@@ -282,14 +282,14 @@ def _read_alignment(cur: _Cursor, kv: dict, kv_types: dict, kv_offsets: dict) ->
     if KEY_ALIGNMENT not in kv:
         return GGUF_DEFAULT_ALIGNMENT
     cur.where = f"key {KEY_ALIGNMENT!r}"
-    cur.pos = kv_offsets[KEY_ALIGNMENT]
+    at = kv_offsets[KEY_ALIGNMENT]
     if kv_types[KEY_ALIGNMENT] != GGUFValueType.UINT32:
-        raise cur.error(f"must be UINT32, not {kv_types[KEY_ALIGNMENT].name}")
+        raise cur.error(f"must be UINT32, not {kv_types[KEY_ALIGNMENT].name}", at)
     a = kv[KEY_ALIGNMENT]
     if a == 0 or a & (a - 1):
-        raise cur.error(f"alignment {a} is not a power of two")
+        raise cur.error(f"alignment {a} is not a power of two", at)
     if a > GGUF_MAX_ALIGNMENT:
-        raise cur.error(f"alignment {a} is larger than the supported {GGUF_MAX_ALIGNMENT}")
+        raise cur.error(f"alignment {a} is larger than the supported {GGUF_MAX_ALIGNMENT}", at)
     return a
 
 
@@ -408,9 +408,7 @@ def _parse(path: str, buf: mmap.mmap | None, size: int, shard: int) -> GGUFShard
     kv_array_types: dict[str, GGUFValueType] = {}
     kv_offsets: dict[str, int] = {}
     _read_kv(cur, n_kv, kv, kv_types, kv_array_types, kv_offsets)
-    infos_at = cur.pos
     alignment = _read_alignment(cur, kv, kv_types, kv_offsets)
-    cur.pos = infos_at
 
     raw_infos: list[_RawTensorInfo] = []
     seen: set[str] = set()
@@ -460,6 +458,14 @@ def _split_key(shard: GGUFShard, key: str, vtype: GGUFValueType) -> int | None:
     return shard.kv[key]
 
 
+def _split_no(shard: GGUFShard, count: int) -> int:
+    no = _split_key(shard, KEY_SPLIT_NO, GGUFValueType.UINT16)
+    if no is None:
+        raise GGUFError(shard.path, _HEADER_BYTES, f"key {KEY_SPLIT_NO!r}",
+                        f"missing from a shard of a {count}-file split model")
+    return no
+
+
 class GGUFReader:
     """A validated GGUF model: one file, or all shards of a split model opened from the first.
 
@@ -493,10 +499,10 @@ class GGUFReader:
         count = _split_key(first, KEY_SPLIT_COUNT, GGUFValueType.UINT16)
         if count is None or count <= 1:
             return
-        no = _split_key(first, KEY_SPLIT_NO, GGUFValueType.UINT16)
-        if no != 0:
+        if _split_no(first, count) != 0:
             raise GGUFError(self.path, first.kv_offsets[KEY_SPLIT_NO], f"key {KEY_SPLIT_NO!r}",
-                            f"shard {no} of a {count}-file split model: open the first shard")
+                            f"shard {first.kv[KEY_SPLIT_NO]} of a {count}-file split model: "
+                            f"open the first shard")
         m = _SPLIT_NAME.match(os.path.basename(self.path))
         if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
             raise GGUFError(self.path, first.kv_offsets[KEY_SPLIT_COUNT], f"key {KEY_SPLIT_COUNT!r}",
@@ -510,14 +516,14 @@ class GGUFReader:
                 raise GGUFError(p, 0, "split model", f"missing shard {i + 1} of {count}")
             shard = read_shard(p, shard=i)
             self.shards.append(shard)
-            no = _split_key(shard, KEY_SPLIT_NO, GGUFValueType.UINT16)
+            no = _split_no(shard, count)
             if no != i:
-                raise GGUFError(p, shard.kv_offsets.get(KEY_SPLIT_NO, 0), f"key {KEY_SPLIT_NO!r}",
+                raise GGUFError(p, shard.kv_offsets[KEY_SPLIT_NO], f"key {KEY_SPLIT_NO!r}",
                                 f"is {no}, expected {i}")
             shard_count = _split_key(shard, KEY_SPLIT_COUNT, GGUFValueType.UINT16)
             if shard_count != count:
-                raise GGUFError(p, shard.kv_offsets.get(KEY_SPLIT_COUNT, 0), f"key {KEY_SPLIT_COUNT!r}",
-                                f"is {shard_count}, expected {count}")
+                raise GGUFError(p, shard.kv_offsets.get(KEY_SPLIT_COUNT, _HEADER_BYTES),
+                                f"key {KEY_SPLIT_COUNT!r}", f"is {shard_count}, expected {count}")
             for name, ti in shard.tensors.items():
                 if name in names:
                     raise GGUFError(p, ti.offset, f"tensor {name!r}", "duplicated in another shard")
@@ -758,6 +764,7 @@ class GGUFWriter:
         self._tensor_names.add(name)
 
     def alignment(self) -> int:
+        """The data alignment `write` will use, checked as the reader checks it."""
         if KEY_ALIGNMENT not in self._kv_values:
             return GGUF_DEFAULT_ALIGNMENT
         vtype, a = self._kv_values[KEY_ALIGNMENT]

@@ -496,6 +496,34 @@ def test_split_tensor_count_mismatch(tmp_path):
     _error(first, "key 'split.tensors.count'", "says 7 tensors")
 
 
+def test_split_duplicate_tensor_across_shards(tmp_path):
+    first, _ = _write_split(tmp_path, n_split=2)
+    w = GGUFWriter()
+    w.add_kv("split.no", 1, vtype=VT.UINT16)
+    w.add_kv("split.count", 2, vtype=VT.UINT16)
+    w.add_tensor("t.0.1", np.zeros(4, dtype=np.float32))
+    w.write(tmp_path / "model-00002-of-00002.gguf")
+    _error(first, "tensor 't.0.1'", "duplicated in another shard",
+           bad_file=tmp_path / "model-00002-of-00002.gguf")
+
+
+def test_split_keys_must_have_llama_cpp_types(tmp_path):
+    w = GGUFWriter()
+    w.add_kv("split.no", 0, vtype=VT.UINT16)
+    w.add_kv("split.count", 2, vtype=VT.UINT32)
+    path = tmp_path / "model-00001-of-00002.gguf"
+    w.write(path)
+    _error(path, "key 'split.count'", "must be UINT16, not UINT32")
+
+
+def test_split_shard_without_split_no(tmp_path):
+    first, _ = _write_split(tmp_path, n_split=2)
+    w = GGUFWriter()
+    w.add_kv("split.count", 2, vtype=VT.UINT16)
+    w.write(tmp_path / "model-00002-of-00002.gguf")
+    _error(first, "key 'split.no'", "missing", bad_file=tmp_path / "model-00002-of-00002.gguf")
+
+
 def test_split_bad_file_name(tmp_path):
     first, _ = _write_split(tmp_path)
     renamed = tmp_path / "renamed.gguf"
