@@ -1,0 +1,290 @@
+"""llm.hparams: HParams from GGUF metadata, per-arch extras, SWA pattern and mask rule."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ggmlx.gguf import GGUFReader
+from llm.arch import LLMArch
+from llm.errors import ModelLoadError
+from llm.hparams import (HParams, RopeScalingType, RopeType, SWAType, is_masked_swa,
+                         load_hparams)
+
+from conftest import DATA
+
+
+@pytest.fixture(scope="module")
+def synth_kv() -> dict[str, dict]:
+    return json.loads((DATA / "hparams" / "synthetic_kv.json").read_text())
+
+
+def _load(kv: dict) -> HParams:
+    return load_hparams(kv, kv["general.architecture"], "model.gguf")
+
+
+# Expected values from the synthetic models' table in the reference README.
+SYNTH = {
+    #            n_head kv  head_dim rope base  rms eps  rope type
+    "llama":     (4, 2, 64, 10000.0, 1e-5, RopeType.NORM),
+    "qwen2":     (4, 2, 64, 1e6, 1e-6, RopeType.NEOX),
+    "qwen3":     (4, 2, 128, 1e6, 1e-6, RopeType.NEOX),
+    "phi3":      (4, 2, 64, 10000.0, 1e-5, RopeType.NEOX),
+    "gemma2":    (4, 2, 64, 10000.0, 1e-6, RopeType.NEOX),
+    "gemma3":    (4, 1, 64, 1e6, 1e-6, RopeType.NEOX),
+    "llama_moe": (4, 2, 64, 500000.0, 1e-5, RopeType.NORM),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNTH))
+def test_synthetic_models_common(synth_kv, name):
+    n_head, n_head_kv, head_dim, base, eps, rope_type = SYNTH[name]
+    hp = _load(synth_kv[name])
+    assert hp.arch.value == synth_kv[name]["general.architecture"]
+    assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer) == (512, 512, 256, 2)
+    assert hp.n_ff_arr == [256 if name == "llama_moe" else 512] * 2
+    assert hp.n_head_arr == [n_head] * 2 and hp.n_head_kv_arr == [n_head_kv] * 2
+    assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_rot) == (head_dim, head_dim, head_dim)
+    assert hp.n_embd_k_gqa(1) == hp.n_embd_v_gqa(1) == head_dim * n_head_kv
+    assert hp.n_gqa() == n_head // n_head_kv
+    assert hp.rope_freq_base_train == base and hp.rope_freq_scale_train == 1.0
+    assert hp.rope_scaling_type_train == RopeScalingType.LINEAR
+    assert hp.n_ctx_orig_yarn == 512
+    assert hp.f_norm_rms_eps == pytest.approx(eps)
+    assert hp.rope_type == rope_type
+    assert hp.causal_attn
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "phi3", "llama_moe"])
+def test_synthetic_models_without_swa(synth_kv, name):
+    hp = _load(synth_kv[name])
+    assert hp.swa_type == SWAType.NONE and hp.n_swa == 0
+    assert hp.swa_layers == [False, False] and not hp.is_swa_any()
+    assert hp.rope_freq_base_train_swa == hp.rope_freq_base_train
+    assert hp.f_attention_scale == 0.0
+
+
+def test_synthetic_moe(synth_kv):
+    hp = _load(synth_kv["llama_moe"])
+    assert (hp.n_expert, hp.n_expert_used) == (4, 2)
+
+
+def test_synthetic_gemma2(synth_kv):
+    hp = _load(synth_kv["gemma2"])
+    assert hp.swa_type == SWAType.STANDARD and hp.n_swa == 8
+    assert hp.swa_layers == [True, False]  # pattern 2: even layers local
+    assert hp.attn_soft_cap
+    assert (hp.f_attn_logit_softcapping, hp.f_final_logit_softcapping) == (3.0, 6.0)
+    assert hp.f_attention_scale == pytest.approx(1 / 8)
+    assert hp.rope_freq_base_train_swa == 10000.0
+
+
+def test_synthetic_gemma3(synth_kv):
+    hp = _load(synth_kv["gemma3"])
+    assert hp.swa_type == SWAType.STANDARD and hp.n_swa == 8
+    assert hp.swa_layers == [True, True]  # pattern 6 on 2 layers: both local
+    assert hp.rope_freq_base_train == 1e6 and hp.rope_freq_base_train_swa == 10000.0
+    assert hp.rope_freq_scale_train_swa == 1.0
+    assert hp.f_final_logit_softcapping == 0.0 and not hp.attn_soft_cap
+    assert hp.f_attention_scale == pytest.approx(1 / 8)
+
+
+def test_gemma3_without_window_has_no_swa(synth_kv):
+    kv = copy.deepcopy(synth_kv["gemma3"])
+    del kv["gemma3.attention.sliding_window"]
+    hp = _load(kv)
+    assert hp.swa_type == SWAType.NONE and hp.swa_layers == [False, False]
+    assert hp.rope_freq_base_train_swa == 1e6
+
+
+def test_gemma2_window_defaults_to_4096(synth_kv):
+    kv = copy.deepcopy(synth_kv["gemma2"])
+    del kv["gemma2.attention.sliding_window"]
+    del kv["gemma2.attn_logit_softcapping"]
+    hp = _load(kv)
+    assert hp.n_swa == 4096 and hp.f_attn_logit_softcapping == 50.0
+
+
+def test_phi3_window_is_disabled(synth_kv):
+    kv = copy.deepcopy(synth_kv["phi3"])
+    kv["phi3.attention.sliding_window"] = 2047
+    hp = _load(kv)
+    assert hp.swa_type == SWAType.NONE and hp.n_swa == 0 and not hp.is_swa_any()
+
+
+def test_smollm2(smollm2_path):
+    with GGUFReader(smollm2_path) as f:
+        hp = load_hparams(f.kv, f.kv["general.architecture"], str(smollm2_path))
+    assert hp.arch == LLMArch.LLAMA
+    assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer) == (49152, 8192, 576, 30)
+    assert hp.n_head(29) == 9 and hp.n_head_kv(29) == 3 and hp.n_ff(0) == 1536
+    assert (hp.n_embd_head_k, hp.n_rot) == (64, 64)
+    assert hp.rope_freq_base_train == 100000.0 and hp.rope_type == RopeType.NORM
+    assert hp.f_norm_rms_eps == pytest.approx(1e-5)
+    assert not hp.is_swa_any()
+
+
+def test_gemma3_270m(gemma3_path):
+    with GGUFReader(gemma3_path) as f:
+        hp = load_hparams(f.kv, f.kv["general.architecture"], str(gemma3_path))
+    assert hp.arch == LLMArch.GEMMA3
+    assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer) == (262144, 32768, 640, 18)
+    assert (hp.n_head(), hp.n_head_kv(), hp.n_embd_head_k, hp.n_ff()) == (4, 1, 256, 2048)
+    assert hp.n_embd_k_gqa(5) == 256
+    assert hp.swa_type == SWAType.STANDARD and hp.n_swa == 512
+    assert [il for il in range(18) if not hp.is_swa(il)] == [5, 11, 17]
+    assert hp.rope_freq_base_train == 1e6 and hp.rope_freq_base_train_swa == 10000.0
+    assert hp.f_attention_scale == pytest.approx(1 / 16)
+    assert hp.f_final_logit_softcapping == 0.0
+    assert hp.f_norm_rms_eps == pytest.approx(1e-6)
+
+
+def test_per_layer_arrays(synth_kv):
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.attention.head_count"] = np.array([4, 8], dtype=np.int32)
+    kv["llama.attention.head_count_kv"] = [2, 4]
+    kv["llama.feed_forward_length"] = [512, 1024]
+    hp = _load(kv)
+    assert (hp.n_head(0), hp.n_head(1), hp.n_head_kv(1), hp.n_ff(1)) == (4, 8, 4, 1024)
+    assert hp.n_embd_k_gqa(1) == 64 * 4
+    with pytest.raises(IndexError, match="layer 2"):
+        hp.n_head(2)
+
+
+def test_head_count_kv_defaults_to_head_count(synth_kv):
+    kv = copy.deepcopy(synth_kv["llama"])
+    del kv["llama.attention.head_count_kv"]
+    assert _load(kv).n_head_kv_arr == [4, 4]
+
+
+def test_rope_scaling(synth_kv):
+    kv = copy.deepcopy(synth_kv["qwen2"])
+    kv["qwen2.rope.scaling.type"] = "yarn"
+    kv["qwen2.rope.scaling.factor"] = 4.0
+    kv["qwen2.rope.scaling.original_context_length"] = 128
+    kv["qwen2.rope.scaling.yarn_beta_fast"] = 16.0
+    hp = _load(kv)
+    assert hp.rope_scaling_type_train == RopeScalingType.YARN
+    assert hp.rope_freq_scale_train == 0.25 and hp.rope_freq_scale_train_swa == 0.25
+    assert hp.n_ctx_orig_yarn == 128 and hp.yarn_beta_fast == 16.0 and hp.yarn_beta_slow == 1.0
+
+
+def test_vocab_size_from_tokens_list(synth_kv):
+    kv = copy.deepcopy(synth_kv["llama"])
+    del kv["llama.vocab_size"]
+    kv["tokenizer.ggml.tokens"] = kv["tokenizer.ggml.tokens"][:300]
+    assert _load(kv).n_vocab == 300
+
+
+def _bad(kv: dict, match: str, arch: str | None = None) -> None:
+    with pytest.raises(ModelLoadError, match=match):
+        load_hparams(kv, arch or kv["general.architecture"], "model.gguf")
+
+
+def test_missing_and_mistyped_keys(synth_kv):
+    kv = copy.deepcopy(synth_kv["llama"])
+    del kv["llama.block_count"]
+    _bad(kv, r"model\.gguf: missing required key 'llama\.block_count'")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.block_count"] = "2"
+    _bad(kv, r"key 'llama\.block_count' has a value of type str .* expected an integer")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.block_count"] = True
+    _bad(kv, r"'llama\.block_count' has a value of type bool")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    del kv["llama.attention.layer_norm_rms_epsilon"]
+    _bad(kv, r"missing required key 'llama\.attention\.layer_norm_rms_epsilon'")
+
+    kv = copy.deepcopy(synth_kv["gemma2"])
+    kv["gemma2.attn_logit_softcapping"] = "soft"
+    _bad(kv, r"'gemma2\.attn_logit_softcapping' .* expected a number")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.rope.scaling.type"] = "cubic"
+    _bad(kv, r"'llama\.rope\.scaling\.type' = 'cubic'")
+
+    kv = copy.deepcopy(synth_kv["qwen2"])
+    del kv["tokenizer.ggml.tokens"]
+    _bad(kv, r"'qwen2\.vocab_size' and 'tokenizer\.ggml\.tokens'")
+
+
+def test_inconsistent_values(synth_kv):
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.attention.head_count"] = [4, 4, 4]
+    _bad(kv, r"'llama\.attention\.head_count' has an array of 3 values, expected one per layer \(2\)")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.attention.head_count_kv"] = 3
+    _bad(kv, r"layer 0: head count 4 .* KV head count 3")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.rope.dimension_count"] = 32
+    _bad(kv, r"invalid 'llama\.rope\.dimension_count' = 32")
+
+    kv = copy.deepcopy(synth_kv["llama_moe"])
+    kv["llama.expert_used_count"] = 5
+    _bad(kv, r"'llama\.expert_used_count' = 5 exceeds 'llama\.expert_count' = 4")
+
+    kv = copy.deepcopy(synth_kv["llama"])
+    kv["llama.block_count"] = 0
+    _bad(kv, r"'llama\.block_count' = 0 is outside")
+
+
+def test_unknown_and_unsupported_architectures(synth_kv):
+    _bad(synth_kv["llama"], "unknown model architecture: 'llama9'", arch="llama9")
+    _bad(synth_kv["llama"], "no hyperparameter loader for architecture 'mamba'", arch="mamba")
+
+
+def test_set_swa_pattern():
+    hp = HParams(arch=LLMArch.GEMMA3, n_vocab=1, n_ctx_train=1, n_embd=8, n_layer=12,
+                 n_head_arr=[1] * 12, n_head_kv_arr=[1] * 12, n_ff_arr=[1] * 12,
+                 n_embd_head_k=8, n_embd_head_v=8, n_rot=8)
+    assert not hp.is_swa_any()
+    hp.set_swa_pattern(6)
+    assert hp.swa_layers == [True] * 5 + [False] + [True] * 5 + [False]
+    hp.set_swa_pattern(2)
+    assert hp.swa_layers == [True, False] * 6
+    hp.set_swa_pattern(3, dense_first=True)
+    assert hp.swa_layers == [False, True, True] * 4
+    hp.set_swa_pattern(0)
+    assert all(hp.swa_layers)
+    hp.set_swa_pattern(1)
+    assert not hp.is_swa_any()
+
+
+def test_hparams_checks_array_lengths():
+    with pytest.raises(ValueError, match="n_ff_arr has 1 entries, expected n_layer = 2"):
+        HParams(arch=LLMArch.LLAMA, n_vocab=1, n_ctx_train=1, n_embd=8, n_layer=2,
+                n_head_arr=[1, 1], n_head_kv_arr=[1, 1], n_ff_arr=[1],
+                n_embd_head_k=8, n_embd_head_v=8, n_rot=8)
+
+
+def test_is_masked_swa():
+    p1 = 10
+    p0 = np.arange(0, 13)
+    # standard window 3: a token sees itself and the 2 positions before it
+    assert list(np.flatnonzero(~is_masked_swa(3, SWAType.STANDARD, p0, p1))) == [8, 9, 10, 11, 12]
+    # chunked 4: only positions of the chunk [8, 12) that holds p1 (and later ones)
+    assert list(np.flatnonzero(~is_masked_swa(4, SWAType.CHUNKED, p0, p1))) == [8, 9, 10, 11, 12]
+    # symmetric 4: |p1 - p0| <= 2
+    assert list(np.flatnonzero(~is_masked_swa(4, SWAType.SYMMETRIC, p0, p1))) == [8, 9, 10, 11, 12]
+    assert list(np.flatnonzero(~is_masked_swa(8, SWAType.STANDARD, p0, p1))) == list(range(3, 13))
+    assert not is_masked_swa(3, SWAType.NONE, p0, p1).any()
+    # broadcasting: tokens x cells
+    m = is_masked_swa(2, SWAType.STANDARD, np.arange(4)[None, :], np.arange(4)[:, None])
+    assert m.shape == (4, 4) and m[3, 1] and not m[3, 2]
+
+
+def test_attention_scale_27b_rule(synth_kv):
+    kv = copy.deepcopy(synth_kv["gemma3"])
+    kv["gemma3.block_count"] = 62
+    kv["gemma3.attention.key_length"] = 128  # 27B: n_embd / n_head (= 64) wins over head dim
+    hp = _load(kv)
+    assert hp.f_attention_scale == pytest.approx(1 / math.sqrt(64))
+    assert [il for il in range(12) if not hp.is_swa(il)] == [5, 11]
