@@ -1,0 +1,998 @@
+"""Sampler chain: one logits row -> one token, mirroring llama.cpp's src/llama-sampling.cpp.
+
+Step 15 of the pipeline. A chain is built once before generation and applied to every
+logits row; each sampler works on a candidate array (`TokenDataArray`, the counterpart of
+`llama_token_data_array`) and may reorder it, drop candidates, rewrite logits or compute
+probabilities; the last sampler (greedy, dist, mirostat) sets `selected`. After a token is
+chosen, `accept(token)` feeds it to every sampler that keeps a history (penalties, DRY).
+
+Conventions (the same as llama.cpp's):
+- A sampler that removes candidates shrinks the arrays, as llama.cpp shrinks `size`.
+  Only `temp`/`temp_ext` with a temperature <= 0 and `top_n_sigma` keep removed candidates,
+  with logit -inf (and p 0 once a softmax runs), because llama.cpp does exactly that.
+- `sorted` says the candidates are in descending logit order; samplers that need order
+  sort only as much as they need (a partial sort for top-k, a 256-candidate try for top-p).
+  Ties keep the lower position first.
+- `apply` mutates the arrays of the `TokenDataArray` it is given; `from_logits` copies.
+- Random numbers: std::mt19937 seeded as llama.cpp does, mapped to uniform doubles/floats
+  and discrete draws the way GCC's libstdc++ does, so a seed gives the same draws as a
+  llama.cpp built with GCC (and the same tokens in every process). `LLAMA_DEFAULT_SEED`
+  means a fresh random seed, as in llama.cpp.
+- Float math is float32 where llama.cpp uses float, float64 where it uses double.
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import copy
+import functools
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+_F32 = np.float32
+# top-p first tries the best _TOP_P_TRY candidates when more than _TOP_P_SORT_ALL are unsorted
+_TOP_P_TRY = 256
+_TOP_P_SORT_ALL = 1024
+# DRY limits from llama_sampler_init_dry: breaker length in bytes, tail length in tokens
+_DRY_MAX_CHAR_LEN = 40
+_DRY_MAX_SEQ_LEN = 20
+_FLOAT_MAX_LOG = _F32(88.7228391)
+
+
+class LogitsSource(Protocol):
+    """What `sample` reads logits from: `llm.Context` or anything with the same method."""
+
+    def get_logits_ith(self, i: int) -> np.ndarray: ...
+
+
+# --- candidate array ---------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _token_ids(n: int) -> np.ndarray:
+    ids = np.arange(n, dtype=np.int32)
+    ids.setflags(write=False)
+    return ids
+
+
+@dataclass(eq=False)
+class TokenDataArray:
+    """Candidates for the next token: llama_token_data_array as parallel numpy arrays.
+
+    ids (int32), logits (float32) and p (float32) have one entry per candidate;
+    `selected` is an index into them (not a token id), -1 until a sampler chooses.
+    """
+
+    ids: np.ndarray
+    logits: np.ndarray
+    p: np.ndarray
+    sorted: bool = False
+    selected: int = -1
+
+    @classmethod
+    def from_logits(cls, logits) -> TokenDataArray:
+        """All tokens of a vocabulary row, ids 0..n-1, p 0, unsorted (a copy of the row)."""
+        row = np.array(logits, dtype=_F32)
+        if row.ndim != 1 or row.size == 0:
+            raise ValueError(f"logits: expected a non-empty 1-D row, got shape {row.shape}")
+        if np.isnan(row.max()):
+            raise ValueError("logits: the row contains NaN")
+        return cls(ids=_token_ids(row.size), logits=row, p=np.zeros(row.size, dtype=_F32))
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.size)
+
+    def keep(self, index, *, sorted: bool) -> None:
+        """Keep only the candidates at `index` (a slice or positions), in that order."""
+        self.ids = self.ids[index]
+        self.logits = self.logits[index]
+        self.p = self.p[index]
+        self.sorted = sorted
+
+
+def _sort_desc(logits: np.ndarray) -> np.ndarray:
+    return np.argsort(-logits, kind="stable")
+
+
+def _top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k largest logits, largest first, without sorting the whole row.
+
+    A bound is taken from per-chunk maxima: the k-th largest chunk maximum is at most the
+    k-th largest logit, so every logit >= bound is a candidate and there are at least k of
+    them (typically about k). Only the candidates get sorted.
+    """
+    n = logits.size
+    if k >= n:
+        return _sort_desc(logits)
+    chunk = n // (8 * k)
+    if chunk >= 16:
+        n_chunks = n // chunk
+        maxima = logits[: n_chunks * chunk].reshape(n_chunks, chunk).max(axis=1)
+        bound = np.partition(maxima, n_chunks - k)[n_chunks - k]
+    else:
+        bound = np.partition(logits, n - k)[n - k]
+    cand = np.flatnonzero(logits >= bound)
+    return cand[np.argsort(-logits[cand], kind="stable")[:k]]
+
+
+def _softmax(cur: TokenDataArray, *, do_sort: bool) -> None:
+    """llama_sampler_softmax_impl: p from logits (float32), optionally sorting first."""
+    if do_sort and not cur.sorted:
+        cur.keep(_sort_desc(cur.logits), sorted=True)
+    max_l = cur.logits[0] if cur.sorted else cur.logits.max()
+    e = np.exp(cur.logits - max_l)
+    cur.p = e / e.sum(dtype=_F32)
+
+
+def _temp_impl(cur: TokenDataArray, temp) -> None:
+    """llama_sampler_temp_impl: divide logits by temp; temp <= 0 keeps only the first max."""
+    if temp <= 0:
+        best = int(np.argmax(cur.logits))
+        masked = np.full(cur.size, -np.inf, dtype=_F32)
+        masked[best] = cur.logits[best]
+        cur.logits = masked
+        return
+    cur.logits = cur.logits / _F32(temp)
+
+
+def _positions(cur: TokenDataArray, tokens: np.ndarray) -> np.ndarray:
+    """Position of each token in `cur` (-1 where absent) without an O(V) Python loop.
+
+    Like llama.cpp's logit-bias, first try position == id (true until something reorders
+    the array), then search the rest.
+    """
+    pos = np.full(tokens.size, -1, dtype=np.int64)
+    direct = (tokens >= 0) & (tokens < cur.size)
+    direct[direct] = cur.ids[tokens[direct]] == tokens[direct]
+    pos[direct] = tokens[direct]
+    rest = np.flatnonzero(~direct)
+    if rest.size:
+        order = np.argsort(tokens[rest])
+        wanted = tokens[rest][order]
+        found = np.flatnonzero(np.isin(cur.ids, wanted))
+        pos[rest[order[np.searchsorted(wanted, cur.ids[found])]]] = found
+    return pos
+
+
+# --- random numbers ------------------------------------------------------------------------
+
+
+def _rng_seed(seed: int) -> int:
+    """get_rng_seed: LLAMA_DEFAULT_SEED asks for a fresh random seed."""
+    if seed == LLAMA_DEFAULT_SEED:
+        return secrets.randbits(32)
+    return seed
+
+
+def _check_seed(name: str, seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= 0xFFFFFFFF:
+        raise ValueError(f"{name}: seed must be an integer in [0, 0xFFFFFFFF], got {seed!r}")
+    return int(seed)
+
+
+class _Mt19937:
+    """std::mt19937 with libstdc++'s uniform_real_distribution and discrete_distribution."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed(seed)
+
+    def seed(self, seed: int) -> None:
+        # std::mt19937(seed): the 624-word state from the Knuth initialiser
+        key = np.empty(624, dtype=np.uint32)
+        x = seed
+        key[0] = x
+        for i in range(1, 624):
+            x = (1812433253 * (x ^ (x >> 30)) + i) & 0xFFFFFFFF
+            key[i] = x
+        self._bits = np.random.MT19937()
+        self._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": 624}}
+
+    def uniform_double(self) -> float:
+        """uniform_real_distribution<double>(0, 1): two 32-bit draws, low word first."""
+        lo, hi = self._bits.random_raw(2)
+        r = (float(lo) + float(hi) * 4294967296.0) / 18446744073709551616.0
+        return r if r < 1.0 else float(np.nextafter(1.0, 0.0))
+
+    def uniform_float(self) -> float:
+        """uniform_real_distribution<float>(0, 1): one 32-bit draw, float arithmetic."""
+        r = _F32(self._bits.random_raw()) / _F32(4294967296.0)
+        return float(r if r < 1 else np.nextafter(_F32(1), _F32(0)))
+
+    def discrete(self, weights: np.ndarray) -> int:
+        """discrete_distribution<int>(weights)(rng): normalised cumulative sums, lower_bound.
+
+        Fewer than two weights draw nothing and return 0, as in libstdc++.
+        """
+        if weights.size < 2:
+            return 0
+        w = weights.astype(np.float64)
+        cp = np.cumsum(w / np.cumsum(w)[-1])
+        cp[-1] = 1.0
+        return int(np.searchsorted(cp, self.uniform_double(), side="left"))
+
+
+# --- parameter checks ----------------------------------------------------------------------
+
+
+def _finite(name: str, value) -> float:
+    v = float(value)
+    if not np.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return v
+
+
+def _unit(name: str, value) -> float:
+    v = _finite(name, value)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return v
+
+
+def _non_negative(name: str, value) -> float:
+    v = _finite(name, value)
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return v
+
+
+def _count(name: str, value, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+# --- samplers ------------------------------------------------------------------------------
+
+
+class Sampler(abc.ABC):
+    """llama_sampler: apply to candidates, accept chosen tokens, reset, clone."""
+
+    name: str
+
+    @abc.abstractmethod
+    def apply(self, cur: TokenDataArray) -> None:
+        """Transform `cur` in place (reorder, drop, rewrite logits/p, or set `selected`)."""
+
+    def accept(self, token: int) -> None:
+        """Record a chosen token (only samplers with a history do anything)."""
+
+    def reset(self) -> None:
+        """Forget history and reseed, as at construction."""
+
+    def clone(self) -> Sampler:
+        """An independent copy with the same parameters and state (RNG, history)."""
+        return copy.deepcopy(self)
+
+    def sample(self, ctx: LogitsSource, idx: int = -1) -> int:
+        """llama_sampler_sample: read logits row `idx` of `ctx`, apply, accept, return the token."""
+        cur = TokenDataArray.from_logits(ctx.get_logits_ith(idx))
+        self.apply(cur)
+        if not 0 <= cur.selected < cur.size:
+            raise ValueError(f"{self.name}: no token selected; end the chain with greedy, dist, "
+                             "mirostat or mirostat_v2")
+        token = int(cur.ids[cur.selected])
+        self.accept(token)
+        return token
+
+
+class Greedy(Sampler):
+    """Select the candidate with the highest logit (the first one on ties)."""
+
+    name = "greedy"
+
+    def apply(self, cur: TokenDataArray) -> None:
+        cur.selected = int(np.argmax(cur.logits))
+
+
+class Dist(Sampler):
+    """Sample from softmax(logits) with a seeded std::mt19937 (llama_sampler_init_dist)."""
+
+    name = "dist"
+
+    def __init__(self, seed: int = LLAMA_DEFAULT_SEED) -> None:
+        self.seed = _check_seed("dist", seed)
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng = _Mt19937(self.seed_cur)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if cur.size == 0:
+            cur.selected = -1
+            return
+        # one draw per call even for a single candidate, so the stream does not depend on size
+        rnd = self.rng.uniform_double()
+        if cur.size == 1:
+            cur.p = np.ones(1, dtype=_F32)
+            cur.selected = 0
+            return
+        max_l = cur.logits[0] if cur.sorted else cur.logits.max()
+        e = np.exp(cur.logits - max_l)
+        cum = np.cumsum(e, dtype=np.float64)   # sequential double sums, as llama.cpp's loop
+        total = cum[-1]
+        cur.selected = min(int(np.searchsorted(cum, total * rnd, side="left")), cur.size - 1)
+        cur.p = (e / total).astype(_F32)
+
+    def reset(self) -> None:
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng.seed(self.seed_cur)
+
+
+class TopK(Sampler):
+    """Keep the k highest logits, sorted (a partial sort). k == 0 keeps everything."""
+
+    name = "top-k"
+
+    def __init__(self, k: int) -> None:
+        self.k = _count("top_k: k", k)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.k == 0:
+            return
+        k = min(self.k, cur.size)
+        if cur.sorted:
+            cur.keep(slice(0, k), sorted=True)
+        else:
+            cur.keep(_top_k_order(cur.logits, k), sorted=True)
+
+
+class TopP(Sampler):
+    """Nucleus: the smallest best-first prefix whose probability reaches p (at least min_keep)."""
+
+    name = "top-p"
+
+    def __init__(self, p: float, min_keep: int = 1) -> None:
+        self.p = _unit("top_p: p", p)
+        self.min_keep = _count("top_p: min_keep", min_keep)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.p >= 1.0:
+            return
+        _softmax(cur, do_sort=False)
+        if cur.sorted:
+            order = None
+            last = self._cut(cur.p)
+        else:
+            # like llama.cpp: try the best 256 first, sort everything only if they fall short
+            k = _TOP_P_TRY if cur.size > _TOP_P_SORT_ALL else cur.size
+            order = _top_k_order(cur.logits, k)
+            last = self._cut(cur.p[order])
+            if last is None and k < cur.size:
+                order = _sort_desc(cur.logits)
+                last = self._cut(cur.p[order])
+        if last is None:
+            last = cur.size
+        cur.keep(slice(0, last) if order is None else order[:last], sorted=True)
+
+    def _cut(self, p_sorted: np.ndarray) -> int | None:
+        cum = np.cumsum(p_sorted, dtype=_F32)
+        first = max(self.min_keep - 1, 0)
+        hits = np.flatnonzero(cum[first:] >= _F32(self.p))
+        return first + int(hits[0]) + 1 if hits.size else None
+
+
+class MinP(Sampler):
+    """Keep candidates with p >= p_min * p_max, i.e. logit >= max logit + log(p_min)."""
+
+    name = "min-p"
+
+    def __init__(self, p: float, min_keep: int = 1) -> None:
+        self.p = _unit("min_p: p", p)
+        self.min_keep = _count("min_p: min_keep", min_keep)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.p <= 0.0 or cur.size == 0:
+            return
+        log_p = np.log(_F32(self.p))
+        if not cur.sorted:
+            keep = cur.logits >= cur.logits.max() + log_p
+            n = int(np.count_nonzero(keep))
+            if n > 0 and n >= self.min_keep:
+                cur.keep(np.flatnonzero(keep), sorted=False)
+                return
+            cur.keep(_sort_desc(cur.logits), sorted=True)
+        start = max(1, self.min_keep)
+        below = np.flatnonzero(cur.logits[start:] < cur.logits[0] + log_p)
+        cur.keep(slice(0, start + int(below[0]) if below.size else cur.size), sorted=True)
+
+
+class Typical(Sampler):
+    """Locally typical sampling: keep the tokens whose surprise is closest to the entropy."""
+
+    name = "typical"
+
+    def __init__(self, p: float, min_keep: int = 1) -> None:
+        self.p = _unit("typical: p", p)
+        self.min_keep = _count("typical: min_keep", min_keep)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.p >= 1.0:
+            return
+        _softmax(cur, do_sort=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_p = np.log(cur.p)
+            entropy = -np.where(cur.p > 0, cur.p * log_p, _F32(0)).sum(dtype=_F32)
+            shifted = np.abs(-log_p - entropy)
+        order = np.argsort(shifted, kind="stable")
+        cum = np.cumsum(cur.p[order], dtype=_F32)
+        first = max(self.min_keep - 1, 0)
+        hits = np.flatnonzero(cum[first:] > _F32(self.p))
+        last = first + int(hits[0]) + 1 if hits.size else cur.size
+        cur.keep(order[:last], sorted=False)
+
+
+class Temp(Sampler):
+    """Divide logits by t; t <= 0 keeps only the highest logit (the rest become -inf)."""
+
+    name = "temp"
+
+    def __init__(self, t: float) -> None:
+        self.t = _finite("temp: t", t)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        _temp_impl(cur, self.t)
+
+
+class TempExt(Sampler):
+    """Dynamic temperature: t +- delta, chosen from the normalised entropy ** exponent."""
+
+    name = "temp-ext"
+
+    def __init__(self, t: float, delta: float, exponent: float) -> None:
+        self.t = _finite("temp_ext: t", t)
+        self.delta = _non_negative("temp_ext: delta", delta)
+        self.exponent = _non_negative("temp_ext: exponent", exponent)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.delta <= 0:
+            _temp_impl(cur, self.t)
+            return
+        if cur.size <= 1:
+            return
+        t, delta = _F32(self.t), _F32(self.delta)
+        min_temp = max(_F32(0), t - delta)
+        max_temp = t + delta
+        max_entropy = -np.log(_F32(1) / _F32(cur.size))
+        _softmax(cur, do_sort=True)
+        nz = cur.p[cur.p > 0]
+        entropy = -(nz * np.log(nz)).sum(dtype=_F32)
+        dyn_temp = min_temp + (max_temp - min_temp) * (entropy / max_entropy) ** _F32(self.exponent)
+        _temp_impl(cur, dyn_temp)
+        e = np.exp(cur.logits.astype(np.float64) - np.float64(cur.logits[0]))
+        cur.p = (e / e.sum()).astype(_F32)
+
+
+class Xtc(Sampler):
+    """Exclude Top Choices: with chance `p`, drop every token with p >= t except the least likely."""
+
+    name = "xtc"
+
+    def __init__(self, p: float, t: float, min_keep: int = 1, seed: int = LLAMA_DEFAULT_SEED) -> None:
+        self.probability = _unit("xtc: p", p)
+        self.threshold = _unit("xtc: t", t)
+        self.min_keep = _count("xtc: min_keep", min_keep)
+        self.seed = _check_seed("xtc", seed)
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng = _Mt19937(self.seed_cur)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        # a threshold above 0.5 can never cover two tokens: XTC is off
+        if self.probability <= 0.0 or self.threshold > 0.5 or cur.size < 2:
+            return
+        if self.rng.uniform_float() > self.probability:
+            return
+        _softmax(cur, do_sort=True)
+        below = np.flatnonzero(cur.p < _F32(self.threshold))
+        n_above = int(below[0]) if below.size else cur.size
+        pos_last = max(n_above - 1, 0)
+        if cur.size - pos_last >= self.min_keep and pos_last > 0:
+            cur.keep(slice(pos_last, None), sorted=True)
+
+    def reset(self) -> None:
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng.seed(self.seed_cur)
+
+
+class TopNSigma(Sampler):
+    """Keep logits within n standard deviations of the max (others -inf); n <= 0 is off."""
+
+    name = "top-n-sigma"
+
+    def __init__(self, n: float) -> None:
+        self.n = _finite("top_n_sigma: n", n)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.n <= 0.0 or cur.size <= 1:
+            return
+        valid = cur.logits[cur.logits != -np.inf]
+        if valid.size:
+            mean = valid.sum(dtype=_F32) / _F32(valid.size)
+            std = np.sqrt(((valid - mean) ** 2).sum(dtype=_F32) / _F32(valid.size))
+            cut = cur.logits.max() - _F32(self.n) * std
+            cur.logits = np.where(cur.logits < cut, _F32(-np.inf), cur.logits)
+        _softmax(cur, do_sort=False)
+
+
+class _MirostatBase(Sampler):
+    """What both mirostat versions share: seeded draws and the mu update toward tau."""
+
+    def __init__(self, label: str, seed: int, tau: float, eta: float) -> None:
+        self.seed = _check_seed(label, seed)
+        self.tau = _non_negative(f"{label}: tau", tau)
+        self.eta = _non_negative(f"{label}: eta", eta)
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng = _Mt19937(self.seed_cur)
+        self.mu = _F32(2.0) * _F32(self.tau)
+
+    def _select(self, cur: TokenDataArray) -> None:
+        """Draw from the (sorted, normalised) candidates and move mu by eta * (surprise - tau)."""
+        idx = self.rng.discrete(cur.p)
+        cur.selected = idx
+        surprise = -np.log2(cur.p[idx])
+        self.mu = _F32(self.mu - _F32(self.eta) * (surprise - _F32(self.tau)))
+
+    def reset(self) -> None:
+        self.mu = _F32(2.0) * _F32(self.tau)
+        self.seed_cur = _rng_seed(self.seed)
+        self.rng.seed(self.seed_cur)
+
+
+class Mirostat(_MirostatBase):
+    """Mirostat 1.0: estimate Zipf's s from the top m tokens, pick top-k for target surprise tau."""
+
+    name = "mirostat"
+
+    def __init__(self, n_vocab: int, seed: int, tau: float, eta: float, m: int = 100) -> None:
+        super().__init__("mirostat", seed, tau, eta)
+        self.n_vocab = _count("mirostat: n_vocab", n_vocab, minimum=1)
+        self.m = _count("mirostat: m", m, minimum=2)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        _softmax(cur, do_sort=False)
+        head = cur.p[_top_k_order(cur.logits, min(self.m, cur.size))]
+        i = np.arange(head.size - 1, dtype=_F32)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            t_i = np.log((i + _F32(2)) / (i + _F32(1)))
+            b_i = np.log(head[:-1] / head[1:])
+            s_hat = (t_i * b_i).sum(dtype=_F32) / (t_i * t_i).sum(dtype=_F32)
+            eps = s_hat - _F32(1)
+            k = ((eps * _F32(2) ** self.mu) / (_F32(1) - _F32(self.n_vocab) ** -eps)) ** (_F32(1) / s_hat)
+        # llama.cpp converts with int(k); on x86 a NaN/inf/huge k becomes INT_MIN, then max(.., 1)
+        k_int = int(k) if np.isfinite(k) and k < 2 ** 31 else 1
+        k_int = min(max(k_int, 1), cur.size)
+        cur.keep(_top_k_order(cur.logits, k_int), sorted=True)
+        _softmax(cur, do_sort=True)
+        self._select(cur)
+
+
+class MirostatV2(_MirostatBase):
+    """Mirostat 2.0: keep tokens with surprise -log2(p) <= mu, sample, move mu toward tau."""
+
+    name = "mirostat-v2"
+
+    def __init__(self, seed: int, tau: float, eta: float) -> None:
+        super().__init__("mirostat_v2", seed, tau, eta)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        _softmax(cur, do_sort=False)
+        with np.errstate(divide="ignore"):
+            n_keep = int(np.count_nonzero(-np.log2(cur.p) <= self.mu))
+        cur.keep(_top_k_order(cur.logits, max(n_keep, 1)), sorted=True)
+        _softmax(cur, do_sort=True)
+        self._select(cur)
+
+
+class Penalties(Sampler):
+    """Repeat / frequency / presence penalties over the last `last_n` accepted tokens.
+
+    repeat divides a positive logit (multiplies a negative one); freq subtracts
+    count * freq; presence subtracts presence once. Only tokens in the history are touched.
+    """
+
+    name = "penalties"
+
+    def __init__(self, last_n: int, repeat: float, freq: float, presence: float) -> None:
+        self.last_n = _count("penalties: last_n", last_n)
+        self.repeat = _finite("penalties: repeat", repeat)
+        if self.repeat <= 0:
+            raise ValueError(f"penalties: repeat must be > 0 (1 = off), got {repeat!r}")
+        self.freq = _finite("penalties: freq", freq)
+        self.presence = _finite("penalties: presence", presence)
+        self.prev: collections.deque[int] = collections.deque(maxlen=max(self.last_n, 1))
+        self.token_count: dict[int, int] = {}
+
+    def accept(self, token: int) -> None:
+        if self.last_n == 0:
+            return
+        token = int(token)
+        self.token_count[token] = self.token_count.get(token, 0) + 1
+        if len(self.prev) >= self.last_n:
+            old = self.prev[0]
+            self.token_count[old] -= 1
+            if self.token_count[old] == 0:
+                del self.token_count[old]
+        self.prev.append(token)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.last_n == 0 or (self.repeat == 1.0 and self.freq == 0.0 and self.presence == 0.0):
+            return
+        tokens = np.fromiter(self.token_count.keys(), dtype=np.int64, count=len(self.token_count))
+        counts = np.fromiter(self.token_count.values(), dtype=_F32, count=len(self.token_count))
+        pos = _positions(cur, tokens)
+        found = pos >= 0
+        pos, counts = pos[found], counts[found]
+        logit = cur.logits[pos]
+        repeat = _F32(self.repeat)
+        logit = np.where(logit <= 0, logit * repeat, logit / repeat)
+        logit = logit - (counts * _F32(self.freq) + _F32(self.presence))
+        cur.logits[pos] = logit
+        cur.sorted = False
+
+    def reset(self) -> None:
+        self.prev.clear()
+        self.token_count.clear()
+
+
+class Dry(Sampler):
+    """DRY ("Don't Repeat Yourself"): penalise tokens that would extend a repeated sequence.
+
+    `breakers` are token sequences (head token then tail) that end a repetition, the form
+    llama.cpp keeps after processing its string breakers; `dry(...)` builds them from
+    strings. A token extending a repeat of length L >= allowed_length gets
+    logit -= multiplier * base ** (L - allowed_length).
+    """
+
+    name = "dry"
+
+    def __init__(self, multiplier: float, base: float, allowed_length: int, penalty_last_n: int,
+                 breakers: Sequence[Sequence[int]] = (), *, n_ctx_train: int) -> None:
+        self.multiplier = _non_negative("dry: multiplier", multiplier)
+        self.base = _non_negative("dry: base", base)
+        self.allowed_length = _count("dry: allowed_length", allowed_length)
+        if isinstance(penalty_last_n, bool) or not isinstance(penalty_last_n, (int, np.integer)) \
+                or penalty_last_n < -1:
+            raise ValueError(f"dry: penalty_last_n must be -1 (context size) or >= 0, got {penalty_last_n!r}")
+        self.penalty_last_n = int(penalty_last_n)
+        self.n_ctx_train = _count("dry: n_ctx_train", n_ctx_train)
+        self.enabled = self.multiplier != 0.0 and self.base >= 1.0 and self.penalty_last_n != 0
+        if self.enabled and self.n_ctx_train < 1:
+            raise ValueError("dry: n_ctx_train must be >= 1 when DRY is enabled")
+        self.breakers: dict[int, list[tuple[int, ...]]] = {}
+        for i, seq in enumerate(breakers):
+            seq = tuple(int(t) for t in seq)
+            if not seq:
+                raise ValueError(f"dry: breakers[{i}] is empty")
+            tails = self.breakers.setdefault(seq[0], [])
+            if seq[1:] not in tails:
+                tails.append(seq[1:])
+        effective = self.n_ctx_train if self.penalty_last_n == -1 else self.penalty_last_n
+        self.last_tokens: collections.deque[int] = collections.deque(maxlen=max(effective, 1))
+
+    def accept(self, token: int) -> None:
+        if self.enabled:
+            self.last_tokens.append(int(token))
+
+    def reset(self) -> None:
+        self.last_tokens.clear()
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if not self.enabled:
+            return
+        effective = self.n_ctx_train if self.penalty_last_n == -1 else self.penalty_last_n
+        n = min(len(self.last_tokens), effective, self.n_ctx_train)
+        if n <= self.allowed_length:
+            return
+        recent = list(self.last_tokens)[-n:][::-1]      # recent[i]: i tokens back from the end
+        rep_limit = self._repeat_limit(recent)
+        if rep_limit < self.allowed_length:
+            return
+        repeat_count = self._repeat_counts(recent, rep_limit)
+        max_repeat: dict[int, int] = {}
+        for i in range(n - 1):
+            length = repeat_count[i]
+            if length >= self.allowed_length:
+                # the token right after this repeated span would continue the repeat
+                token = recent[n - 2 - i]
+                if max_repeat.get(token, -1) < length:
+                    max_repeat[token] = length
+        self._penalise(cur, max_repeat)
+        cur.sorted = False
+
+    def _repeat_limit(self, recent: list[int]) -> int:
+        """Step 1: the nearest restart (breaker) sequence caps how far back a repeat can reach."""
+        for i, token in enumerate(recent):
+            longest = -1
+            for tail in self.breakers.get(token, ()):
+                if longest < len(tail) <= i and all(tail[o] == recent[i - o - 1] for o in range(len(tail))):
+                    longest = len(tail)
+            if longest >= 0:
+                return i - longest
+        return len(recent)
+
+    @staticmethod
+    def _repeat_counts(recent: list[int], rep_limit: int) -> list[int]:
+        """Step 2: reverse Z-algorithm; count[n-1-k] = length of the suffix repeated k back."""
+        n = len(recent)
+        last = n - 1
+        count = [0] * n
+        lt = rt = 0
+        for k in range(1, n):
+            if k > rt:
+                m = 0
+                while m + k < n and recent[m] == recent[m + k]:
+                    m += 1
+                count[last - k] = min(m, rep_limit)
+                if m > 0:
+                    lt, rt = k, k + m - 1
+            else:
+                p = k - lt
+                if count[last - p] < rt - k + 1:
+                    count[last - k] = min(count[last - p], rep_limit)
+                else:
+                    i = rt + 1
+                    while i < n and recent[i] == recent[i - k]:
+                        i += 1
+                    count[last - k] = min(i - k, rep_limit)
+                    lt, rt = k, i - 1
+        return count
+
+    def _penalise(self, cur: TokenDataArray, max_repeat: dict[int, int]) -> None:
+        """Step 4: exponential penalty, except for single-token breakers."""
+        tokens = [t for t in max_repeat if () not in self.breakers.get(t, ())]
+        if not tokens:
+            return
+        pos = _positions(cur, np.array(tokens, dtype=np.int64))
+        max_exponent = 0
+        if self.base > 1.000001:
+            max_exponent = int(_FLOAT_MAX_LOG / np.log(_F32(self.base)))
+        for token, at in zip(tokens, pos):
+            if at < 0:
+                continue
+            exponent = max_repeat[token] - self.allowed_length
+            if max_exponent > 0:
+                exponent = min(exponent, max_exponent)
+            penalty = _F32(float(_F32(self.multiplier)) * float(_F32(self.base)) ** exponent)
+            cur.logits[at] = cur.logits[at] - penalty
+
+
+class LogitBias(Sampler):
+    """Add a fixed bias to the logits of chosen tokens (-inf bans a token)."""
+
+    name = "logit-bias"
+
+    def __init__(self, n_vocab: int, biases: Mapping[int, float]) -> None:
+        self.n_vocab = _count("logit_bias: n_vocab", n_vocab, minimum=1)
+        for token, bias in biases.items():
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < self.n_vocab:
+                raise ValueError(f"logit_bias: token {token!r} is outside the vocabulary [0, {self.n_vocab})")
+            if np.isnan(bias) or bias == np.inf:
+                raise ValueError(f"logit_bias: bias for token {token} must be a number or -inf, got {bias!r}")
+        self.tokens = np.array(list(biases.keys()), dtype=np.int64)
+        self.biases = np.array(list(biases.values()), dtype=_F32)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        if self.tokens.size == 0:
+            return
+        pos = _positions(cur, self.tokens)
+        found = pos >= 0
+        cur.logits[pos[found]] += self.biases[found]
+
+
+def dry(multiplier: float = 0.0, base: float = 1.75, allowed_length: int = 2, penalty_last_n: int = 64,
+        seq_breakers: Sequence[str] = ("\n", ":", "\"", "*"), *, n_ctx_train: int,
+        token_pieces: Sequence[bytes] | None = None,
+        tokenize: Callable[[str], list[int]] | None = None) -> Dry:
+    """llama_sampler_init_dry(vocab, n_ctx_train, ...): a Dry sampler with string breakers.
+
+    Breakers are matched against the vocabulary like llama.cpp: every token whose text
+    contains a breaker is a single-token breaker; a token whose text ends with the start of
+    a breaker becomes a head, with the rest of the breaker tokenized as its tail.
+    `token_pieces[id]` is the text of token id (e.g. `vocab.token_to_piece(id, special=True)`);
+    `tokenize(text)` is needed only for breakers longer than one byte
+    (e.g. `lambda s: vocab.tokenize(s, add_special=False, parse_special=False)`).
+    Breakers are processed only when DRY is enabled, as in llama.cpp.
+    """
+    enabled = multiplier != 0.0 and base >= 1.0 and penalty_last_n != 0
+    breakers: list[tuple[int, ...]] = []
+    if enabled and seq_breakers:
+        if token_pieces is None:
+            raise ValueError("dry: token_pieces is required to process seq_breakers")
+        for i, text in enumerate(seq_breakers):
+            pattern = text.encode("utf-8")[:_DRY_MAX_CHAR_LEN]
+            if not pattern:
+                raise ValueError(f"dry: seq_breakers[{i}] is empty")
+            if len(pattern) > 1 and tokenize is None:
+                raise ValueError(f"dry: seq_breakers[{i}] {text!r} is longer than one byte; pass tokenize")
+            breakers.extend(_overlapping_token_sequences(token_pieces, pattern, tokenize))
+    return Dry(multiplier, base, allowed_length, penalty_last_n, breakers, n_ctx_train=n_ctx_train)
+
+
+def _overlapping_token_sequences(token_pieces: Sequence[bytes], pattern: bytes,
+                                 tokenize: Callable[[str], list[int]] | None) -> list[tuple[int, ...]]:
+    """get_overlapping_token_sequences: (head, *tail) for every token that can start `pattern`."""
+    out: list[tuple[int, ...]] = []
+    for token, piece in enumerate(token_pieces):
+        if pattern in piece:
+            out.append((token,))
+            continue
+        # the piece ends with pattern[:j]: the rest of the pattern must follow as tokens
+        tails: list[tuple[int, ...]] = []
+        for j in range(min(len(pattern) - 1, len(piece)), 0, -1):
+            if piece.endswith(pattern[:j]):
+                tail = tuple(tokenize(pattern[j:].decode("utf-8", errors="replace"))[:_DRY_MAX_SEQ_LEN])
+                if tail not in tails:
+                    tails.append(tail)
+        out.extend((token, *tail) for tail in tails)
+    return out
+
+
+# llama.cpp-style constructor names (llama_sampler_init_*)
+greedy = Greedy
+dist = Dist
+top_k = TopK
+top_p = TopP
+min_p = MinP
+typical = Typical
+temp = Temp
+temp_ext = TempExt
+xtc = Xtc
+top_n_sigma = TopNSigma
+mirostat = Mirostat
+mirostat_v2 = MirostatV2
+penalties = Penalties
+logit_bias = LogitBias
+
+
+# --- chain ---------------------------------------------------------------------------------
+
+
+SAMPLER_TYPES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+
+
+@dataclass
+class SamplingParams:
+    """common_params_sampling: what the default chain is built from (llama.cpp's defaults)."""
+
+    seed: int = LLAMA_DEFAULT_SEED
+    min_keep: int = 0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.10
+    typ_p: float = 1.0
+    temp: float = 0.80
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    penalty_last_n: int = 64
+    penalty_repeat: float = 1.0
+    penalty_freq: float = 0.0
+    penalty_present: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    mirostat: int = 0
+    top_n_sigma: float = -1.0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    samplers: tuple[str, ...] = SAMPLER_TYPES
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+class SamplerChain(Sampler):
+    """llama_sampler_chain: samplers applied in order; accept goes to each of them."""
+
+    name = "chain"
+
+    def __init__(self, samplers: Sequence[Sampler] = ()) -> None:
+        self.samplers: list[Sampler] = list(samplers)
+        self.t_sample_us = 0.0
+        self.n_sample = 0
+
+    def add(self, smpl: Sampler) -> SamplerChain:
+        """llama_sampler_chain_add; returns the chain so adds can be chained."""
+        self.samplers.append(smpl)
+        return self
+
+    def remove(self, i: int) -> Sampler:
+        """llama_sampler_chain_remove: take sampler i out of the chain and return it."""
+        if not 0 <= i < len(self.samplers):
+            raise IndexError(f"chain: no sampler at index {i} (chain has {len(self.samplers)})")
+        return self.samplers.pop(i)
+
+    def apply(self, cur: TokenDataArray) -> None:
+        t0 = time.perf_counter()
+        for smpl in self.samplers:
+            smpl.apply(cur)
+        self.t_sample_us += (time.perf_counter() - t0) * 1e6
+
+    def accept(self, token: int) -> None:
+        t0 = time.perf_counter()
+        for smpl in self.samplers:
+            smpl.accept(token)
+        self.n_sample += 1
+        self.t_sample_us += (time.perf_counter() - t0) * 1e6
+
+    def reset(self) -> None:
+        for smpl in self.samplers:
+            smpl.reset()
+
+    def clone(self) -> SamplerChain:
+        return SamplerChain([smpl.clone() for smpl in self.samplers])
+
+    def get_seed(self) -> int:
+        """llama_sampler_get_seed: the seed in use by the last seeded sampler, else the default."""
+        for smpl in reversed(self.samplers):
+            if isinstance(smpl, (Dist, _MirostatBase)):
+                return smpl.seed_cur
+        return LLAMA_DEFAULT_SEED
+
+    def perf(self) -> dict:
+        """llama_perf_sampler: time spent in apply/accept and the number of accepted tokens."""
+        return {"t_sample_ms": self.t_sample_us / 1e3, "n_sample": self.n_sample}
+
+    def perf_reset(self) -> None:
+        self.t_sample_us = 0.0
+        self.n_sample = 0
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, *, n_vocab: int, n_ctx_train: int = 0,
+                    token_pieces: Sequence[bytes] | None = None,
+                    tokenize: Callable[[str], list[int]] | None = None) -> SamplerChain:
+        """common_sampler_init: logit-bias, then params.samplers in order and dist (or mirostat).
+
+        n_ctx_train, token_pieces and tokenize are only needed when DRY is enabled.
+        """
+        chain = cls()
+        if params.logit_bias:
+            chain.add(LogitBias(n_vocab, params.logit_bias))
+        if params.mirostat == 0:
+            for kind in params.samplers:
+                chain.add(_from_params(kind, params, n_ctx_train, token_pieces, tokenize))
+            chain.add(Dist(params.seed))
+        elif params.mirostat == 1:
+            chain.add(Temp(params.temp))
+            chain.add(Mirostat(n_vocab, params.seed, params.mirostat_tau, params.mirostat_eta, 100))
+        elif params.mirostat == 2:
+            chain.add(Temp(params.temp))
+            chain.add(MirostatV2(params.seed, params.mirostat_tau, params.mirostat_eta))
+        else:
+            raise ValueError(f"mirostat must be 0, 1 or 2, got {params.mirostat!r}")
+        return chain
+
+    @classmethod
+    def default(cls, *, seed: int = LLAMA_DEFAULT_SEED, n_vocab: int) -> SamplerChain:
+        """llama.cpp's default chain: penalties, dry, top-n-sigma, top-k 40, typical, top-p 0.95,
+        min-p 0.05, xtc, temp 0.8, dist (the disabled ones are no-ops, as in llama.cpp)."""
+        return cls.from_params(SamplingParams(seed=seed), n_vocab=n_vocab)
+
+
+def _from_params(kind: str, params: SamplingParams, n_ctx_train: int, token_pieces, tokenize) -> Sampler:
+    if kind == "penalties":
+        return Penalties(params.penalty_last_n, params.penalty_repeat, params.penalty_freq, params.penalty_present)
+    if kind == "dry":
+        return dry(params.dry_multiplier, params.dry_base, params.dry_allowed_length, params.dry_penalty_last_n,
+                   params.dry_sequence_breakers, n_ctx_train=n_ctx_train, token_pieces=token_pieces,
+                   tokenize=tokenize)
+    if kind == "top_n_sigma":
+        return TopNSigma(params.top_n_sigma)
+    if kind == "top_k":
+        return TopK(params.top_k)
+    if kind == "typ_p":
+        return Typical(params.typ_p, params.min_keep)
+    if kind == "top_p":
+        return TopP(params.top_p, params.min_keep)
+    if kind == "min_p":
+        return MinP(params.min_p, params.min_keep)
+    if kind == "xtc":
+        return Xtc(params.xtc_probability, params.xtc_threshold, params.min_keep, params.seed)
+    if kind == "temperature":
+        return TempExt(params.temp, params.dynatemp_range, params.dynatemp_exponent)
+    raise ValueError(f"samplers: unknown sampler type {kind!r}; expected one of {SAMPLER_TYPES}")
