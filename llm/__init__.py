@@ -1,4 +1,7 @@
 """llm: the llama.cpp layer over ggmlx. GGUF model -> vocab, weights, KV cache, decode, sampling."""
+from llm.batch import Batch
+from llm.context import Context
 from llm.errors import LoadCancelled, ModelLoadError
+from llm.model import Model, load_model
 
-__all__ = ["ModelLoadError", "LoadCancelled"]
+__all__ = ["Batch", "Context", "LoadCancelled", "Model", "ModelLoadError", "load_model"]

@@ -1,0 +1,229 @@
+"""The context (llama_context): KV cache, batch allocator, scheduler and the decode loop.
+
+decode(batch) mirrors llama_decode: validate and split the batch, find KV cells for every
+ubatch before any runs (all or nothing), then per ubatch: apply its cells, reuse the previous
+graph when every input's can_reuse holds or build a new one, set the inputs, compute, and
+copy the requested logits rows to the host output buffer."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ggmlx import ops
+from ggmlx.backend import backend_of
+from ggmlx.compile import get_default_cache
+from ggmlx.sched import Scheduler
+from ggmlx.tensor import new_input
+from ggmlx.types import GGMLType
+from llm.batch import Batch, BatchAllocator, BatchError, UBatch
+from llm.graph import GraphBuilder, GraphParams
+from llm.kv_cache import KVCache
+
+DECODE_OK, DECODE_NO_SLOT, DECODE_ABORTED, DECODE_INVALID = 0, 1, 2, -1
+DECODE_FATAL = -3
+
+
+def bucket(n: int, cap: int) -> int:
+    """The padded size of n: the next power of two, at most cap (and never below n)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return max(min(p, cap), n)
+
+
+@dataclass
+class Perf:
+    t_start: float
+    t_p_eval: float = 0.0
+    t_eval: float = 0.0
+    t_compile: float = 0.0
+    n_p_eval: int = 0
+    n_eval: int = 0
+    n_reused: int = 0
+    n_graph_builds: int = 0
+    n_compiles: int = 0
+
+
+class Context:
+    """A model plus its KV cache and runtime state; see DESIGN.md for the contract."""
+
+    def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512,
+                 n_seq_max: int = 1, *, type_k: str = "f32", type_v: str = "f32",
+                 kv_bucket: int = 256, cb_eval: Callable | None = None,
+                 abort_callback: Callable[[], bool] | None = None):
+        if model.placement is None:
+            raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
+        for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.n_ubatch = min(n_ubatch, n_batch)
+        self.n_seq_max = n_seq_max
+        self.abort_callback = abort_callback
+        self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket)
+        self.balloc = BatchAllocator()
+        devices = []
+        for d in [model.placement.dev_input, *model.placement.dev_layer, model.placement.dev_output]:
+            if d not in devices:
+                devices.append(d)
+        self.sched = Scheduler([backend_of(d) for d in devices], get_default_cache(), cb_eval)
+        self.logits = np.zeros((0, model.n_vocab), np.float32)
+        self.output_ids = np.zeros(0, np.int32)
+        self.last_error: str | None = None
+        self._prev = None       # (builder, plan) of the last graph, for reuse
+        self._perf = Perf(time.perf_counter())
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.n_vocab
+
+    # ---- decode ----------------------------------------------------------------------
+
+    def _fail(self, code: int, msg: str) -> int:
+        self.last_error = msg
+        print(f"decode: {msg}", file=sys.stderr)
+        return code
+
+    def decode(self, batch: Batch) -> int:
+        """0 ok; 1 no KV slot (cache unchanged); 2 aborted (earlier ubatches kept);
+        -1 invalid batch (nothing changed); < -1 fatal."""
+        self.last_error = None
+        if not isinstance(batch, Batch):
+            return self._fail(DECODE_INVALID, f"expected an llm.Batch, got {type(batch).__name__}")
+        if batch.n_tokens > self.n_batch:
+            return self._fail(DECODE_INVALID, f"n_tokens = {batch.n_tokens} > n_batch = {self.n_batch}")
+        hp = self.model.hparams
+        try:
+            self.balloc.init(batch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_seq_max=self.n_seq_max,
+                             memory=self.memory)
+        except BatchError as e:
+            return self._fail(DECODE_INVALID, str(e))
+        if self.memory.cells.has_shift:
+            self._apply_k_shift()
+        ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1
+                    else self.balloc.split_equal(self.n_ubatch))
+        slots = self.memory.cells.prepare(ubatches)
+        if slots is None:
+            return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
+                                              f"(n_ctx = {self.n_ctx}, used = {self.memory.cells.get_used()})")
+        n_outputs = self.balloc.n_outputs
+        self.logits = np.zeros((n_outputs, self.n_vocab), np.float32)
+        self.output_ids = self.balloc.output_ids.copy()
+        for ub, slot in zip(ubatches, slots):
+            if self.abort_callback is not None and self.abort_callback():
+                return self._fail(DECODE_ABORTED, "aborted by the abort callback")
+            try:
+                ok = self._process_ubatch(ub, slot)
+            except Exception as e:  # a failure inside the engine, not in the input
+                return self._fail(DECODE_FATAL, f"{type(e).__name__}: {e}")
+            if not ok:
+                return self._fail(DECODE_ABORTED, "aborted by the eval callback")
+        return DECODE_OK
+
+    def _params(self, ub: UBatch) -> GraphParams:
+        n_tokens = bucket(ub.n_tokens, self.n_ubatch)
+        n_out = ub.n_outputs
+        n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, 1), n_tokens)
+        return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
+                           embd_input=ub.embd is not None)
+
+    def _process_ubatch(self, ub: UBatch, slot) -> bool:
+        t0 = time.perf_counter()
+        self.memory.cells.apply(slot, ub)
+        params = self._params(ub)
+        if self._prev is not None and all(i.can_reuse(params) for i in self._prev[0].inputs):
+            g, plan = self._prev
+            self._perf.n_reused += 1
+        else:
+            g = GraphBuilder(self.model, self.memory, params)
+            self.model.builder.build_graph(g)
+            plan = self.sched.alloc_graph(g.gf)
+            self._prev = (g, plan)
+            self._perf.n_graph_builds += 1
+        g.inp_attn.slot = slot
+        values: dict = {}
+        for inp in g.inputs:
+            inp.set_input(ub, values)
+        stats = self.sched.cache.stats
+        misses, t_comp = stats.misses, stats.compile_seconds
+        outs, new_state, ok = self.sched.compute(plan, values, self.memory.state())
+        self.memory.update(new_state)
+        self._perf.n_compiles += stats.misses - misses
+        self._perf.t_compile += stats.compile_seconds - t_comp
+        if ub.n_outputs:
+            rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[:ub.n_outputs]
+            self.logits[self.balloc.output_rows(ub)] = rows
+        dt = time.perf_counter() - t0
+        if ub.n_tokens > 1:
+            self._perf.t_p_eval += dt
+            self._perf.n_p_eval += ub.n_tokens
+        else:
+            self._perf.t_eval += dt
+            self._perf.n_eval += 1
+        return ok
+
+    def _apply_k_shift(self) -> None:
+        """Re-rotate every cached K row by its cell's pending position shift (llama.cpp's
+        build_graph_shift), one small graph over all layers."""
+        hp = self.model.hparams
+        kv = self.memory
+        g = GraphBuilder(self.model, kv, None)
+        shift = new_input(GGMLType.I32, (self.n_ctx,), "k_shift")
+        idxs = new_input(GGMLType.I32, (self.n_ctx,), "k_shift_idxs")
+        for il in range(hp.n_layer):
+            k = kv.k_l[il]
+            cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), self.n_ctx)
+            cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **g.rope_params(il))
+            cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), self.n_ctx), idxs)
+            g.gf.build_forward_expand(g.cb(cur, "k_shifted", il))
+        plan = self.sched.alloc_graph(g.gf)
+        values = {shift: kv.cells.k_shift(), idxs: np.arange(self.n_ctx, dtype=np.int32)}
+        _, new_state, _ = self.sched.compute(plan, values, kv.state())
+        kv.update(new_state)
+        kv.cells.reset_shift()
+
+    # ---- outputs ---------------------------------------------------------------------
+
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """Logits of batch token i (negative i counts outputs from the end, as llama.cpp);
+        ValueError for a token that produced no logits."""
+        n_outputs = self.logits.shape[0]
+        if i < 0:
+            j = n_outputs + i
+            if j < 0:
+                raise ValueError(f"get_logits_ith({i}): only {n_outputs} outputs in the last batch")
+        else:
+            if i >= len(self.output_ids):
+                raise ValueError(f"get_logits_ith({i}): the last batch had {len(self.output_ids)} tokens")
+            j = int(self.output_ids[i])
+            if j < 0:
+                raise ValueError(f"get_logits_ith({i}): token {i} did not request logits")
+        return self.logits[j]
+
+    def get_logits(self) -> np.ndarray:
+        """All output rows of the last decode, in batch order [n_outputs, n_vocab]."""
+        return self.logits
+
+    # ---- memory and perf -------------------------------------------------------------
+
+    def memory_clear(self) -> None:
+        self.memory.clear()
+
+    def perf(self) -> dict:
+        p = self._perf
+        return {
+            "t_start_ms": p.t_start * 1e3,
+            "t_p_eval_ms": p.t_p_eval * 1e3, "n_p_eval": p.n_p_eval,
+            "t_eval_ms": p.t_eval * 1e3, "n_eval": p.n_eval,
+            "t_compile_ms": p.t_compile * 1e3,
+            "n_reused": p.n_reused, "n_graph_builds": p.n_graph_builds, "n_compiles": p.n_compiles,
+        }
+
+    def perf_reset(self) -> None:
+        self._perf = Perf(time.perf_counter())

@@ -1,0 +1,273 @@
+"""Graph building for llm (llm_graph_context): graph inputs with set_input / can_reuse, and
+the shared blocks every architecture uses (build_inp_embd, build_norm, build_attn, build_ffn,
+build_moe_ffn). Architecture files in llm/models/ call these and name every intermediate
+through `cb`, so dumps and eval callbacks find `attn_norm-3`, `Qcur-3`, `l_out-3`, ..."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggmlx import ops, types
+from ggmlx.graph import Graph
+from ggmlx.tensor import Tensor, new_input
+from ggmlx.types import GGMLType
+
+F32, I32 = GGMLType.F32, GGMLType.I32
+
+
+@dataclass(frozen=True)
+class GraphParams:
+    """Everything that fixes a graph's shape. Two ubatches with equal params reuse one graph
+    (llm_graph_params::allow_reuse); the padded sizes keep the number of shapes small."""
+    n_tokens: int          # ubatch tokens, padded to a bucket
+    n_outputs: int         # output rows, padded to a bucket
+    n_kv: int              # KV cells the attention reads, padded to a bucket
+    embd_input: bool       # embeddings instead of token ids
+
+
+class GraphInput:
+    """A graph input: its tensors, how to fill them for a ubatch, and whether a graph built
+    for other params can still take them."""
+
+    def __init__(self, params: GraphParams):
+        self.params = params
+
+    def can_reuse(self, params: GraphParams) -> bool:
+        return self.params == params
+
+    def set_input(self, ub, values: dict) -> None:
+        raise NotImplementedError
+
+
+class InpEmbd(GraphInput):
+    """Token ids (padded with id 0) or input embeddings."""
+
+    def __init__(self, params: GraphParams, n_embd: int):
+        super().__init__(params)
+        if params.embd_input:
+            self.embd = new_input(F32, (n_embd, params.n_tokens), "inp_embd")
+            self.tokens = None
+        else:
+            self.tokens = new_input(I32, (params.n_tokens,), "inp_tokens")
+            self.embd = None
+
+    def set_input(self, ub, values: dict) -> None:
+        n = self.params.n_tokens
+        if self.tokens is not None:
+            tok = np.zeros(n, np.int32)
+            tok[:ub.n_tokens] = ub.token
+            values[self.tokens] = tok
+        else:
+            e = np.zeros((n, ub.embd.shape[1]), np.float32)
+            e[:ub.n_tokens] = ub.embd
+            values[self.embd] = e
+
+
+class InpPos(GraphInput):
+    def __init__(self, params: GraphParams):
+        super().__init__(params)
+        self.pos = new_input(I32, (params.n_tokens,), "inp_pos")
+
+    def set_input(self, ub, values: dict) -> None:
+        p = np.zeros(self.params.n_tokens, np.int32)
+        p[:ub.n_tokens] = ub.pos
+        values[self.pos] = p
+
+
+class InpOutIds(GraphInput):
+    """Rows of the last layer that reach the output projection (padded with row 0)."""
+
+    def __init__(self, params: GraphParams):
+        super().__init__(params)
+        self.out_ids = new_input(I32, (params.n_outputs,), "inp_out_ids")
+
+    def set_input(self, ub, values: dict) -> None:
+        ids = np.zeros(self.params.n_outputs, np.int32)
+        rows = np.flatnonzero(ub.output).astype(np.int32)
+        ids[:rows.size] = rows
+        values[self.out_ids] = ids
+
+
+class InpAttnKV(GraphInput):
+    """The KV-cache attention inputs: the cells this ubatch writes (k_idxs) and the masks
+    (one for full-attention layers, one for sliding-window layers when the model has them)."""
+
+    def __init__(self, params: GraphParams, kv, with_swa: bool):
+        super().__init__(params)
+        self.kv = kv
+        self.k_idxs = new_input(I32, (params.n_tokens,), "inp_k_idxs")
+        self.kq_mask = new_input(F32, (params.n_kv, params.n_tokens), "kq_mask")
+        self.kq_mask_swa = new_input(F32, (params.n_kv, params.n_tokens), "kq_mask_swa") if with_swa else None
+        self.slot = None
+
+    def set_input(self, ub, values: dict) -> None:
+        n, n_kv = self.params.n_tokens, self.params.n_kv
+        values[self.k_idxs] = self.kv.write_indices(self.slot, n)
+        values[self.kq_mask] = self.kv.mask(ub, n, n_kv, swa=False)
+        if self.kq_mask_swa is not None:
+            values[self.kq_mask_swa] = self.kv.mask(ub, n, n_kv, swa=True)
+
+
+class GraphBuilder:
+    """State of one graph build (llm_graph_context): the model, params, inputs and the
+    graph being expanded."""
+
+    def __init__(self, model, kv, params: GraphParams | None):
+        self.model = model
+        self.hparams = model.hparams
+        self.kv = kv
+        self.params = params
+        self.n_tokens = params.n_tokens
+        self.n_outputs = params.n_outputs
+        self.n_kv = params.n_kv
+        self.inputs: list[GraphInput] = []
+        self.gf = Graph()
+        self.inp_attn: InpAttnKV | None = None
+        self.res_logits: Tensor | None = None
+        hp = self.hparams
+        # cparams' YaRN defaults: ext_factor < 0 means "on exactly when the model uses YaRN"
+        from llm.hparams import RopeScalingType
+        yarn = hp.rope_scaling_type_train == RopeScalingType.YARN
+        self.ext_factor = hp.yarn_ext_factor if hp.yarn_ext_factor >= 0 else (1.0 if yarn else 0.0)
+        self.attn_factor = hp.yarn_attn_factor
+
+    def rope_params(self, il: int) -> dict:
+        """rope_ext arguments for layer il; sliding-window layers may have their own base."""
+        hp = self.hparams
+        swa = hp.is_swa(il)
+        return dict(n_dims=hp.n_rot, mode=int(hp.rope_type), n_ctx_orig=hp.n_ctx_orig_yarn,
+                    freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
+                    freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
+                    ext_factor=self.ext_factor, attn_factor=self.attn_factor,
+                    beta_fast=hp.yarn_beta_fast, beta_slow=hp.yarn_beta_slow)
+
+    def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
+        """Name an intermediate like llama.cpp's callback: `name-il` inside layers."""
+        return t.set_name(f"{name}-{il}" if il >= 0 else name)
+
+    # ---- inputs ----------------------------------------------------------------------
+
+    def build_inp_embd(self, tok_embd: Tensor) -> Tensor:
+        inp = InpEmbd(self.params, self.hparams.n_embd)
+        self.inputs.append(inp)
+        if inp.tokens is not None:
+            cur = ops.get_rows(tok_embd, inp.tokens)
+        else:
+            cur = inp.embd
+        return self.cb(cur, "inp_embd")
+
+    def build_inp_pos(self) -> Tensor:
+        inp = InpPos(self.params)
+        self.inputs.append(inp)
+        return inp.pos
+
+    def build_inp_out_ids(self) -> Tensor | None:
+        """None when every padded token is an output row (nothing to select)."""
+        if self.n_outputs == self.n_tokens:
+            return None
+        inp = InpOutIds(self.params)
+        self.inputs.append(inp)
+        return inp.out_ids
+
+    def build_attn_inp_kv(self) -> InpAttnKV:
+        with_swa = any(self.hparams.swa_layers)
+        self.inp_attn = InpAttnKV(self.params, self.kv, with_swa)
+        self.inputs.append(self.inp_attn)
+        return self.inp_attn
+
+    # ---- blocks ----------------------------------------------------------------------
+
+    def build_norm(self, cur: Tensor, w: Tensor | None, b: Tensor | None, kind: str, il: int) -> Tensor:
+        """rms_norm or norm over ne0, then the optional weight and bias (LLM_NORM_*)."""
+        eps = self.hparams.f_norm_rms_eps if kind == "rms" else self.hparams.f_norm_eps
+        cur = ops.rms_norm(cur, eps) if kind == "rms" else ops.norm(cur, eps)
+        if w is not None:
+            cur = ops.mul(cur, w)
+        if b is not None:
+            cur = ops.add(cur, b)
+        return cur
+
+    def build_ffn(self, cur: Tensor, up: Tensor, gate: Tensor | None, down: Tensor, act: str,
+                  il: int) -> Tensor:
+        """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu"."""
+        tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
+        if gate is not None:
+            g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
+            cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
+            self.cb(cur, "ffn_gate_par", il)
+        else:
+            cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
+            self.cb(cur, "ffn_act", il)
+        return self.cb(ops.mul_mat(down, cur), "ffn_down", il)
+
+    def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
+                      down_exps: Tensor, n_expert: int, n_expert_used: int, norm_w: bool,
+                      il: int) -> Tensor:
+        """Softmax-gated mixture of experts with SiLU experts (build_moe_ffn)."""
+        n_embd, n_tokens = cur.ne[0], cur.ne[1]
+        logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
+        probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
+        selected = self.cb(ops.top_k(probs, n_expert_used), "ffn_moe_topk", il)
+        w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
+        self.cb(w, "ffn_moe_weights", il)
+        if norm_w:
+            w = ops.reshape_2d(w, n_expert_used, n_tokens)
+            w = ops.div(w, ops.sum_rows(w))
+            w = ops.reshape_3d(w, 1, n_expert_used, n_tokens)
+            self.cb(w, "ffn_moe_weights_norm", il)
+        x = ops.reshape_3d(cur, n_embd, 1, n_tokens)
+        up = self.cb(ops.mul_mat_id(up_exps, x, selected), "ffn_moe_up", il)
+        gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
+        par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
+        experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
+        experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
+        moe_out = None
+        for e in range(n_expert_used):
+            view = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], e * experts.nb[1])
+            moe_out = view if moe_out is None else ops.add(moe_out, view)
+        return self.cb(moe_out, "ffn_moe_out", il)
+
+    def build_attn(self, inp: InpAttnKV, wo: Tensor, bo: Tensor | None, q_cur: Tensor,
+                   k_cur: Tensor, v_cur: Tensor, kq_scale: float, il: int,
+                   softcap: float = 0.0) -> Tensor:
+        """Store this ubatch's K and V in the layer's cache cells, then attend over the first
+        n_kv cells. q_cur [D, n_head, n_tokens], k_cur/v_cur [D, n_head_kv, n_tokens]."""
+        hp = self.hparams
+        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
+        n_head_kv = hp.n_head_kv(il)
+        gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
+        k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
+        k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), inp.k_idxs)
+        v_upd = ops.set_rows(v_cache, ops.reshape_2d(v_cur, gqa_v, self.n_tokens), inp.k_idxs)
+        self.cb(k_upd, "k_cache_upd", il)
+        self.cb(v_upd, "v_cache_upd", il)
+        rs_k, rs_v = types.row_size(k_cache.type, d_k), types.row_size(v_cache.type, d_v)
+        k = ops.view_4d(k_upd, d_k, n_head_kv, self.n_kv, 1, rs_k, rs_k * n_head_kv,
+                        rs_k * n_head_kv * self.n_kv, 0)
+        v = ops.view_4d(v_upd, d_v, n_head_kv, self.n_kv, 1, rs_v, rs_v * n_head_kv,
+                        rs_v * n_head_kv * self.n_kv, 0)
+        q = ops.permute(q_cur, 0, 2, 1, 3)
+        k = ops.permute(k, 0, 2, 1, 3)
+        v = ops.permute(v, 0, 2, 1, 3)
+        mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
+        cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap)
+        self.cb(cur, "kqv_out", il)
+        cur = ops.reshape_2d(cur, d_v * hp.n_head(il), self.n_tokens)
+        cur = ops.mul_mat(wo, cur)
+        if bo is not None:
+            cur = ops.add(cur, bo)
+        return self.cb(cur, "attn_out", il)
+
+    def build_output(self, cur: Tensor, final_softcap: float = 0.0) -> Tensor:
+        """result_norm -> result_output (logits [n_vocab, n_outputs]), soft-capped if asked."""
+        m = self.model
+        cur = self.cb(self.build_norm(cur, m.output_norm, None, "rms", -1), "result_norm")
+        cur = ops.mul_mat(m.output, cur)
+        if final_softcap > 0.0:
+            cur = ops.scale(ops.tanh(ops.scale(cur, 1.0 / final_softcap)), final_softcap)
+        self.cb(cur, "result_output")
+        cur.set_output()
+        self.res_logits = cur
+        self.gf.build_forward_expand(cur)
+        return cur

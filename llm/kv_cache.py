@@ -1,0 +1,96 @@
+"""The KV cache (llama_kv_cache): per-layer K and V device buffers plus the cell bookkeeping
+of `llm.kv_cells`. Buffers are ggmlx STATE leaves [n_embd_{k,v}_gqa, n_ctx] on their
+layer's device; a compiled graph takes them in and returns them updated (donated, so the
+set_rows write happens in place).
+
+Sliding-window layers share the cells with the global ones and get their own mask (the
+cache is sized for full attention; llama.cpp's separate SWA cache only saves memory)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ggmlx.tensor import Tensor, new_state, np_dtype
+from ggmlx.types import GGMLType
+from llm.batch import UBatch
+from llm.hparams import SWAType
+from llm.kv_cells import KVCells, SlotInfo
+
+KV_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
+
+
+class KVCache:
+    def __init__(self, model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
+                 kv_bucket: int = 256):
+        hp = model.hparams
+        for name, t in (("type_k", type_k), ("type_v", type_v)):
+            if t not in KV_TYPES:
+                raise ValueError(f"{name} must be one of {sorted(KV_TYPES)}, got {t!r}")
+        if kv_bucket < 1:
+            raise ValueError(f"kv_bucket must be >= 1, got {kv_bucket}")
+        self.hparams = hp
+        self.n_ctx = n_ctx
+        self.kv_bucket = kv_bucket
+        self.cells = KVCells(n_ctx, n_seq_max)
+        self.k_l: list[Tensor] = []
+        self.v_l: list[Tensor] = []
+        tk, tv = KV_TYPES[type_k], KV_TYPES[type_v]
+        for il in range(hp.n_layer):
+            dev = model.placement.dev_layer[il]
+            k = new_state(tk, (hp.n_embd_k_gqa(il), n_ctx), f"cache_k_l{il}")
+            v = new_state(tv, (hp.n_embd_v_gqa(il), n_ctx), f"cache_v_l{il}")
+            k.data = jax.device_put(jnp.zeros(k.shape, np_dtype(tk)), dev)
+            v.data = jax.device_put(jnp.zeros(v.shape, np_dtype(tv)), dev)
+            self.k_l.append(k)
+            self.v_l.append(v)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.data.size * t.data.dtype.itemsize for t in self.k_l + self.v_l)
+
+    def state(self) -> dict[Tensor, jax.Array]:
+        return {t: t.data for t in self.k_l + self.v_l}
+
+    def update(self, new_state: dict[Tensor, jax.Array]) -> None:
+        for t, v in new_state.items():
+            t.data = v
+
+    # ---- graph inputs ----------------------------------------------------------------
+
+    def n_kv(self) -> int:
+        return self.cells.n_kv(self.kv_bucket)
+
+    def write_indices(self, slot: SlotInfo, n_tokens_pad: int) -> np.ndarray:
+        return self.cells.write_indices(slot, n_tokens_pad)
+
+    def mask(self, ub: UBatch, n_tokens_pad: int, n_kv: int, swa: bool) -> np.ndarray:
+        hp = self.hparams
+        if swa:
+            return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad,
+                                         swa_type=hp.swa_type, n_swa=hp.n_swa)
+        return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, swa_type=SWAType.NONE)
+
+    # ---- sequence ops (llama_memory_seq_*) ---------------------------------------------
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.cells.seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.cells.seq_pos_max(seq_id)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return self.cells.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.cells.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self.cells.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        """Shift positions; the cached K rows are re-rotated before the next decode."""
+        self.cells.seq_add(seq_id, p0, p1, shift)
+
+    def clear(self) -> None:
+        self.cells.clear()

@@ -1,0 +1,154 @@
+"""The model: hparams, vocab and weight tensors placed on devices (llama_model), and
+`load_model`, the entry point that runs steps 2-6 of the pipeline: open the file, pick the
+architecture, load hparams and vocab, declare tensors, load their data."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ggmlx.tensor import Tensor
+from llm.arch import get_arch
+from llm.errors import ModelLoadError
+from llm.hparams import HParams, load_hparams
+from llm.loader import ModelLoader, TensorFlag
+
+
+@dataclass
+class Layer:
+    """One repeating block's weights (llama_layer); absent tensors stay None."""
+    attn_norm: Tensor | None = None
+    wq: Tensor | None = None
+    wk: Tensor | None = None
+    wv: Tensor | None = None
+    wqkv: Tensor | None = None
+    wo: Tensor | None = None
+    bq: Tensor | None = None
+    bk: Tensor | None = None
+    bv: Tensor | None = None
+    bo: Tensor | None = None
+    attn_q_norm: Tensor | None = None
+    attn_k_norm: Tensor | None = None
+    attn_post_norm: Tensor | None = None
+    ffn_norm: Tensor | None = None
+    ffn_gate: Tensor | None = None
+    ffn_up: Tensor | None = None
+    ffn_down: Tensor | None = None
+    ffn_post_norm: Tensor | None = None
+    ffn_gate_inp: Tensor | None = None
+    ffn_gate_exps: Tensor | None = None
+    ffn_up_exps: Tensor | None = None
+    ffn_down_exps: Tensor | None = None
+    rope_freqs: Tensor | None = None
+
+
+@dataclass
+class Placement:
+    """Where each part of the model lives: the input layer on the CPU (as llama.cpp keeps
+    it), each repeating layer and the output layer on the device chosen for it."""
+    dev_input: jax.Device
+    dev_layer: list[jax.Device]
+    dev_output: jax.Device
+
+
+def place_layers(n_layer: int, devices: list[jax.Device] | None, n_gpu_layers: int,
+                 tensor_split: list[float] | None) -> Placement:
+    """llama.cpp's layer assignment: the last `n_gpu_layers` repeating layers are offloaded
+    and spread over `devices` in proportion to `tensor_split`; the output layer is
+    offloaded when n_gpu_layers > n_layer (or -1)."""
+    cpu = jax.devices("cpu")[0]
+    if devices is None:
+        devices = [d for d in jax.devices() if d.platform != "cpu"]
+    devices = list(devices)
+    if n_gpu_layers < 0 or n_gpu_layers > n_layer:
+        n_gpu_layers = n_layer + 1
+    if not devices:
+        return Placement(cpu, [cpu] * n_layer, cpu)
+    if tensor_split is None:
+        tensor_split = [1.0] * len(devices)
+    if len(tensor_split) != len(devices) or any(s < 0 for s in tensor_split) or sum(tensor_split) <= 0:
+        raise ValueError(f"tensor_split {tensor_split} must give one non-negative share per device "
+                         f"({len(devices)} devices) with a positive sum")
+    cum = np.cumsum(tensor_split) / np.sum(tensor_split)
+    i_gpu_start = max(n_layer - n_gpu_layers, 0)
+    dev_layer = []
+    for il in range(n_layer):
+        if il < i_gpu_start:
+            dev_layer.append(cpu)
+            continue
+        frac = (il - i_gpu_start) / max(n_layer - i_gpu_start, 1)
+        dev_layer.append(devices[int(np.searchsorted(cum, frac, side="right"))])
+    dev_output = devices[-1] if n_gpu_layers > n_layer else cpu
+    return Placement(cpu, dev_layer, dev_output)
+
+
+@dataclass
+class Model:
+    path: str
+    arch: str
+    hparams: HParams
+    vocab: object
+    builder: object
+    placement: Placement | None = None
+    tok_embd: Tensor | None = None
+    output_norm: Tensor | None = None
+    output: Tensor | None = None
+    layers: list[Layer] = field(default_factory=list)
+    n_bytes: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_vocab(self) -> int:
+        return self.hparams.n_vocab
+
+    def weight_tensors(self) -> list[Tensor]:
+        out = [t for t in (self.tok_embd, self.output_norm, self.output) if t is not None]
+        for layer in self.layers:
+            out += [t for t in vars(layer).values() if t is not None]
+        return out
+
+
+def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None, n_gpu_layers: int = -1,
+               tensor_split: list[float] | None = None, vocab_only: bool = False,
+               progress_callback: Callable[[float], bool] | None = None) -> Model:
+    """Load a GGUF model (see DESIGN.md). `devices` hold the repeating layers (default: the
+    accelerators; pass CPU devices to split over simulated devices)."""
+    from llm import models  # noqa: F401  (registers the architecture builders)
+    from llm.vocab import load_vocab
+
+    ml = ModelLoader(path)
+    try:
+        arch = ml.arch_name
+        builder = get_arch(arch)
+        hp = load_hparams(ml.kv, arch, path=ml.path)
+        vocab = load_vocab(ml.kv, path=ml.path)
+        meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
+        model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta)
+        if vocab_only:
+            return model
+        model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
+        builder.load_tensors(model, ml)
+        ml.check_all_used()
+        model.n_bytes = ml.load_all_data(progress_callback)
+        return model
+    finally:
+        ml.close()
+
+
+def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> None:
+    """Output norm and projection; a model without output.weight ties it to token_embd
+    (loaded again on the output device when that differs, like TENSOR_DUPLICATED)."""
+    from llm.arch import LLMTensor, tn
+    dev = model.placement.dev_output
+    model.output_norm = ml.create_tensor(tn(LLMTensor.OUTPUT_NORM, "weight"), (n_embd,), dev)
+    model.output = ml.create_tensor(tn(LLMTensor.OUTPUT, "weight"), (n_embd, n_vocab), dev,
+                                    TensorFlag.NOT_REQUIRED)
+    if model.output is None:
+        if dev == model.placement.dev_input:
+            model.output = model.tok_embd
+        else:
+            model.output = ml.create_tensor(tn(LLMTensor.TOKEN_EMBD, "weight"), (n_embd, n_vocab), dev,
+                                            TensorFlag.DUPLICATED)

@@ -1,0 +1,87 @@
+"""Gemma 3: llama.cpp's src/models/gemma3.cpp.
+
+Embeddings scaled by sqrt(n_embd); RMS-normed queries and keys; post-attention and
+post-FFN norms; a GELU-gated FFN; 5 sliding-window layers for each global one, the local
+layers with their own rope base; tied output embeddings."""
+from __future__ import annotations
+
+import math
+
+from ggmlx import ops
+from llm.arch import LLMTensor as T, register_arch, tn
+from llm.graph import GraphBuilder
+from llm.model import Layer, Model, create_output
+
+
+@register_arch("gemma3")
+class Gemma3:
+    @staticmethod
+    def load_tensors(model: Model, ml) -> None:
+        hp = model.hparams
+        n_embd, n_vocab = hp.n_embd, hp.n_vocab
+        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
+        model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab),
+                                          model.placement.dev_input)
+        create_output(model, ml, n_embd, n_vocab)
+        for il in range(hp.n_layer):
+            dev = model.placement.dev_layer[il]
+            n_head, n_ff = hp.n_head(il), hp.n_ff(il)
+            layer = Layer()
+            layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
+            layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, d_k * n_head), dev)
+            layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
+            layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
+            layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (d_v * n_head, n_embd), dev)
+            layer.attn_q_norm = ml.create_tensor(tn(T.ATTN_Q_NORM, "weight", il), (d_k,), dev)
+            layer.attn_k_norm = ml.create_tensor(tn(T.ATTN_K_NORM, "weight", il), (d_k,), dev)
+            layer.attn_post_norm = ml.create_tensor(tn(T.ATTN_POST_NORM, "weight", il), (n_embd,), dev)
+            layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+            layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
+            layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+            layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+            layer.ffn_post_norm = ml.create_tensor(tn(T.FFN_POST_NORM, "weight", il), (n_embd,), dev)
+            model.layers.append(layer)
+
+    @staticmethod
+    def build_graph(g: GraphBuilder) -> None:
+        m, hp = g.model, g.hparams
+        d_k = hp.n_embd_head_k
+        n_tokens = g.n_tokens
+
+        inpL = g.build_inp_embd(m.tok_embd)
+        inpL = g.cb(ops.scale(inpL, math.sqrt(hp.n_embd)), "inp_scaled")
+        inp_pos = g.build_inp_pos()
+        inp_attn = g.build_attn_inp_kv()
+        inp_out_ids = g.build_inp_out_ids()
+
+        for il in range(hp.n_layer):
+            layer = m.layers[il]
+
+
+            cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+            q = g.cb(ops.mul_mat(layer.wq, cur), "Qcur", il)
+            k = g.cb(ops.mul_mat(layer.wk, cur), "Kcur", il)
+            v = g.cb(ops.mul_mat(layer.wv, cur), "Vcur", il)
+            q = ops.reshape_3d(q, d_k, hp.n_head(il), n_tokens)
+            k = ops.reshape_3d(k, d_k, hp.n_head_kv(il), n_tokens)
+            v = ops.reshape_3d(v, hp.n_embd_head_v, hp.n_head_kv(il), n_tokens)
+            q = g.cb(g.build_norm(q, layer.attn_q_norm, None, "rms", il), "Qcur_normed", il)
+            k = g.cb(g.build_norm(k, layer.attn_k_norm, None, "rms", il), "Kcur_normed", il)
+            q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
+            k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+            q = g.cb(ops.scale(q, hp.f_attention_scale), "Qcur_scaled", il)
+
+            cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0, il)
+            cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, "rms", il), "attn_post_norm", il)
+            if il == hp.n_layer - 1 and inp_out_ids is not None:
+                cur = ops.get_rows(cur, inp_out_ids)
+                inpL = ops.get_rows(inpL, inp_out_ids)
+            sa_out = g.cb(ops.add(cur, inpL), "sa_out", il)
+
+            cur = g.cb(g.build_norm(sa_out, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "gelu", il)
+            cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", il), "ffn_post_norm", il)
+            g.cb(cur, "ffn_out", il)
+            inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
+
+        g.build_output(inpL, final_softcap=hp.f_final_logit_softcapping)

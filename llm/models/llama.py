@@ -1,0 +1,93 @@
+"""LLaMA (and Mistral, SmolLM, ...): llama.cpp's src/models/llama.cpp.
+
+Pre-norm blocks with RMS norm, rotary attention (NORMAL rope), grouped-query attention,
+a SiLU-gated FFN or a softmax-gated mixture of experts."""
+from __future__ import annotations
+
+import math
+
+from ggmlx import ops
+from llm.arch import LLMTensor as T, register_arch, tn
+from llm.graph import GraphBuilder
+from llm.loader import ModelLoader, TensorFlag
+from llm.model import Layer, Model, create_output
+
+
+@register_arch("llama")
+class Llama:
+    @staticmethod
+    def load_tensors(model: Model, ml: ModelLoader) -> None:
+        hp = model.hparams
+        n_embd, n_vocab = hp.n_embd, hp.n_vocab
+        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
+        model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab),
+                                          model.placement.dev_input)
+        create_output(model, ml, n_embd, n_vocab)
+        for il in range(hp.n_layer):
+            dev = model.placement.dev_layer[il]
+            n_head, n_ff = hp.n_head(il), hp.n_ff(il)
+            layer = Layer()
+            layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
+            layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, d_k * n_head), dev)
+            layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
+            layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
+            layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (d_v * n_head, n_embd), dev)
+            layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+            if hp.n_expert == 0:
+                layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
+                layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+                layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+            else:
+                n_exp = hp.n_expert
+                layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
+                layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+                layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
+                layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+            # one copy per layer, so each layer's rope runs on its own device
+            flags = TensorFlag.NOT_REQUIRED | (TensorFlag.DUPLICATED if il else TensorFlag.NONE)
+            layer.rope_freqs = ml.create_tensor(tn(T.ROPE_FREQS, "weight"), (hp.n_rot // 2,), dev, flags)
+            model.layers.append(layer)
+
+    @staticmethod
+    def build_graph(g: GraphBuilder) -> None:
+        m, hp = g.model, g.hparams
+        d_k = hp.n_embd_head_k
+        n_tokens = g.n_tokens
+        kq_scale = hp.f_attention_scale if hp.f_attention_scale else 1.0 / math.sqrt(d_k)
+
+
+        inpL = g.build_inp_embd(m.tok_embd)
+        inp_pos = g.build_inp_pos()
+        inp_attn = g.build_attn_inp_kv()
+        inp_out_ids = g.build_inp_out_ids()
+
+        for il in range(hp.n_layer):
+            layer = m.layers[il]
+            inpSA = inpL
+            cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+
+            q = g.cb(ops.mul_mat(layer.wq, cur), "Qcur", il)
+            k = g.cb(ops.mul_mat(layer.wk, cur), "Kcur", il)
+            v = g.cb(ops.mul_mat(layer.wv, cur), "Vcur", il)
+            q = ops.reshape_3d(q, d_k, hp.n_head(il), n_tokens)
+            k = ops.reshape_3d(k, d_k, hp.n_head_kv(il), n_tokens)
+            v = ops.reshape_3d(v, hp.n_embd_head_v, hp.n_head_kv(il), n_tokens)
+            q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
+            k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+
+            cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
+            if il == hp.n_layer - 1 and inp_out_ids is not None:
+                cur = ops.get_rows(cur, inp_out_ids)
+                inpSA = ops.get_rows(inpSA, inp_out_ids)
+            ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
+
+            cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+            if layer.ffn_gate_inp is None:
+                cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
+            else:
+                cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
+                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
+            g.cb(cur, "ffn_out", il)
+            inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+
+        g.build_output(inpL)
