@@ -231,7 +231,8 @@ def _set_rows(env, n: Tensor):
     d = env[dst]
     v = _f32(env[src]).astype(d.dtype)
     rows = env[idx].reshape(-1).astype(jnp.int32)
-    return d.at[:, :, rows, :].set(v, mode="drop")
+    # negative indices must be dropped too, not wrapped to the last rows as numpy indexing would
+    return d.at[:, :, rows, :].set(v, mode="drop", wrap_negative_indices=False)
 
 
 def _argsort(a, order):
