@@ -233,7 +233,7 @@ def compute(graph: Graph, inputs: dict[Tensor, object] | None = None,
             device=None, extra_outputs: list[Tensor] = ()):
     """Run a whole graph on one device. Returns ({output tensor: value}, {state leaf: new value}).
     State arrays passed in are donated: use the returned ones afterwards."""
-    cache = cache or get_default_cache()
+    cache = cache if cache is not None else get_default_cache()   # an empty GraphCache is falsy (__len__)
     device = device or jax.devices()[0]
     prog = Program.from_graph(graph, list(extra_outputs), device)
     inputs = inputs or {}
