@@ -1,0 +1,181 @@
+"""Quantizers for the legacy block types, bit-exact with ggml's quantize_row_*_ref.
+
+One kernel per type, written for numpy and jax.numpy alike (see ggmlx.quants.kernels):
+float32 [n_blocks, 32] -> uint8 [n_blocks, type_size]. `quantize` runs them on the host
+and returns file bytes; `quantize_jax` runs them on device (inside jit too, e.g. for a
+quantized KV cache) and returns the device layout that `dequantize_jax` reads.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..types import GGMLType, TypeSizeError, block_size, type_size
+from .jax_dequant import JAX
+from .kernels import NUMPY, ArrayOps
+
+F32 = np.float32
+
+
+def _f16_bytes(ops: ArrayOps, v):
+    """float32 [n, 1] -> its f16 (round to nearest even, as GGML_FP32_TO_FP16) as 2 bytes [n, 2]."""
+    xp = ops.xp
+    u = ops.bitcast(v.astype(xp.float16), xp.uint16)
+    return xp.concatenate([(u & 0xFF).astype(xp.uint8), (u >> 8).astype(xp.uint8)], axis=1)
+
+
+def _inverse(ops: ArrayOps, d):
+    """1 / d, and 0 where d == 0 (`d ? 1.0f/d : 0.0f`)."""
+    xp = ops.xp
+    zero = d == 0
+    return xp.where(zero, F32(0), F32(1) / xp.where(zero, F32(1), d))
+
+
+def _roundf(ops: ArrayOps, x):
+    """C roundf: to nearest, halfway cases away from zero."""
+    xp = ops.xp
+    a = xp.abs(x)
+    whole = xp.floor(a)
+    r = whole + (a - whole >= 0.5).astype(F32)
+    return xp.where(x < 0, -r, r)
+
+
+def _signed_max(ops: ArrayOps, x):
+    """The element of largest magnitude per block (the first one on ties), keeping its sign."""
+    xp = ops.xp
+    i = xp.argmax(xp.abs(x), axis=1)[:, None]
+    return xp.take_along_axis(x, i, axis=1)
+
+
+def _pack_nibbles(q):
+    """uint8 [n, 32] in 0..15 -> [n, 16]: element j in the low nibble, element j + 16 in the high."""
+    return (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
+
+
+def _pack_high_bits(ops: ArrayOps, q):
+    """Bit 4 of each of 32 quants -> 4 bytes (the little-endian uint32 qh of Q5_0 / Q5_1)."""
+    xp = ops.xp
+    n = q.shape[0]
+    bits = ((q >> 4) & 1).reshape(n, 4, 8) << xp.asarray(np.arange(8, dtype=np.uint8))
+    return xp.sum(bits, axis=2).astype(xp.uint8)
+
+
+def _trunc_clip(ops: ArrayOps, v, qmax: int):
+    """C `(int8_t) v` (toward zero), limited to 0..qmax, as uint8."""
+    xp = ops.xp
+    return xp.clip(xp.trunc(v), 0, qmax).astype(xp.uint8)
+
+
+def quantize_q8_0(ops: ArrayOps, x):
+    """d = amax / 127, q = roundf(x / d) as int8."""
+    xp = ops.xp
+    d = xp.max(xp.abs(x), axis=1, keepdims=True) / F32(127)
+    q = _roundf(ops, x * _inverse(ops, d)).astype(xp.int8)
+    return xp.concatenate([_f16_bytes(ops, d), ops.bitcast(q, xp.uint8)], axis=1)
+
+
+def quantize_q4_0(ops: ArrayOps, x):
+    """d = max / -8 (max: the signed element of largest magnitude), q = min(15, trunc(x / d + 8.5))."""
+    xp = ops.xp
+    d = _signed_max(ops, x) / F32(-8)
+    q = _trunc_clip(ops, ops.rounded(x * _inverse(ops, d)) + F32(8.5), 15)
+    return xp.concatenate([_f16_bytes(ops, d), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q4_1(ops: ArrayOps, x):
+    """d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)); stores d and min."""
+    xp = ops.xp
+    lo = xp.min(x, axis=1, keepdims=True)
+    d = (xp.max(x, axis=1, keepdims=True) - lo) / F32(15)
+    q = _trunc_clip(ops, ops.rounded((x - lo) * _inverse(ops, d)) + F32(0.5), 15)
+    return xp.concatenate([_f16_bytes(ops, d), _f16_bytes(ops, lo), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_0(ops: ArrayOps, x):
+    """d = max / -16, q = min(31, trunc(x / d + 16.5)); low nibbles in qs, bit 4 in qh."""
+    xp = ops.xp
+    d = _signed_max(ops, x) / F32(-16)
+    q = _trunc_clip(ops, ops.rounded(x * _inverse(ops, d)) + F32(16.5), 31)
+    return xp.concatenate([_f16_bytes(ops, d), _pack_high_bits(ops, q), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_1(ops: ArrayOps, x):
+    """d = (max - min) / 31, q = trunc((x - min) / d + 0.5); stores d and min."""
+    xp = ops.xp
+    lo = xp.min(x, axis=1, keepdims=True)
+    d = (xp.max(x, axis=1, keepdims=True) - lo) / F32(31)
+    q = _trunc_clip(ops, ops.rounded((x - lo) * _inverse(ops, d)) + F32(0.5), 31)
+    return xp.concatenate([_f16_bytes(ops, d), _f16_bytes(ops, lo), _pack_high_bits(ops, q),
+                           _pack_nibbles(q)], axis=1)
+
+
+QUANTIZE_KERNELS: dict[GGMLType, Callable[[ArrayOps, Any], Any]] = {
+    GGMLType.Q4_0: quantize_q4_0,
+    GGMLType.Q4_1: quantize_q4_1,
+    GGMLType.Q5_0: quantize_q5_0,
+    GGMLType.Q5_1: quantize_q5_1,
+    GGMLType.Q8_0: quantize_q8_0,
+}
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16: round to nearest even; NaN stays NaN (quieted)."""
+    n = x.view(np.uint32)
+    nan = (n & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((n.astype(np.uint64) + (0x7FFF + ((n >> 16) & 1))) >> 16).astype(np.uint16)
+    quiet = ((n >> 16) | 64).astype(np.uint16)
+    return np.where(nan, quiet, rounded)
+
+
+QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS)
+
+
+def _check_quantize(x_shape: tuple[int, ...], t: GGMLType | int, what: str, allowed) -> GGMLType:
+    try:
+        t = GGMLType(t)
+    except ValueError:
+        raise ValueError(f"{what}: unknown ggml type id {t!r}") from None
+    if t not in allowed:
+        raise NotImplementedError(f"{what}: quantizing to {t.name} is not supported "
+                                  f"(supported: {', '.join(a.name for a in allowed)})")
+    if not x_shape or x_shape[-1] % block_size(t):
+        raise TypeSizeError(f"{what}: rows of shape {x_shape} are not a multiple of the {t.name} "
+                            f"block size {block_size(t)}")
+    return t
+
+
+def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
+    """float32 array [..., ne0] -> uint8 [..., row bytes]: the GGUF bytes of each row.
+
+    Bit-exact with ggml's quantize_row_*_ref (and gguf-py's quantize). Non-finite input
+    raises ValueError (ggml's result for it is undefined).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    t = _check_quantize(x.shape, type, "quantize", QUANTIZE_TYPES)
+    if t == GGMLType.F32:
+        return x.view(np.uint8).reshape(*x.shape[:-1], -1)
+    if t == GGMLType.F16:
+        with np.errstate(over="ignore"):  # beyond the f16 range -> inf, as in ggml
+            return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], -1)
+    if t == GGMLType.BF16:
+        return _bf16_bits(np.ascontiguousarray(x)).view(np.uint8).reshape(*x.shape[:-1], -1)
+    if not np.isfinite(x).all():
+        raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
+    blocks = np.ascontiguousarray(x).reshape(-1, block_size(t))
+    with np.errstate(over="ignore"):  # a scale beyond the f16 range is stored as inf, as in ggml
+        q = QUANTIZE_KERNELS[t](NUMPY, blocks)
+    return q.reshape(*x.shape[:-1], -1)
+
+
+def quantize_jax(x, type: GGMLType | int):
+    """float32 [..., ne0] -> uint8 [..., ne0 // 32, type_size] on device (the layout of dequantize_jax).
+
+    Usable inside jax.jit; types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. Same bytes as `quantize` for
+    finite input.
+    """
+    x = jnp.asarray(x, dtype=jnp.float32)
+    t = _check_quantize(tuple(x.shape), type, "quantize_jax", tuple(QUANTIZE_KERNELS))
+    q = QUANTIZE_KERNELS[t](JAX, x.reshape(-1, block_size(t)))
+    return q.reshape(*x.shape[:-1], x.shape[-1] // block_size(t), type_size(t))
