@@ -100,6 +100,13 @@ def _buffer_backend(t: Tensor) -> Backend | None:
     return None
 
 
+def _on_device(x, device: jax.Device):
+    """x (an array or a DeviceWeight) on device, copied only when it lives elsewhere: a
+    state already there must be passed as is, so that donating it updates it in place."""
+    arr = x.array if isinstance(x, weights.DeviceWeight) else x
+    return x if arr.devices() == {device} else jax.device_put(x, device)
+
+
 class Scheduler:
     """Places graphs over a list of backends and runs them through a GraphCache."""
 
@@ -162,9 +169,11 @@ class Scheduler:
                     j = split_of.get(src.id)
                     if j is not None and j != i:
                         needed_later.setdefault(j, set()).add(src.id)
-                        if splits[j].backend != s.backend and src.id not in seen:
-                            s.copies.append(src)
-                            seen.add(src.id)
+                    # a node from another backend's split, or a weight/state living elsewhere
+                    home = splits[j].backend if j is not None else place.get(src.id)
+                    if home is not None and home != s.backend and src.id not in seen:
+                        s.copies.append(src)
+                        seen.add(src.id)
         for i, s in enumerate(splits):
             outs = [n for n in s.nodes if n.id in wanted or n.id in needed_later.get(i, ())]
             s.program = Program.from_nodes(s.nodes, outs, s.backend.device)
@@ -183,7 +192,7 @@ class Scheduler:
         for t in prog.weights:
             if not isinstance(t.data, weights.DeviceWeight):
                 raise ValueError(f"weight {t.name!r} has no device data")
-            w_vals.append(t.data)
+            w_vals.append(_on_device(t.data, dev))
         in_vals = []
         for t in prog.inputs:
             if t.id in values:
@@ -197,7 +206,7 @@ class Scheduler:
         for t in prog.states:
             if t not in state:
                 raise ValueError(f"no buffer for state {t.name!r}")
-            st_vals.append(state[t])
+            st_vals.append(_on_device(state[t], dev))
         return w_vals, in_vals, st_vals
 
     def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]) -> None:
@@ -226,8 +235,10 @@ class Scheduler:
             outs, new_st = s.compiled(w, i, st)
             for t, v in zip(s.program.outputs, outs):
                 values[t.id] = v
+            copied = {c.id for c in s.copies}
             for t, v in zip(s.program.states, new_st):
-                state[t] = v
+                if t.id not in copied:      # a copied-in state is only read here; its home keeps it
+                    state[t] = v
             if self.cb_eval is not None:
                 for t in s.program.outputs:
                     if t in plan.observed and not self.cb_eval(Observed(t, np.asarray(values[t.id])), False):
