@@ -312,11 +312,14 @@ class Dist(Sampler):
             cur.selected = 0
             return
         max_l = cur.logits[0] if cur.sorted else cur.logits.max()
-        e = np.exp(cur.logits - max_l)
-        cum = np.cumsum(e, dtype=np.float64)   # sequential double sums, as llama.cpp's loop
-        total = cum[-1]
-        cur.selected = min(int(np.searchsorted(cum, total * rnd, side="left")), cur.size - 1)
-        cur.p = (e / total).astype(_F32)
+        e = cur.logits - max_l
+        np.exp(e, out=e)
+        buf = e.astype(np.float64)
+        np.cumsum(buf, out=buf)                 # sequential double sums, as llama.cpp's loop
+        total = buf[-1]
+        cur.selected = min(int(np.searchsorted(buf, total * rnd, side="left")), cur.size - 1)
+        np.divide(e, total, out=buf)            # float p / double sum, rounded back to float
+        cur.p = buf.astype(_F32)
 
     def reset(self) -> None:
         self.seed_cur = _rng_seed(self.seed)
