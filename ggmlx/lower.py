@@ -39,11 +39,18 @@ def _tile_to(b, shape):
     return jnp.tile(b, [sd // bd for sd, bd in zip(shape, b.shape)])
 
 
-def _value_f32(env, t: Tensor):
-    """A source's value as f32; weights are materialized (dequantized) where they are read."""
+def _value(env, t: Tensor):
+    """A source's value; a weight leaf is read where it is used: plain types keep their
+    dtype, block-quantized ones are dequantized to f32."""
     if t.flags & Flag.WEIGHT:
-        return weights.materialize(env[t])
-    return _f32(env[t])
+        w = env[t]
+        return w.array if w.spec.format == weights.FORMAT_PLAIN else weights.materialize(w)
+    return env[t]
+
+
+def _value_f32(env, t: Tensor):
+    """A source's value as f32."""
+    return _f32(_value(env, t))
 
 
 # ---- views -----------------------------------------------------------------------------
@@ -88,7 +95,7 @@ def strided_window(flat, esz: int, ne, nb, offset: int):
 
 def _view(env, t: Tensor):
     base, offs = _view_base(t)
-    flat = env[base].reshape(-1) if not base.flags & Flag.WEIGHT else weights.materialize(env[base]).reshape(-1)
+    flat = _value(env, base).reshape(-1)
     return strided_window(flat, types.type_size(t.type), t.ne, t.nb, offs)
 
 
@@ -221,16 +228,16 @@ def _get_rows(env, n: Tensor):
     if a.flags & Flag.WEIGHT and a.ne[2] == 1 and a.ne[3] == 1 and b.ne[1] == 1 and b.ne[2] == 1:
         rows = weights.get_rows(env[a], idx.reshape(-1))
         return rows.reshape(n.shape)
-    src = _value_f32(env, a) if a.type != GGMLType.I32 else env[a]
+    src = _value_f32(env, a) if a.type != GGMLType.I32 else _value(env, a)
     # src [A3, A2, R, ne0]; per (i3, i2) channel pick rows idx[0, i3, i2]
     return jax.vmap(jax.vmap(lambda m, i: jnp.take(m, i, axis=0)))(src, idx[0])
 
 
 def _set_rows(env, n: Tensor):
     dst, src, idx = n.src
-    d = env[dst]
-    v = _f32(env[src]).astype(d.dtype)
-    rows = env[idx].reshape(-1).astype(jnp.int32)
+    d = _value(env, dst)
+    v = _value_f32(env, src).astype(d.dtype)
+    rows = _value(env, idx).reshape(-1).astype(jnp.int32)
     # negative indices must be dropped too, not wrapped to the last rows as numpy indexing would
     return d.at[:, :, rows, :].set(v, mode="drop", wrap_negative_indices=False)
 
@@ -281,41 +288,40 @@ def eval_node(n: Tensor, env):
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
     if op is Op.ROPE:
         ff = _value_f32(env, s[2]) if len(s) > 2 else None
-        return _rope(env[s[0]], env[s[1]].reshape(-1), ff, n.op_params)
+        return _rope(_value(env, s[0]), _value(env, s[1]).reshape(-1), ff, n.op_params)
     if op is Op.SOFT_MAX:
-        mask = env[s[1]] if len(s) > 1 else None
+        mask = _value(env, s[1]) if len(s) > 1 else None
         return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
     if op is Op.FLASH_ATTN_EXT:
-        mask = env[s[3]] if len(s) > 3 else None
-        return _flash_attn(env[s[0]], env[s[1]], env[s[2]], mask, *n.op_params)
+        mask = _value(env, s[3]) if len(s) > 3 else None
+        return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, *n.op_params)
     if op is Op.VIEW:
         return _view(env, n)
     if op is Op.RESHAPE:
-        return env[s[0]].reshape(n.shape)
+        return _value(env, s[0]).reshape(n.shape)
     if op is Op.PERMUTE:
         axes = n.op_params
         # ggml dim i -> dim axes[i]; in numpy order dim d is axis 3 - d
         order = [0] * 4
         for i, ax in enumerate(axes):
             order[3 - ax] = 3 - i
-        return jnp.transpose(env[s[0]], order)
+        return jnp.transpose(_value(env, s[0]), order)
     if op is Op.CONT:
-        return env[s[0]]
+        return _value(env, s[0])
     if op is Op.CPY:
-        src = weights.materialize(env[s[0]]) if s[0].flags & Flag.WEIGHT else env[s[0]]
-        return src.reshape(n.shape).astype(jnp_dtype(n.type))
+        return _value(env, s[0]).reshape(n.shape).astype(jnp_dtype(n.type))
     if op is Op.SET_ROWS:
         return _set_rows(env, n)
     if op is Op.CONCAT:
-        return jnp.concatenate([env[s[0]], env[s[1]]], axis=3 - n.op_params[0])
+        return jnp.concatenate([_value(env, s[0]), _value(env, s[1])], axis=3 - n.op_params[0])
     if op is Op.SUM_ROWS:
         return jnp.sum(_value_f32(env, s[0]), axis=-1, keepdims=True)
     if op is Op.ARGSORT:
-        return _argsort(env[s[0]], n.op_params[0])
+        return _argsort(_value(env, s[0]), n.op_params[0])
     if op is Op.TOP_K:
-        return jax.lax.top_k(_f32(env[s[0]]), n.op_params[0])[1].astype(jnp.int32)
+        return jax.lax.top_k(_value_f32(env, s[0]), n.op_params[0])[1].astype(jnp.int32)
     if op is Op.MUL_MAT_ID:
-        return _mul_mat_id(_value_f32(env, s[0]), _value_f32(env, s[1]), env[s[2]])
+        return _mul_mat_id(_value_f32(env, s[0]), _value_f32(env, s[1]), _value(env, s[2]))
     raise NotImplementedError(f"no lowering for op {op.value} (node {n.name!r})")
 
 
