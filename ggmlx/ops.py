@@ -285,8 +285,8 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
         _fail("flash_attn_ext", "n_head must be a multiple of n_head_kv", q, k)
     src = (q, k, v)
     if mask is not None:
-        if mask.ne[0] != k.ne[1] or mask.ne[1] < q.ne[1]:
-            _fail("flash_attn_ext", "mask must be [n_kv, >= n_q]", mask, q, k)
+        if mask.ne[0] != k.ne[1] or mask.ne[1] < q.ne[1] or q.ne[2] % mask.ne[2] or q.ne[3] % mask.ne[3]:
+            _fail("flash_attn_ext", "mask must be [n_kv, >= n_q] and broadcast over dims 2, 3", mask, q, k)
         src = (q, k, v, mask)
     return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src,
                  (float(scale), float(max_bias), float(logit_softcap)))
