@@ -32,7 +32,6 @@ from .kernels import DEQUANTIZE_KERNELS, ArrayOps
 from .numpy_ref import check_type, numpy_shape
 
 
-
 def _rounded(x: jax.Array) -> jax.Array:
     """float32 x, rounded before its next use (no fused multiply-add with what follows).
 

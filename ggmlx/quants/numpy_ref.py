@@ -13,7 +13,7 @@ from .kernels import DEQUANTIZE_KERNELS, FLOAT_TYPES, NUMPY
 
 # Elements per numpy chunk: large enough to amortize per-call overhead, small enough
 # that a chunk's temporaries stay in cache.
-CHUNK_ELEMENTS = 1 << 16
+CHUNK_ELEMENTS = 1 << 17
 
 SUPPORTED_TYPES: tuple[GGMLType, ...] = FLOAT_TYPES + tuple(DEQUANTIZE_KERNELS)
 

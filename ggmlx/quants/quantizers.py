@@ -15,6 +15,7 @@ import numpy as np
 from ..types import GGMLType, TypeSizeError, block_size, type_size
 from .jax_dequant import JAX
 from .kernels import NUMPY, ArrayOps
+from .numpy_ref import CHUNK_ELEMENTS
 
 F32 = np.float32
 
@@ -152,7 +153,7 @@ def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
     Bit-exact with ggml's quantize_row_*_ref (and gguf-py's quantize). Non-finite input
     raises ValueError (ggml's result for it is undefined).
     """
-    x = np.asarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
     t = _check_quantize(x.shape, type, "quantize", QUANTIZE_TYPES)
     if t == GGMLType.F32:
         return x.view(np.uint8).reshape(*x.shape[:-1], -1)
@@ -160,13 +161,17 @@ def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
         with np.errstate(over="ignore"):  # beyond the f16 range -> inf, as in ggml
             return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], -1)
     if t == GGMLType.BF16:
-        return _bf16_bits(np.ascontiguousarray(x)).view(np.uint8).reshape(*x.shape[:-1], -1)
+        return _bf16_bits(x).view(np.uint8).reshape(*x.shape[:-1], -1)
     if not np.isfinite(x).all():
         raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
-    blocks = np.ascontiguousarray(x).reshape(-1, block_size(t))
+    kernel = QUANTIZE_KERNELS[t]
+    blocks = x.reshape(-1, block_size(t))
+    out = np.empty((blocks.shape[0], type_size(t)), dtype=np.uint8)
+    step = CHUNK_ELEMENTS // block_size(t)
     with np.errstate(over="ignore"):  # a scale beyond the f16 range is stored as inf, as in ggml
-        q = QUANTIZE_KERNELS[t](NUMPY, blocks)
-    return q.reshape(*x.shape[:-1], -1)
+        for start in range(0, blocks.shape[0], step):
+            out[start:start + step] = kernel(NUMPY, blocks[start:start + step])
+    return out.reshape(*x.shape[:-1], -1)
 
 
 def quantize_jax(x, type: GGMLType | int):
