@@ -74,10 +74,10 @@ class Graph:
         out = ["digraph G {", '  newrank = true;', '  rankdir = TB;']
         for t in self.leafs:
             out.append(f'  t{t.id} [shape=box, style=filled, fillcolor="{colour(t)}", '
-                       f'label="{_esc(_label(t, placement))}"];')
+                       f'label="{_label(t, placement)}"];')
         for t in self.nodes:
             out.append(f'  t{t.id} [shape=record, style="rounded,filled", fillcolor="{colour(t)}", '
-                       f'label="{_esc(_label(t, placement))}"];')
+                       f'label="{_label(t, placement)}"];')
         for t in self.nodes:
             for j, s in enumerate(t.src):
                 out.append(f'  t{s.id} -> t{t.id} [label="src{j}"];')
@@ -100,12 +100,16 @@ def _line(i: int, t: Tensor, placement) -> str:
 
 
 def _label(t: Tensor, placement) -> str:
-    where = f" | {placement(t)}" if placement else ""
-    return f"{t.name or '?'} | {t.op.value} | {t.type.name} {list(t.ne)}{where}"
+    """Record fields name | op | type shape [| backend]; free text is escaped field by field."""
+    where = f" | {_esc(placement(t))}" if placement else ""
+    return f"{_esc(t.name or '?')} | {t.op.value} | {t.type.name} {list(t.ne)}{where}"
 
 
 def _esc(s: str) -> str:
-    return s.replace('"', '\\"').replace("<", "\\<").replace(">", "\\>").replace("{", "\\{").replace("}", "\\}")
+    """Escape DOT record-label specials (a '|' in a name must not start a new field)."""
+    for c in '\\"<>{}|':
+        s = s.replace(c, "\\" + c)
+    return s
 
 
 def build_graph(outputs: Iterable[Tensor]) -> Graph:
