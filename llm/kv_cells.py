@@ -109,10 +109,12 @@ class KVCells:
         seq = self.seq
         single = (seq != 0) & ((seq & (seq - _ONE)) == 0)
         cand = np.flatnonzero(single & ~usable)
-        for bits in np.unique(seq[cand]):
-            cells = cand[seq[cand] == bits]
-            p_next = self.seq_pos_max(int(bits).bit_length() - 1) + 1
-            usable[cells] = is_masked_swa(self.n_swa, self.swa_type, self.pos[cells], p_next)
+        # a single-bit mask 2**s -> s (exact in float64 for every s < 64)
+        cand_seq = np.log2(seq[cand]).astype(np.int64)
+        p_next = np.zeros(self.n_seq_max, np.int64)
+        for s in np.flatnonzero(np.bincount(cand_seq, minlength=self.n_seq_max)):
+            p_next[s] = self.seq_pos_max(int(s)) + 1
+        usable[cand] = is_masked_swa(self.n_swa, self.swa_type, self.pos[cand], p_next[cand_seq])
         return usable
 
     def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
@@ -151,6 +153,10 @@ class KVCells:
             raise ValueError(f"slot of {slot.size} cells for a ubatch of {ubatch.n_tokens} tokens")
         idxs = slot.idxs
         occupied = idxs[self.pos[idxs] >= 0]
+        shared = occupied[(self.seq[occupied] & (self.seq[occupied] - _ONE)) != 0]
+        if shared.size:
+            raise ValueError(f"slot cell {int(shared[0])} is shared by several sequences and "
+                             f"cannot be overwritten")
         pos_max_rm: dict[int, int] = {}
         for bits in np.unique(self.seq[occupied]):
             s = int(bits).bit_length() - 1
@@ -314,14 +320,17 @@ class KVCells:
 
         cell_pos = self.pos[None, :n_kv]
         tok_pos = ubatch.pos[:, None]
-        first_seq = np.array([ids[0] for ids in ubatch.seq_id], dtype=np.uint64)
-        visible = (self.seq[None, :n_kv] & (_ONE << first_seq)[:, None]) != 0
+        # one membership row per distinct sequence (usually one), broadcast to its tokens
+        first_seq = np.array([ids[0] for ids in ubatch.seq_id])
+        visible = np.empty((n_tokens, n_kv), bool)
+        for s in np.unique(first_seq):
+            visible[first_seq == s] = (self.seq[:n_kv] & _bit(int(s))) != 0
         if causal:
             visible &= cell_pos <= tok_pos
         if swa_type != SWAType.NONE:
             visible &= ~is_masked_swa(n_swa, swa_type, cell_pos, tok_pos)
 
         mask = np.full((n_tokens_pad, n_kv), -np.inf, np.float32)
-        mask[:n_tokens][visible] = 0.0
+        np.copyto(mask[:n_tokens], np.float32(0.0), where=visible)
         mask[n_tokens:, 0] = 0.0
         return mask

@@ -320,6 +320,18 @@ def test_swa_cache_reuses_cells_out_of_the_window():
     assert cells.find_slot(_ub([6, 7, 8, 9])) is None
 
 
+def test_swa_cache_reuse_follows_each_sequence():
+    cells = KVCells(6, 2, swa_type=SWAType.STANDARD, n_swa=2)
+    _put(cells, [0, 1, 2], [0, 0, 0])
+    # sequence 0's next token (3) no longer sees positions 0 and 1: their cells are free
+    assert _put(cells, [0, 1, 2, 3], [1, 1, 1, 1]).idxs.tolist() == [3, 4, 5, 0]
+    assert cells.pos.tolist() == [3, 1, 2, 0, 1, 2] and cells.seq.tolist() == [2, 1, 1, 2, 2, 2]
+    # now: seq 0 (next 3) frees position 1 (cell 1); seq 1 (next 4) frees 0, 1, 2 (cells 3-5)
+    assert cells.find_slot(_ub([3], [0])).idxs.tolist() == [1]
+    assert cells.find_slot(_ub([3, 4, 5, 6], [0] * 4)).idxs.tolist() == [1, 3, 4, 5]
+    assert cells.find_slot(_ub([3, 4, 5, 6, 7], [0] * 5)) is None
+
+
 def test_reusing_a_cell_purges_older_positions():
     cells = KVCells(4, 1, swa_type=SWAType.STANDARD, n_swa=2)
     _put(cells, [0, 1, 2, 3])
@@ -329,10 +341,13 @@ def test_reusing_a_cell_purges_older_positions():
     assert (cells.seq_pos_min(0), cells.seq_pos_max(0)) == (3, 4)
 
 
-def test_apply_checks_the_slot_size():
-    cells = KVCells(4, 1)
+def test_apply_checks_the_slot():
+    cells = KVCells(4, 2)
     with pytest.raises(ValueError, match="slot of 1 cells for a ubatch of 2 tokens"):
         cells.apply(SlotInfo(np.array([0], np.int32)), _ub([0, 1]))
+    _put(cells, [0], [[0, 1]])
+    with pytest.raises(ValueError, match="slot cell 0 is shared by several sequences"):
+        cells.apply(SlotInfo(np.array([0], np.int32)), _ub([1]))
 
 
 def test_constructor_arguments():
