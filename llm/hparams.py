@@ -59,8 +59,8 @@ def is_masked_swa(n_swa: int, swa_type: SWAType, p0, p1) -> np.ndarray:
 
     p0 and p1 broadcast against each other (numpy arrays or ints); the result is a bool array.
     """
-    p0 = np.asarray(p0, dtype=np.int64)
-    p1 = np.asarray(p1, dtype=np.int64)
+    p0 = np.asarray(p0)
+    p1 = np.asarray(p1)
     if swa_type == SWAType.NONE:
         return np.zeros(np.broadcast_shapes(p0.shape, p1.shape), dtype=bool)
     if swa_type == SWAType.STANDARD:
