@@ -188,6 +188,13 @@ class Context:
         kv.update(new_state)
         kv.cells.reset_shift()
 
+    @property
+    def last_graph(self):
+        """(GraphBuilder, Plan) of the last ubatch's graph, for dumps and inspection."""
+        if self._prev is None:
+            raise ValueError("no graph yet: decode a batch first")
+        return self._prev
+
     # ---- outputs ---------------------------------------------------------------------
 
     def get_logits_ith(self, i: int) -> np.ndarray:
