@@ -100,6 +100,19 @@ def _buffer_backend(t: Tensor) -> Backend | None:
     return None
 
 
+def _state_buffer(t: Tensor, state: dict[Tensor, jax.Array]) -> jax.Array:
+    """The buffer given for state leaf t, checked against its shape (numpy order) and type:
+    a mismatch would otherwise fail deep inside tracing, naming no tensor."""
+    if t not in state:
+        raise ValueError(f"no buffer for state {t.name!r}")
+    buf = state[t]
+    want = lower.jnp_dtype(t.type)
+    if tuple(buf.shape) != t.shape or buf.dtype != want:
+        raise ValueError(f"state {t.name!r}: buffer is {buf.dtype}{list(buf.shape)}, "
+                         f"the graph needs {want}{list(t.shape)} (ne={list(t.ne)})")
+    return buf
+
+
 def _on_device(x, device: jax.Device):
     """x (an array or a DeviceWeight) on device, copied only when it lives elsewhere: a
     state already there must be passed as is, so that donating it updates it in place."""
@@ -202,11 +215,7 @@ class Scheduler:
                 in_vals.append(jax.device_put(v, dev))
             else:
                 raise ValueError(f"no value for input {t.name!r}")
-        st_vals = []
-        for t in prog.states:
-            if t not in state:
-                raise ValueError(f"no buffer for state {t.name!r}")
-            st_vals.append(_on_device(state[t], dev))
+        st_vals = [_on_device(_state_buffer(t, state), dev) for t in prog.states]
         return w_vals, in_vals, st_vals
 
     def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]) -> None:
@@ -220,7 +229,7 @@ class Scheduler:
         prog = split.program
         w = [t.data for t in prog.weights]
         i = [np.zeros(t.shape, lower.jnp_dtype(t.type)) for t in prog.inputs]
-        st = [state[t] for t in prog.states]
+        st = [_state_buffer(t, state) for t in prog.states]
         return w, i, st
 
     def compute(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]):
