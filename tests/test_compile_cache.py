@@ -1,0 +1,178 @@
+"""The compiled-graph cache: keyed by structure, never by weight values; misses say why;
+state is donated so a set_rows into the KV cache stays in place; the persistent XLA
+cache directory fills so a second process starts warm."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ggmlx import ops, weights
+from ggmlx.compile import GraphCache, compute
+from ggmlx.graph import Graph
+from ggmlx.tensor import new_input, new_state, new_weight
+from ggmlx.types import GGMLType as T
+
+N_EMBD, N_FF = 8, 12
+
+
+def mlp(w_up: np.ndarray, w_down: np.ndarray, n_tokens: int, eps: float = 1e-5):
+    """rms_norm -> up -> silu -> down, built from scratch each call (new Tensor objects)."""
+    x = new_input(T.F32, (N_EMBD, n_tokens), "inp_embd")
+    up = new_weight(T.F32, (N_EMBD, N_FF), "ffn_up.weight", weights.to_device(w_up, T.F32, (N_EMBD, N_FF)))
+    down = new_weight(T.F16, (N_FF, N_EMBD), "ffn_down.weight", weights.to_device(w_down, T.F16, (N_FF, N_EMBD)))
+    cur = ops.rms_norm(x, eps).set_name("ffn_norm")
+    cur = ops.silu(ops.mul_mat(up, cur).set_name("ffn_up")).set_name("ffn_act")
+    out = ops.mul_mat(down, cur).set_name("ffn_out")
+    return Graph().build_forward_expand(out), x, out
+
+
+def mlp_ref(xv, w_up, w_down, eps=1e-5):
+    x = xv.astype(np.float64)
+    x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    h = x @ w_up.astype(np.float64).T
+    h = h / (1 + np.exp(-h))
+    return h @ w_down.astype(np.float16).astype(np.float64).T
+
+
+def weights_pair(seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((N_FF, N_EMBD)).astype(np.float32),
+            rng.standard_normal((N_EMBD, N_FF)).astype(np.float32))
+
+
+def test_identical_rebuild_hits_and_changed_shape_compiles_once():
+    cache = GraphCache()
+    wu, wd = weights_pair(0)
+    xv = np.random.default_rng(1).standard_normal((3, N_EMBD))
+    g, x, out = mlp(wu, wd, 3)
+    compute(g, {x: xv}, cache=cache)
+    assert (cache.stats.misses, cache.stats.hits, len(cache)) == (1, 0, 1)
+    assert cache.stats.compile_seconds > 0
+
+    g, x, out = mlp(wu, wd, 3)                          # same structure, new Tensor objects
+    res, _ = compute(g, {x: xv}, cache=cache)
+    assert (cache.stats.misses, cache.stats.hits, len(cache)) == (1, 1, 1)
+    np.testing.assert_allclose(np.asarray(res[out])[0, 0], mlp_ref(xv, wu, wd), rtol=1e-5, atol=1e-5)
+
+    g, x, out = mlp(wu, wd, 5)                          # another n_tokens: exactly one compile
+    compute(g, {x: np.ones((5, N_EMBD))}, cache=cache)
+    assert (cache.stats.misses, cache.stats.hits, len(cache)) == (2, 1, 2)
+    reason = cache.last_miss_reason
+    assert "inp_embd" in reason and "[8, 5, 1, 1]" in reason and "[8, 3, 1, 1]" in reason, reason
+    for n in (3, 5, 5, 3):
+        g, x, out = mlp(wu, wd, n)
+        compute(g, {x: np.ones((n, N_EMBD))}, cache=cache)
+    assert (cache.stats.misses, cache.stats.hits, len(cache)) == (2, 5, 2)
+
+
+def test_miss_reason_names_the_changed_node():
+    cache = GraphCache()
+    wu, wd = weights_pair(0)
+    g, x, _ = mlp(wu, wd, 3, eps=1e-5)
+    compute(g, {x: np.ones((3, N_EMBD))}, cache=cache)
+    g, x, _ = mlp(wu, wd, 3, eps=1e-6)                  # one op parameter differs
+    compute(g, {x: np.ones((3, N_EMBD))}, cache=cache)
+    assert cache.stats.misses == 2
+    reason = cache.last_miss_reason
+    assert "ffn_norm" in reason and "RMS_NORM" in reason and "1e-06" in reason and "1e-05" in reason, reason
+
+
+def test_weight_values_do_not_enter_the_key():
+    cache = GraphCache()
+    xv = np.random.default_rng(2).standard_normal((3, N_EMBD))
+    for seed in (10, 11, 12):
+        wu, wd = weights_pair(seed)
+        g, x, out = mlp(wu, wd, 3)
+        res, _ = compute(g, {x: xv}, cache=cache)
+        np.testing.assert_allclose(np.asarray(res[out])[0, 0], mlp_ref(xv, wu, wd), rtol=1e-5, atol=1e-5)
+    assert (cache.stats.misses, cache.stats.hits) == (1, 2)
+
+
+def kv_graph(n_ctx: int, n_tokens: int):
+    """Write n_tokens K rows into a state cache with set_rows and read the cache back
+    through a view (as llama's attention does); the output is the scores, not the cache."""
+    cache_k = new_state(T.F16, (N_EMBD, n_ctx), "cache_k_l0")
+    k_cur = new_input(T.F32, (N_EMBD, n_tokens), "Kcur")
+    k_idxs = new_input(T.I32, (n_tokens,), "k_idxs")
+    k_stored = ops.set_rows(cache_k, k_cur, k_idxs).set_name("k_stored")
+    k = ops.view_2d(k_stored, N_EMBD, n_ctx, k_stored.nb[1], 0).set_name("k")
+    kq = ops.mul_mat(k, k_cur).set_name("kq").set_output()
+    g = Graph()
+    g.build_forward_expand(k_stored)
+    g.build_forward_expand(kq)
+    return g, cache_k, k_cur, k_idxs, kq
+
+
+def test_state_updated_through_set_rows_is_donated_in_place():
+    cache = GraphCache()
+    n_ctx = 64
+    kv = jax.device_put(jnp.zeros((1, 1, n_ctx, N_EMBD), jnp.float16))
+    ptr = kv.unsafe_buffer_pointer()
+    rng = np.random.default_rng(3)
+    ref = np.zeros((n_ctx, N_EMBD))
+    for step, rows in enumerate(([0, 1, 2], [3, 4, 5], [6, 7, 8])):
+        g, cache_k, k_cur, k_idxs, kq = kv_graph(n_ctx, 3)
+        kc = rng.standard_normal((3, N_EMBD)).astype(np.float32)
+        outs, state = compute(g, {k_cur: kc, k_idxs: np.array(rows)}, {cache_k: kv}, cache=cache)
+        ref[rows] = kc.astype(np.float16)
+        assert kv.is_deleted(), f"step {step}: the old state buffer was not donated"
+        kv = state[cache_k]
+        assert kv.unsafe_buffer_pointer() == ptr, f"step {step}: the new state lives in another buffer"
+        np.testing.assert_array_equal(np.asarray(kv)[0, 0].astype(np.float64), ref)
+        np.testing.assert_allclose(np.asarray(outs[kq])[0, 0], kc.astype(np.float64) @ ref.T, rtol=2e-6, atol=2e-6)
+    assert (cache.stats.misses, cache.stats.hits) == (1, 2)
+
+
+PERSIST_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from jax import monitoring
+    events = []
+    monitoring.register_event_listener(lambda name, **kw: events.append(name))
+    from ggmlx import ops, compile as C
+    from ggmlx.graph import Graph
+    from ggmlx.tensor import new_input
+    from ggmlx.types import GGMLType as T
+    cache = C.GraphCache()
+    # the 0.2 s threshold is policy; drop it so a small graph shows the directory's wiring
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    x = new_input(T.F32, (16, 4), "x")
+    y = ops.rms_norm(ops.silu(x).set_name("a"), 1e-5).set_name("b")
+    out, _ = C.compute(Graph().build_forward_expand(y), {x: np.ones((4, 16))}, cache=cache)
+    print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
+                      "dir": jax.config.jax_compilation_cache_dir}))
+""")
+
+
+def _run_persist(env_extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-c", PERSIST_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_persistent_cache_directory_fills_and_second_process_starts_warm(tmp_path):
+    root = tmp_path / "ggmlx-cache"
+    first = _run_persist({"GGMLX_CACHE_DIR": str(root)})
+    assert Path(first["dir"]) == root / "xla"
+    entries = [p for p in (root / "xla").rglob("*") if p.is_file()]
+    assert entries, "no entry written to the persistent compilation cache"
+    assert first["hits"] == 0
+    second = _run_persist({"GGMLX_CACHE_DIR": str(root)})
+    assert second["hits"] >= 1, "the second process compiled instead of loading from disk"
+
+
+def test_persistent_cache_opt_out(tmp_path):
+    root = tmp_path / "off"
+    res = _run_persist({"GGMLX_CACHE_DIR": str(root), "GGMLX_NO_PERSISTENT_CACHE": "1"})
+    assert not root.exists() and res["dir"] != str(root / "xla")
