@@ -1,0 +1,220 @@
+"""The high-level Python API: `llm.LLM` opens a model by path or known name and generates,
+streams and chats, on top of Context, the vocab and the sampler chain."""
+from __future__ import annotations
+
+import codecs
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from llm import chat as chat_mod
+from llm import hub
+from llm.batch import Batch
+from llm.context import Context
+from llm.model import Model, load_model
+from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
+
+FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
+
+
+class GenerationError(RuntimeError):
+    """decode failed during generation (the message carries the context's error)."""
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    n_prompt_tokens: int
+    n_completion_tokens: int
+    finish_reason: str
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Generation:
+    """Streaming state of one request: text pieces out, the result filled at the end."""
+    pieces: Iterator[str]
+    result: Completion | None = None
+
+
+class LLM:
+    """A loaded model with one context. Known names: see `llm.hub.KNOWN_MODELS`."""
+
+    def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
+                 n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
+                 progress_callback: Callable[[float], bool] | None = None, **ctx_kwargs):
+        path = hub.resolve(model)
+        t0 = time.perf_counter()
+        self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers,
+                                       progress_callback=progress_callback)
+        self.t_load = time.perf_counter() - t0
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
+        self.vocab = self.model.vocab
+        self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
+
+    # ---- text <-> tokens -------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.vocab.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        return self.vocab.detokenize(tokens, remove_special, unparse_special)
+
+    # ---- generation ------------------------------------------------------------------
+
+    def _sampler(self, temperature, top_k, top_p, min_p, repeat_penalty, seed) -> SamplerChain:
+        params = SamplingParams(seed=LLAMA_DEFAULT_SEED if seed is None else seed, temp=temperature,
+                                top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
+        return SamplerChain.from_params(params, n_vocab=self.model.n_vocab)
+
+    def _eval_prompt(self, tokens: list[int]) -> None:
+        """Decode the prompt, keeping the cached prefix it shares with the last request."""
+        n_keep = 0
+        for a, b in zip(self._cached, tokens[:-1]):
+            if a != b:
+                break
+            n_keep += 1
+        self.ctx.memory.seq_rm(0, n_keep, -1)
+        self._cached = self._cached[:n_keep]
+        rest = tokens[n_keep:]
+        for start in range(0, len(rest), self.ctx.n_batch):
+            chunk = rest[start:start + self.ctx.n_batch]
+            flags = np.zeros(len(chunk), bool)
+            if start + len(chunk) == len(rest):
+                flags[-1] = True
+            self._decode(Batch(chunk, logits=flags))
+            self._cached += chunk
+
+    def _decode(self, batch: Batch) -> bool:
+        """False when the context is full; raises on any other failure."""
+        ret = self.ctx.decode(batch)
+        if ret == 1:
+            return False
+        if ret != 0:
+            raise GenerationError(f"decode returned {ret}: {self.ctx.last_error}")
+        return True
+
+    def _run(self, tokens: list[int], max_tokens: int, sampler: SamplerChain, stop: list[str]) -> _Generation:
+        if not tokens:
+            raise ValueError("the prompt is empty (no tokens)")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        gen = _Generation(iter(()))
+
+        def pieces() -> Iterator[str]:
+            perf0 = self.ctx.perf()
+            t0 = time.perf_counter()
+            self._eval_prompt(tokens)
+            t_prompt = time.perf_counter() - t0
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            out_tokens: list[int] = []
+            text = ""
+            emitted = 0
+            finish = FINISH_LENGTH
+            hold = max((len(s) for s in stop), default=0)
+            t1 = time.perf_counter()
+            while len(out_tokens) < max_tokens:
+                tok = sampler.sample(self.ctx, -1)
+                if self.vocab.is_eog(tok):
+                    finish = FINISH_EOG
+                    break
+                out_tokens.append(tok)
+                text += decoder.decode(self.vocab.token_to_piece(tok, 0, False))
+                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+                    finish = FINISH_STOP
+                    break
+                safe = len(text) - hold
+                if safe > emitted:
+                    yield text[emitted:safe]
+                    emitted = safe
+                if len(out_tokens) == max_tokens:
+                    break
+                if not self._decode(Batch.get_one([tok])):
+                    break
+                self._cached.append(tok)
+            if finish != FINISH_STOP:
+                text += decoder.decode(b"", final=True)
+            if len(text) > emitted:
+                yield text[emitted:]
+            t_gen = time.perf_counter() - t1
+            perf = self.ctx.perf()
+            n_gen = len(out_tokens)
+            gen.result = Completion(
+                text=text, tokens=out_tokens, n_prompt_tokens=len(tokens), n_completion_tokens=n_gen,
+                finish_reason=finish,
+                timings={"prompt_s": t_prompt, "prompt_tok_s": len(tokens) / t_prompt if t_prompt else 0.0,
+                         "gen_s": t_gen, "gen_tok_s": n_gen / t_gen if t_gen and n_gen else 0.0,
+                         "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
+                         "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load})
+
+        gen.pieces = pieces()
+        return gen
+
+    def _request(self, prompt: str | list[int], max_tokens, temperature, top_k, top_p, min_p,
+                 repeat_penalty, seed, stop, add_special=True) -> _Generation:
+        tokens = self.tokenize(prompt, add_special, True) if isinstance(prompt, str) else list(prompt)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        return self._run(tokens, max_tokens, sampler, stop)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 seed: int | None = None, stop: str | list[str] | None = None) -> Completion:
+        """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
+        string (cut from the text) or max_tokens."""
+        gen = self._request(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)
+        for _ in gen.pieces:
+            pass
+        return gen.result
+
+    def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
+               top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+               seed: int | None = None, stop: str | list[str] | None = None) -> Iterator[str]:
+        """Text pieces as they are generated; never splits a UTF-8 character or a stop string.
+        `self.last` holds the Completion once the iterator is exhausted."""
+        gen = self._request(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)
+        yield from gen.pieces
+        self.last = gen.result
+
+    # ---- chat ------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        tmpl = chat_mod.template_for(self.model.meta, self.model.arch)
+        v = self.vocab
+        return chat_mod.render(tmpl, messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=v.token_text(v.bos) if v.bos >= 0 else "",
+                               eos_token=v.token_text(v.eos) if v.eos >= 0 else "")
+
+    def _chat_request(self, messages, kw) -> _Generation:
+        text = self.render_chat(messages)
+        # the template writes BOS itself where the model wants it
+        tokens = self.tokenize(text, add_special=False, parse_special=True)
+        if self.vocab.add_bos and (not tokens or tokens[0] != self.vocab.bos):
+            tokens = [self.vocab.bos] + tokens
+        params = dict(max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                      repeat_penalty=1.0, seed=None, stop=None)
+        params.update(kw)
+        stop = params.pop("stop")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        max_tokens = params.pop("max_tokens")
+        return self._run(tokens, max_tokens, self._sampler(**params), stop)
+
+    def chat(self, messages: list[dict], **kw) -> Completion:
+        """Render the model's chat template for messages and generate the assistant reply."""
+        gen = self._chat_request(messages, kw)
+        for _ in gen.pieces:
+            pass
+        return gen.result
+
+    def chat_stream(self, messages: list[dict], **kw) -> Iterator[str]:
+        gen = self._chat_request(messages, kw)
+        yield from gen.pieces
+        self.last = gen.result
