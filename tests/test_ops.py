@@ -415,6 +415,22 @@ def test_rope_ext():
     check("rope permuted source", vals[-1], ref)
 
 
+def test_rope_ext_head_dim_128():
+    """A real head size at positions up to 4096; theta is an f32 power series as in ggml's
+    rope cache, whose error against float64 grows with the position (NMSE ~4e-7 at 32k, the
+    f32 resolution of theta itself), so the positions here stay in the range 1e-7 holds."""
+    rng = np.random.default_rng(22)
+    x = new_input(T.F32, (128, 2, 8), "Qcur")
+    xv = rand(rng, (128, 2, 8))
+    pos = new_input(T.I32, (8,), "pos")
+    pv = np.array([0, 5, 100, 511, 1024, 2048, 3000, 4095], np.int32)
+    params = [(128, ops.ROPE_TYPE_NORMAL, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0),
+              (64, ops.ROPE_TYPE_NEOX, 4096, 500000.0, 0.25, 1.0, 1.0, 32.0, 1.0)]
+    vals = run([ops.rope_ext(x, pos, None, *p) for p in params], {x: xv, pos: pv.reshape(1, 1, 1, -1)})
+    for v, p in zip(vals, params):
+        check(f"rope head 128 {p}", v, ref_rope(xv, pv, None, *p))
+
+
 # ---- soft_max and attention ------------------------------------------------------------
 
 def alibi_ref(n_head: int, max_bias: float) -> np.ndarray:
