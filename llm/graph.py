@@ -118,9 +118,10 @@ class GraphBuilder:
         self.hparams = model.hparams
         self.kv = kv
         self.params = params
-        self.n_tokens = params.n_tokens
-        self.n_outputs = params.n_outputs
-        self.n_kv = params.n_kv
+        # a graph that processes no ubatch (the K-shift) has no token, output or KV dimension
+        self.n_tokens = params.n_tokens if params is not None else 0
+        self.n_outputs = params.n_outputs if params is not None else 0
+        self.n_kv = params.n_kv if params is not None else 0
         self.inputs: list[GraphInput] = []
         self.gf = Graph()
         self.inp_attn: InpAttnKV | None = None
