@@ -54,8 +54,7 @@ def weight(name: str, t: T, x: np.ndarray) -> Tensor:
     return new_weight(t, ne, name, weights.to_device(x.astype(ROUND[t]), t, ne))
 
 
-def run(outputs: list[Tensor], inputs: dict[Tensor, np.ndarray] | None = None,
-        state: dict | None = None) -> list[np.ndarray]:
+def run(outputs: list[Tensor], inputs: dict[Tensor, np.ndarray]) -> list[np.ndarray]:
     """Compute outputs in one graph; values in numpy order [ne3, ne2, ne1, ne0]."""
     g = Graph()
     for i, o in enumerate(outputs):
@@ -63,7 +62,7 @@ def run(outputs: list[Tensor], inputs: dict[Tensor, np.ndarray] | None = None,
         if not o.name:
             o.set_name(f"out{i}")
         g.build_forward_expand(o)
-    outs, _ = compute(g, inputs or {}, state or {}, cache=CACHE)
+    outs, _ = compute(g, inputs, cache=CACHE)
     vals = [np.asarray(outs[o]) for o in outputs]
     for o, v in zip(outputs, vals):
         assert v.shape == o.shape, f"{o.name}: value shape {v.shape} != {o.shape}"
