@@ -782,6 +782,30 @@ def test_quantized_weight_ops(t):
     check(f"get_rows 3d {t.name}", gr3, ref_get_rows(wref, r3v))
 
 
+@pytest.mark.parametrize("t", [T.F16, T.Q4_0], ids=type_name)
+def test_mul_mat_large_weight(t):
+    """A weight of more than 2^21 elements with an odd row count (8193): big enough that a
+    reader may dequantize it a chunk of rows at a time, with a remainder chunk."""
+    rng = np.random.default_rng(23)
+    ne = (256, 8193)
+    if t == T.Q4_0:
+        blocks = random_blocks(rng, t, ne)
+        w = new_weight(t, ne, "output.weight", weights.to_device(blocks, t, ne))
+        wref = dequant_ref(blocks, t, ne)
+    else:
+        wv = rand(rng, ne)
+        w = weight("output.weight", t, wv)
+        wref = rounded(wv, t)
+    x = new_input(T.F32, (256, 3), "result_norm")
+    xv = rand(rng, (256, 3))
+    rows = new_input(T.I32, (4,), "inp_tokens")
+    rv = np.array([8192, 0, 4097, 8192], np.int32).reshape(1, 1, 1, 4)
+    mm, gr = run([ops.mul_mat(w, x), ops.get_rows(w, rows)], {x: xv, rows: rv})
+    check(f"mul_mat large {t.name}", mm, ref_mul_mat(wref, xv),
+          NMSE_QUANT_MUL_MAT if types.traits(t).is_quantized else NMSE_DEFAULT)
+    check(f"get_rows large {t.name}", gr, ref_get_rows(wref, rv))
+
+
 # ---- shape errors at build time --------------------------------------------------------
 
 def _inp(t, ne, name):
