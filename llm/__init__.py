@@ -1,7 +1,9 @@
 """llm: the llama.cpp layer over ggmlx. GGUF model -> vocab, weights, KV cache, decode, sampling."""
-from llm.batch import Batch
+from llm.api import LLM, Completion
+from llm.batch import Batch, BatchError
 from llm.context import Context
 from llm.errors import LoadCancelled, ModelLoadError
 from llm.model import Model, load_model
 
-__all__ = ["Batch", "Context", "LoadCancelled", "Model", "ModelLoadError", "load_model"]
+__all__ = ["LLM", "Batch", "BatchError", "Completion", "Context", "LoadCancelled", "Model",
+           "ModelLoadError", "load_model"]

@@ -56,6 +56,11 @@ class LLM:
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
 
+    def reset(self) -> None:
+        """Forget the cached conversation: clear the KV cache."""
+        self.ctx.memory_clear()
+        self._cached = []
+
     # ---- text <-> tokens -------------------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -190,8 +195,8 @@ class LLM:
         tmpl = chat_mod.template_for(self.model.meta, self.model.arch)
         v = self.vocab
         return chat_mod.render(tmpl, messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=v.token_text(v.bos) if v.bos >= 0 else "",
-                               eos_token=v.token_text(v.eos) if v.eos >= 0 else "")
+                               bos_token=v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
+                               eos_token=v.token_get_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else "")
 
     def _chat_request(self, messages, kw) -> _Generation:
         text = self.render_chat(messages)

@@ -1,0 +1,99 @@
+"""The high-level API and the CLI on SmolLM2 (ChatML template, small vocab)."""
+import subprocess
+import sys
+
+import pytest
+
+import llm
+from llm.api import FINISH_EOG, FINISH_LENGTH, FINISH_STOP
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    return llm.LLM(smollm2_path, n_ctx=512)
+
+
+def test_generate_greedy_is_sensible_and_deterministic(smol):
+    a = smol.generate("The capital of France is", max_tokens=8, temperature=0.0)
+    b = smol.generate("The capital of France is", max_tokens=8, temperature=0.0)
+    assert a.text == b.text and a.tokens == b.tokens
+    assert "Paris" in a.text
+    assert a.finish_reason == FINISH_LENGTH and a.n_completion_tokens == 8
+    assert a.timings["gen_tok_s"] > 0
+
+
+def test_seeded_sampling_reproducible(smol):
+    a = smol.generate("Once upon a time", max_tokens=6, temperature=0.9, seed=123)
+    b = smol.generate("Once upon a time", max_tokens=6, temperature=0.9, seed=123)
+    assert a.tokens == b.tokens
+
+
+def test_stop_string_cuts_text(smol):
+    full = smol.generate("The capital of France is", max_tokens=8, temperature=0.0)
+    word = full.text.strip().split()[0]
+    r = smol.generate("The capital of France is", max_tokens=8, temperature=0.0, stop=[word])
+    assert r.finish_reason == FINISH_STOP
+    assert word not in r.text
+    assert full.text.startswith(r.text)
+
+
+def test_stream_joins_to_generate_and_keeps_utf8(smol):
+    pieces = list(smol.stream("Write the word café three times:", max_tokens=12, temperature=0.0))
+    full = smol.generate("Write the word café three times:", max_tokens=12, temperature=0.0)
+    assert "".join(pieces) == full.text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_stops_on_end_of_generation(smol):
+    r = smol.chat([{"role": "user", "content": "Say OK."}], max_tokens=64, temperature=0.0)
+    assert r.finish_reason == FINISH_EOG
+    assert r.text.strip()
+
+
+def test_chat_renders_the_models_chatml_template(smol):
+    text = smol.render_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                            add_generation_prompt=False)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n")
+
+
+def test_bad_arguments(smol):
+    with pytest.raises(ValueError, match="max_tokens"):
+        smol.generate("x", max_tokens=-1)
+    with pytest.raises(ValueError, match="p"):
+        smol.generate("x", top_p=2.0)
+
+
+def test_cli_chat_two_turns_through_a_pty(smollm2_path):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "llm", "chat", "-m", str(smollm2_path), "--temp", "0",
+                                           "-n", "24", "-c", "512"], timeout=240, encoding="utf-8")
+    child.expect_exact("> ")
+    child.sendline("What is the capital of France?")
+    child.expect_exact("> ")
+    first = child.before
+    assert "Paris" in first
+    child.sendline("And of Italy?")
+    child.expect_exact("> ")
+    assert "Rome" in child.before
+    child.sendeof()
+    child.expect(pexpect.EOF)
+
+
+def test_cli_generate_and_info(smollm2_path):
+    out = subprocess.run([sys.executable, "-m", "llm", "generate", "-m", str(smollm2_path), "-p",
+                          "The capital of France is", "-n", "6", "--temp", "0", "-c", "256"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    info = subprocess.run([sys.executable, "-m", "llm", "info", str(smollm2_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "arch: llama" in info.stdout and "Q4_1" in info.stdout
+
+
+def test_cli_missing_model_is_a_clear_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "llm", "generate", "-m", str(tmp_path / "nope.gguf"), "-p", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "nope.gguf" in out.stderr

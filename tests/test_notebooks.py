@@ -1,0 +1,21 @@
+"""Every notebook in notebooks/ runs top to bottom without error."""
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_executes(path, gemma3_path):
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("nodes" in "".join(o.get("text", "")) for o in outputs)
+
+
+def test_there_is_a_quickstart():
+    assert any(p.name == "01_quickstart.ipynb" for p in NOTEBOOKS)
