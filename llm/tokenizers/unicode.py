@@ -11,6 +11,8 @@ nor `\\p{S}` because the ASCII part of those classes is a fixed list).
 """
 from __future__ import annotations
 
+import codecs
+
 import regex
 
 REPLACEMENT_CHARACTER = "\ufffd"
@@ -77,38 +79,39 @@ def utf8_len(lead: int) -> int:
     return (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)[lead >> 4]
 
 
+def _decode_one(data: bytes, i: int) -> tuple[str, int]:
+    """unicode_cpt_from_utf8 at data[i]: (character, bytes used), U+FFFD over one byte if bad."""
+    b0 = data[i]
+    if b0 < 0x80:
+        return chr(b0), 1
+    size = 2 if b0 & 0xE0 == 0xC0 else 3 if b0 & 0xF0 == 0xE0 else 4 if b0 & 0xF8 == 0xF0 else 0
+    if size == 0 or i + size > len(data) or any(data[j] & 0xC0 != 0x80 for j in range(i + 1, i + size)):
+        return REPLACEMENT_CHARACTER, 1
+    cp = b0 & (0x7F >> size)
+    for j in range(i + 1, i + size):
+        cp = (cp << 6) | (data[j] & 0x3F)
+    return (chr(cp) if cp <= 0x10FFFF else REPLACEMENT_CHARACTER), size
+
+
+def _decode_error(err: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: continue where Python's strict decoder stops, as llama.cpp would."""
+    ch, size = _decode_one(err.object, err.start)
+    return ch, err.start + size
+
+
+codecs.register_error("llm.llama_cpp_utf8", _decode_error)
+
+
 def decode_utf8(data: bytes) -> str:
     """unicode_cpts_from_utf8 as a str: llama.cpp's lenient decoding of arbitrary bytes.
 
-    Well-formed UTF-8 decodes as usual. Otherwise a lead byte whose sequence is cut short or
-    has a bad continuation byte, and every stray byte, becomes U+FFFD and decoding resumes
-    at the next byte; surrogates and overlong forms decode to their value as llama.cpp does.
-    A value above U+10FFFF (from lead bytes F4..F7), which llama.cpp cannot encode again,
-    also becomes U+FFFD.
+    Well-formed UTF-8 decodes as usual (and at C speed: only the faults go through
+    `_decode_one`). A lead byte whose sequence is cut short or has a bad continuation byte,
+    and every stray byte, becomes U+FFFD and decoding resumes at the next byte; surrogates
+    and overlong forms decode to their value as llama.cpp does. A value above U+10FFFF
+    (from lead bytes F4..F7), which llama.cpp cannot encode again, also becomes U+FFFD.
     """
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        pass
-    out = []
-    i, n = 0, len(data)
-    while i < n:
-        b0 = data[i]
-        if b0 < 0x80:
-            out.append(chr(b0))
-            i += 1
-            continue
-        size = 2 if b0 & 0xE0 == 0xC0 else 3 if b0 & 0xF0 == 0xE0 else 4 if b0 & 0xF8 == 0xF0 else 0
-        if size == 0 or i + size > n or any(data[j] & 0xC0 != 0x80 for j in range(i + 1, i + size)):
-            out.append(REPLACEMENT_CHARACTER)
-            i += 1
-            continue
-        cp = b0 & (0x7F >> size)
-        for j in range(i + 1, i + size):
-            cp = (cp << 6) | (data[j] & 0x3F)
-        out.append(chr(cp) if cp <= 0x10FFFF else REPLACEMENT_CHARACTER)
-        i += size
-    return "".join(out)
+    return data.decode("utf-8", "llm.llama_cpp_utf8")
 
 
 def encode_utf8(text: str) -> bytes:
