@@ -1,6 +1,6 @@
 """Tokenizer throughput on about 1 MB of mixed English prose and Python code, for both models.
 
-    python benchmarks/bench_tokenize.py [--mb 1.0] [--models smollm2-135m,gemma3-270m]
+    python benchmarks/bench_tokenize.py [--mb 1.0] [--models smollm2-135m,gemma3-270m] [--parse-special]
 
 The text is half English (the Python documentation topics shipped with the standard
 library, `pydoc_data.topics`) and half code (standard-library sources), interleaved in

@@ -244,8 +244,9 @@ def test_synthetic_vocab_round_trips(synthetic_vocab, text):
     ids = v.tokenize(text, add_special=False)
     assert v.detokenize(ids) == text
     assert v.detokenize([v.bos] + ids, remove_special=True) == (" " + text if text else "")
-    dec = v.stream_decoder()
-    assert "".join(dec.push(t) for t in ids) + dec.flush() == " " + text if text else True
+    if text:     # a generated stream keeps the SPM space prefix that detokenize removes
+        dec = v.stream_decoder()
+        assert "".join(dec.push(t) for t in ids) + dec.flush() == " " + text
 
 
 def test_synthetic_special_tokens_need_parse_special(synthetic_vocab):
@@ -335,7 +336,7 @@ def test_bpe_merges_by_rank(merges, expected):
     tokens = ["<|endoftext|>", "a", "b", "c", "ab", "bc", "abc"]
     v = load_vocab(_bpe_kv(tokens, merges))
     assert [v.token_get_text(t).decode() for t in v.tokenize("abc")] == expected
-    assert v.bos == 11 or v.bos == LLAMA_TOKEN_NULL
+    assert v.bos == LLAMA_TOKEN_NULL          # BPE's default BOS id 11 is out of range here
 
 
 def test_bpe_unknown_symbols_become_known_bytes_or_vanish():
