@@ -97,3 +97,16 @@ def test_cli_missing_model_is_a_clear_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "nope.gguf" in out.stderr
+
+
+def test_cli_dump_graph_text_and_dot(smollm2_path, tmp_path):
+    out = tmp_path / "g.dot"
+    r = subprocess.run([sys.executable, "-m", "llm", "dump-graph", "-m", str(smollm2_path), "--n-tokens", "1",
+                        "--format", "dot", "-o", str(out), "-c", "256"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    dot = out.read_text()
+    assert dot.startswith("digraph") and "attn_norm-0" in dot and "result_output" in dot
+    r = subprocess.run([sys.executable, "-m", "llm", "dump-graph", "-m", str(smollm2_path), "--n-tokens", "1",
+                        "-c", "256"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Qcur-29" in r.stdout and "FLASH_ATTN_EXT" in r.stdout and "[CPU0]" in r.stdout
