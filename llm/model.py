@@ -138,6 +138,36 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         ml.close()
 
 
+def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+    """The tensors every attention block has: attn_norm, wq, wk, wv, wo."""
+    from llm.arch import LLMTensor as T, tn
+    n_embd, n_head = hp.n_embd, hp.n_head(il)
+    layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
+    layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, hp.n_embd_head_k * n_head), dev)
+    layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
+    layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
+    layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd_head_v * n_head, n_embd), dev)
+
+
+def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+    """A gated FFN: ffn_norm, ffn_gate, ffn_up, ffn_down."""
+    from llm.arch import LLMTensor as T, tn
+    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+    layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+    layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
+    layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+    layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+
+
+def create_embd_output(model: Model, ml: ModelLoader) -> None:
+    """token_embd on the input device, then the output norm and projection."""
+    from llm.arch import LLMTensor as T, tn
+    hp = model.hparams
+    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab),
+                                      model.placement.dev_input)
+    create_output(model, ml, hp.n_embd, hp.n_vocab)
+
+
 def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> None:
     """Output norm and projection; a model without output.weight ties it to token_embd
     (loaded again on the output device when that differs, like TENSOR_DUPLICATED)."""

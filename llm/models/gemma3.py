@@ -10,7 +10,7 @@ import math
 from ggmlx import ops
 from llm.arch import LLMTensor as T, register_arch, tn
 from llm.graph import GraphBuilder
-from llm.model import Layer, Model, create_output
+from llm.model import Layer, Model, create_attn, create_embd_output, create_ffn
 
 
 @register_arch("gemma3")
@@ -18,27 +18,16 @@ class Gemma3:
     @staticmethod
     def load_tensors(model: Model, ml) -> None:
         hp = model.hparams
-        n_embd, n_vocab = hp.n_embd, hp.n_vocab
-        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
-        model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab),
-                                          model.placement.dev_input)
-        create_output(model, ml, n_embd, n_vocab)
+        d_k, n_embd = hp.n_embd_head_k, hp.n_embd
+        create_embd_output(model, ml)
         for il in range(hp.n_layer):
             dev = model.placement.dev_layer[il]
-            n_head, n_ff = hp.n_head(il), hp.n_ff(il)
             layer = Layer()
-            layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
-            layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, d_k * n_head), dev)
-            layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
-            layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
-            layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (d_v * n_head, n_embd), dev)
+            create_attn(layer, ml, hp, il, dev)
             layer.attn_q_norm = ml.create_tensor(tn(T.ATTN_Q_NORM, "weight", il), (d_k,), dev)
             layer.attn_k_norm = ml.create_tensor(tn(T.ATTN_K_NORM, "weight", il), (d_k,), dev)
             layer.attn_post_norm = ml.create_tensor(tn(T.ATTN_POST_NORM, "weight", il), (n_embd,), dev)
-            layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
-            layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
-            layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
-            layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+            create_ffn(layer, ml, hp, il, dev)
             layer.ffn_post_norm = ml.create_tensor(tn(T.FFN_POST_NORM, "weight", il), (n_embd,), dev)
             model.layers.append(layer)
 

@@ -10,7 +10,7 @@ from ggmlx import ops
 from llm.arch import LLMTensor as T, register_arch, tn
 from llm.graph import GraphBuilder
 from llm.loader import ModelLoader, TensorFlag
-from llm.model import Layer, Model, create_output
+from llm.model import Layer, Model, create_attn, create_embd_output, create_ffn
 
 
 @register_arch("llama")
@@ -18,27 +18,17 @@ class Llama:
     @staticmethod
     def load_tensors(model: Model, ml: ModelLoader) -> None:
         hp = model.hparams
-        n_embd, n_vocab = hp.n_embd, hp.n_vocab
-        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
-        model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab),
-                                          model.placement.dev_input)
-        create_output(model, ml, n_embd, n_vocab)
+        n_embd = hp.n_embd
+        create_embd_output(model, ml)
         for il in range(hp.n_layer):
             dev = model.placement.dev_layer[il]
-            n_head, n_ff = hp.n_head(il), hp.n_ff(il)
             layer = Layer()
-            layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
-            layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, d_k * n_head), dev)
-            layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
-            layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
-            layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (d_v * n_head, n_embd), dev)
-            layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+            create_attn(layer, ml, hp, il, dev)
             if hp.n_expert == 0:
-                layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
-                layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
-                layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+                create_ffn(layer, ml, hp, il, dev)
             else:
-                n_exp = hp.n_expert
+                n_ff, n_exp = hp.n_ff(il), hp.n_expert
+                layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
                 layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
                 layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
                 layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
