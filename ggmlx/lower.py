@@ -256,6 +256,8 @@ def eval_node(n: Tensor, env):
         b = _tile_to(_value_f32(env, s[1]), a.shape)
         return {Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide}[op](a, b)
     if op is Op.MUL_MAT:
+        if s[0].flags & Flag.WEIGHT and s[0].ne[2] == 1 and s[0].ne[3] == 1:
+            return weights.mul_mat(env[s[0]], _value_f32(env, s[1]))
         return _mul_mat(_value_f32(env, s[0]), _value_f32(env, s[1]))
     if op is Op.GET_ROWS:
         return _get_rows(env, n)

@@ -1,10 +1,18 @@
 """Device-side weight data bound to WEIGHT leaves, and how ops read it.
 
-A weight's `data` is a `DeviceWeight`: the bytes or values on one device plus the format
-they are held in. Plain types (F32, F16, BF16) keep their element dtype; block-quantized
-types keep their packed blocks as uint8 [n_rows, row_bytes] and are dequantized inside
-the compiled function (so a weight never exists as f32 in device memory between calls).
-`get_rows` on a quantized weight dequantizes only the rows it gathers.
+A weight's `data` is a `DeviceWeight`: the arrays on one device plus the format they are
+held in (chosen at load time by `weight_format`):
+
+- "plain": F32/F16/BF16 values in their own dtype (also every weight loaded as "f32").
+- "blocks": block-quantized types kept as their packed GGUF blocks, uint8 [n_rows, row_bytes],
+  dequantized inside the compiled function ("native").
+- "int8": block-quantized types re-expressed at load time as int8 values plus an f32 scale
+  (and, for types with a minimum, an f32 offset) per sub-block of 16 or 32 elements along
+  ne0: y = scale * q + offset, exactly the values ggml dequantizes to. XLA:CPU does not fuse
+  4-bit unpacking into a dot; int8 upcasts cheaply, so this is the fastest CPU format.
+
+`mul_mat` and `get_rows` are how ops read a weight: neither dequantizes more than a chunk of
+rows at a time, so a large matrix (a 262144-row lm_head) never exists as f32 in memory.
 """
 from __future__ import annotations
 
@@ -15,59 +23,259 @@ import jax.numpy as jnp
 import numpy as np
 
 from ggmlx import types
+from ggmlx.quants import iq_tables as tab
+from ggmlx.quants.kernels import BITS, CRUMBS, NIBBLES, NUMPY, _f16, _k_scale_min, _q5, _unpack
 from ggmlx.tensor import Tensor, np_dtype
 from ggmlx.types import GGMLType
 
 FORMAT_PLAIN = "plain"
 FORMAT_BLOCKS = "blocks"
+FORMAT_INT8 = "int8"
+
+WEIGHT_FORMATS = ("auto", "native", "int8", "f32")
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# Most elements of one dequantized chunk of rows inside mul_mat (f32: 16 MiB): large enough
+# for an efficient dot, small enough to reuse one buffer (measured best: 4096 rows of 640).
+CHUNK_ELEMENTS = 1 << 22
 
 
 @jax.tree_util.register_static
 @dataclass(frozen=True)
 class WeightSpec:
-    """The static half of a weight: its format, ggml type and shape (part of cache keys)."""
+    """The static half of a weight: its format, ggml type, shape and, for int8, the
+    sub-block length (part of cache keys)."""
     format: str
     type: GGMLType
     ne: tuple[int, int, int, int]
-
-
-def to_device(data: np.ndarray, t: GGMLType, ne, device=None) -> "DeviceWeight":
-    """Put a tensor's GGUF bytes (uint8, or typed values) on a device in its held format."""
-    ne4 = tuple(ne) + (1,) * (4 - len(ne))
-    raw = np.ascontiguousarray(data)
-    if not types.traits(t).is_quantized:
-        dt = np_dtype(t)
-        arr = raw.view(dt) if raw.dtype == np.uint8 else raw.astype(dt, copy=False)
-        arr = arr.reshape(tuple(reversed(ne4)))
-        spec = WeightSpec(FORMAT_PLAIN, GGMLType(t), ne4)
-    else:
-        rows = ne4[1] * ne4[2] * ne4[3]
-        arr = raw.view(np.uint8).reshape(rows, types.row_size(t, ne4[0]))
-        spec = WeightSpec(FORMAT_BLOCKS, GGMLType(t), ne4)
-    return DeviceWeight(spec, jax.device_put(arr, device))
+    sub_block: int = 0
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclass
 class DeviceWeight:
+    """`array` holds the values (plain), the packed blocks (blocks) or the int8 quants (int8);
+    int8 weights also carry `scale` and, when the type has a minimum, `offset`,
+    both f32 [n_rows, ne0 // sub_block]."""
     spec: WeightSpec
     array: jax.Array
+    scale: jax.Array | None = None
+    offset: jax.Array | None = None
 
     def tree_flatten(self):
-        return (self.array,), self.spec
+        return (self.array, self.scale, self.offset), self.spec
 
     @classmethod
     def tree_unflatten(cls, spec, children):
-        return cls(spec, children[0])
+        return cls(spec, *children)
+
+    def arrays(self) -> list[jax.Array]:
+        return [a for a in (self.array, self.scale, self.offset) if a is not None]
 
     @property
     def nbytes(self) -> int:
-        return int(self.array.size * self.array.dtype.itemsize)
+        return sum(int(a.size * a.dtype.itemsize) for a in self.arrays())
+
+    def delete(self) -> None:
+        for a in self.arrays():
+            a.delete()
 
 
-def _dequant_rows(blocks: jax.Array, spec: WeightSpec, n_rows: int) -> jax.Array:
+# ---- load-time conversion to int8 -------------------------------------------------------
+
+def _int8_q4_0(b):
+    return _unpack(NUMPY, b[:, 2:18], 16, NIBBLES, 0xF).astype(np.int8) - 8, _f16(NUMPY, b, 0), None
+
+
+def _int8_q4_1(b):
+    q = _unpack(NUMPY, b[:, 4:20], 16, NIBBLES, 0xF).astype(np.int8)
+    return q, _f16(NUMPY, b, 0), _f16(NUMPY, b, 2)
+
+
+def _int8_q5_0(b):
+    return _q5(NUMPY, b[:, 2:6], b[:, 6:22]).astype(np.int8) - 16, _f16(NUMPY, b, 0), None
+
+
+def _int8_q5_1(b):
+    return _q5(NUMPY, b[:, 4:8], b[:, 8:24]).astype(np.int8), _f16(NUMPY, b, 0), _f16(NUMPY, b, 2)
+
+
+def _int8_q8_0(b):
+    return b[:, 2:34].view(np.int8), _f16(NUMPY, b, 0), None
+
+
+def _int8_iq4_nl(b):
+    idx = _unpack(NUMPY, b[:, 2:18], 16, NIBBLES, 0xF)
+    return tab.KVALUES_IQ4NL.astype(np.int8)[idx], _f16(NUMPY, b, 0), None
+
+
+def _int8_q2_k(b):
+    sc = b[:, 0:16]
+    q = _unpack(NUMPY, b[:, 16:80], 32, CRUMBS, 3).astype(np.int8)
+    d, dmin = _f16(NUMPY, b, 80), _f16(NUMPY, b, 82)
+    return q, d * (sc & 0xF).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+
+
+def _int8_q3_k(b):
+    hbit = _unpack(NUMPY, b[:, 0:32], 32, BITS, 1)
+    low = _unpack(NUMPY, b[:, 32:96], 32, CRUMBS, 3)
+    s = b[:, 96:108]
+    scale = _unpack(NUMPY, s[:, 0:8], 8, NIBBLES, 0xF) | (_unpack(NUMPY, s[:, 8:12], 4, CRUMBS, 3) << 4)
+    q = low.astype(np.int8) - ((hbit ^ 1) << 2).astype(np.int8)
+    return q, _f16(NUMPY, b, 108) * (scale.astype(np.int8) - 32).astype(np.float32), None
+
+
+def _k_affine(b, q):
+    scale, mins = _k_scale_min(NUMPY, b[:, 4:16])
+    d, dmin = _f16(NUMPY, b, 0), _f16(NUMPY, b, 2)
+    return q.astype(np.int8), d * scale.astype(np.float32), -(dmin * mins.astype(np.float32))
+
+
+def _int8_q4_k(b):
+    return _k_affine(b, _unpack(NUMPY, b[:, 16:144], 32, NIBBLES, 0xF))
+
+
+def _int8_q5_k(b):
+    q = _unpack(NUMPY, b[:, 48:176], 32, NIBBLES, 0xF) | (_unpack(NUMPY, b[:, 16:48], 32, BITS, 1) << 4)
+    return _k_affine(b, q)
+
+
+def _int8_q6_k(b):
+    low = _unpack(NUMPY, b[:, 0:128], 64, NIBBLES, 0xF)
+    high = _unpack(NUMPY, b[:, 128:192], 32, CRUMBS, 3)
+    q = (low | (high << 4)).astype(np.int8) - 32
+    return q, _f16(NUMPY, b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), None
+
+
+def _int8_iq4_xs(b):
+    d = _f16(NUMPY, b, 0)
+    high = (b[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+    scale = _unpack(NUMPY, b[:, 4:8], 1, NIBBLES, 0xF) | (high.astype(np.uint8) << 4)
+    idx = _unpack(NUMPY, b[:, 8:136], 16, NIBBLES, 0xF)
+    return tab.KVALUES_IQ4NL.astype(np.int8)[idx], d * (scale.astype(np.int8) - 32).astype(np.float32), None
+
+
+# type -> (sub-block length, converter: blocks uint8 [n, type_size] -> (q int8 [n, block_size],
+# scale f32 [n, block_size // sub], offset f32 [n, block_size // sub] or None))
+INT8_CONVERTERS = {
+    GGMLType.Q4_0: (32, _int8_q4_0),
+    GGMLType.Q4_1: (32, _int8_q4_1),
+    GGMLType.Q5_0: (32, _int8_q5_0),
+    GGMLType.Q5_1: (32, _int8_q5_1),
+    GGMLType.Q8_0: (32, _int8_q8_0),
+    GGMLType.IQ4_NL: (32, _int8_iq4_nl),
+    GGMLType.Q2_K: (16, _int8_q2_k),
+    GGMLType.Q3_K: (16, _int8_q3_k),
+    GGMLType.Q4_K: (32, _int8_q4_k),
+    GGMLType.Q5_K: (32, _int8_q5_k),
+    GGMLType.Q6_K: (16, _int8_q6_k),
+    GGMLType.IQ4_XS: (32, _int8_iq4_xs),
+}
+
+# Blocks converted per numpy call: bounds the temporaries of a large tensor.
+_CONVERT_CHUNK_BLOCKS = 1 << 14
+
+
+def to_int8(blocks: np.ndarray, t: GGMLType, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Packed blocks uint8 [n_rows, row_bytes] of type t -> (q int8 [n_rows, ne0], scale f32
+    [n_rows, ne0 // sub], offset f32 or None) with scale * q + offset == dequantize exactly."""
+    sub, convert = INT8_CONVERTERS[t]
+    flat = blocks.reshape(-1, types.type_size(t))
+    n_blocks, bs = flat.shape[0], types.block_size(t)
+    q = np.empty((n_blocks, bs), np.int8)
+    scale = np.empty((n_blocks, bs // sub), np.float32)
+    offset = None
+    for start in range(0, n_blocks, _CONVERT_CHUNK_BLOCKS):
+        stop = min(start + _CONVERT_CHUNK_BLOCKS, n_blocks)
+        q_c, s_c, o_c = convert(flat[start:stop])
+        q[start:stop] = q_c
+        scale[start:stop] = np.broadcast_to(s_c, (stop - start, bs // sub))
+        if o_c is not None:
+            if offset is None:
+                offset = np.empty_like(scale)
+            offset[start:stop] = np.broadcast_to(o_c, (stop - start, bs // sub))
+    return q.reshape(n_rows, -1), scale.reshape(n_rows, -1), None if offset is None else offset.reshape(n_rows, -1)
+
+
+# ---- placing a tensor on a device ---------------------------------------------------------
+
+# "auto" holds quantized weights as f32 while the whole model stays under this many f32
+# bytes: on XLA:CPU streaming f32 beats upcasting int8 (which is compute-bound on 2 cores:
+# SmolLM2 decode 38 vs 27 tok/s, Gemma3-270M 34 vs 15); bigger models use int8 (4x smaller).
+AUTO_F32_MAX_BYTES = 2 << 30
+
+
+def choose_auto(f32_bytes: int) -> str:
+    """The concrete weight_format "auto" means for a model of f32_bytes once dequantized."""
+    return "f32" if f32_bytes <= AUTO_F32_MAX_BYTES else "int8"
+
+
+def resolve_format(weight_format: str, t: GGMLType) -> str:
+    """The held format for a tensor of type t under weight_format ("auto" must have been
+    turned into a concrete format by choose_auto). int8 falls back to the blocks for types
+    without an exact int8 form (the IQ codebook types, TQ*, MXFP4)."""
+    if weight_format not in WEIGHT_FORMATS or weight_format == "auto":
+        raise ValueError(f"weight_format must be one of native, int8, f32, got {weight_format!r}")
+    if not types.traits(t).is_quantized or weight_format == "f32":
+        return FORMAT_PLAIN
+    if weight_format == "int8" and t in INT8_CONVERTERS:
+        return FORMAT_INT8
+    return FORMAT_BLOCKS
+
+
+def check_format(weight_format: str) -> None:
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+
+
+def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str = "native") -> DeviceWeight:
+    """Put a tensor's GGUF bytes (uint8, or typed values) on a device in the format that
+    weight_format selects for its type (see resolve_format)."""
     from ggmlx import quants
-    return quants.dequantize_jax(blocks, spec.type, (spec.ne[0], n_rows))
+    t = GGMLType(t)
+    ne4 = tuple(ne) + (1,) * (4 - len(ne))
+    rows = ne4[1] * ne4[2] * ne4[3]
+    raw = np.ascontiguousarray(data)
+    fmt = resolve_format(weight_format, t)
+    if fmt == FORMAT_PLAIN and types.traits(t).is_quantized:
+        arr = quants.dequantize(raw.view(np.uint8).reshape(-1), t, ne4).reshape(tuple(reversed(ne4)))
+        return DeviceWeight(WeightSpec(FORMAT_PLAIN, t, ne4), jax.device_put(arr, device))
+    if fmt == FORMAT_PLAIN:
+        dt = np_dtype(t)
+        arr = raw.view(dt) if raw.dtype == np.uint8 else raw.astype(dt, copy=False)
+        arr = arr.reshape(tuple(reversed(ne4)))
+        return DeviceWeight(WeightSpec(FORMAT_PLAIN, t, ne4), jax.device_put(arr, device))
+    blocks = raw.view(np.uint8).reshape(rows, types.row_size(t, ne4[0]))
+    if fmt == FORMAT_INT8:
+        q, scale, offset = to_int8(blocks, t, rows)
+        spec = WeightSpec(FORMAT_INT8, t, ne4, INT8_CONVERTERS[t][0])
+        return DeviceWeight(spec, jax.device_put(q, device), jax.device_put(scale, device),
+                            None if offset is None else jax.device_put(offset, device))
+    return DeviceWeight(WeightSpec(FORMAT_BLOCKS, t, ne4), jax.device_put(blocks, device))
+
+
+# ---- reading a weight inside a traced function ---------------------------------------------
+
+def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: jax.Array | None) -> jax.Array:
+    """Dequantize n rows given as the held arrays sliced to those rows -> f32 [n, ne0]."""
+    spec = w.spec
+    n = q.shape[0]
+    if spec.format == FORMAT_PLAIN:
+        return q.reshape(n, spec.ne[0]).astype(jnp.float32)
+    if spec.format == FORMAT_BLOCKS:
+        from ggmlx import quants
+        return quants.dequantize_jax(q, spec.type, (spec.ne[0], n))
+    y = q.astype(jnp.float32).reshape(n, -1, spec.sub_block) * scale[..., None]
+    if offset is not None:
+        y = y + offset[..., None]
+    return y.reshape(n, spec.ne[0])
+
+
+def _row_arrays(w: DeviceWeight) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The held arrays with rows as their leading axis."""
+    rows = w.spec.ne[1] * w.spec.ne[2] * w.spec.ne[3]
+    return w.array.reshape(rows, -1), w.scale, w.offset
 
 
 def materialize(w: DeviceWeight) -> jax.Array:
@@ -75,17 +283,51 @@ def materialize(w: DeviceWeight) -> jax.Array:
     spec = w.spec
     if spec.format == FORMAT_PLAIN:
         return w.array.astype(jnp.float32)
-    rows = spec.ne[1] * spec.ne[2] * spec.ne[3]
-    return _dequant_rows(w.array, spec, rows).reshape(tuple(reversed(spec.ne)))
+    return _rows_f32(w, *_row_arrays(w)).reshape(tuple(reversed(spec.ne)))
 
 
 def get_rows(w: DeviceWeight, idx: jax.Array) -> jax.Array:
-    """Rows idx of a 2-d weight as f32 [len(idx), ne0]; quantized rows are gathered first."""
+    """Rows idx of a 2-d weight as f32 [len(idx), ne0]; only the gathered rows are dequantized."""
+    picked = [None if a is None else jnp.take(a, idx, axis=0) for a in _row_arrays(w)]
+    return _rows_f32(w, *picked)
+
+
+def _chunk_rows(n_rows: int, ne0: int) -> int:
+    """Rows per dequantized chunk: a power of two with at most CHUNK_ELEMENTS elements."""
+    r = 1
+    while r * 2 * ne0 <= CHUNK_ELEMENTS:
+        r *= 2
+    return min(r, n_rows)
+
+
+def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
+    """ggml mul_mat of a 2-d weight [M, K] (numpy order) by x [..., N, K] -> [..., N, M].
+
+    A quantized (or non-f32) weight is dequantized a chunk of rows at a time inside a loop,
+    each chunk feeding its own dot: XLA:CPU does not fuse dequantization into a dot, and one
+    whole-matrix f32 temporary is several times slower (fresh pages every call). The last
+    chunk starts early enough to end at row M (it recomputes a few rows: same values)."""
     spec = w.spec
-    if spec.format == FORMAT_PLAIN:
-        return jnp.take(w.array.reshape(-1, spec.ne[0]), idx, axis=0).astype(jnp.float32)
-    picked = jnp.take(w.array, idx, axis=0)
-    return _dequant_rows(picked, spec, idx.shape[0])
+    K, M = spec.ne[0], spec.ne[1]
+    lead = x.shape[:-1]
+    xt = x.reshape(-1, K)
+    arrs = _row_arrays(w)
+    if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
+        out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=HIGHEST)
+        return out.reshape(*lead, M)
+    R = _chunk_rows(M, K)
+    if R == M:
+        out = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *arrs), precision=HIGHEST)
+        return out.reshape(*lead, M)
+
+    def body(i, out):
+        start = jnp.minimum(i * R, M - R)
+        part = [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, R, axis=0) for a in arrs]
+        y = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *part), precision=HIGHEST)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=1)
+
+    out = jax.lax.fori_loop(0, -(-M // R), body, jnp.zeros((xt.shape[0], M), jnp.float32))
+    return out.reshape(*lead, M)
 
 
 def describe(t: Tensor) -> str:

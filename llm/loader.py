@@ -48,6 +48,7 @@ class ModelLoader:
         self.weights_map = {name: WeightEntry(info) for name, info in self.reader.tensors.items()}
         self.created: list[tuple[Tensor, WeightEntry, jax.Device]] = []
         self._used: set[str] = set()
+        self.weight_format = ""
 
     @property
     def arch_name(self) -> str:
@@ -86,10 +87,17 @@ class ModelLoader:
             raise ModelLoadError(f"{self.path}: {len(unused)} tensor(s) not used by the "
                                  f"'{self.arch_name}' graph, e.g. '{unused[0]}'")
 
-    def load_all_data(self, progress_callback: Callable[[float], bool] | None = None) -> int:
-        """Copy every created tensor's bytes to its device. The callback gets the fraction
+    def load_all_data(self, progress_callback: Callable[[float], bool] | None = None,
+                      weight_format: str = "auto") -> int:
+        """Copy every created tensor's bytes to its device, held in `weight_format` (see
+        ggmlx.weights.resolve_format). The callback gets the fraction
         done and returns False to cancel: then every buffer made so far is freed and
-        LoadCancelled is raised. Returns the bytes placed on devices."""
+        LoadCancelled is raised. Returns the bytes read from the file; the concrete format
+        used ("auto" resolved) is left in self.weight_format."""
+        weights.check_format(weight_format)
+        if weight_format == "auto":
+            weight_format = weights.choose_auto(sum(4 * t.nelements() for t, _, _ in self.created))
+        self.weight_format = weight_format
         total = sum(e.info.nbytes for _, e, _ in self.created) or 1
         done = 0
         placed: list[Tensor] = []
@@ -98,14 +106,15 @@ class ModelLoader:
                 if progress_callback is not None and progress_callback(done / total) is False:
                     raise LoadCancelled(f"{self.path}: loading cancelled by the progress callback "
                                         f"at {100 * done / total:.0f}%")
-                t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device)
+                t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
+                                           weight_format)
                 placed.append(t)
                 done += entry.info.nbytes
             if progress_callback is not None and progress_callback(1.0) is False:
                 raise LoadCancelled(f"{self.path}: loading cancelled by the progress callback at 100%")
         except BaseException:
             for t in placed:
-                t.data.array.delete()
+                t.data.delete()
                 t.data = None
             raise
         return done

@@ -56,15 +56,15 @@ class Placement:
 
 def place_layers(n_layer: int, devices: list[jax.Device] | None, n_gpu_layers: int,
                  tensor_split: list[float] | None) -> Placement:
-    """llama.cpp's layer assignment: the last `n_gpu_layers` repeating layers are offloaded
-    and spread over `devices` in proportion to `tensor_split`; the output layer is
-    offloaded when n_gpu_layers > n_layer (or -1)."""
+    """llama.cpp's layer assignment (llama_model::load_tensors). There are n_layer + 1 slots,
+    the repeating layers then the output layer; the last `n_gpu_layers` of them (all when
+    negative) are offloaded, slot il going to the first device whose cumulative
+    `tensor_split` share exceeds (il - i_gpu_start) / act_gpu_layers. The input layer always
+    stays on the CPU. Shares and fractions are float32, as in llama.cpp."""
     cpu = jax.devices("cpu")[0]
     if devices is None:
         devices = [d for d in jax.devices() if d.platform != "cpu"]
     devices = list(devices)
-    if n_gpu_layers < 0 or n_gpu_layers > n_layer:
-        n_gpu_layers = n_layer + 1
     if not devices:
         return Placement(cpu, [cpu] * n_layer, cpu)
     if tensor_split is None:
@@ -72,17 +72,20 @@ def place_layers(n_layer: int, devices: list[jax.Device] | None, n_gpu_layers: i
     if len(tensor_split) != len(devices) or any(s < 0 for s in tensor_split) or sum(tensor_split) <= 0:
         raise ValueError(f"tensor_split {tensor_split} must give one non-negative share per device "
                          f"({len(devices)} devices) with a positive sum")
-    cum = np.cumsum(tensor_split) / np.sum(tensor_split)
-    i_gpu_start = max(n_layer - n_gpu_layers, 0)
-    dev_layer = []
-    for il in range(n_layer):
-        if il < i_gpu_start:
-            dev_layer.append(cpu)
-            continue
-        frac = (il - i_gpu_start) / max(n_layer - i_gpu_start, 1)
-        dev_layer.append(devices[int(np.searchsorted(cum, frac, side="right"))])
-    dev_output = devices[-1] if n_gpu_layers > n_layer else cpu
-    return Placement(cpu, dev_layer, dev_output)
+    if n_gpu_layers < 0:
+        n_gpu_layers = n_layer + 1
+    shares = np.cumsum(np.asarray(tensor_split, np.float32), dtype=np.float32)
+    splits = shares / shares[-1]
+    i_gpu_start = max(n_layer + 1 - n_gpu_layers, 0)
+    act_gpu_layers = min(n_gpu_layers, n_layer + 1)
+
+    def device_of(il: int) -> jax.Device:
+        if il < i_gpu_start or il - i_gpu_start >= act_gpu_layers:
+            return cpu
+        frac = np.float32(il - i_gpu_start) / np.float32(act_gpu_layers)
+        return devices[int(np.searchsorted(splits, frac, side="right"))]
+
+    return Placement(cpu, [device_of(il) for il in range(n_layer)], device_of(n_layer))
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Model:
     layers: list[Layer] = field(default_factory=list)
     n_bytes: int = 0
     meta: dict = field(default_factory=dict)
+    weight_format: str = "auto"
 
     @property
     def n_vocab(self) -> int:
@@ -113,9 +117,13 @@ class Model:
 
 def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None, n_gpu_layers: int = -1,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
-               progress_callback: Callable[[float], bool] | None = None) -> Model:
+               progress_callback: Callable[[float], bool] | None = None,
+               weight_format: str = "auto") -> Model:
     """Load a GGUF model (see DESIGN.md). `devices` hold the repeating layers (default: the
-    accelerators; pass CPU devices to split over simulated devices)."""
+    accelerators; pass CPU devices to split over simulated devices). `weight_format` is how
+    quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "f32"
+    (dequantized at load) or "auto" (f32 for models up to 2 GiB as f32, else int8: fastest
+    measured on XLA:CPU); model.weight_format tells which was used."""
     from llm import models  # noqa: F401  (registers the architecture builders)
     from llm.vocab import load_vocab
 
@@ -126,13 +134,15 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         hp = load_hparams(ml.kv, arch, path=ml.path)
         vocab = load_vocab(ml.kv, path=ml.path)
         meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
-        model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta)
+        model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta,
+                      weight_format=weight_format)
         if vocab_only:
             return model
         model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
         builder.load_tensors(model, ml)
         ml.check_all_used()
-        model.n_bytes = ml.load_all_data(progress_callback)
+        model.n_bytes = ml.load_all_data(progress_callback, weight_format)
+        model.weight_format = ml.weight_format
         return model
     finally:
         ml.close()
