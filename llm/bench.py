@@ -1,0 +1,173 @@
+"""`python -m llm bench`: prompt processing (pp) and text generation (tg) throughput, like
+llama-bench. Each test is compiled by an untimed warm-up run first, so the timed
+repetitions measure steady-state speed; compile time and time to first token are reported
+separately, with the peak resident memory and the weight format used."""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from llm import hub
+from llm.batch import Batch
+from llm.context import Context
+from llm.model import load_model
+
+
+@dataclass
+class BenchResult:
+    model: str
+    weight_format: str
+    test: str              # "pp512" or "tg128"
+    n_tokens: int
+    reps: int
+    tok_s_median: float
+    tok_s_min: float
+    tok_s_max: float
+    tok_s_stdev: float
+    compile_s: float       # compilations during the warm-up run of this test
+    load_s: float
+    ttft_s: float          # load excluded: first prompt (compiled) + first generated token
+    peak_rss_mib: float
+
+
+def _peak_rss_mib() -> float:
+    """The process's resident-memory high-water mark (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prompt(n: int, n_vocab: int) -> list[int]:
+    """Deterministic tokens avoiding the low ids where special tokens usually sit."""
+    return [int(t) for t in (np.arange(n) * 7919 % (n_vocab - 1000) + 1000)]
+
+
+def _decode(ctx: Context, batch: Batch) -> None:
+    rc = ctx.decode(batch)
+    if rc != 0:
+        raise RuntimeError(f"decode failed with {rc}: {ctx.last_error}")
+
+
+def _run_pp(ctx: Context, tokens: list[int]) -> float:
+    ctx.memory_clear()
+    t0 = time.perf_counter()
+    for i in range(0, len(tokens), ctx.n_batch):
+        chunk = tokens[i:i + ctx.n_batch]
+        _decode(ctx, Batch(tokens=chunk, pos=list(range(i, i + len(chunk))),
+                           logits=[j == len(chunk) - 1 for j in range(len(chunk))]))
+    return time.perf_counter() - t0
+
+
+def _run_tg(ctx: Context, n_gen: int, n_vocab: int) -> float:
+    """n_gen single-token decodes on an empty cache, as llama-bench's tg test."""
+    ctx.memory_clear()
+    t0 = time.perf_counter()
+    for i in range(n_gen):
+        _decode(ctx, Batch(tokens=[1000 + (i * 31) % (n_vocab - 1000)], pos=[i], logits=[True]))
+    return time.perf_counter() - t0
+
+
+def _compile_seconds(ctx: Context) -> float:
+    return ctx.perf()["t_compile_ms"] / 1e3
+
+
+def _summary(model: str, fmt: str, test: str, n: int, times: list[float], compile_s: float,
+             load_s: float, ttft_s: float) -> BenchResult:
+    rates = [n / t for t in times]
+    return BenchResult(model=model, weight_format=fmt, test=test, n_tokens=n, reps=len(rates),
+                       tok_s_median=statistics.median(rates), tok_s_min=min(rates), tok_s_max=max(rates),
+                       tok_s_stdev=statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                       compile_s=compile_s, load_s=load_s, ttft_s=ttft_s, peak_rss_mib=_peak_rss_mib())
+
+
+def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: int = 5,
+                n_ubatch: int = 512, n_ctx: int = 2048, weight_format: str = "auto") -> list[BenchResult]:
+    """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped)."""
+    t0 = time.perf_counter()
+    model = load_model(model_path, weight_format=weight_format)
+    load_s = time.perf_counter() - t0
+    n_batch = max(n_ubatch, min(n_prompt, n_ctx)) if n_prompt else n_ubatch
+    ctx = Context(model, n_ctx=max(n_ctx, n_prompt + n_gen), n_batch=n_batch, n_ubatch=n_ubatch)
+    n_vocab = model.n_vocab
+    name = str(model_path)
+    results = []
+    t_first = time.perf_counter()
+    if n_prompt:
+        _run_pp(ctx, _prompt(n_prompt, n_vocab))                        # warm-up: compiles
+    _decode(ctx, Batch(tokens=[1000], pos=[n_prompt], logits=[True]))
+    ttft_s = time.perf_counter() - t_first
+    if n_prompt:
+        comp = _compile_seconds(ctx)
+        times = [_run_pp(ctx, _prompt(n_prompt, n_vocab)) for _ in range(reps)]
+        results.append(_summary(name, model.weight_format, f"pp{n_prompt}", n_prompt, times, comp, load_s, ttft_s))
+    if n_gen:
+        c0 = _compile_seconds(ctx)
+        _run_tg(ctx, min(n_gen, 8), n_vocab)                             # warm-up
+        comp = _compile_seconds(ctx) - c0
+        times = [_run_tg(ctx, n_gen, n_vocab) for _ in range(reps)]
+        results.append(_summary(name, model.weight_format, f"tg{n_gen}", n_gen, times, comp, load_s, ttft_s))
+    return results
+
+
+def format_results(results: list[BenchResult], output: str) -> str:
+    rows = [asdict(r) for r in results]
+    if output == "json":
+        return json.dumps(rows, indent=2)
+    if output == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        return buf.getvalue().rstrip("\n")
+    lines = ["| model | format | test | t/s (median) | min..max | compile s | load s | TTFT s | peak RSS MiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.model.rsplit('/', 1)[-1]} | {r.weight_format} | {r.test} | {r.tok_s_median:.1f} "
+                     f"| {r.tok_s_min:.1f}..{r.tok_s_max:.1f} | {r.compile_s:.2f} | {r.load_s:.2f} "
+                     f"| {r.ttft_s:.2f} | {r.peak_rss_mib:.0f} |")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register the `bench` subcommand on an argparse subparsers object."""
+    p = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) tokens per second")
+    p.add_argument("-m", "--model", default=hub.DEFAULT_MODEL, help="GGUF path or known model name")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test; 0 skips)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test; 0 skips)")
+    p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test")
+    p.add_argument("-ub", "--ubatch", type=int, default=512, help="physical batch size (n_ubatch)")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
+    p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
+    p.add_argument("--weight-format", choices=("auto", "native", "int8", "f32"), default="auto")
+    p.set_defaults(fn=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("n_prompt", "n_gen", "reps", "ubatch", "ctx_size"):
+        v = getattr(args, name)
+        if v < (0 if name in ("n_prompt", "n_gen") else 1):
+            raise ValueError(f"bench: --{name.replace('_', '-')} must be {'>= 0' if name in ('n_prompt', 'n_gen') else '>= 1'}, got {v}")
+    results = bench_model(str(hub.resolve(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
+                          reps=args.reps, n_ubatch=args.ubatch, n_ctx=args.ctx_size,
+                          weight_format=args.weight_format)
+    print(format_results(results, args.output))
+    return 0
+
+
+def main_bench(argv: list[str] | None = None) -> int:
+    """Standalone entry point: `python -m llm.bench ARGS` (same arguments as `llm bench`)."""
+    ap = argparse.ArgumentParser(prog="python -m llm")
+    add_parser(ap.add_subparsers(dest="command", required=True))
+    return run(ap.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main_bench())
