@@ -1,0 +1,123 @@
+"""Our engine side by side with llama-cpp-python (and transformers), same model, prompt
+length and thread count, runs alternating in one process tree; prints tok/s and ratios.
+
+    .venv/bin/python benchmarks/compare.py [-m MODEL] [-p 512] [-n 128] [-r 3] [-t 2] [--hf HF_ID]
+
+Peers are optional: `pip install llama-cpp-python` (builds from source, ~10 min on 2 cores);
+`pip install torch transformers` for the transformers column (needs --hf, the model's
+Hugging Face id, weights dequantized to f32). Each engine runs in its own subprocess per
+repetition so the engines never share a process (and XLA's thread pool is not restricted by
+llama.cpp's).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PEER_INSTALL = {
+    "llama_cpp": "pip install llama-cpp-python  (builds from source, ~10 min)",
+    "transformers": "pip install torch transformers  (CPU wheels)",
+}
+
+
+def _ours(model: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+    from llm.bench import bench_model
+    res = {r.test[:2]: r.tok_s_median for r in bench_model(model, n_prompt=n_prompt, n_gen=n_gen, reps=1)}
+    return {"pp": res["pp"], "tg": res["tg"]}
+
+
+def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, n_threads=threads, verbose=False)
+    toks = [1000 + (i * 7919) % 20000 for i in range(n_prompt)]
+    llm.eval(toks[:8])                                      # warm-up
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(toks)
+    pp = n_prompt / (time.perf_counter() - t0)
+    llm.reset()
+    t0 = time.perf_counter()
+    for i in range(n_gen):
+        llm.eval([1000 + i])
+    tg = n_gen / (time.perf_counter() - t0)
+    return {"pp": pp, "tg": tg}
+
+
+def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    m = AutoModelForCausalLM.from_pretrained(hf_id, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([[1000 + (i * 7919) % 20000 for i in range(n_prompt)]])
+    with torch.no_grad():
+        m(ids[:, :8])
+        t0 = time.perf_counter()
+        m(ids)
+        pp = n_prompt / (time.perf_counter() - t0)
+        past, tok = None, torch.tensor([[1000]])
+        t0 = time.perf_counter()
+        for _ in range(n_gen):
+            out = m(tok, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        tg = n_gen / (time.perf_counter() - t0)
+    return {"pp": pp, "tg": tg}
+
+
+ENGINES = {"ggmlx": _ours, "llama.cpp": _llama_cpp, "transformers": _transformers}
+
+
+def _child(engine: str, target: str, n_prompt: int, n_gen: int, threads: int) -> None:
+    print(json.dumps(ENGINES[engine](target, n_prompt, n_gen, threads)))
+
+
+def _run_child(engine: str, target: str, a) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    cmd = [sys.executable, __file__, "--child", engine, target, str(a.n_prompt), str(a.n_gen), str(a.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{engine} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="/tmp/models/smollm2-135m-instruct-q4_1.gguf")
+    ap.add_argument("--hf", default=None, help="Hugging Face id of the same model, for transformers")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    engines = {"ggmlx": a.model}
+    for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf)):
+        if importlib.util.find_spec(mod) is None:
+            print(f"{engine}: not installed ({PEER_INSTALL[mod]})")
+        elif target is None:
+            print(f"{engine}: skipped (pass --hf MODEL_ID)")
+        else:
+            engines[engine] = target
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for _ in range(a.reps):                      # alternate engines within each repetition
+        for engine, target in engines.items():
+            runs[engine].append(_run_child(engine, target, a))
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")} for e, rs in runs.items()}
+    print(f"model {a.model}  pp{a.n_prompt} / tg{a.n_gen}  threads {a.threads}  reps {a.reps}")
+    print("| engine | pp t/s | tg t/s | ggmlx pp ratio | ggmlx tg ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for e, m in med.items():
+        print(f"| {e} | {m['pp']:.1f} | {m['tg']:.1f} | {med['ggmlx']['pp'] / m['pp']:.2f} | "
+              f"{med['ggmlx']['tg'] / m['tg']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+    else:
+        sys.exit(main())
