@@ -1,0 +1,283 @@
+"""llm.Context on tiny generated models (tests/tiny_model.py): ubatch splitting, graph reuse,
+decode return codes, the output buffer and the KV cache's sequence operations.
+
+Every check compares against REF, the logits of all 32 tokens of TOKENS decoded in one ubatch
+on a fresh context: by causality, any run over a prefix of TOKENS must reproduce REF's rows.
+Shapes are kept few (n_ctx 64, KV bucket 64, prompts of 17-32 tokens) so compiles are shared.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llm
+from tiny_model import TinySpec, prompt_tokens, write_model
+
+SPECS = {
+    "llama": TinySpec(arch="llama", n_layer=2, seed=1),
+    # 6 layers: 5 sliding-window (window 4) and 1 global
+    "gemma3": TinySpec(arch="gemma3", n_layer=6, n_head_kv=1, n_swa=4, seed=2),
+}
+N_CTX = 64
+TOKENS = prompt_tokens(32)
+ALL = np.ones(32, bool)
+TOL = 1e-4
+
+
+def new_ctx(model, **kw) -> llm.Context:
+    args = dict(n_ctx=N_CTX, kv_bucket=N_CTX)
+    args.update(kw)
+    return llm.Context(model, **args)
+
+
+def decode_ok(ctx: llm.Context, batch: llm.Batch) -> None:
+    assert ctx.decode(batch) == 0, ctx.last_error
+
+
+def all_logits(tokens, **kw) -> llm.Batch:
+    return llm.Batch(tokens, logits=np.ones(len(tokens), bool), **kw)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, llm.Model]:
+    d = tmp_path_factory.mktemp("tiny")
+    return {a: llm.load_model(write_model(d / f"tiny-{a}.gguf", s)) for a, s in SPECS.items()}
+
+
+@pytest.fixture(scope="module")
+def refs(models) -> dict[str, np.ndarray]:
+    out = {}
+    for a, m in models.items():
+        ctx = new_ctx(m)
+        decode_ok(ctx, all_logits(TOKENS))
+        out[a] = ctx.get_logits().copy()
+    return out
+
+
+@pytest.fixture
+def llama(models) -> llm.Model:
+    return models["llama"]
+
+
+@pytest.fixture
+def ref(refs) -> np.ndarray:
+    return refs["llama"]
+
+
+def cache_snapshot(ctx: llm.Context) -> list[np.ndarray]:
+    """Cell metadata and every K/V buffer, copied to the host."""
+    kv = ctx.memory
+    return [kv.cells.pos.copy(), kv.cells.seq.copy()] + [np.asarray(t.data).copy() for t in kv.k_l + kv.v_l]
+
+
+def assert_same_cache(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+# ---- ubatches --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_prefill_ubatch7_and_token_by_token_agree(models, refs, arch: str):
+    model, ref = models[arch], refs[arch]
+    ctx7 = new_ctx(model, n_ubatch=7)
+    decode_ok(ctx7, all_logits(TOKENS))
+    assert np.abs(ctx7.get_logits() - ref).max() <= TOL
+    ctx1 = new_ctx(model)
+    rows = []
+    for t in TOKENS:
+        decode_ok(ctx1, llm.Batch.get_one([t]))
+        rows.append(ctx1.get_logits_ith(-1).copy())
+    assert np.abs(np.array(rows) - ref).max() <= TOL
+    assert ctx1.perf()["n_eval"] == 32 and ctx7.perf()["n_p_eval"] == 32
+
+
+def test_outputs_only_for_requested_rows(llama, ref):
+    ctx = new_ctx(llama)
+    flags = np.zeros(20, bool)
+    flags[[5, 19]] = True
+    decode_ok(ctx, llm.Batch(TOKENS[:20], logits=flags))
+    assert ctx.get_logits().shape == (2, llama.n_vocab)
+    assert np.abs(ctx.get_logits_ith(5) - ref[5]).max() <= TOL
+    assert np.abs(ctx.get_logits_ith(19) - ref[19]).max() <= TOL
+    np.testing.assert_array_equal(ctx.get_logits_ith(-1), ctx.get_logits_ith(19))
+    np.testing.assert_array_equal(ctx.get_logits_ith(-2), ctx.get_logits_ith(5))
+    for i in (0, 20, -3):
+        with pytest.raises(ValueError, match="get_logits_ith"):
+            ctx.get_logits_ith(i)
+
+
+# ---- graph reuse -----------------------------------------------------------------------
+
+def decode_64_steps(model, ref) -> tuple[llm.Context, list[dict], list[int]]:
+    """BOS, then 64 single-token steps on a cache read in buckets of 32 cells: perf() after
+    each step, and n_kv (the bucketed KV length) of each step."""
+    ctx = llm.Context(model, n_ctx=96, kv_bucket=32)
+    rng = np.random.default_rng(5)
+    tokens = TOKENS + [int(x) for x in rng.integers(3, 512, 33)]
+    perfs, n_kv = [], []
+    for i, t in enumerate(tokens):
+        decode_ok(ctx, llm.Batch.get_one([t]))
+        perfs.append(ctx.perf())
+        n_kv.append(ctx.memory.n_kv())
+        if i < 32:
+            assert np.abs(ctx.get_logits_ith(-1) - ref[i]).max() <= TOL
+    return ctx, perfs, n_kv
+
+
+def test_decode_64_steps_reuses_the_graph(llama, ref):
+    ctx, perfs, n_kv = decode_64_steps(llama, ref)
+    assert n_kv == [32] * 32 + [64] * 32 + [96]
+    changed = [0] + [i for i in range(1, 65) if n_kv[i] != n_kv[i - 1]]
+    assert changed == [0, 32, 64]
+    for i in range(1, 65):
+        built = perfs[i]["n_graph_builds"] - perfs[i - 1]["n_graph_builds"]
+        reused = perfs[i]["n_reused"] - perfs[i - 1]["n_reused"]
+        compiled = perfs[i]["n_compiles"] - perfs[i - 1]["n_compiles"]
+        if i in changed:
+            assert (built, reused) == (1, 0) and compiled <= 1, f"step {i}"
+        else:
+            assert (built, reused, compiled) == (0, 1, 0), f"step {i}: no compile in steady state"
+    p = ctx.perf()
+    assert (p["n_graph_builds"], p["n_reused"], p["n_eval"]) == (3, 62, 65)
+
+
+def test_second_context_compiles_nothing(llama, ref):
+    decode_64_steps(llama, ref)
+    ctx, _, _ = decode_64_steps(llama, ref)
+    p = ctx.perf()
+    assert p["n_compiles"] == 0
+    assert (p["n_graph_builds"], p["n_reused"]) == (3, 62)
+
+
+# ---- return codes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [
+    pytest.param(lambda: llm.Batch([TOKENS[20], 512]), id="token_out_of_range"),
+    pytest.param(lambda: llm.Batch([-1]), id="negative_token"),
+    pytest.param(lambda: llm.Batch([TOKENS[20]], seq_id=[1]), id="seq_id_ge_n_seq_max"),
+    pytest.param(lambda: llm.Batch(TOKENS[20:22], pos=[20, 22]), id="positions_not_continuous"),
+    pytest.param(lambda: llm.Batch([TOKENS[20]], pos=[25]), id="position_does_not_continue_cache"),
+    pytest.param(lambda: llm.Batch([TOKENS[20]], pos=[3]), id="position_already_cached"),
+    pytest.param(lambda: llm.Batch([]), id="empty"),
+    pytest.param(lambda: llm.Batch(embd=np.zeros((1, 7), np.float32)), id="embd_wrong_width"),
+    pytest.param(lambda: llm.Batch(TOKENS[20:] * 4), id="more_than_n_batch"),
+])
+def test_bad_batch_returns_minus_1_and_changes_nothing(llama, ref, batch):
+    ctx = new_ctx(llama, n_batch=40)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    before = cache_snapshot(ctx)
+    assert ctx.decode(batch()) == -1
+    assert ctx.last_error
+    assert_same_cache(before, cache_snapshot(ctx))
+    decode_ok(ctx, llm.Batch.get_one([TOKENS[20]]))
+    assert np.abs(ctx.get_logits_ith(-1) - ref[20]).max() <= TOL
+
+
+def test_batch_larger_than_free_cache_returns_1_and_changes_nothing(llama, ref):
+    ctx = new_ctx(llama, n_ubatch=7)
+    decode_ok(ctx, all_logits(TOKENS[:24]))
+    before = cache_snapshot(ctx)
+    # 41 tokens in 6 ubatches: the first five fit in the 40 free cells, the last does not
+    assert ctx.decode(llm.Batch(prompt_tokens(41, seed=3))) == 1
+    assert_same_cache(before, cache_snapshot(ctx))
+    decode_ok(ctx, all_logits(TOKENS[24:]))
+    assert np.abs(ctx.get_logits() - ref[24:]).max() <= TOL
+
+
+def test_abort_returns_2_and_keeps_earlier_ubatches(llama, ref):
+    calls = []
+
+    def abort() -> bool:
+        calls.append(1)
+        return len(calls) == 3      # checked before each ubatch: two ran, the third is aborted
+
+    ctx = new_ctx(llama, n_ubatch=7, abort_callback=abort)
+    assert ctx.decode(all_logits(TOKENS[:24])) == 2
+    assert ctx.memory.seq_pos_min(0) == 0 and ctx.memory.seq_pos_max(0) == 13
+    assert ctx.memory.cells.get_used() == 14
+    decode_ok(ctx, all_logits(TOKENS[14:]))
+    assert np.abs(ctx.get_logits() - ref[14:]).max() <= TOL
+
+
+# ---- sequence operations ---------------------------------------------------------------
+
+def test_seq_rm_then_redecode_matches_fresh_run(llama, ref):
+    ctx = new_ctx(llama)
+    decode_ok(ctx, all_logits(TOKENS[:24]))
+    assert ctx.memory.seq_rm(0, 12, -1)
+    assert ctx.memory.seq_pos_max(0) == 11 and ctx.memory.cells.get_used() == 12
+    decode_ok(ctx, all_logits(TOKENS[12:]))
+    assert np.abs(ctx.get_logits() - ref[12:]).max() <= TOL
+    ctx.memory_clear()
+    assert ctx.memory.cells.get_used() == 0 and ctx.memory.seq_pos_max(0) == -1
+    decode_ok(ctx, all_logits(TOKENS))
+    assert np.abs(ctx.get_logits() - ref).max() <= TOL
+
+
+def test_seq_cp_then_two_sequences_decode_independently(llama, ref):
+    x, y = [7, 9], [300, 301]              # the two continuations after TOKENS[:20]
+    ctx_b = new_ctx(llama)
+    decode_ok(ctx_b, all_logits(TOKENS[:20] + [x[1], y[1]]))
+    ref_b = ctx_b.get_logits()[20:]        # sequence 1 goes TOKENS[:20], x[1], y[1]
+
+    ctx = new_ctx(llama, n_seq_max=2)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    ctx.memory.seq_cp(0, 1)
+    assert ctx.memory.seq_pos_max(1) == 19
+    # step 1: TOKENS[20] continues sequence 0, x[1] sequence 1 (both at position 20)
+    decode_ok(ctx, llm.Batch([TOKENS[20], x[1]], seq_id=[0, 1], logits=[True, True]))
+    assert np.abs(ctx.get_logits_ith(0) - ref[20]).max() <= TOL
+    assert np.abs(ctx.get_logits_ith(1) - ref_b[0]).max() <= TOL
+    decode_ok(ctx, llm.Batch([TOKENS[21], y[1]], seq_id=[0, 1], logits=[True, True]))
+    assert np.abs(ctx.get_logits_ith(0) - ref[21]).max() <= TOL
+    assert np.abs(ctx.get_logits_ith(1) - ref_b[1]).max() <= TOL
+    # drop sequence 0: the shared prompt cells stay, sequence 0's own two cells go
+    ctx.memory.seq_keep(1)
+    assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.cells.get_used() == 22
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_seq_add_k_shift_matches_decoding_at_shifted_positions(models, arch: str):
+    model = models[arch]
+    ctx = new_ctx(model)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    ctx.memory.seq_add(0, 0, -1, 5)         # positions 0..19 -> 5..24
+    assert ctx.memory.seq_pos_min(0) == 5 and ctx.memory.seq_pos_max(0) == 24
+    decode_ok(ctx, llm.Batch.get_one([TOKENS[20]]))
+    assert ctx.memory.seq_pos_max(0) == 25
+    fresh = new_ctx(model)
+    decode_ok(fresh, all_logits(TOKENS[:21], pos=np.arange(5, 26)))
+    assert np.abs(ctx.get_logits_ith(-1) - fresh.get_logits_ith(-1)).max() <= TOL
+
+
+def test_k_shift_rerotates_cached_keys(llama):
+    """Drop positions 4..7 and shift 8..19 down by 4: the first layer's cached K rows must
+    equal those of the remaining tokens decoded at their new positions (deeper layers differ,
+    as in llama.cpp: their inputs depended on the dropped tokens)."""
+    ctx = new_ctx(llama)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    ctx.memory.seq_rm(0, 4, 8)
+    ctx.memory.seq_add(0, 8, -1, -4)
+    decode_ok(ctx, llm.Batch.get_one([TOKENS[20]]))      # applies the K-shift first
+    fresh = new_ctx(llama)
+    decode_ok(fresh, all_logits(TOKENS[:4] + TOKENS[8:21]))
+    k, k_ref = (np.asarray(c.memory.k_l[0].data).reshape(N_CTX, -1) for c in (ctx, fresh))
+    cells = np.flatnonzero(ctx.memory.cells.pos >= 0)
+    pos = ctx.memory.cells.pos[cells]
+    np.testing.assert_array_equal(np.sort(pos), np.arange(17))
+    ref_cells = np.argsort(fresh.memory.cells.pos[:17])     # the fresh run's cell of each position
+    assert np.abs(k[cells] - k_ref[ref_cells[pos]]).max() <= TOL
+
+
+# ---- construction ----------------------------------------------------------------------
+
+def test_context_argument_errors(llama, tmp_path):
+    with pytest.raises(ValueError, match="n_ctx"):
+        llm.Context(llama, n_ctx=0)
+    with pytest.raises(ValueError, match="type_k"):
+        llm.Context(llama, n_ctx=N_CTX, type_k="q4_0")
+    vocab_only = llm.load_model(write_model(tmp_path / "m.gguf", SPECS["llama"]), vocab_only=True)
+    with pytest.raises(ValueError, match="vocab_only"):
+        llm.Context(vocab_only)
