@@ -38,7 +38,8 @@ class Gemma3:
         n_tokens = g.n_tokens
 
         inpL = g.build_inp_embd(m.tok_embd)
-        inpL = g.cb(ops.scale(inpL, math.sqrt(hp.n_embd)), "inp_scaled")
+        # raw embeddings input (e.g. encoded images) is not scaled, as in llama.cpp
+        inpL = g.cb(ops.scale(inpL, 1.0 if g.params.embd_input else math.sqrt(hp.n_embd)), "inp_scaled")
         inp_pos = g.build_inp_pos()
         inp_attn = g.build_attn_inp_kv()
         inp_out_ids = g.build_inp_out_ids()
