@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import llm
-from tiny_model import TinySpec, prompt_tokens, write_model
+from tiny_model import TinySpec, model_tensors, prompt_tokens, write_model
 
 SPECS = {
     "llama": TinySpec(arch="llama", n_layer=2, seed=1),
@@ -106,6 +106,19 @@ def test_outputs_only_for_requested_rows(llama, ref):
     for i in (0, 20, -3):
         with pytest.raises(ValueError, match="get_logits_ith"):
             ctx.get_logits_ith(i)
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_embeddings_input_matches_tokens(models, refs, arch: str):
+    """A batch of embeddings skips the token lookup and, as in llama.cpp, gemma3's
+    sqrt(n_embd) input scale (raw embeddings are taken as they are)."""
+    spec = SPECS[arch]
+    embd = model_tensors(spec)["token_embd.weight"][TOKENS]
+    if arch == "gemma3":
+        embd = embd * np.float32(np.sqrt(spec.n_embd))
+    ctx = new_ctx(models[arch])
+    decode_ok(ctx, llm.Batch(embd=embd, logits=ALL))
+    assert np.abs(ctx.get_logits() - refs[arch]).max() <= TOL
 
 
 # ---- graph reuse -----------------------------------------------------------------------
