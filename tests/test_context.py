@@ -251,6 +251,20 @@ def test_seq_cp_then_two_sequences_decode_independently(llama, ref):
     assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.cells.get_used() == 22
 
 
+def test_two_sequences_in_one_batch(llama, ref):
+    """Interleaved tokens of two sequences (split_equal groups them) see only their own cells."""
+    other = prompt_tokens(20, seed=9)
+    ctx_u = new_ctx(llama)
+    decode_ok(ctx_u, all_logits(other))
+    ref_u = ctx_u.get_logits()[:16]
+    ctx = new_ctx(llama, n_seq_max=2)
+    tokens = [t for pair in zip(TOKENS[:16], other[:16]) for t in pair]
+    decode_ok(ctx, all_logits(tokens, seq_id=[0, 1] * 16))
+    assert np.abs(ctx.get_logits()[0::2] - ref[:16]).max() <= TOL
+    assert np.abs(ctx.get_logits()[1::2] - ref_u).max() <= TOL
+    assert ctx.memory.seq_pos_max(0) == 15 and ctx.memory.seq_pos_max(1) == 15
+
+
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_seq_add_k_shift_matches_decoding_at_shifted_positions(models, arch: str):
     model = models[arch]
@@ -282,6 +296,13 @@ def test_k_shift_rerotates_cached_keys(llama):
     np.testing.assert_array_equal(np.sort(pos), np.arange(17))
     ref_cells = np.argsort(fresh.memory.cells.pos[:17])     # the fresh run's cell of each position
     assert np.abs(k[cells] - k_ref[ref_cells[pos]]).max() <= TOL
+
+
+def test_f16_cache_stays_close_to_f32(llama, ref):
+    ctx = new_ctx(llama, type_k="f16", type_v="f16")
+    decode_ok(ctx, all_logits(TOKENS))
+    assert ctx.memory.k_l[0].data.dtype == np.float16
+    assert 0 < np.abs(ctx.get_logits() - ref).max() <= 1e-2
 
 
 # ---- construction ----------------------------------------------------------------------
