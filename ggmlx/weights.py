@@ -201,9 +201,10 @@ def to_int8(blocks: np.ndarray, t: GGMLType, n_rows: int) -> tuple[np.ndarray, n
 # ---- placing a tensor on a device ---------------------------------------------------------
 
 # "auto" holds quantized weights as f32 while the whole model stays under this many f32
-# bytes: on XLA:CPU streaming f32 beats upcasting int8 (which is compute-bound on 2 cores:
-# SmolLM2 decode 38 vs 27 tok/s, Gemma3-270M 34 vs 15); bigger models use int8 (4x smaller).
-AUTO_F32_MAX_BYTES = 2 << 30
+# bytes, else as int8. Measured in one run (benchmarks/bench_formats.py, 2 shared cores):
+# SmolLM2-135M (0.54 GB as f32) tg128 f32 51 vs int8 41 tok/s, pp512 1336 vs 765; Gemma3-270M
+# (1.07 GB as f32, 0.67 GB of it the lm_head) tg128 int8 38 vs f32 24, pp512 1637 vs 805.
+AUTO_F32_MAX_BYTES = 768 << 20
 
 
 def choose_auto(f32_bytes: int) -> str:
