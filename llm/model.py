@@ -130,7 +130,10 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     ml = ModelLoader(path)
     try:
         arch = ml.arch_name
-        builder = get_arch(arch)
+        try:
+            builder = get_arch(arch)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{ml.path}: {e}") from None
         hp = load_hparams(ml.kv, arch, path=ml.path)
         vocab = load_vocab(ml.kv, path=ml.path)
         meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
