@@ -196,7 +196,12 @@ def _flash_attn(q, k, v, mask, scale, max_bias, softcap):
 
 
 def _gelu(x):
-    return jax.nn.gelu(x, approximate=True)
+    """ggml-cpu's GELU: a lookup table indexed by the fp16 value of x holding the fp16 result
+    of the tanh approximation, x itself above 10 and 0 below -10. Matching the table (not
+    exact GELU) brings Gemma logits 4x closer to llama.cpp's."""
+    xh = x.astype(jnp.float16).astype(jnp.float32)
+    y = jax.nn.gelu(xh, approximate=True).astype(jnp.float16).astype(jnp.float32)
+    return jnp.where(x <= -10.0, 0.0, jnp.where(x >= 10.0, x, y))
 
 
 def _glu(n: Tensor, env):

@@ -189,13 +189,42 @@ class GraphBuilder:
             cur = ops.add(cur, b)
         return cur
 
+    def build_qkv(self, layer, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Qcur [d_k, n_head, n_tokens], Kcur and Vcur [d, n_head_kv, n_tokens] from separate
+        wq/wk/wv (plus optional biases) or a fused wqkv whose rows are [Q; K; V]."""
+        hp = self.hparams
+        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
+        n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
+        if layer.wqkv is not None:
+            qkv = self.cb(ops.mul_mat(layer.wqkv, cur), "wqkv", il)
+            row = qkv.nb[1]
+            esz = qkv.nb[0]
+            q = ops.view_3d(qkv, d_k, n_head, self.n_tokens, d_k * esz, row, 0)
+            k = ops.view_3d(qkv, d_k, n_head_kv, self.n_tokens, d_k * esz, row, d_k * n_head * esz)
+            v = ops.view_3d(qkv, d_v, n_head_kv, self.n_tokens, d_v * esz, row,
+                            (d_k * n_head + d_k * n_head_kv) * esz)
+            return self.cb(q, "Qcur", il), self.cb(k, "Kcur", il), self.cb(v, "Vcur", il)
+        out = []
+        for name, w, b, d, n in (("Qcur", layer.wq, layer.bq, d_k, n_head), ("Kcur", layer.wk, layer.bk, d_k, n_head_kv),
+                                 ("Vcur", layer.wv, layer.bv, d_v, n_head_kv)):
+            t = ops.mul_mat(w, cur)
+            if b is not None:
+                t = ops.add(t, b)
+            self.cb(t, name, il)
+            out.append(ops.reshape_3d(t, d, n, self.n_tokens))
+        return out[0], out[1], out[2]
+
     def build_ffn(self, cur: Tensor, up: Tensor, gate: Tensor | None, down: Tensor, act: str,
                   il: int) -> Tensor:
-        """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu"."""
+        """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu". Without a
+        gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u)."""
         tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
         if gate is not None:
             g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
             cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
+            self.cb(cur, "ffn_gate_par", il)
+        elif tmp.ne[0] == 2 * down.ne[0]:
+            cur = ops.swiglu(tmp) if act == "silu" else ops.geglu(tmp)
             self.cb(cur, "ffn_gate_par", il)
         else:
             cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
@@ -239,6 +268,8 @@ class GraphBuilder:
         n_head_kv = hp.n_head_kv(il)
         gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
+        if not v_cur.is_contiguous():
+            v_cur = ops.cont(v_cur)
         k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), inp.k_idxs)
         v_upd = ops.set_rows(v_cache, ops.reshape_2d(v_cur, gqa_v, self.n_tokens), inp.k_idxs)
         self.cb(k_upd, "k_cache_upd", il)

@@ -34,8 +34,6 @@ class Gemma3:
     @staticmethod
     def build_graph(g: GraphBuilder) -> None:
         m, hp = g.model, g.hparams
-        d_k = hp.n_embd_head_k
-        n_tokens = g.n_tokens
 
         inpL = g.build_inp_embd(m.tok_embd)
         # raw embeddings input (e.g. encoded images) is not scaled, as in llama.cpp
@@ -46,15 +44,8 @@ class Gemma3:
 
         for il in range(hp.n_layer):
             layer = m.layers[il]
-
-
             cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
-            q = g.cb(ops.mul_mat(layer.wq, cur), "Qcur", il)
-            k = g.cb(ops.mul_mat(layer.wk, cur), "Kcur", il)
-            v = g.cb(ops.mul_mat(layer.wv, cur), "Vcur", il)
-            q = ops.reshape_3d(q, d_k, hp.n_head(il), n_tokens)
-            k = ops.reshape_3d(k, d_k, hp.n_head_kv(il), n_tokens)
-            v = ops.reshape_3d(v, hp.n_embd_head_v, hp.n_head_kv(il), n_tokens)
+            q, k, v = g.build_qkv(layer, cur, il)
             q = g.cb(g.build_norm(q, layer.attn_q_norm, None, "rms", il), "Qcur_normed", il)
             k = g.cb(g.build_norm(k, layer.attn_k_norm, None, "rms", il), "Kcur_normed", il)
             q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)

@@ -41,9 +41,7 @@ class Llama:
     @staticmethod
     def build_graph(g: GraphBuilder) -> None:
         m, hp = g.model, g.hparams
-        d_k = hp.n_embd_head_k
-        n_tokens = g.n_tokens
-        kq_scale = hp.f_attention_scale if hp.f_attention_scale else 1.0 / math.sqrt(d_k)
+        kq_scale = hp.f_attention_scale if hp.f_attention_scale else 1.0 / math.sqrt(hp.n_embd_head_k)
 
 
         inpL = g.build_inp_embd(m.tok_embd)
@@ -56,12 +54,7 @@ class Llama:
             inpSA = inpL
             cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
 
-            q = g.cb(ops.mul_mat(layer.wq, cur), "Qcur", il)
-            k = g.cb(ops.mul_mat(layer.wk, cur), "Kcur", il)
-            v = g.cb(ops.mul_mat(layer.wv, cur), "Vcur", il)
-            q = ops.reshape_3d(q, d_k, hp.n_head(il), n_tokens)
-            k = ops.reshape_3d(k, d_k, hp.n_head_kv(il), n_tokens)
-            v = ops.reshape_3d(v, hp.n_embd_head_v, hp.n_head_kv(il), n_tokens)
+            q, k, v = g.build_qkv(layer, cur, il)
             q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
             k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
 

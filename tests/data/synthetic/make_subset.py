@@ -1,10 +1,12 @@
-"""Copy the two synthetic llama.cpp reference models the parity tests use, with a compact
-subset of their logits.
+"""Copy the synthetic llama.cpp reference models the parity tests use (the smallest file of
+each architecture), with a compact subset of their logits.
 
 Usage: python tests/data/synthetic/make_subset.py [/work/shared/reference/synthetic]
 
-Models: synth-llama-Q4_0.gguf (legacy quant blocks) and synth-gemma3-Q4_K_M.gguf (K-quants,
-gemma3 with 2 sliding-window layers); the first also supplies the 512-token SPM vocabulary
+Models: synth-llama-Q4_0.gguf (legacy quant blocks), synth-gemma3-Q4_K_M.gguf (K-quants,
+gemma3 with 2 sliding-window layers), qwen2 (q/k/v biases), qwen3 (q/k norms, head 128, Q2_K/
+Q3_K), phi3 (fused qkv and gate-up) and gemma2 (soft-caps, alternating sliding window, IQ4_XS);
+the first also supplies the 512-token SPM vocabulary
 of the tiny models that tests/tiny_model.py writes. For each, `<stem>.npz` holds:
 
 - tokens [24]: the input ids;
@@ -23,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).parent
-STEMS = ["synth-llama-Q4_0", "synth-gemma3-Q4_K_M"]
+STEMS = ["synth-llama-Q4_0", "synth-gemma3-Q4_K_M", "synth-qwen2-Q4_0", "synth-qwen3-Q2_K",
+         "synth-phi3-Q4_K_M", "synth-gemma2-IQ4_XS"]
 
 
 def main(src: Path) -> None:

@@ -1,0 +1,65 @@
+"""Gemma 2: llama.cpp's src/models/gemma2.cpp.
+
+Embeddings scaled by sqrt(n_embd); sliding-window and global layers alternating; attention
+logits soft-capped; post-attention and post-FFN norms; a GELU-gated FFN; final logits
+soft-capped; tied output embeddings."""
+from __future__ import annotations
+
+import math
+
+from ggmlx import ops
+from llm.arch import LLMTensor as T, register_arch, tn
+from llm.graph import GraphBuilder
+from llm.loader import ModelLoader
+from llm.model import Layer, Model, create_attn, create_embd_output, create_ffn
+
+
+@register_arch("gemma2")
+class Gemma2:
+    @staticmethod
+    def load_tensors(model: Model, ml: ModelLoader) -> None:
+        hp = model.hparams
+        n_embd = hp.n_embd
+        create_embd_output(model, ml)
+        for il in range(hp.n_layer):
+            dev = model.placement.dev_layer[il]
+            layer = Layer()
+            create_attn(layer, ml, hp, il, dev)
+            layer.attn_post_norm = ml.create_tensor(tn(T.ATTN_POST_NORM, "weight", il), (n_embd,), dev)
+            create_ffn(layer, ml, hp, il, dev)
+            layer.ffn_post_norm = ml.create_tensor(tn(T.FFN_POST_NORM, "weight", il), (n_embd,), dev)
+            model.layers.append(layer)
+
+    @staticmethod
+    def build_graph(g: GraphBuilder) -> None:
+        m, hp = g.model, g.hparams
+
+        inpL = g.build_inp_embd(m.tok_embd)
+        inpL = g.cb(ops.scale(inpL, 1.0 if g.params.embd_input else math.sqrt(hp.n_embd)), "inp_scaled")
+        inp_pos = g.build_inp_pos()
+        inp_attn = g.build_attn_inp_kv()
+        inp_out_ids = g.build_inp_out_ids()
+        softcap = hp.f_attn_logit_softcapping if hp.attn_soft_cap else 0.0
+
+        for il in range(hp.n_layer):
+            layer = m.layers[il]
+            cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+            q, k, v = g.build_qkv(layer, cur, il)
+            q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
+            k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+            q = g.cb(ops.scale(q, hp.f_attention_scale), "Qcur_scaled", il)
+
+            cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0, il, softcap=softcap)
+            cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, "rms", il), "attn_post_norm", il)
+            if il == hp.n_layer - 1 and inp_out_ids is not None:
+                cur = ops.get_rows(cur, inp_out_ids)
+                inpL = ops.get_rows(inpL, inp_out_ids)
+            sa_out = g.cb(ops.add(cur, inpL), "sa_out", il)
+
+            cur = g.cb(g.build_norm(sa_out, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "gelu", il)
+            cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", il), "ffn_post_norm", il)
+            g.cb(cur, "ffn_out", il)
+            inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
+
+        g.build_output(inpL, final_softcap=hp.f_final_logit_softcapping)
