@@ -39,8 +39,8 @@ REAL_MODELS = {
     "gemma-3-270m-q4_k_m": ("gemma3_path", 2e-2, 5e-2),
 }
 # synthetic model stem -> max |diff| vs the twin over all 24 positions
-SYNTHETIC = {"synth-llama-Q4_0": 1e-3, "synth-gemma3-Q4_K_M": 5e-3, "synth-qwen2-Q4_0": 1e-3,
-             "synth-qwen3-Q2_K": 1e-3, "synth-phi3-Q4_K_M": 1e-3, "synth-gemma2-IQ4_XS": 5e-3}
+SYNTHETIC = {"synth-llama-Q4_0": 1e-3, "synth-gemma3-Q4_K_M": 1e-2, "synth-qwen2-Q4_0": 1e-3,
+             "synth-qwen3-Q2_K": 1e-3, "synth-phi3-Q4_K_M": 1e-3, "synth-gemma2-IQ4_XS": 1e-2}
 SYNTH_GEN_MARGIN = 0.3  # llama.cpp's own greedy steps closer than this may differ from exact math
 
 
