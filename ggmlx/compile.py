@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 
 import jax
+import jaxlib
 import numpy as np
+from jax.experimental import serialize_executable
 
 from ggmlx import lower, weights
 from ggmlx.graph import Graph
@@ -24,15 +27,19 @@ from ggmlx.tensor import Flag, Op, Tensor
 _persistent_cache_on = False
 
 
+def cache_root() -> str:
+    """GGMLX_CACHE_DIR, else $XDG_CACHE_HOME/ggmlx or ~/.cache/ggmlx."""
+    return os.environ.get("GGMLX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ggmlx")
+
+
 def enable_persistent_cache() -> None:
     """Turn on XLA's on-disk compilation cache so a second process starts warm.
     Opt out with GGMLX_NO_PERSISTENT_CACHE=1; GGMLX_CACHE_DIR moves it."""
     global _persistent_cache_on
     if _persistent_cache_on or os.environ.get("GGMLX_NO_PERSISTENT_CACHE") == "1":
         return
-    root = os.environ.get("GGMLX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ggmlx")
-    path = os.path.join(root, "xla")
+    path = os.path.join(cache_root(), "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
@@ -144,20 +151,33 @@ class CompiledProgram:
 
 @dataclass
 class CacheStats:
+    """hits: found in memory; misses: not in memory, of which `loads` came from the disk
+    layer and the rest were compiled (compile_seconds)."""
     hits: int = 0
     misses: int = 0
+    loads: int = 0
     compile_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+    @property
+    def compiles(self) -> int:
+        return self.misses - self.loads
 
 
 class GraphCache:
     """Compiled programs keyed by structural signature; counts hits, misses and compile time
-    and can say why the last lookup missed."""
+    and can say why the last lookup missed.
 
-    def __init__(self) -> None:
+    With `disk_dir`, executables are also serialized there under their key (plus the JAX
+    version), so a later process skips tracing and compiling altogether; an entry that does
+    not load (another JAX, a corrupt file) is compiled again and rewritten."""
+
+    def __init__(self, disk_dir: str | os.PathLike | None = None) -> None:
         self._entries: dict[str, CompiledProgram] = {}
         self._sigs: dict[str, list[tuple]] = {}
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
+        self.disk_dir = os.fspath(disk_dir) if disk_dir is not None else None
         enable_persistent_cache()
 
     def __len__(self) -> int:
@@ -184,17 +204,56 @@ class GraphCache:
             return hit
         self.stats.misses += 1
         self.last_miss_reason = self._explain_miss(sig)
-        dev = program.device
-        abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_vals), tuple(in_vals), tuple(st_vals)))
-        t0 = time.perf_counter()
-        jitted = jax.jit(program.make_fn(), donate_argnums=(2,))
-        executable = jitted.lower(*abstract).compile()
-        dt = time.perf_counter() - t0
-        self.stats.compile_seconds += dt
+        executable = self._load(key)
+        dt = 0.0
+        if executable is None:
+            dev = program.device
+            abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_vals), tuple(in_vals), tuple(st_vals)))
+            t0 = time.perf_counter()
+            jitted = jax.jit(program.make_fn(), donate_argnums=(2,))
+            executable = jitted.lower(*abstract).compile()
+            dt = time.perf_counter() - t0
+            self.stats.compile_seconds += dt
+            self._store(key, executable)
         entry = CompiledProgram(executable, key, dt)
         self._entries[key] = entry
         self._sigs[key] = sig
         return entry
+
+    def _disk_path(self, key: str) -> str:
+        tag = hashlib.sha256(f"{key} jax {jax.__version__} jaxlib {jaxlib.__version__}".encode()).hexdigest()
+        return os.path.join(self.disk_dir, f"{tag}.exe")
+
+    def _load(self, key: str):
+        if self.disk_dir is None:
+            return None
+        path = self._disk_path(key)
+        if not os.path.isfile(path):
+            return None
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception:
+            return None
+        self.stats.loads += 1
+        self.stats.load_seconds += time.perf_counter() - t0
+        return executable
+
+    def _store(self, key: str, executable) -> None:
+        if self.disk_dir is None:
+            return
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(executable))
+            os.makedirs(self.disk_dir, exist_ok=True)
+            path = self._disk_path(key)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except (OSError, ValueError, TypeError, pickle.PicklingError):
+            return
 
     def _explain_miss(self, sig: list[tuple]) -> str:
         if not self._sigs:
@@ -222,9 +281,11 @@ default_cache: GraphCache | None = None
 
 
 def get_default_cache() -> GraphCache:
+    """The process-wide cache; it keeps executables on disk unless GGMLX_NO_PERSISTENT_CACHE=1."""
     global default_cache
     if default_cache is None:
-        default_cache = GraphCache()
+        off = os.environ.get("GGMLX_NO_PERSISTENT_CACHE") == "1"
+        default_cache = GraphCache(None if off else os.path.join(cache_root(), "exe"))
     return default_cache
 
 

@@ -46,11 +46,12 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
                  n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
-                 progress_callback: Callable[[float], bool] | None = None, **ctx_kwargs):
+                 weight_format: str = "auto", progress_callback: Callable[[float], bool] | None = None,
+                 **ctx_kwargs):
         path = hub.resolve(model)
         t0 = time.perf_counter()
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers,
-                                       progress_callback=progress_callback)
+                                       progress_callback=progress_callback, weight_format=weight_format)
         self.t_load = time.perf_counter() - t0
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
         self.vocab = self.model.vocab

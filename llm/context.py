@@ -54,7 +54,8 @@ class Context:
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512,
                  n_seq_max: int = 1, *, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256, cb_eval: Callable | None = None,
-                 abort_callback: Callable[[], bool] | None = None):
+                 abort_callback: Callable[[], bool] | None = None,
+                 reserve: tuple[int, ...] = ()):
         if model.placement is None:
             raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -78,6 +79,27 @@ class Context:
         self.last_error: str | None = None
         self._prev = None       # (builder, plan) of the last graph, for reuse
         self._perf = Perf(time.perf_counter())
+        if reserve:
+            self.reserve(reserve)
+
+    def reserve(self, n_tokens: tuple[int, ...] = (1,)) -> int:
+        """Compile ahead of time the graphs of ubatches of these sizes that output the last
+        token's logits, at the current KV length (graph reservation; 1 = the decode step).
+        The executables land in the shared cache, so the first real ubatch of such a size
+        compiles nothing. Returns the number of compilations."""
+        stats = self.sched.cache.stats
+        compiles, t_comp = stats.compiles, stats.compile_seconds
+        for n in n_tokens:
+            if not 1 <= n <= self.n_ubatch:
+                raise ValueError(f"reserve: ubatch size {n} is outside [1, n_ubatch = {self.n_ubatch}]")
+            params = GraphParams(n_tokens=bucket(n, self.n_ubatch), n_outputs=1, n_kv=self.memory.n_kv(),
+                                 embd_input=False)
+            g = GraphBuilder(self.model, self.memory, params)
+            self.model.builder.build_graph(g)
+            self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
+        self._perf.n_compiles += stats.compiles - compiles
+        self._perf.t_compile += stats.compile_seconds - t_comp
+        return stats.compiles - compiles
 
     @property
     def n_vocab(self) -> int:
@@ -151,10 +173,10 @@ class Context:
         for inp in g.inputs:
             inp.set_input(ub, values)
         stats = self.sched.cache.stats
-        misses, t_comp = stats.misses, stats.compile_seconds
+        compiles, t_comp = stats.compiles, stats.compile_seconds
         outs, new_state, ok = self.sched.compute(plan, values, self.memory.state())
         self.memory.update(new_state)
-        self._perf.n_compiles += stats.misses - misses
+        self._perf.n_compiles += stats.compiles - compiles
         self._perf.t_compile += stats.compile_seconds - t_comp
         if ub.n_outputs:
             rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[:ub.n_outputs]

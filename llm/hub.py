@@ -46,9 +46,8 @@ DEFAULT_MODEL = "gemma3-270m"
 
 def cache_dir() -> Path:
     """User cache for assembled models (GGMLX_CACHE_DIR overrides)."""
-    root = os.environ.get("GGMLX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ggmlx")
-    return Path(root)
+    from ggmlx.compile import cache_root
+    return Path(cache_root())
 
 
 def _known(name: str) -> KnownModel:

@@ -176,3 +176,45 @@ def test_persistent_cache_opt_out(tmp_path):
     root = tmp_path / "off"
     res = _run_persist({"GGMLX_CACHE_DIR": str(root), "GGMLX_NO_PERSISTENT_CACHE": "1"})
     assert not root.exists() and res["dir"] != str(root / "xla")
+
+
+EXE_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    from ggmlx import ops, compile as C
+    from ggmlx.graph import Graph
+    from ggmlx.tensor import new_input
+    from ggmlx.types import GGMLType as T
+    cache = C.get_default_cache()
+    x = new_input(T.F32, (16, 4), "x")
+    y = ops.rms_norm(ops.silu(x).set_name("a"), 1e-5).set_name("b")
+    out, _ = C.compute(Graph().build_forward_expand(y), {x: np.ones((4, 16))}, cache=cache)
+    s = cache.stats
+    print(json.dumps({"misses": s.misses, "loads": s.loads, "compiles": s.compiles,
+                      "value": float(np.asarray(out[y]).sum()), "disk": cache.disk_dir}))
+""")
+
+
+def _run_exe(env_extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-c", EXE_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_default_cache_keeps_executables_on_disk(tmp_path):
+    root = tmp_path / "exe-cache"
+    first = _run_exe({"GGMLX_CACHE_DIR": str(root)})
+    assert (first["misses"], first["loads"], first["compiles"]) == (1, 0, 1)
+    assert Path(first["disk"]) == root / "exe" and list((root / "exe").glob("*.exe"))
+    second = _run_exe({"GGMLX_CACHE_DIR": str(root)})
+    assert (second["misses"], second["loads"], second["compiles"]) == (1, 1, 0)
+    assert second["value"] == first["value"]
+    for f in (root / "exe").glob("*.exe"):
+        f.write_bytes(b"not an executable")
+    third = _run_exe({"GGMLX_CACHE_DIR": str(root)})
+    assert (third["loads"], third["compiles"]) == (0, 1) and third["value"] == first["value"]
+    off = _run_exe({"GGMLX_CACHE_DIR": str(root), "GGMLX_NO_PERSISTENT_CACHE": "1"})
+    assert off["disk"] is None and off["compiles"] == 1

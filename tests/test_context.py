@@ -164,6 +164,18 @@ def test_second_context_compiles_nothing(llama, ref):
     assert (p["n_graph_builds"], p["n_reused"]) == (3, 62)
 
 
+def test_reserve_compiles_decode_and_prefill_ahead(llama):
+    from ggmlx.compile import GraphCache
+    ctx = new_ctx(llama, n_ubatch=16)
+    ctx.sched.cache = GraphCache()
+    assert ctx.reserve((1, 11)) == 2
+    decode_ok(ctx, llm.Batch(TOKENS[:11]))          # 11 tokens pad to the reserved 16
+    decode_ok(ctx, llm.Batch.get_one([TOKENS[11]]))
+    assert ctx.perf()["n_compiles"] == 2
+    with pytest.raises(ValueError, match="ubatch size 17"):
+        ctx.reserve((17,))
+
+
 # ---- return codes ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch", [
