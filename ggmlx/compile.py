@@ -204,7 +204,7 @@ class GraphCache:
             return hit
         self.stats.misses += 1
         self.last_miss_reason = self._explain_miss(sig)
-        executable = self._load(key)
+        executable = self._load(key, program.device)
         dt = 0.0
         if executable is None:
             dev = program.device
@@ -224,7 +224,9 @@ class GraphCache:
         tag = hashlib.sha256(f"{key} jax {jax.__version__} jaxlib {jaxlib.__version__}".encode()).hexdigest()
         return os.path.join(self.disk_dir, f"{tag}.exe")
 
-    def _load(self, key: str):
+    def _load(self, key: str, device):
+        """A stored executable, loaded onto `device` (a loaded executable otherwise spans every
+        local device). Files are trusted like XLA's own cache: they live in the user's cache."""
         if self.disk_dir is None:
             return None
         path = self._disk_path(key)
@@ -234,7 +236,9 @@ class GraphCache:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            device = device or jax.devices()[0]
+            executable = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, backend=device.client, execution_devices=[device])
         except Exception:
             return None
         self.stats.loads += 1
