@@ -1,6 +1,6 @@
 """Cold vs warm start: two fresh processes in a row share one empty XLA persistent cache;
-each loads the model and generates its first token. The second should find every
-executable on disk (issue target: first token within 2 s of model load).
+each loads the model and generates its first token. The second traces the graphs again but
+finds their executables on disk (issue target: first token within 2 s of model load).
 
     .venv/bin/python benchmarks/bench_warm_start.py [-m MODEL] [-p PROMPT]
 """

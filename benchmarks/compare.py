@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from llm import hub
+
 PEER_INSTALL = {
     "llama_cpp": "pip install llama-cpp-python  (builds from source, ~10 min)",
     "transformers": "pip install torch transformers  (CPU wheels)",
@@ -87,13 +89,14 @@ def _run_child(engine: str, target: str, a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default="/tmp/models/smollm2-135m-instruct-q4_1.gguf")
+    ap.add_argument("-m", "--model", default="smollm2-135m", help="GGUF path or known model name")
     ap.add_argument("--hf", default=None, help="Hugging Face id of the same model, for transformers")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    a.model = str(hub.resolve(a.model))
     engines = {"ggmlx": a.model}
     for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf)):
         if importlib.util.find_spec(mod) is None:

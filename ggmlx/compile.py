@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import time
 from dataclasses import dataclass, field
 
 import jax
-import jaxlib
 import numpy as np
-from jax.experimental import serialize_executable
 
 from ggmlx import lower, weights
 from ggmlx.graph import Graph
@@ -151,33 +148,20 @@ class CompiledProgram:
 
 @dataclass
 class CacheStats:
-    """hits: found in memory; misses: not in memory, of which `loads` came from the disk
-    layer and the rest were compiled (compile_seconds)."""
     hits: int = 0
     misses: int = 0
-    loads: int = 0
     compile_seconds: float = 0.0
-    load_seconds: float = 0.0
-
-    @property
-    def compiles(self) -> int:
-        return self.misses - self.loads
 
 
 class GraphCache:
     """Compiled programs keyed by structural signature; counts hits, misses and compile time
-    and can say why the last lookup missed.
+    and can say why the last lookup missed."""
 
-    With `disk_dir`, executables are also serialized there under their key (plus the JAX
-    version), so a later process skips tracing and compiling altogether; an entry that does
-    not load (another JAX, a corrupt file) is compiled again and rewritten."""
-
-    def __init__(self, disk_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self) -> None:
         self._entries: dict[str, CompiledProgram] = {}
         self._sigs: dict[str, list[tuple]] = {}
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
-        self.disk_dir = os.fspath(disk_dir) if disk_dir is not None else None
         enable_persistent_cache()
 
     def __len__(self) -> int:
@@ -204,60 +188,17 @@ class GraphCache:
             return hit
         self.stats.misses += 1
         self.last_miss_reason = self._explain_miss(sig)
-        executable = self._load(key, program.device)
-        dt = 0.0
-        if executable is None:
-            dev = program.device
-            abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_vals), tuple(in_vals), tuple(st_vals)))
-            t0 = time.perf_counter()
-            jitted = jax.jit(program.make_fn(), donate_argnums=(2,))
-            executable = jitted.lower(*abstract).compile()
-            dt = time.perf_counter() - t0
-            self.stats.compile_seconds += dt
-            self._store(key, executable)
+        dev = program.device
+        abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_vals), tuple(in_vals), tuple(st_vals)))
+        t0 = time.perf_counter()
+        jitted = jax.jit(program.make_fn(), donate_argnums=(2,))
+        executable = jitted.lower(*abstract).compile()
+        dt = time.perf_counter() - t0
+        self.stats.compile_seconds += dt
         entry = CompiledProgram(executable, key, dt)
         self._entries[key] = entry
         self._sigs[key] = sig
         return entry
-
-    def _disk_path(self, key: str) -> str:
-        tag = hashlib.sha256(f"{key} jax {jax.__version__} jaxlib {jaxlib.__version__}".encode()).hexdigest()
-        return os.path.join(self.disk_dir, f"{tag}.exe")
-
-    def _load(self, key: str, device):
-        """A stored executable, loaded onto `device` (a loaded executable otherwise spans every
-        local device). Files are trusted like XLA's own cache: they live in the user's cache."""
-        if self.disk_dir is None:
-            return None
-        path = self._disk_path(key)
-        if not os.path.isfile(path):
-            return None
-        t0 = time.perf_counter()
-        try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
-            device = device or jax.devices()[0]
-            executable = serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, backend=device.client, execution_devices=[device])
-        except Exception:
-            return None
-        self.stats.loads += 1
-        self.stats.load_seconds += time.perf_counter() - t0
-        return executable
-
-    def _store(self, key: str, executable) -> None:
-        if self.disk_dir is None:
-            return
-        try:
-            blob = pickle.dumps(serialize_executable.serialize(executable))
-            os.makedirs(self.disk_dir, exist_ok=True)
-            path = self._disk_path(key)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)
-        except (OSError, ValueError, TypeError, pickle.PicklingError):
-            return
 
     def _explain_miss(self, sig: list[tuple]) -> str:
         if not self._sigs:
@@ -285,11 +226,9 @@ default_cache: GraphCache | None = None
 
 
 def get_default_cache() -> GraphCache:
-    """The process-wide cache; it keeps executables on disk unless GGMLX_NO_PERSISTENT_CACHE=1."""
     global default_cache
     if default_cache is None:
-        off = os.environ.get("GGMLX_NO_PERSISTENT_CACHE") == "1"
-        default_cache = GraphCache(None if off else os.path.join(cache_root(), "exe"))
+        default_cache = GraphCache()
     return default_cache
 
 

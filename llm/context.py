@@ -88,7 +88,7 @@ class Context:
         The executables land in the shared cache, so the first real ubatch of such a size
         compiles nothing. Returns the number of compilations."""
         stats = self.sched.cache.stats
-        compiles, t_comp = stats.compiles, stats.compile_seconds
+        misses, t_comp = stats.misses, stats.compile_seconds
         for n in n_tokens:
             if not 1 <= n <= self.n_ubatch:
                 raise ValueError(f"reserve: ubatch size {n} is outside [1, n_ubatch = {self.n_ubatch}]")
@@ -97,9 +97,9 @@ class Context:
             g = GraphBuilder(self.model, self.memory, params)
             self.model.builder.build_graph(g)
             self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
-        self._perf.n_compiles += stats.compiles - compiles
+        self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
-        return stats.compiles - compiles
+        return stats.misses - misses
 
     @property
     def n_vocab(self) -> int:
@@ -173,10 +173,10 @@ class Context:
         for inp in g.inputs:
             inp.set_input(ub, values)
         stats = self.sched.cache.stats
-        compiles, t_comp = stats.compiles, stats.compile_seconds
+        misses, t_comp = stats.misses, stats.compile_seconds
         outs, new_state, ok = self.sched.compute(plan, values, self.memory.state())
         self.memory.update(new_state)
-        self._perf.n_compiles += stats.compiles - compiles
+        self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
         if ub.n_outputs:
             rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[:ub.n_outputs]
