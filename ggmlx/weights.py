@@ -200,21 +200,15 @@ def to_int8(blocks: np.ndarray, t: GGMLType, n_rows: int) -> tuple[np.ndarray, n
 
 # ---- placing a tensor on a device ---------------------------------------------------------
 
-# "auto" holds quantized weights as f32 while the whole model stays under this many f32
-# bytes, else as int8. Measured in one run (benchmarks/bench_formats.py, 2 shared cores):
-# SmolLM2-135M (0.54 GB as f32) tg128 f32 51 vs int8 41 tok/s, pp512 1336 vs 765; Gemma3-270M
-# (1.07 GB as f32, 0.67 GB of it the lm_head) tg128 int8 38 vs f32 24, pp512 1637 vs 805.
-AUTO_F32_MAX_BYTES = 768 << 20
-
-
-def choose_auto(f32_bytes: int) -> str:
-    """The concrete weight_format "auto" means for a model of f32_bytes once dequantized."""
-    return "f32" if f32_bytes <= AUTO_F32_MAX_BYTES else "int8"
+# What "auto" means: int8 is exact, 4x smaller than f32 and, on an idle 2-core machine, the
+# fastest for decode with no loss for prefill (python -m llm bench, one session: SmolLM2-135M
+# tg64 int8 62.2 vs f32 52.0 tok/s, pp512 1232 vs 1274; Gemma3-270M tg int8 ~48 vs f32 ~34).
+AUTO_FORMAT = "int8"
 
 
 def resolve_format(weight_format: str, t: GGMLType) -> str:
     """The held format for a tensor of type t under weight_format ("auto" must have been
-    turned into a concrete format by choose_auto). int8 falls back to the blocks for types
+    turned into AUTO_FORMAT). int8 falls back to the blocks for types
     without an exact int8 form (the IQ codebook types, TQ*, MXFP4)."""
     if weight_format not in WEIGHT_FORMATS or weight_format == "auto":
         raise ValueError(f"weight_format must be one of native, int8, f32, got {weight_format!r}")

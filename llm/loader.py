@@ -96,7 +96,7 @@ class ModelLoader:
         used ("auto" resolved) is left in self.weight_format."""
         weights.check_format(weight_format)
         if weight_format == "auto":
-            weight_format = weights.choose_auto(sum(4 * t.nelements() for t, _, _ in self.created))
+            weight_format = weights.AUTO_FORMAT
         self.weight_format = weight_format
         total = sum(e.info.nbytes for _, e, _ in self.created) or 1
         done = 0

@@ -122,8 +122,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     """Load a GGUF model (see DESIGN.md). `devices` hold the repeating layers (default: the
     accelerators; pass CPU devices to split over simulated devices). `weight_format` is how
     quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "f32"
-    (dequantized at load) or "auto" (f32 for models up to 768 MiB as f32, else int8: fastest
-    measured on XLA:CPU); model.weight_format tells which was used."""
+    (dequantized at load) or "auto" (int8, the fastest measured on XLA:CPU);
+    model.weight_format tells which was used."""
     from llm import models  # noqa: F401  (registers the architecture builders)
     from llm.vocab import load_vocab
 

@@ -108,8 +108,7 @@ def test_format_choice():
     assert weights.resolve_format("int8", GGMLType.F16) == weights.FORMAT_PLAIN
     assert weights.resolve_format("native", GGMLType.Q4_K) == weights.FORMAT_BLOCKS
     assert weights.resolve_format("f32", GGMLType.Q4_K) == weights.FORMAT_PLAIN
-    assert weights.choose_auto(weights.AUTO_F32_MAX_BYTES) == "f32"
-    assert weights.choose_auto(weights.AUTO_F32_MAX_BYTES + 1) == "int8"
+    assert weights.AUTO_FORMAT == "int8"
     with pytest.raises(ValueError, match="weight_format"):
         weights.check_format("q4")
     with pytest.raises(ValueError, match="weight_format"):
