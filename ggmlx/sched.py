@@ -55,6 +55,8 @@ class Split:
     copies: list[Tensor] = field(default_factory=list)   # tensors from other backends
     program: Program | None = None
     compiled: CompiledProgram | None = None
+    w_vals: list | None = None       # the weights on this backend, gathered on the first run
+    w_leaves: tuple | None = None    # ... and their flat arrays, what the executable takes
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Plan:
     splits: list[Split]
     placement: dict[int, Backend]
     observed: list[Tensor]
+    outputs: list[Tensor] = field(default_factory=list)    # the graph's outputs
 
     @property
     def n_splits(self) -> int:
@@ -190,7 +193,7 @@ class Scheduler:
         for i, s in enumerate(splits):
             outs = [n for n in s.nodes if n.id in wanted or n.id in needed_later.get(i, ())]
             s.program = Program.from_nodes(s.nodes, outs, s.backend.device)
-        plan = Plan(graph, splits, place, observed)
+        plan = Plan(graph, splits, place, observed, graph.outputs())
         if self.debug:
             print(plan.dump(), file=sys.stderr)
         return plan
@@ -201,11 +204,14 @@ class Scheduler:
               state: dict[Tensor, jax.Array]):
         prog = split.program
         dev = split.backend.device
-        w_vals = []
-        for t in prog.weights:
-            if not isinstance(t.data, weights.DeviceWeight):
-                raise ValueError(f"weight {t.name!r} has no device data")
-            w_vals.append(_on_device(t.data, dev))
+        if split.w_leaves is None:
+            w_vals = []
+            for t in prog.weights:
+                if not isinstance(t.data, weights.DeviceWeight):
+                    raise ValueError(f"weight {t.name!r} has no device data")
+                w_vals.append(_on_device(t.data, dev))
+            split.w_leaves = CompiledProgram.weight_leaves(w_vals)
+            split.w_vals = w_vals
         in_vals = []
         for t in prog.inputs:
             if t.id in values:
@@ -216,7 +222,7 @@ class Scheduler:
             else:
                 raise ValueError(f"no value for input {t.name!r}")
         st_vals = [_on_device(_state_buffer(t, state), dev) for t in prog.states]
-        return w_vals, in_vals, st_vals
+        return split.w_vals, in_vals, st_vals
 
     def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]) -> None:
         """Compile every split ahead of time (like ggml_backend_sched_reserve)."""
@@ -241,7 +247,7 @@ class Scheduler:
             w, i, st = self._args(s, values, host_inputs, state)
             if s.compiled is None:
                 s.compiled = self.cache.get(s.program, w, i, st)
-            outs, new_st = s.compiled(w, i, st)
+            outs, new_st = s.compiled(s.w_leaves, i, st)
             for t, v in zip(s.program.outputs, outs):
                 values[t.id] = v
             copied = {c.id for c in s.copies}
@@ -256,4 +262,4 @@ class Scheduler:
 
     @staticmethod
     def _outputs(plan: Plan, values: dict[int, jax.Array]) -> dict[Tensor, jax.Array]:
-        return {t: values[t.id] for t in plan.graph.outputs() if t.id in values}
+        return {t: values[t.id] for t in plan.outputs if t.id in values}
