@@ -4,8 +4,8 @@ length and thread count, runs alternating in one process tree; prints tok/s and 
     .venv/bin/python benchmarks/compare.py [-m MODEL] [-p 512] [-n 128] [-r 3] [-t 2] [--hf HF_ID]
 
 Peers are optional: `pip install llama-cpp-python` (builds from source, ~10 min on 2 cores);
-`pip install torch transformers` for the transformers column (needs --hf, the model's
-Hugging Face id, weights dequantized to f32). Each engine runs in its own subprocess per
+`pip install torch transformers accelerate` for the transformers column (it loads the same
+GGUF, dequantized to f32, or --hf MODEL_ID). Each engine runs in its own subprocess per
 repetition so the engines never share a process (and XLA's thread pool is not restricted by
 llama.cpp's).
 """
@@ -24,7 +24,7 @@ from llm import hub
 
 PEER_INSTALL = {
     "llama_cpp": "pip install llama-cpp-python  (builds from source, ~10 min)",
-    "transformers": "pip install torch transformers  (CPU wheels)",
+    "transformers": "pip install torch transformers accelerate  (CPU wheels)",
 }
 
 
@@ -55,7 +55,11 @@ def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
-    m = AutoModelForCausalLM.from_pretrained(hf_id, torch_dtype=torch.float32).eval()
+    if hf_id.endswith(".gguf"):     # transformers dequantizes a GGUF to f32 itself (needs accelerate)
+        m = AutoModelForCausalLM.from_pretrained(os.path.dirname(hf_id), gguf_file=os.path.basename(hf_id),
+                                                 dtype=torch.float32).eval()
+    else:
+        m = AutoModelForCausalLM.from_pretrained(hf_id, dtype=torch.float32).eval()
     ids = torch.tensor([[1000 + (i * 7919) % 20000 for i in range(n_prompt)]])
     with torch.no_grad():
         m(ids[:, :8])
@@ -90,7 +94,8 @@ def _run_child(engine: str, target: str, a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2-135m", help="GGUF path or known model name")
-    ap.add_argument("--hf", default=None, help="Hugging Face id of the same model, for transformers")
+    ap.add_argument("--hf", default=None, help="Hugging Face id of the same model for transformers "
+                                                 "(default: transformers loads the GGUF itself)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--reps", type=int, default=3)
@@ -98,11 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.model = str(hub.resolve(a.model))
     engines = {"ggmlx": a.model}
-    for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf)):
+    for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf or a.model)):
         if importlib.util.find_spec(mod) is None:
             print(f"{engine}: not installed ({PEER_INSTALL[mod]})")
-        elif target is None:
-            print(f"{engine}: skipped (pass --hf MODEL_ID)")
         else:
             engines[engine] = target
     runs: dict[str, list[dict]] = {e: [] for e in engines}
