@@ -14,12 +14,10 @@ import numpy as np
 
 from ggmlx import types, weights
 from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, ROPE_TYPE_NEOX, SORT_DESC
-from ggmlx.tensor import Flag, Op, Tensor, np_dtype
+from ggmlx.tensor import Flag, Op, Tensor, VIEW_OPS, np_dtype
 from ggmlx.types import GGMLType
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-_VIEW_OPS = (Op.VIEW, Op.PERMUTE, Op.RESHAPE)
 
 
 def jnp_dtype(t: GGMLType):
@@ -58,7 +56,7 @@ def _value_f32(env, t: Tensor):
 def _view_base(t: Tensor) -> tuple[Tensor, int]:
     """The tensor whose memory a chain of views reads, and the total byte offset into it."""
     offs = 0
-    while t.op in _VIEW_OPS:
+    while t.op in VIEW_OPS:
         offs += t.view_offs
         t = t.src[0]
     return t, offs
@@ -186,8 +184,7 @@ def _flash_attn(q, k, v, mask, scale, max_bias, softcap):
     if softcap > 0:
         s = softcap * jnp.tanh(s / softcap)
     if mask is not None:
-        m = _f32(mask)[:, :, :n_q, :]                           # [M3, M2, n_q, n_kv]
-        m = _tile_to(m, (B, H, n_q, n_kv)).reshape(B, Hkv, r, n_q, n_kv)
+        m = _mask_for(mask, n_q, (B, H, n_q, n_kv)).reshape(B, Hkv, r, n_q, n_kv)
         slopes = alibi_slopes(H, max_bias).reshape(1, Hkv, r, 1, 1)
         s = s + (m * slopes if max_bias > 0 else m)
     p = jax.nn.softmax(s, axis=-1)

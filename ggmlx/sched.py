@@ -26,11 +26,10 @@ from ggmlx import lower, weights
 from ggmlx.backend import Backend, backend_of, backends
 from ggmlx.compile import CompiledProgram, GraphCache, Program, get_default_cache
 from ggmlx.graph import Graph
-from ggmlx.tensor import Flag, Op, Tensor
+from ggmlx.tensor import Flag, Op, Tensor, VIEW_OPS
 
 EvalCallback = Callable[[object, bool], bool]
 
-_VIEW_OPS = (Op.VIEW, Op.PERMUTE, Op.RESHAPE)
 
 
 @dataclass
@@ -143,7 +142,7 @@ class Scheduler:
                 place[leaf.id] = b
         for n in graph.nodes:
             b = None
-            if n.op in _VIEW_OPS or n.op is Op.SET_ROWS:
+            if n.op in VIEW_OPS or n.op is Op.SET_ROWS:
                 b = place.get(n.src[0].id)
             if b is None:
                 for s in n.src:

@@ -63,6 +63,9 @@ class Op(enum.Enum):
     FLASH_ATTN_EXT = "FLASH_ATTN_EXT"
 
 
+# ops whose result is a window onto their source's memory (ggml's view ops)
+VIEW_OPS = (Op.VIEW, Op.PERMUTE, Op.RESHAPE)
+
 _ids = itertools.count()
 
 

@@ -34,13 +34,6 @@ class Completion:
     timings: dict = field(default_factory=dict)
 
 
-@dataclass
-class _Generation:
-    """Streaming state of one request: text pieces out, the result filled at the end."""
-    pieces: Iterator[str]
-    result: Completion | None = None
-
-
 class LLM:
     """A loaded model with one context. Known names: see `llm.hub.KNOWN_MODELS`."""
 
@@ -104,91 +97,81 @@ class LLM:
             raise GenerationError(f"decode returned {ret}: {self.ctx.last_error}")
         return True
 
-    def _run(self, tokens: list[int], max_tokens: int, sampler: SamplerChain, stop: list[str]) -> _Generation:
-        if not tokens:
-            raise ValueError("the prompt is empty (no tokens)")
-        if len(tokens) >= self.ctx.n_ctx:
-            raise ValueError(f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        gen = _Generation(iter(()))
+    def _pieces(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
+                stop: list[str]) -> Iterator[str]:
+        """Evaluate the prompt, then sample and yield text; `self.last` gets the Completion."""
+        perf0 = self.ctx.perf()
+        t0 = time.perf_counter()
+        self._eval_prompt(tokens)
+        t_prompt = time.perf_counter() - t0
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        out_tokens: list[int] = []
+        text = ""
+        emitted = 0
+        finish = FINISH_LENGTH
+        hold = max((len(s) for s in stop), default=0)
+        t1 = time.perf_counter()
+        while len(out_tokens) < max_tokens:
+            tok = sampler.sample(self.ctx, -1)
+            if self.vocab.is_eog(tok):
+                finish = FINISH_EOG
+                break
+            out_tokens.append(tok)
+            text += decoder.decode(self.vocab.token_to_piece(tok, 0, False))
+            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                finish = FINISH_STOP
+                break
+            safe = len(text) - hold
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if len(out_tokens) == max_tokens:
+                break
+            if not self._decode(Batch.get_one([tok])):
+                break
+            self._cached.append(tok)
+        if finish != FINISH_STOP:
+            text += decoder.decode(b"", final=True)
+        if len(text) > emitted:
+            yield text[emitted:]
+        t_gen = time.perf_counter() - t1
+        perf = self.ctx.perf()
+        n_gen = len(out_tokens)
+        self.last = Completion(
+            text=text, tokens=out_tokens, n_prompt_tokens=len(tokens), n_completion_tokens=n_gen,
+            finish_reason=finish,
+            timings={"prompt_s": t_prompt, "prompt_tok_s": len(tokens) / t_prompt if t_prompt else 0.0,
+                     "gen_s": t_gen, "gen_tok_s": n_gen / t_gen if t_gen and n_gen else 0.0,
+                     "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
+                     "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load})
 
-        def pieces() -> Iterator[str]:
-            perf0 = self.ctx.perf()
-            t0 = time.perf_counter()
-            self._eval_prompt(tokens)
-            t_prompt = time.perf_counter() - t0
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            out_tokens: list[int] = []
-            text = ""
-            emitted = 0
-            finish = FINISH_LENGTH
-            hold = max((len(s) for s in stop), default=0)
-            t1 = time.perf_counter()
-            while len(out_tokens) < max_tokens:
-                tok = sampler.sample(self.ctx, -1)
-                if self.vocab.is_eog(tok):
-                    finish = FINISH_EOG
-                    break
-                out_tokens.append(tok)
-                text += decoder.decode(self.vocab.token_to_piece(tok, 0, False))
-                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
-                    finish = FINISH_STOP
-                    break
-                safe = len(text) - hold
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
-                if len(out_tokens) == max_tokens:
-                    break
-                if not self._decode(Batch.get_one([tok])):
-                    break
-                self._cached.append(tok)
-            if finish != FINISH_STOP:
-                text += decoder.decode(b"", final=True)
-            if len(text) > emitted:
-                yield text[emitted:]
-            t_gen = time.perf_counter() - t1
-            perf = self.ctx.perf()
-            n_gen = len(out_tokens)
-            gen.result = Completion(
-                text=text, tokens=out_tokens, n_prompt_tokens=len(tokens), n_completion_tokens=n_gen,
-                finish_reason=finish,
-                timings={"prompt_s": t_prompt, "prompt_tok_s": len(tokens) / t_prompt if t_prompt else 0.0,
-                         "gen_s": t_gen, "gen_tok_s": n_gen / t_gen if t_gen and n_gen else 0.0,
-                         "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
-                         "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load})
-
-        gen.pieces = pieces()
-        return gen
-
-    def _request(self, prompt: str | list[int], max_tokens, temperature, top_k, top_p, min_p,
-                 repeat_penalty, seed, stop, add_special=True) -> _Generation:
-        tokens = self.tokenize(prompt, add_special, True) if isinstance(prompt, str) else list(prompt)
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-        return self._run(tokens, max_tokens, sampler, stop)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: str | list[str] | None = None) -> Completion:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens."""
-        gen = self._request(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)
-        for _ in gen.pieces:
+        for _ in self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop):
             pass
-        return gen.result
+        return self.last
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                seed: int | None = None, stop: str | list[str] | None = None) -> Iterator[str]:
         """Text pieces as they are generated; never splits a UTF-8 character or a stop string.
-        `self.last` holds the Completion once the iterator is exhausted."""
-        gen = self._request(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)
-        yield from gen.pieces
-        self.last = gen.result
+        Arguments are checked at once; `self.last` holds the Completion once the pieces end."""
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise ValueError("the prompt is empty (no tokens)")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        return self._pieces(tokens, max_tokens, sampler, stop)
 
     # ---- chat ------------------------------------------------------------------------
 
@@ -199,28 +182,18 @@ class LLM:
                                bos_token=v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
                                eos_token=v.token_get_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else "")
 
-    def _chat_request(self, messages, kw) -> _Generation:
-        text = self.render_chat(messages)
-        # the template writes BOS itself where the model wants it
-        tokens = self.tokenize(text, add_special=False, parse_special=True)
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """The rendered conversation as tokens; the template writes BOS itself where the
+        model wants it, else it is added here."""
+        tokens = self.tokenize(self.render_chat(messages), add_special=False, parse_special=True)
         if self.vocab.add_bos and (not tokens or tokens[0] != self.vocab.bos):
             tokens = [self.vocab.bos] + tokens
-        params = dict(max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                      repeat_penalty=1.0, seed=None, stop=None)
-        params.update(kw)
-        stop = params.pop("stop")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        max_tokens = params.pop("max_tokens")
-        return self._run(tokens, max_tokens, self._sampler(**params), stop)
+        return tokens
 
     def chat(self, messages: list[dict], **kw) -> Completion:
-        """Render the model's chat template for messages and generate the assistant reply."""
-        gen = self._chat_request(messages, kw)
-        for _ in gen.pieces:
-            pass
-        return gen.result
+        """Render the model's chat template for messages and generate the assistant reply
+        (keyword arguments as for generate)."""
+        return self.generate(self.chat_tokens(messages), **kw)
 
     def chat_stream(self, messages: list[dict], **kw) -> Iterator[str]:
-        gen = self._chat_request(messages, kw)
-        yield from gen.pieces
-        self.last = gen.result
+        return self.stream(self.chat_tokens(messages), **kw)

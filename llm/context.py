@@ -16,11 +16,12 @@ import numpy as np
 from ggmlx import ops
 from ggmlx.backend import backend_of
 from ggmlx.compile import get_default_cache
+from ggmlx.graph import Graph
 from ggmlx.sched import Scheduler
 from ggmlx.tensor import new_input
 from ggmlx.types import GGMLType
 from llm.batch import Batch, BatchAllocator, BatchError, UBatch
-from llm.graph import GraphBuilder, GraphParams
+from llm.graph import GraphBuilder, GraphParams, rope_params
 from llm.kv_cache import KVCache
 
 DECODE_OK, DECODE_NO_SLOT, DECODE_ABORTED, DECODE_INVALID = 0, 1, 2, -1
@@ -195,16 +196,16 @@ class Context:
         build_graph_shift), one small graph over all layers."""
         hp = self.model.hparams
         kv = self.memory
-        g = GraphBuilder(self.model, kv, None)
+        gf = Graph()
         shift = new_input(GGMLType.I32, (self.n_ctx,), "k_shift")
         idxs = new_input(GGMLType.I32, (self.n_ctx,), "k_shift_idxs")
         for il in range(hp.n_layer):
             k = kv.k_l[il]
             cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), self.n_ctx)
-            cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **g.rope_params(il))
+            cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **rope_params(hp, il))
             cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), self.n_ctx), idxs)
-            g.gf.build_forward_expand(g.cb(cur, "k_shifted", il))
-        plan = self.sched.alloc_graph(g.gf)
+            gf.build_forward_expand(cur.set_name(f"k_shifted-{il}"))
+        plan = self.sched.alloc_graph(gf)
         values = {shift: kv.cells.k_shift(), idxs: np.arange(self.n_ctx, dtype=np.int32)}
         _, new_state, _ = self.sched.compute(plan, values, kv.state())
         kv.update(new_state)

@@ -12,6 +12,7 @@ from ggmlx import ops, types
 from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
+from llm.hparams import HParams, RopeScalingType
 
 F32, I32 = GGMLType.F32, GGMLType.I32
 
@@ -109,39 +110,37 @@ class InpAttnKV(GraphInput):
             values[self.kq_mask_swa] = self.kv.mask(ub, n, n_kv, swa=True)
 
 
+def rope_params(hp: HParams, il: int) -> dict:
+    """rope_ext arguments for layer il; sliding-window layers may have their own base. YaRN
+    follows cparams' default: ext_factor < 0 means "on exactly when the model uses YaRN"."""
+    swa = hp.is_swa(il)
+    yarn = hp.rope_scaling_type_train == RopeScalingType.YARN
+    return dict(n_dims=hp.n_rot, mode=int(hp.rope_type), n_ctx_orig=hp.n_ctx_orig_yarn,
+                freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
+                freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
+                ext_factor=hp.yarn_ext_factor if hp.yarn_ext_factor >= 0 else (1.0 if yarn else 0.0),
+                attn_factor=hp.yarn_attn_factor, beta_fast=hp.yarn_beta_fast, beta_slow=hp.yarn_beta_slow)
+
+
 class GraphBuilder:
     """State of one graph build (llm_graph_context): the model, params, inputs and the
     graph being expanded."""
 
-    def __init__(self, model, kv, params: GraphParams | None):
+    def __init__(self, model, kv, params: GraphParams):
         self.model = model
         self.hparams = model.hparams
         self.kv = kv
         self.params = params
-        # a graph that processes no ubatch (the K-shift) has no token, output or KV dimension
-        self.n_tokens = params.n_tokens if params is not None else 0
-        self.n_outputs = params.n_outputs if params is not None else 0
-        self.n_kv = params.n_kv if params is not None else 0
+        self.n_tokens = params.n_tokens
+        self.n_outputs = params.n_outputs
+        self.n_kv = params.n_kv
         self.inputs: list[GraphInput] = []
         self.gf = Graph()
         self.inp_attn: InpAttnKV | None = None
         self.res_logits: Tensor | None = None
-        hp = self.hparams
-        # cparams' YaRN defaults: ext_factor < 0 means "on exactly when the model uses YaRN"
-        from llm.hparams import RopeScalingType
-        yarn = hp.rope_scaling_type_train == RopeScalingType.YARN
-        self.ext_factor = hp.yarn_ext_factor if hp.yarn_ext_factor >= 0 else (1.0 if yarn else 0.0)
-        self.attn_factor = hp.yarn_attn_factor
 
     def rope_params(self, il: int) -> dict:
-        """rope_ext arguments for layer il; sliding-window layers may have their own base."""
-        hp = self.hparams
-        swa = hp.is_swa(il)
-        return dict(n_dims=hp.n_rot, mode=int(hp.rope_type), n_ctx_orig=hp.n_ctx_orig_yarn,
-                    freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
-                    freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
-                    ext_factor=self.ext_factor, attn_factor=self.attn_factor,
-                    beta_fast=hp.yarn_beta_fast, beta_slow=hp.yarn_beta_slow)
+        return rope_params(self.hparams, il)
 
     def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
         """Name an intermediate like llama.cpp's callback: `name-il` inside layers."""
