@@ -54,9 +54,5 @@ def cpu_backend() -> Backend:
     return _backend(jax.devices("cpu")[0])
 
 
-def accelerator_backends() -> list[Backend]:
-    return [b for b in backends() if b.kind != "cpu"]
-
-
 def backend_of(device: jax.Device) -> Backend:
     return _backend(device)

@@ -183,9 +183,6 @@ class GraphCache:
     def key_of(sig: list[tuple]) -> str:
         return hashlib.sha256(repr(sig).encode()).hexdigest()
 
-    def lookup(self, program: Program) -> CompiledProgram | None:
-        return self._entries.get(self.key_of(program.signature()))
-
     def get(self, program: Program, w_vals, in_vals, st_vals) -> CompiledProgram:
         """The executable for program, compiling it (for these argument shapes) on a miss."""
         sig = program.signature()

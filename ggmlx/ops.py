@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ggmlx import types
-from ggmlx.tensor import Op, Tensor, contiguous_strides, new_tensor, pad_ne
+from ggmlx.tensor import Op, Tensor, new_tensor, pad_ne
 from ggmlx.types import GGMLType
 
 F32 = GGMLType.F32

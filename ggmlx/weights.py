@@ -25,7 +25,7 @@ import numpy as np
 from ggmlx import types
 from ggmlx.quants import iq_tables as tab
 from ggmlx.quants.kernels import BITS, CRUMBS, NIBBLES, NUMPY, _f16, _k_scale_min, _q5, _unpack
-from ggmlx.tensor import Tensor, np_dtype
+from ggmlx.tensor import np_dtype
 from ggmlx.types import GGMLType
 
 FORMAT_PLAIN = "plain"
@@ -323,8 +323,3 @@ def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
 
     out = jax.lax.fori_loop(0, -(-M // R), body, jnp.zeros((xt.shape[0], M), jnp.float32))
     return out.reshape(*lead, M)
-
-
-def describe(t: Tensor) -> str:
-    w = t.data
-    return f"{w.spec.format}:{w.spec.type.name}" if isinstance(w, DeviceWeight) else "unbound"
