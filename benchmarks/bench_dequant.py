@@ -68,15 +68,16 @@ def main() -> None:
     for t in types:
         data, ne = random_data(t, int(args.mb * 1e6), rng)
         n = ne[0] * ne[1]
-        ours = best_seconds(lambda: quants.dequantize(data, t, ne), args.repeats)
+        ours = best_seconds(functools.partial(quants.dequantize, data, t, ne), args.repeats)
         ref = float("nan")
         if gguf is not None:
             rows = data.reshape(ne[1], -1)
-            ref = best_seconds(lambda: gguf_quants.dequantize(rows, gguf.GGMLQuantizationType(int(t))), args.repeats)
+            gtype = gguf.GGMLQuantizationType(int(t))
+            ref = best_seconds(functools.partial(gguf_quants.dequantize, rows, gtype), args.repeats)
         blocks = jax.device_put(quants.to_device_blocks(data, t, ne))
         fn = jax.jit(functools.partial(quants.dequantize_jax, type=t, ne=ne))
         fn(blocks).block_until_ready()
-        on_device = best_seconds(lambda: fn(blocks).block_until_ready(), args.repeats)
+        on_device = best_seconds(lambda fn=fn, blocks=blocks: fn(blocks).block_until_ready(), args.repeats)
         print(f"{t.name:8} {n / 1e6:7.2f} {n / ours / 1e6:11.0f} {n / ref / 1e6:13.0f} {n / on_device / 1e6:10.0f} "
               f"{data.size / ours / 1e9:11.2f} {ref / ours:10.2f} {ours / on_device:9.2f}")
 

@@ -20,7 +20,7 @@ def open_and_list_ours(path: Path) -> int:
 
 
 def open_and_list_gguf_py(path: Path) -> int:
-    import gguf as gguf_py     # test-only oracle
+    import gguf as gguf_py  # test-only oracle
     r = gguf_py.GGUFReader(path)
     return len([(t.name, t.tensor_type, tuple(t.shape), t.data_offset, t.n_bytes) for t in r.tensors])
 

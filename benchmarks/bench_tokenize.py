@@ -20,7 +20,6 @@ from ggmlx.gguf import GGUFReader
 from llm import hub
 from llm.vocab import load_vocab
 
-
 _CODE_MODULES = ("argparse", "collections", "email.message", "json.decoder", "logging",
                  "pathlib", "textwrap", "typing")
 

@@ -62,7 +62,7 @@ class Program:
     state_writes: dict[int, Tensor] = field(default_factory=dict)   # state leaf id -> last writer
 
     @classmethod
-    def from_nodes(cls, nodes: list[Tensor], outputs: list[Tensor], device=None) -> "Program":
+    def from_nodes(cls, nodes: list[Tensor], outputs: list[Tensor], device=None) -> Program:
         inside = {n.id for n in nodes}
         ext: dict[int, Tensor] = {}
         for n in nodes:
@@ -85,7 +85,7 @@ class Program:
         return cls(nodes, w, inp, st, list(outputs), device, writes)
 
     @classmethod
-    def from_graph(cls, graph: Graph, extra_outputs: list[Tensor] = (), device=None) -> "Program":
+    def from_graph(cls, graph: Graph, extra_outputs: list[Tensor] = (), device=None) -> Program:
         outs = list(graph.outputs())
         outs += [t for t in extra_outputs if t not in outs]
         return cls.from_nodes(graph.nodes, outs, device)
@@ -122,9 +122,9 @@ class Program:
         def fn(w_flat, in_vals, st_vals):
             w_vals = jax.tree.unflatten(w_treedef, w_flat)
             env = {}
-            env.update(zip(w_leaves, w_vals))
-            env.update(zip(in_leaves, in_vals))
-            env.update(zip(st_leaves, st_vals))
+            env.update(zip(w_leaves, w_vals, strict=False))
+            env.update(zip(in_leaves, in_vals, strict=False))
+            env.update(zip(st_leaves, st_vals, strict=False))
             lower.run_nodes(nodes, env)
             new_state = tuple(env[writes[s.id]] if s.id in writes else env[s] for s in st_leaves)
             return tuple(env[o] for o in outs), new_state
@@ -211,7 +211,7 @@ class GraphCache:
             return "cache is empty"
         same_len = [s for s in self._sigs.values() if len(s) == len(sig)]
         other = (same_len or list(self._sigs.values()))[-1]
-        for a, b in zip(sig, other):
+        for a, b in zip(sig, other, strict=False):
             if a != b:
                 return f"{_describe(a)} differs from the cached {_describe(b)}"
         return f"signature has {len(sig)} entries, the closest cached one {len(other)}"
@@ -260,4 +260,4 @@ def compute(graph: Graph, inputs: dict[Tensor, object] | None = None,
     st_vals = [state[t] for t in prog.states]
     exe = cache.get(prog, w_vals, in_vals, st_vals)
     outs, new_state = exe(exe.weight_leaves(w_vals), in_vals, st_vals)
-    return dict(zip(prog.outputs, outs)), dict(zip(prog.states, new_state))
+    return dict(zip(prog.outputs, outs, strict=False)), dict(zip(prog.states, new_state, strict=False))

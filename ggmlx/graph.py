@@ -2,7 +2,7 @@
 text and Graphviz dumps (like ggml_graph_print and ggml_graph_dump_dot)."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ggmlx.tensor import Flag, Tensor
 
@@ -16,7 +16,7 @@ class Graph:
         self.leafs: list[Tensor] = []
         self._seen: set[int] = set()
 
-    def build_forward_expand(self, t: Tensor) -> "Graph":
+    def build_forward_expand(self, t: Tensor) -> Graph:
         stack = [(t, False)]
         while stack:
             cur, ready = stack.pop()

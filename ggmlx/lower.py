@@ -14,7 +14,7 @@ import numpy as np
 
 from ggmlx import types, weights
 from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, ROPE_TYPE_NEOX, SORT_DESC
-from ggmlx.tensor import Flag, Op, Tensor, VIEW_OPS, np_dtype
+from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, np_dtype
 from ggmlx.types import GGMLType
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -32,9 +32,9 @@ def _tile_to(b, shape):
     """Repeat b into shape the way ggml repeats src1 (tiling, not only broadcasting)."""
     if b.shape == tuple(shape):
         return b
-    if all(bd == 1 or bd == sd for bd, sd in zip(b.shape, shape)):
+    if all(bd == 1 or bd == sd for bd, sd in zip(b.shape, shape, strict=False)):
         return jnp.broadcast_to(b, shape)
-    return jnp.tile(b, [sd // bd for sd, bd in zip(shape, b.shape)])
+    return jnp.tile(b, [sd // bd for sd, bd in zip(shape, b.shape, strict=False)])
 
 
 def _value(env, t: Tensor):
@@ -72,13 +72,13 @@ def strided_window(flat, esz: int, ne, nb, offset: int):
     out_shape = tuple(reversed(ne))
     if not dims:
         return flat[o].reshape(out_shape)
-    nested = all(s[a] % s[b] == 0 and s[a] >= ne[b] * s[b] for a, b in zip(dims, dims[1:]))
+    nested = all(s[a] % s[b] == 0 and s[a] >= ne[b] * s[b] for a, b in zip(dims, dims[1:], strict=False))
     if nested:
         length = ne[dims[0]] * s[dims[0]]
         window = jax.lax.slice(flat, (o,), (min(o + length, flat.shape[0]),))
         if window.shape[0] < length:
             window = jnp.pad(window, (0, length - window.shape[0]))
-        shape = [ne[dims[0]]] + [s[a] // s[b] for a, b in zip(dims, dims[1:])] + [s[dims[-1]]]
+        shape = [ne[dims[0]]] + [s[a] // s[b] for a, b in zip(dims, dims[1:], strict=False)] + [s[dims[-1]]]
         x = window.reshape(shape)
         x = x[tuple(slice(0, ne[d]) for d in dims) + (0,)]
         order = sorted(range(len(dims)), key=lambda k: -dims[k])

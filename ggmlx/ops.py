@@ -46,7 +46,7 @@ def _float(op: str, *ts: Tensor) -> None:
 
 def can_repeat(b: Tensor, a: Tensor) -> bool:
     """True when b tiles a whole number of times into a (ggml_can_repeat)."""
-    return all(bd > 0 and ad % bd == 0 or ad == bd == 0 for ad, bd in zip(a.ne, b.ne))
+    return all(bd > 0 and ad % bd == 0 or ad == bd == 0 for ad, bd in zip(a.ne, b.ne, strict=False))
 
 
 # ---- element-wise ----------------------------------------------------------------------
@@ -335,7 +335,7 @@ def view_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int, nb1: int, nb2: in
     nb = (esz, int(nb1), int(nb2), int(nb3))
     if offset < 0 or any(s % esz for s in nb) or offset % esz:
         _fail("view", f"offset {offset} and strides {nb} must be multiples of {esz}", a)
-    last = offset + sum((n - 1) * s for n, s in zip(ne4, nb)) + esz if min(ne4) > 0 else 0
+    last = offset + sum((n - 1) * s for n, s in zip(ne4, nb, strict=False)) + esz if min(ne4) > 0 else 0
     span = a.nelements() * esz
     if last > span:
         _fail("view", f"window {list(ne4)} nb={list(nb)} offset={offset} ends at byte {last} > {span}", a)

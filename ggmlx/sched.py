@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import jax
 import numpy as np
@@ -26,7 +26,7 @@ from ggmlx import lower, weights
 from ggmlx.backend import Backend, backend_of, backends
 from ggmlx.compile import CompiledProgram, GraphCache, Program, get_default_cache
 from ggmlx.graph import Graph
-from ggmlx.tensor import Flag, Op, Tensor, VIEW_OPS
+from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor
 
 EvalCallback = Callable[[object, bool], bool]
 
@@ -247,10 +247,10 @@ class Scheduler:
             if s.compiled is None:
                 s.compiled = self.cache.get(s.program, w, i, st)
             outs, new_st = s.compiled(s.w_leaves, i, st)
-            for t, v in zip(s.program.outputs, outs):
+            for t, v in zip(s.program.outputs, outs, strict=False):
                 values[t.id] = v
             copied = {c.id for c in s.copies}
-            for t, v in zip(s.program.states, new_st):
+            for t, v in zip(s.program.states, new_st, strict=False):
                 if t.id not in copied:      # a copied-in state is only read here; its home keeps it
                     state[t] = v
             if self.cb_eval is not None:

@@ -73,7 +73,7 @@ _ids = itertools.count()
 class Tensor:
     """One node of a ggmlx graph (identity semantics: two nodes are never equal by value)."""
     op: Op
-    src: tuple["Tensor", ...]
+    src: tuple[Tensor, ...]
     ne: tuple[int, int, int, int]
     type: GGMLType
     nb: tuple[int, int, int, int]
@@ -84,15 +84,15 @@ class Tensor:
     data: Any = None            # weights: bound device data (see ggmlx.weights)
     id: int = field(default_factory=lambda: next(_ids))
 
-    def set_name(self, name: str) -> "Tensor":
+    def set_name(self, name: str) -> Tensor:
         self.name = name
         return self
 
-    def set_input(self) -> "Tensor":
+    def set_input(self) -> Tensor:
         self.flags |= Flag.INPUT
         return self
 
-    def set_output(self) -> "Tensor":
+    def set_output(self) -> Tensor:
         self.flags |= Flag.OUTPUT
         return self
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import codecs
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class LLM:
     def _eval_prompt(self, tokens: list[int]) -> None:
         """Decode the prompt, keeping the cached prefix it shares with the last request."""
         n_keep = 0
-        for a, b in zip(self._cached, tokens[:-1]):
+        for a, b in zip(self._cached, tokens[:-1], strict=False):
             if a != b:
                 break
             n_keep += 1

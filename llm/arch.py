@@ -7,7 +7,8 @@ from string literals scattered in model files. The architecture registry maps
 from __future__ import annotations
 
 import enum
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from llm.errors import ModelLoadError
 

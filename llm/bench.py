@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("n_prompt", "n_gen", "reps", "ubatch", "ctx_size"):
         v = getattr(args, name)
         if v < (0 if name in ("n_prompt", "n_gen") else 1):
-            raise ValueError(f"bench: --{name.replace('_', '-')} must be {'>= 0' if name in ('n_prompt', 'n_gen') else '>= 1'}, got {v}")
+            bound = ">= 0" if name in ("n_prompt", "n_gen") else ">= 1"
+            raise ValueError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
     results = bench_model(str(hub.resolve(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
                           reps=args.reps, n_ubatch=args.ubatch, n_ctx=args.ctx_size,
                           weight_format=args.weight_format)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -138,7 +138,7 @@ class Context:
         n_outputs = self.balloc.n_outputs
         self.logits = np.zeros((n_outputs, self.n_vocab), np.float32)
         self.output_ids = self.balloc.output_ids.copy()
-        for ub, slot in zip(ubatches, slots):
+        for ub, slot in zip(ubatches, slots, strict=False):
             if self.abort_callback is not None and self.abort_callback():
                 return self._fail(DECODE_ABORTED, "aborted by the abort callback")
             try:

@@ -204,7 +204,8 @@ class GraphBuilder:
                             (d_k * n_head + d_k * n_head_kv) * esz)
             return self.cb(q, "Qcur", il), self.cb(k, "Kcur", il), self.cb(v, "Vcur", il)
         out = []
-        for name, w, b, d, n in (("Qcur", layer.wq, layer.bq, d_k, n_head), ("Kcur", layer.wk, layer.bk, d_k, n_head_kv),
+        for name, w, b, d, n in (("Qcur", layer.wq, layer.bq, d_k, n_head),
+                                 ("Kcur", layer.wk, layer.bk, d_k, n_head_kv),
                                  ("Vcur", layer.wv, layer.bv, d_v, n_head_kv)):
             t = ops.mul_mat(w, cur)
             if b is not None:

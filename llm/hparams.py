@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from llm.arch import LLMArch, LLMKV, arch_from_name
+from llm.arch import LLMKV, LLMArch, arch_from_name
 from llm.errors import ModelLoadError
 
 LLAMA_MAX_LAYERS = 512

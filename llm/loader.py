@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 

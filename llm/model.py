@@ -4,8 +4,8 @@ architecture, load hparams and vocab, declare tensors, load their data."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import jax
 import numpy as np
@@ -153,7 +153,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
 
 def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
     """The tensors every attention block has: attn_norm, wq, wk, wv, wo."""
-    from llm.arch import LLMTensor as T, tn
+    from llm.arch import LLMTensor as T
+    from llm.arch import tn
     n_embd, n_head = hp.n_embd, hp.n_head(il)
     layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
     layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, hp.n_embd_head_k * n_head), dev)
@@ -164,7 +165,8 @@ def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.De
 
 def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
     """A gated FFN: ffn_norm, ffn_gate, ffn_up, ffn_down."""
-    from llm.arch import LLMTensor as T, tn
+    from llm.arch import LLMTensor as T
+    from llm.arch import tn
     n_embd, n_ff = hp.n_embd, hp.n_ff(il)
     layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
     layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
@@ -174,7 +176,8 @@ def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Dev
 
 def create_embd_output(model: Model, ml: ModelLoader) -> None:
     """token_embd on the input device, then the output norm and projection."""
-    from llm.arch import LLMTensor as T, tn
+    from llm.arch import LLMTensor as T
+    from llm.arch import tn
     hp = model.hparams
     model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab),
                                       model.placement.dev_input)

@@ -28,8 +28,9 @@ import copy
 import functools
 import secrets
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -753,7 +754,7 @@ class Dry(Sampler):
         max_exponent = 0
         if self.base > 1.000001:
             max_exponent = int(_FLOAT_MAX_LOG / np.log(_F32(self.base)))
-        for token, at in zip(tokens, pos):
+        for token, at in zip(tokens, pos, strict=False):
             if at < 0:
                 continue
             exponent = max_repeat[token] - self.allowed_length

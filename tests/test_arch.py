@@ -5,13 +5,21 @@ import json
 import re
 
 import pytest
+from conftest import DATA
 
 from llm import arch as arch_mod
-from llm.arch import (ARCH_TENSORS, LLMArch, LLMKV, LLMTensor, arch_from_name, get_arch,
-                      register_arch, registered_archs, tn)
+from llm.arch import (
+    ARCH_TENSORS,
+    LLMKV,
+    LLMArch,
+    LLMTensor,
+    arch_from_name,
+    get_arch,
+    register_arch,
+    registered_archs,
+    tn,
+)
 from llm.errors import ModelLoadError
-
-from conftest import DATA
 
 
 def test_enums_have_no_aliases():

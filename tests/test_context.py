@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_model import TinySpec, model_tensors, prompt_tokens, write_model
 
 import llm
-from tiny_model import TinySpec, model_tensors, prompt_tokens, write_model
 
 SPECS = {
     "llama": TinySpec(arch="llama", n_layer=2, seed=1),
@@ -72,7 +72,7 @@ def cache_snapshot(ctx: llm.Context) -> list[np.ndarray]:
 
 def assert_same_cache(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         np.testing.assert_array_equal(x, y)
 
 
@@ -270,7 +270,7 @@ def test_two_sequences_in_one_batch(llama, ref):
     decode_ok(ctx_u, all_logits(other))
     ref_u = ctx_u.get_logits()[:16]
     ctx = new_ctx(llama, n_seq_max=2)
-    tokens = [t for pair in zip(TOKENS[:16], other[:16]) for t in pair]
+    tokens = [t for pair in zip(TOKENS[:16], other[:16], strict=False) for t in pair]
     decode_ok(ctx, all_logits(tokens, seq_id=[0, 1] * 16))
     assert np.abs(ctx.get_logits()[0::2] - ref[:16]).max() <= TOL
     assert np.abs(ctx.get_logits()[1::2] - ref_u).max() <= TOL

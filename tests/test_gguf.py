@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ggmlx import gguf
-from ggmlx.gguf import GGUFError, GGUFReader, GGUFValueType as VT, GGUFWriter
+from ggmlx.gguf import GGUFError, GGUFReader, GGUFWriter
+from ggmlx.gguf import GGUFValueType as VT
 from ggmlx.types import GGMLType
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +124,8 @@ def test_counts_just_too_large_for_the_file(tmp_path):
      ["key 'k'", f"array of {2 ** 40} UINT8"]),
     ("string array count", [_kv(b"k", VT.ARRAY, struct.pack("<IQ", VT.STRING, 2 ** 59) + b"x" * 40)],
      ["key 'k'", "strings needs at least"]),
-    ("string in array", [_kv(b"k", VT.ARRAY, struct.pack("<IQ", VT.STRING, 1) + struct.pack("<Q", 2 ** 50) + b"x" * 40)],
+    ("string in array",
+     [_kv(b"k", VT.ARRAY, struct.pack("<IQ", VT.STRING, 1) + struct.pack("<Q", 2 ** 50) + b"x" * 40)],
      ["key 'k'", "string 0 of 1", "larger than"]),
 ])
 def test_lengths_larger_than_the_file_fail_without_allocating(tmp_path, what, kvs, fragments):

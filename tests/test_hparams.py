@@ -7,14 +7,12 @@ import math
 
 import numpy as np
 import pytest
+from conftest import DATA
 
 from ggmlx.gguf import GGUFReader
 from llm.arch import LLMArch
 from llm.errors import ModelLoadError
-from llm.hparams import (HParams, RopeScalingType, RopeType, SWAType, is_masked_swa,
-                         load_hparams)
-
-from conftest import DATA
+from llm.hparams import HParams, RopeScalingType, RopeType, SWAType, is_masked_swa, load_hparams
 
 
 @pytest.fixture(scope="module")

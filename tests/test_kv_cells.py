@@ -121,7 +121,7 @@ def test_prepare_places_ubatches_one_after_another():
     assert [s.idxs.tolist() for s in slots] == [list(range(0, 7)), list(range(7, 14)),
                                                 list(range(14, 20))]
     assert cells.get_used() == 0
-    for slot, ub in zip(slots, ubatches):
+    for slot, ub in zip(slots, ubatches, strict=False):
         cells.apply(slot, ub)
     assert cells.pos[:21].tolist() == list(range(20)) + [-1]
 

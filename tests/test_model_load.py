@@ -8,11 +8,11 @@ import gc
 import jax
 import numpy as np
 import pytest
+from tiny_model import TinySpec, model_kv, model_tensors, write_gguf, write_model
 
 import llm
 from ggmlx.types import GGMLType
 from llm.model import place_layers
-from tiny_model import TinySpec, model_kv, model_tensors, write_gguf, write_model
 
 SPEC = TinySpec(arch="llama", n_layer=2, seed=3)
 
@@ -99,7 +99,7 @@ def test_progress_callback_sees_fractions_up_to_one(tmp_path):
     seen = []
     model = llm.load_model(write(tmp_path), progress_callback=lambda f: seen.append(f) or True)
     assert seen[0] == 0.0 and seen[-1] == 1.0
-    assert all(b >= a for a, b in zip(seen, seen[1:]))
+    assert all(b >= a for a, b in zip(seen, seen[1:], strict=False))
     assert len(seen) == len(model.weight_tensors()) + 1
     assert all(t.data is not None for t in model.weight_tensors())
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tiny_model import CONFIGS, SPECS
 
 # llama.cpp's placement of 6 layers + the output layer (llama_model::load_tensors)

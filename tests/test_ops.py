@@ -64,7 +64,7 @@ def run(outputs: list[Tensor], inputs: dict[Tensor, np.ndarray]) -> list[np.ndar
         g.build_forward_expand(o)
     outs, _ = compute(g, inputs, cache=CACHE)
     vals = [np.asarray(outs[o]) for o in outputs]
-    for o, v in zip(outputs, vals):
+    for o, v in zip(outputs, vals, strict=False):
         assert v.shape == o.shape, f"{o.name}: value shape {v.shape} != {o.shape}"
     return vals
 
@@ -86,7 +86,7 @@ def check(name: str, out: np.ndarray, ref: np.ndarray, max_nmse: float = NMSE_DE
 
 def tile_index(b: np.ndarray, shape) -> np.ndarray:
     """b repeated into shape the way ggml reads src1: element i of the result is b[i % b.shape]."""
-    idx = np.ix_(*[np.arange(n) % bn for n, bn in zip(shape, b.shape)])
+    idx = np.ix_(*[np.arange(n) % bn for n, bn in zip(shape, b.shape, strict=False)])
     return b[idx]
 
 
@@ -163,7 +163,7 @@ def test_mul_mat_weight_types(t):
         feed[b] = rand(rng, bne)
         outs.append(ops.mul_mat(weight(f"a{k}", t, a), b))
         refs.append(ref_mul_mat(rounded(a, t), rounded(feed[b], T.F32)))
-    for k, (out, ref) in enumerate(zip(run(outs, feed), refs)):
+    for k, (out, ref) in enumerate(zip(run(outs, feed), refs, strict=False)):
         check(f"mul_mat {t.name} case {k}", out, ref)
 
 
@@ -426,7 +426,7 @@ def test_rope_ext_head_dim_128():
     params = [(128, ops.ROPE_TYPE_NORMAL, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0),
               (64, ops.ROPE_TYPE_NEOX, 4096, 500000.0, 0.25, 1.0, 1.0, 32.0, 1.0)]
     vals = run([ops.rope_ext(x, pos, None, *p) for p in params], {x: xv, pos: pv.reshape(1, 1, 1, -1)})
-    for v, p in zip(vals, params):
+    for v, p in zip(vals, params, strict=False):
         check(f"rope head 128 {p}", v, ref_rope(xv, pv, None, *p))
 
 
@@ -696,7 +696,7 @@ def test_concat():
     feed[bt] = rand(rng, (3, 4, 2, 2))
     outs.append(ops.concat(a, ops.transpose(bt), 1))
     refs.append(np.concatenate([av, feed[bt].swapaxes(2, 3)], axis=2))
-    for k, (out, ref) in enumerate(zip(run(outs, feed), refs)):
+    for k, (out, ref) in enumerate(zip(run(outs, feed), refs, strict=False)):
         check(f"concat {k}", out, ref)
 
 

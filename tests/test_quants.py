@@ -91,7 +91,7 @@ def random_tensor(t: GGMLType, seed: int) -> tuple[np.ndarray, tuple[int, int]]:
     return random_blocks(rng, t, n_blocks), ne
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted_dequantize(t: GGMLType, ne: tuple[int, ...]):
     return jax.jit(functools.partial(quants.dequantize_jax, type=t, ne=ne))
 
@@ -223,7 +223,8 @@ def test_to_device_blocks_layout_is_a_zero_copy_view():
 def quantizer_input(seed: int) -> np.ndarray:
     """Rows of 256 with blocks at many scales plus the edge cases of ggml's rounding rules."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((64, 256)).astype(np.float32) * 10.0 ** rng.uniform(-4, 3, (64, 8, 1)).repeat(32, 1).reshape(64, 256)
+    scales = 10.0 ** rng.uniform(-4, 3, (64, 8, 1)).repeat(32, 1).reshape(64, 256)
+    x = rng.standard_normal((64, 256)).astype(np.float32) * scales
     x = x.astype(np.float32)
     special = np.zeros((8, 256), dtype=np.float32)
     special[1] = 3.0                                              # constant block (d = 0 for Q4_1)
@@ -325,7 +326,8 @@ def test_unsupported_and_unknown_types():
 
 
 def test_dequantize_jax_checks_blocks():
-    with pytest.raises(ValueError, match=r"Q4_0 tensor of ne=\(64, 2\) needs blocks uint8\[2, 2, 18\], got uint8\[70\]"):
+    msg = r"Q4_0 tensor of ne=\(64, 2\) needs blocks uint8\[2, 2, 18\], got uint8\[70\]"
+    with pytest.raises(ValueError, match=msg):
         quants.dequantize_jax(np.zeros(70, dtype=np.uint8), GGMLType.Q4_0, (64, 2))
     with pytest.raises(ValueError, match=r"needs blocks float16\[2, 64\], got float32"):
         quants.dequantize_jax(np.zeros((2, 64), dtype=np.float32), GGMLType.F16, (64, 2))

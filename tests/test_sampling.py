@@ -512,7 +512,8 @@ def test_logit_bias_direct_and_after_reordering():
     cur = TokenDataArray.from_logits(np.arange(10, dtype=np.float32))
     sampling.top_k(6).apply(cur)
     bias.apply(cur)
-    assert dict(zip(cur.ids.tolist(), cur.logits.tolist())) == {9: -np.inf, 8: 8.0, 7: 7.0, 6: 6.0, 5: 5.0, 4: 3.0}
+    expected = {9: -np.inf, 8: 8.0, 7: 7.0, 6: 6.0, 5: 5.0, 4: 3.0}
+    assert dict(zip(cur.ids.tolist(), cur.logits.tolist(), strict=True)) == expected
 
 
 def test_dry_penalty_grows_exponentially_with_repeat_length():

@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 import sched_multidevice_check as model
+
 from ggmlx import ops
 from ggmlx.backend import Backend, backend_of, backends, cpu_backend
 from ggmlx.compile import GraphCache
@@ -171,9 +171,10 @@ def test_eval_callback_asking_for_none_costs_no_extra_outputs(multidev):
     assert cb["misses_plain"] == len(cb["keys_plain"])
     assert cb["misses_none"] == 0
     # observed tensors are extra outputs of the splits that compute them: other cache entries
-    extra = [[n for n in some if n not in plain] for some, plain in zip(cb["outputs_some"], cb["outputs_plain"])]
+    pairs = zip(cb["outputs_some"], cb["outputs_plain"], strict=True)
+    extra = [[n for n in some if n not in plain] for some, plain in pairs]
     assert extra == [["Kcur-1"], ["k-3"], ["l_out-4"], ["kq_soft_max-6"], []]
-    assert [a != b for a, b in zip(cb["keys_some"], cb["keys_plain"])] == [True, True, True, True, False]
+    assert [a != b for a, b in zip(cb["keys_some"], cb["keys_plain"], strict=False)] == [True, True, True, True, False]
 
 
 def test_eval_callback_returning_false_stops_the_computation(multidev):

@@ -23,7 +23,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference"
 MODELS = {"smollm2-135m-instruct-q4_1": "smollm2_path", "gemma-3-270m-q4_k_m": "gemma3_path"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _vocab_from_file(path: str):
     return load_vocab(GGUFReader(path).kv, path=path)
 

@@ -13,9 +13,10 @@ everywhere, fused multiply-add or not.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -7,7 +7,8 @@ quantized KV cache) and returns the device layout that `dequantize_jax` reads.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

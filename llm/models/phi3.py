@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from ggmlx import ops
-from llm.arch import LLMTensor as T, register_arch, tn
+from llm.arch import LLMTensor as T
+from llm.arch import register_arch, tn
 from llm.graph import GraphBuilder
 from llm.loader import ModelLoader, TensorFlag
 from llm.model import Layer, Model, create_embd_output

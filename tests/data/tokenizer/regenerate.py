@@ -52,7 +52,7 @@ def main(reference: Path) -> None:
             digest_special=block_digests([base64.b64decode(r["piece_special_b64"]) for r in rows]),
         )
 
-    from gguf import GGUFReader        # test-only dependency
+    from gguf import GGUFReader  # test-only dependency
     reader = GGUFReader(reference / "synthetic" / "models" / "synth-llama-F32.gguf")
     kv = {}
     for name, f in reader.fields.items():
