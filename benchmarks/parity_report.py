@@ -1,6 +1,6 @@
 """Print the logits-parity table of llm.Context against the full llama.cpp reference.
 
-Usage: python benchmarks/parity_report.py [--reference /work/shared/reference]
+Usage: python benchmarks/parity_report.py [--reference DIR]   (default: $GGMLX_REFERENCE or ../shared/reference)
                                           [--weight-format auto] [--only real|synthetic]
 
 Real models (reference/logits, every case): prompt_ids then the twin's greedy ids are fed in
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -102,7 +103,9 @@ def synthetic_models(ref_dir: Path, weight_format: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", type=Path, default=Path("/work/shared/reference"))
+    default_ref = os.environ.get("GGMLX_REFERENCE") or Path(__file__).resolve().parents[2] / "shared" / "reference"
+    ap.add_argument("--reference", type=Path, default=Path(default_ref),
+                    help="llama.cpp reference data (default: $GGMLX_REFERENCE or ../shared/reference)")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "native", "int8", "f32"])
     ap.add_argument("--only", choices=["real", "synthetic"])
     args = ap.parse_args()

@@ -14,6 +14,29 @@ import pytest
 
 DATA = Path(__file__).parent / "data"
 
+# Fixtures that make a test slow: a real model (hundreds of MB, real compiles) or a
+# subprocess with simulated devices. Tests that use them are marked `slow` automatically, so
+# `pytest -m "not slow"` is the quick loop; tests slow for other reasons carry the mark.
+SLOW_FIXTURES = {"smollm2_path", "gemma3_path", "multidev"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reference", default=None,
+                     help="llama.cpp reference data outside the repo (default: $GGMLX_REFERENCE or "
+                          "../shared/reference); tests that need it skip without it")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: real models, subprocesses or long runs (deselect with -m 'not slow')")
+    if config.getoption("--reference"):
+        os.environ["GGMLX_REFERENCE"] = str(Path(config.getoption("--reference")).resolve())
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

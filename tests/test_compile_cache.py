@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ggmlx import ops, weights
 from ggmlx.compile import GraphCache, compute
@@ -161,6 +162,7 @@ def _run_persist(env_extra: dict) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_persistent_cache_directory_fills_and_second_process_starts_warm(tmp_path):
     root = tmp_path / "ggmlx-cache"
     first = _run_persist({"GGMLX_CACHE_DIR": str(root)})
@@ -172,6 +174,7 @@ def test_persistent_cache_directory_fills_and_second_process_starts_warm(tmp_pat
     assert second["hits"] >= 1, "the second process compiled instead of loading from disk"
 
 
+@pytest.mark.slow
 def test_persistent_cache_opt_out(tmp_path):
     root = tmp_path / "off"
     res = _run_persist({"GGMLX_CACHE_DIR": str(root), "GGMLX_NO_PERSISTENT_CACHE": "1"})

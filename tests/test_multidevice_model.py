@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from tiny_model import CONFIGS, SPECS
 
+pytestmark = pytest.mark.slow   # one subprocess with 4 simulated devices
+
 # llama.cpp's placement of 6 layers + the output layer (llama_model::load_tensors)
 EXPECTED = {
     "one_device": ([0] * 6, 0),

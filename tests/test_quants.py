@@ -6,13 +6,13 @@ reference/README.md), so every comparison here is on the float32 bit patterns.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import gguf
 import jax
 import numpy as np
 import pytest
 from gguf import quants as gq
+from reference import reference_dir
 
 from ggmlx import quants
 from ggmlx.gguf import GGUFReader
@@ -22,7 +22,7 @@ from ggmlx.types import GGMLType, TypeSizeError, block_size, type_size
 # gguf-py warns where ggml silently gives inf (huge MXFP4 exponents, f16 overflow of a scale).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
-SYNTHETIC_MODELS = Path("/work/shared/reference/synthetic/models")
+SYNTHETIC_MODELS = reference_dir() / "synthetic" / "models"
 
 FLOAT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 BLOCK_TYPES = [t for t in quants.SUPPORTED_TYPES if t not in FLOAT_TYPES]
@@ -144,7 +144,7 @@ def test_real_models_every_tensor_matches_gguf_py(smollm2_path, gemma3_path):
     assert seen == {GGMLType.F32, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K}
 
 
-@pytest.mark.skipif(not SYNTHETIC_MODELS.is_dir(), reason="local check: needs /work/shared reference models")
+@pytest.mark.skipif(not SYNTHETIC_MODELS.is_dir(), reason="needs the llama.cpp reference models (--reference)")
 def test_synthetic_models_every_tensor_matches_gguf_py():
     seen = set()
     for path in sorted(SYNTHETIC_MODELS.glob("*.gguf")):

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import reference_dir
 
 from ggmlx.gguf import GGUFReader, GGUFValueType, GGUFWriter
 from llm import ModelLoadError
 from llm.vocab import LLAMA_TOKEN_NULL, TokenAttr, VocabType, load_vocab
 
 DATA = Path(__file__).parent / "data" / "tokenizer"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference"
+SHARED = reference_dir()
 MODELS = {"smollm2-135m-instruct-q4_1": "smollm2_path", "gemma-3-270m-q4_k_m": "gemma3_path"}
 
 
@@ -94,7 +95,7 @@ def test_pieces_match_llama_cpp(model):
                               f"{[(int(b) * 1024, int(b) * 1024 + 1023) for b in bad[:5]]}")
 
 
-@pytest.mark.skipif(not (SHARED / "tokenizer").is_dir(), reason="needs ../shared/reference")
+@pytest.mark.skipif(not (SHARED / "tokenizer").is_dir(), reason="needs the llama.cpp reference (--reference)")
 def test_pieces_match_llama_cpp_one_by_one(model):
     name, vocab = model
     wrong = []
@@ -256,7 +257,7 @@ def test_synthetic_special_tokens_need_parse_special(synthetic_vocab):
     assert v.detokenize([2], unparse_special=True) == "</s>" and v.detokenize([2]) == ""
 
 
-@pytest.mark.skipif(not (SHARED / "synthetic").is_dir(), reason="needs ../shared/reference")
+@pytest.mark.skipif(not (SHARED / "synthetic").is_dir(), reason="needs the llama.cpp reference (--reference)")
 def test_synthetic_model_files_share_the_vocab(synthetic_vocab):
     files = sorted((SHARED / "synthetic" / "models").glob("*.gguf"))
     assert files

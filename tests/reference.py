@@ -1,0 +1,16 @@
+"""Where the llama.cpp reference data outside the repo lives (one option for the whole suite).
+
+`pytest --reference DIR` or `GGMLX_REFERENCE=DIR`; the default is `../shared/reference` beside
+the checkout. Tests that need it skip when it is absent: the committed subsets in tests/data
+are what CI checks.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "reference"
+
+
+def reference_dir() -> Path:
+    return Path(os.environ.get("GGMLX_REFERENCE") or DEFAULT)
