@@ -95,7 +95,7 @@ _SCALAR_FORMAT = {
     GGUFValueType.BOOL: "<B",
 }
 _SCALAR_SIZE = {t: struct.calcsize(f) for t, f in _SCALAR_FORMAT.items()}
-_ARRAY_DTYPE = {
+_ARRAY_DTYPE: dict[GGUFValueType, np.dtype] = {
     GGUFValueType.UINT8: np.dtype("<u1"), GGUFValueType.INT8: np.dtype("<i1"),
     GGUFValueType.UINT16: np.dtype("<u2"), GGUFValueType.INT16: np.dtype("<i2"),
     GGUFValueType.UINT32: np.dtype("<u4"), GGUFValueType.INT32: np.dtype("<i4"),
@@ -324,7 +324,7 @@ def _read_tensor_info(cur: _Cursor, i: int, n_tensors: int, seen: set[str]) -> _
     n_dims = cur.u32("n_dims")
     if n_dims > GGML_MAX_DIMS:
         raise cur.error(f"{n_dims} dimensions, at most {GGML_MAX_DIMS} allowed", dims_at)
-    ne = []
+    dims: list[int] = []
     n_elements = 1
     for j in range(n_dims):
         d_at = cur.pos
@@ -333,9 +333,9 @@ def _read_tensor_info(cur: _Cursor, i: int, n_tensors: int, seen: set[str]) -> _
             raise cur.error(f"dimension {j} is negative ({d})", d_at)
         n_elements *= d
         if n_elements > INT64_MAX:
-            raise cur.error(f"element count of shape {tuple(ne) + (d,)} overflows int64", d_at)
-        ne.append(d)
-    ne = tuple(ne)
+            raise cur.error(f"element count of shape {tuple(dims) + (d,)} overflows int64", d_at)
+        dims.append(d)
+    ne = tuple(dims)
 
     type_at = cur.pos
     type_id = cur.u32("tensor type")
@@ -386,6 +386,7 @@ def _close_mapping(buf: mmap.mmap | None) -> None:
 def _parse(path: str, buf: mmap.mmap | None, size: int, shard: int) -> GGUFShard:
     if size < _HEADER_BYTES:
         raise GGUFError(path, 0, "header", f"truncated file: {size} bytes, a GGUF header needs {_HEADER_BYTES}")
+    assert buf is not None   # only an empty file has no mapping, and it failed above
     cur = _Cursor(path, buf, size)
     magic = buf[0:4]
     if magic != GGUF_MAGIC:
@@ -455,7 +456,9 @@ def _split_key(shard: GGUFShard, key: str, vtype: GGUFValueType) -> int | None:
     if shard.kv_types[key] != vtype:
         raise GGUFError(shard.path, shard.kv_offsets[key], f"key {key!r}",
                         f"must be {vtype.name}, not {shard.kv_types[key].name}")
-    return shard.kv[key]
+    value = shard.kv[key]
+    assert isinstance(value, int)   # the type was checked above
+    return value
 
 
 def _split_no(shard: GGUFShard, count: int) -> int:
@@ -558,7 +561,7 @@ def _infer_int_type(lo: int, hi: int) -> GGUFValueType:
     raise ValueError(f"integer range [{lo}, {hi}] does not fit in 64 bits")
 
 
-_DTYPE_VALUE_TYPE = {np.dtype(np.bool_): GGUFValueType.BOOL}
+_DTYPE_VALUE_TYPE: dict[np.dtype, GGUFValueType] = {np.dtype(np.bool_): GGUFValueType.BOOL}
 _DTYPE_VALUE_TYPE.update({dt: t for t, dt in _ARRAY_DTYPE.items() if t != GGUFValueType.BOOL})
 
 
@@ -767,10 +770,11 @@ class GGUFWriter:
         """The data alignment `write` will use, checked as the reader checks it."""
         if KEY_ALIGNMENT not in self._kv_values:
             return GGUF_DEFAULT_ALIGNMENT
-        vtype, a = self._kv_values[KEY_ALIGNMENT]
+        vtype, value = self._kv_values[KEY_ALIGNMENT]
+        a = int(value) if isinstance(value, int | np.integer) else -1
         if vtype != GGUFValueType.UINT32 or a == 0 or a & (a - 1) or a > GGUF_MAX_ALIGNMENT:
             raise ValueError(f"{KEY_ALIGNMENT} must be a UINT32 power of two up to "
-                             f"{GGUF_MAX_ALIGNMENT}, got {a!r} ({vtype.name})")
+                             f"{GGUF_MAX_ALIGNMENT}, got {value!r} ({vtype.name})")
         return a
 
     def write(self, path: str | os.PathLike) -> None:
@@ -803,6 +807,7 @@ def _format_value(value, vtype: GGUFValueType, limit: int = 60) -> str:
 def _format_kv(value, vtype: GGUFValueType, etype: GGUFValueType | None) -> tuple[str, int, str]:
     if vtype != GGUFValueType.ARRAY:
         return vtype.name, 1, _format_value(value, vtype)
+    assert etype is not None   # every array has an element type
     items = [_format_value(v, etype, 30) for v in value[:5]]
     more = ", ..." if len(value) > 5 else ""
     return f"[{etype.name}]", len(value), f"[{', '.join(items)}{more}]"

@@ -244,7 +244,7 @@ def rope_ext(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, mode: int, n_c
         _fail("rope_ext", "positions must be I32 [ne2 of a]", a, b)
     if n_dims <= 0 or n_dims % 2 or n_dims > a.ne[0]:
         _fail("rope_ext", f"n_dims {n_dims} must be even and <= ne0", a)
-    src = (a, b)
+    src: tuple[Tensor, ...] = (a, b)
     if c is not None:
         if c.ne[0] < n_dims // 2:
             _fail("rope_ext", "freq_factors needs n_dims/2 entries", c, a)
@@ -259,7 +259,7 @@ def soft_max_ext(a: Tensor, mask: Tensor | None, scale: float, max_bias: float) 
     """softmax over ne0 of a*scale + mask (with ALiBi slopes when max_bias > 0). mask
     [ne0, >= ne1, ...] broadcasts over dims 2, 3 and may have extra (padding) rows. -> a.ne."""
     _float("soft_max_ext", a)
-    src = (a,)
+    src: tuple[Tensor, ...] = (a,)
     if mask is not None:
         _float("soft_max_ext", mask)
         if mask.ne[0] != a.ne[0] or mask.ne[1] < a.ne[1] or a.ne[2] % mask.ne[2] or a.ne[3] % mask.ne[3]:
@@ -283,7 +283,7 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
         _fail("flash_attn_ext", "q/k head dims or k/v lengths differ", q, k, v)
     if k.ne[2] == 0 or q.ne[2] % k.ne[2] or q.ne[3] != k.ne[3]:
         _fail("flash_attn_ext", "n_head must be a multiple of n_head_kv", q, k)
-    src = (q, k, v)
+    src: tuple[Tensor, ...] = (q, k, v)
     if mask is not None:
         if mask.ne[0] != k.ne[1] or mask.ne[1] < q.ne[1] or q.ne[2] % mask.ne[2] or q.ne[3] % mask.ne[3]:
             _fail("flash_attn_ext", "mask must be [n_kv, >= n_q] and broadcast over dims 2, 3", mask, q, k)
@@ -369,7 +369,7 @@ def permute(a: Tensor, axis0: int, axis1: int, axis2: int, axis3: int) -> Tensor
         ne[ax] = a.ne[i]
         nb[ax] = a.nb[i]
     t = new_tensor(a.type, ne, op=Op.PERMUTE, src=(a,), op_params=axes)
-    t.nb = tuple(nb)
+    t.nb = (nb[0], nb[1], nb[2], nb[3])
     return t
 
 

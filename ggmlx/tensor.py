@@ -168,7 +168,7 @@ def new_weight(t: GGMLType, ne, name: str, data: Any = None) -> Tensor:
     return w
 
 
-NP_DTYPES = {
+NP_DTYPES: dict[GGMLType, np.dtype] = {
     GGMLType.F32: np.dtype(np.float32),
     GGMLType.F16: np.dtype(np.float16),
     GGMLType.I32: np.dtype(np.int32),

@@ -88,7 +88,9 @@ class Batch:
 
     @property
     def n_tokens(self) -> int:
-        return (self.token if self.token is not None else self.embd).shape[0]
+        data = self.token if self.token is not None else self.embd
+        assert data is not None   # the constructor requires one of them
+        return data.shape[0]
 
     @classmethod
     def get_one(cls, tokens) -> Batch:
@@ -197,7 +199,7 @@ class BatchAllocator:
                 i = int(bad[0])
                 raise BatchError(f"token[{i}] = {int(batch.token[i])} is out of range "
                                  f"[0, n_vocab = {n_vocab})")
-        elif batch.embd.shape[1] != n_embd:
+        elif batch.embd is not None and batch.embd.shape[1] != n_embd:
             raise BatchError(f"embd has {batch.embd.shape[1]} values per token, "
                              f"the model's n_embd is {n_embd}")
 

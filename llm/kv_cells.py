@@ -177,13 +177,12 @@ class KVCells:
         """Slots for ALL ubatches of a batch, each placed as if the earlier ones were applied
         (llama_kv_cache::prepare). The cells are left unchanged either way; None if any fails."""
         saved = (self.pos.copy(), self.seq.copy(), self.shift.copy(), self.head, self.has_shift)
-        slots: list[SlotInfo] | None = []
+        slots: list[SlotInfo] = []
         try:
             for ubatch in ubatches:
                 slot = self.find_slot(ubatch, cont=cont)
                 if slot is None:
-                    slots = None
-                    break
+                    return None
                 slots.append(slot)
                 self.apply(slot, ubatch)
         finally:
@@ -197,7 +196,7 @@ class KVCells:
         """llama.cpp's convention: p0 < 0 means 0, p1 < 0 means infinity."""
         return max(p0, 0), (_POS_MAX if p1 < 0 else p1)
 
-    def _clear_cells(self, cells: np.ndarray) -> None:
+    def _clear_cells(self, cells: np.ndarray | slice) -> None:
         self.pos[cells] = -1
         self.seq[cells] = 0
         self.shift[cells] = 0

@@ -67,8 +67,9 @@ class BPETokenizer:
                 out.append(tid)
                 continue
             for b in symbol.encode("utf-8"):
-                if self.byte_tokens[b] is not None:
-                    out.append(self.byte_tokens[b])
+                byte_token = self.byte_tokens[b]
+                if byte_token is not None:
+                    out.append(byte_token)
         return tuple(out)
 
     def _merge(self, symbols: list[str]) -> list[str]:

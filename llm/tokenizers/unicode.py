@@ -95,6 +95,7 @@ def _decode_one(data: bytes, i: int) -> tuple[str, int]:
 
 def _decode_error(err: UnicodeError) -> tuple[str, int]:
     """Codec error handler: continue where Python's strict decoder stops, as llama.cpp would."""
+    assert isinstance(err, UnicodeDecodeError)   # registered for decoding only
     ch, size = _decode_one(err.object, err.start)
     return ch, err.start + size
 
