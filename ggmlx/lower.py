@@ -1,12 +1,15 @@
 """Lowering: what each op computes, in JAX.
 
 A value is a jax array in numpy order: shape `tuple(reversed(t.ne))`, i.e. [ne3, ne2, ne1,
-ne0]. `run_nodes` evaluates a list of nodes in order, each inside `jax.named_scope(name)`,
-and is called only while tracing: after compilation no Python runs per op.
+ne0]. Each op's lowering is one function registered in `LOWERINGS` by `@lowers(Op.X)`
+(docs/adding-an-op.md). `run_nodes` evaluates a list of nodes in order, each inside
+`jax.named_scope(name)`, and is called only while tracing: after compilation no Python runs
+per op.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -247,84 +250,198 @@ def _argsort(a, order):
     return jnp.argsort(-a if order == SORT_DESC else a, axis=-1, stable=True).astype(jnp.int32)
 
 
+# ---- the lowering table ----------------------------------------------------------------
+
+Lowering = Callable[[Tensor, dict], jax.Array]
+
+LOWERINGS: dict[Op, Lowering] = {}
+"""Op -> fn(node, env) giving the node's value from its sources' values in env."""
+
+
+def lowers(*ops: Op) -> Callable[[Lowering], Lowering]:
+    """Register fn as the lowering of ops (one entry per op; a second registration is a bug)."""
+    def register(fn: Lowering) -> Lowering:
+        for op in ops:
+            if op in LOWERINGS:
+                raise ValueError(f"op {op.value} already lowered by {LOWERINGS[op].__name__}")
+            LOWERINGS[op] = fn
+        return fn
+    return register
+
+
+_BINARY = {Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide}
+
+
+@lowers(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
+def lower_binary(n: Tensor, env):
+    a = _value_f32(env, n.src[0])
+    b = _tile_to(_value_f32(env, n.src[1]), a.shape)
+    return _BINARY[n.op](a, b)
+
+
+@lowers(Op.MUL_MAT)
+def lower_mul_mat(n: Tensor, env):
+    a, b = n.src
+    if a.flags & Flag.WEIGHT and a.ne[2] == 1 and a.ne[3] == 1:
+        return weights.mul_mat(env[a], _value_f32(env, b))
+    return _mul_mat(_value_f32(env, a), _value_f32(env, b))
+
+
+@lowers(Op.MUL_MAT_ID)
+def lower_mul_mat_id(n: Tensor, env):
+    as_, b, ids = n.src
+    return _mul_mat_id(_value_f32(env, as_), _value_f32(env, b), _value(env, ids))
+
+
+@lowers(Op.GET_ROWS)
+def lower_get_rows(n: Tensor, env):
+    return _get_rows(env, n)
+
+
+@lowers(Op.SET_ROWS)
+def lower_set_rows(n: Tensor, env):
+    return _set_rows(env, n)
+
+
+@lowers(Op.SCALE)
+def lower_scale(n: Tensor, env):
+    s, b = n.op_params
+    return _value_f32(env, n.src[0]) * s + b
+
+
+@lowers(Op.SQR)
+def lower_sqr(n: Tensor, env):
+    x = _value_f32(env, n.src[0])
+    return x * x
+
+
+@lowers(Op.SQRT)
+def lower_sqrt(n: Tensor, env):
+    return jnp.sqrt(_value_f32(env, n.src[0]))
+
+
+@lowers(Op.TANH)
+def lower_tanh(n: Tensor, env):
+    return jnp.tanh(_value_f32(env, n.src[0]))
+
+
+@lowers(Op.CLAMP)
+def lower_clamp(n: Tensor, env):
+    lo, hi = n.op_params
+    return jnp.clip(_value_f32(env, n.src[0]), lo, hi)
+
+
+@lowers(Op.SILU)
+def lower_silu(n: Tensor, env):
+    return jax.nn.silu(_value_f32(env, n.src[0]))
+
+
+@lowers(Op.GELU)
+def lower_gelu(n: Tensor, env):
+    return _gelu(_value_f32(env, n.src[0]))
+
+
+@lowers(Op.GELU_QUICK)
+def lower_gelu_quick(n: Tensor, env):
+    x = _value_f32(env, n.src[0])
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+@lowers(Op.GLU)
+def lower_glu(n: Tensor, env):
+    return _glu(n, env)
+
+
+@lowers(Op.RMS_NORM)
+def lower_rms_norm(n: Tensor, env):
+    x = _value_f32(env, n.src[0])
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
+
+
+@lowers(Op.NORM)
+def lower_norm(n: Tensor, env):
+    x = _value_f32(env, n.src[0])
+    x = x - jnp.mean(x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
+
+
+@lowers(Op.ROPE)
+def lower_rope(n: Tensor, env):
+    s = n.src
+    ff = _value_f32(env, s[2]) if len(s) > 2 else None
+    return _rope(_value(env, s[0]), _value(env, s[1]).reshape(-1), ff, n.op_params)
+
+
+@lowers(Op.SOFT_MAX)
+def lower_soft_max(n: Tensor, env):
+    s = n.src
+    mask = _value(env, s[1]) if len(s) > 1 else None
+    return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
+
+
+@lowers(Op.FLASH_ATTN_EXT)
+def lower_flash_attn_ext(n: Tensor, env):
+    s = n.src
+    mask = _value(env, s[3]) if len(s) > 3 else None
+    return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, *n.op_params)
+
+
+@lowers(Op.VIEW)
+def lower_view(n: Tensor, env):
+    return _view(env, n)
+
+
+@lowers(Op.RESHAPE)
+def lower_reshape(n: Tensor, env):
+    return _value(env, n.src[0]).reshape(n.shape)
+
+
+@lowers(Op.PERMUTE)
+def lower_permute(n: Tensor, env):
+    # ggml dim i -> dim axes[i]; in numpy order dim d is axis 3 - d
+    order = [0] * 4
+    for i, ax in enumerate(n.op_params):
+        order[3 - ax] = 3 - i
+    return jnp.transpose(_value(env, n.src[0]), order)
+
+
+@lowers(Op.CONT)
+def lower_cont(n: Tensor, env):
+    return _value(env, n.src[0])
+
+
+@lowers(Op.CPY)
+def lower_cpy(n: Tensor, env):
+    return _value(env, n.src[0]).reshape(n.shape).astype(jnp_dtype(n.type))
+
+
+@lowers(Op.CONCAT)
+def lower_concat(n: Tensor, env):
+    a, b = n.src
+    return jnp.concatenate([_value(env, a), _value(env, b)], axis=3 - n.op_params[0])
+
+
+@lowers(Op.SUM_ROWS)
+def lower_sum_rows(n: Tensor, env):
+    return jnp.sum(_value_f32(env, n.src[0]), axis=-1, keepdims=True)
+
+
+@lowers(Op.ARGSORT)
+def lower_argsort(n: Tensor, env):
+    return _argsort(_value(env, n.src[0]), n.op_params[0])
+
+
+@lowers(Op.TOP_K)
+def lower_top_k(n: Tensor, env):
+    return jax.lax.top_k(_value_f32(env, n.src[0]), n.op_params[0])[1].astype(jnp.int32)
+
+
 def eval_node(n: Tensor, env):
     """The value of one node given the values of its sources in env."""
-    op = n.op
-    s = n.src
-    if op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV):
-        a = _value_f32(env, s[0])
-        b = _tile_to(_value_f32(env, s[1]), a.shape)
-        return {Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide}[op](a, b)
-    if op is Op.MUL_MAT:
-        if s[0].flags & Flag.WEIGHT and s[0].ne[2] == 1 and s[0].ne[3] == 1:
-            return weights.mul_mat(env[s[0]], _value_f32(env, s[1]))
-        return _mul_mat(_value_f32(env, s[0]), _value_f32(env, s[1]))
-    if op is Op.GET_ROWS:
-        return _get_rows(env, n)
-    if op is Op.SCALE:
-        return _value_f32(env, s[0]) * n.op_params[0] + n.op_params[1]
-    if op is Op.SQR:
-        x = _value_f32(env, s[0])
-        return x * x
-    if op is Op.SQRT:
-        return jnp.sqrt(_value_f32(env, s[0]))
-    if op is Op.TANH:
-        return jnp.tanh(_value_f32(env, s[0]))
-    if op is Op.CLAMP:
-        return jnp.clip(_value_f32(env, s[0]), n.op_params[0], n.op_params[1])
-    if op is Op.SILU:
-        return jax.nn.silu(_value_f32(env, s[0]))
-    if op is Op.GELU:
-        return _gelu(_value_f32(env, s[0]))
-    if op is Op.GELU_QUICK:
-        x = _value_f32(env, s[0])
-        return x * jax.nn.sigmoid(1.702 * x)
-    if op is Op.GLU:
-        return _glu(n, env)
-    if op is Op.RMS_NORM:
-        x = _value_f32(env, s[0])
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
-    if op is Op.NORM:
-        x = _value_f32(env, s[0])
-        x = x - jnp.mean(x, axis=-1, keepdims=True)
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + n.op_params[0])
-    if op is Op.ROPE:
-        ff = _value_f32(env, s[2]) if len(s) > 2 else None
-        return _rope(_value(env, s[0]), _value(env, s[1]).reshape(-1), ff, n.op_params)
-    if op is Op.SOFT_MAX:
-        mask = _value(env, s[1]) if len(s) > 1 else None
-        return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
-    if op is Op.FLASH_ATTN_EXT:
-        mask = _value(env, s[3]) if len(s) > 3 else None
-        return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, *n.op_params)
-    if op is Op.VIEW:
-        return _view(env, n)
-    if op is Op.RESHAPE:
-        return _value(env, s[0]).reshape(n.shape)
-    if op is Op.PERMUTE:
-        axes = n.op_params
-        # ggml dim i -> dim axes[i]; in numpy order dim d is axis 3 - d
-        order = [0] * 4
-        for i, ax in enumerate(axes):
-            order[3 - ax] = 3 - i
-        return jnp.transpose(_value(env, s[0]), order)
-    if op is Op.CONT:
-        return _value(env, s[0])
-    if op is Op.CPY:
-        return _value(env, s[0]).reshape(n.shape).astype(jnp_dtype(n.type))
-    if op is Op.SET_ROWS:
-        return _set_rows(env, n)
-    if op is Op.CONCAT:
-        return jnp.concatenate([_value(env, s[0]), _value(env, s[1])], axis=3 - n.op_params[0])
-    if op is Op.SUM_ROWS:
-        return jnp.sum(_value_f32(env, s[0]), axis=-1, keepdims=True)
-    if op is Op.ARGSORT:
-        return _argsort(_value(env, s[0]), n.op_params[0])
-    if op is Op.TOP_K:
-        return jax.lax.top_k(_value_f32(env, s[0]), n.op_params[0])[1].astype(jnp.int32)
-    if op is Op.MUL_MAT_ID:
-        return _mul_mat_id(_value_f32(env, s[0]), _value_f32(env, s[1]), _value(env, s[2]))
-    raise NotImplementedError(f"no lowering for op {op.value} (node {n.name!r})")
+    fn = LOWERINGS.get(n.op)
+    if fn is None:
+        raise NotImplementedError(f"no lowering for op {n.op.value} (node {n.name!r})")
+    return fn(n, env)
 
 
 def run_nodes(nodes: list[Tensor], env: dict) -> dict:

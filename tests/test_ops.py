@@ -2,6 +2,8 @@
 definition of the op (ggml-cpu/ops.cpp), with test-backend-ops' error measure
 NMSE = sum((ref - out)^2) / sum(ref^2) and its thresholds. Every output is also checked
 for NaN. Several outputs share one graph where they can, so compilations stay few.
+`TESTED_OPS` names the test of every op; a test checks that it and `lower.LOWERINGS` cover
+the whole `Op` enum.
 """
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ggmlx import ops, types, weights
+from ggmlx import lower, ops, types, weights
 from ggmlx.compile import GraphCache, compute
 from ggmlx.graph import Graph
 from ggmlx.ops import ShapeError
-from ggmlx.tensor import Tensor, new_input, new_state, new_weight
+from ggmlx.tensor import Op, Tensor, new_input, new_state, new_weight
 from ggmlx.types import GGMLType as T
 
 NMSE_DEFAULT = 1e-7
@@ -24,6 +26,41 @@ NMSE_QUANT_MUL_MAT = 5e-4
 NMSE_FLASH_ATTN = 5e-4
 
 CACHE = GraphCache()
+
+# op -> the test in this file that checks it against its float64 reference
+TESTED_OPS: dict[Op, str] = {
+    Op.GET_ROWS: "test_get_rows_weight",
+    Op.MUL_MAT: "test_mul_mat_weight_types",
+    Op.MUL_MAT_ID: "test_mul_mat_id",
+    Op.ADD: "test_binary_tiling",
+    Op.SUB: "test_binary_tiling",
+    Op.MUL: "test_binary_tiling",
+    Op.DIV: "test_binary_tiling",
+    Op.SCALE: "test_unary",
+    Op.SQR: "test_unary",
+    Op.SQRT: "test_unary",
+    Op.CLAMP: "test_unary",
+    Op.TANH: "test_unary",
+    Op.SILU: "test_unary",
+    Op.GELU: "test_unary",
+    Op.GELU_QUICK: "test_unary",
+    Op.GLU: "test_glu",
+    Op.RMS_NORM: "test_norms",
+    Op.NORM: "test_norms",
+    Op.ROPE: "test_rope_ext",
+    Op.SOFT_MAX: "test_soft_max_ext",
+    Op.FLASH_ATTN_EXT: "test_flash_attn_ext",
+    Op.VIEW: "test_views",
+    Op.RESHAPE: "test_reshape_permute_transpose_cont",
+    Op.PERMUTE: "test_reshape_permute_transpose_cont",
+    Op.CONT: "test_reshape_permute_transpose_cont",
+    Op.CPY: "test_cpy_and_cast",
+    Op.SET_ROWS: "test_set_rows",
+    Op.CONCAT: "test_concat",
+    Op.SUM_ROWS: "test_sum_rows",
+    Op.ARGSORT: "test_argsort_and_top_k",
+    Op.TOP_K: "test_argsort_and_top_k",
+}
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
 
@@ -859,3 +896,27 @@ def test_single_operand_errors():
     with pytest.raises(ShapeError, match="Q4_0"):
         ops.cont(new_weight(T.Q4_0, (32, 2), "w"))
 
+
+
+# ---- coverage --------------------------------------------------------------------------
+
+def test_every_op_has_a_lowering_and_a_test():
+    """A new Op needs a lowering and a test here (docs/adding-an-op.md); Op.NONE is a leaf."""
+    ops_ = [op for op in Op if op is not Op.NONE]
+    assert [op.value for op in ops_ if op not in lower.LOWERINGS] == [], "ops without a lowering"
+    assert [op.value for op in ops_ if op not in TESTED_OPS] == [], "ops without a test in TESTED_OPS"
+    assert Op.NONE not in lower.LOWERINGS
+    missing = {op.value: name for op, name in TESTED_OPS.items() if not callable(globals().get(name))}
+    assert missing == {}, "TESTED_OPS names tests that do not exist"
+
+
+def test_a_node_without_a_lowering_is_named_in_the_error():
+    x = new_input(T.F32, (4,), "x")
+    leaf_as_node = Tensor(Op.NONE, (x,), x.ne, x.type, x.nb, name="orphan")
+    with pytest.raises(NotImplementedError, match="orphan"):
+        lower.eval_node(leaf_as_node, {x: np.zeros(4, np.float32)})
+
+
+def test_an_op_is_lowered_once():
+    with pytest.raises(ValueError, match="already lowered"):
+        lower.lowers(Op.ADD)(lambda n, env: None)
