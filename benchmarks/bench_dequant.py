@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 
+import ggmlx
 from ggmlx import quants
 from ggmlx.types import GGMLType, block_size, type_size
 
@@ -54,6 +55,7 @@ def best_seconds(fn, repeats: int) -> float:
 
 
 def main() -> None:
+    ggmlx.init()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=4.0, help="bytes of packed data per type, in MB")
     ap.add_argument("--repeats", type=int, default=5)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import ggmlx
 from ggmlx import ops, weights
 from ggmlx.compile import GraphCache, Program, compute
 from ggmlx.graph import Graph
@@ -128,6 +129,7 @@ def bench(n_layer: int, iters: int) -> dict[str, float]:
 
 
 def main() -> None:
+    ggmlx.init()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--iters", type=int, default=1000)

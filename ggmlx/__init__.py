@@ -1,18 +1,48 @@
-"""ggmlx: a mini-ggml on JAX. GGUF I/O, tensor types, quant blocks, ops, graphs, backends."""
+"""ggmlx: a mini-ggml on JAX. GGUF I/O, tensor types, quant blocks, ops, graphs, backends.
+
+Importing ggmlx changes nothing outside it; `ggmlx.init()` sets up JAX for it (the llm
+loader calls it) and must run before JAX's first computation.
+"""
 import os
 
+import jax
 
-def _set_xla_flags() -> None:
-    """XLA:CPU's concurrency-optimized scheduler hoists every layer's dequantized weights into
-    one huge temporary buffer (measured: decode 4x slower); turn it off unless the user set it.
-    Must run before JAX creates its CPU client, which importing ggmlx first guarantees."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+from ggmlx import flags
+from ggmlx.types import GGMLType
+
+__all__ = ["GGMLType", "flags", "init"]
+
+_CPU_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 
 
-_set_xla_flags()
+def init() -> None:
+    """Configure JAX for ggmlx; safe to call any number of times.
 
-from ggmlx.types import GGMLType  # noqa: E402
+    - XLA_FLAGS: XLA:CPU's concurrency-optimized scheduler hoists every layer's dequantized
+      weights into one huge temporary buffer (measured: decode 4x slower), so it is turned
+      off unless XLA_FLAGS already says either way. XLA reads the flag when JAX creates its
+      CPU client, so this raises RuntimeError if that already happened without it.
+    - XLA's on-disk compilation cache in `flags.cache_root()/xla`, so a second process
+      starts warm (off with GGMLX_NO_PERSISTENT_CACHE=1).
+    """
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if _CPU_SCHEDULER_FLAG not in xla_flags:
+        if _backends_initialized():
+            raise RuntimeError(
+                "ggmlx.init() must run before JAX's first computation: JAX's backends were already "
+                f"created without --{_CPU_SCHEDULER_FLAG}=false in XLA_FLAGS, which ggmlx needs (decode is "
+                "4x slower on XLA:CPU without it). Call ggmlx.init() first, or set "
+                f"XLA_FLAGS='--{_CPU_SCHEDULER_FLAG}=false' (or =true to keep XLA's default) before starting.")
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --{_CPU_SCHEDULER_FLAG}=false".strip()
+    if not flags.NO_PERSISTENT_CACHE.on():
+        path = os.path.join(flags.cache_root(), "xla")
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-__all__ = ["GGMLType"]
+
+def _backends_initialized() -> bool:
+    """Whether JAX has created its device clients (no public API says so)."""
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()

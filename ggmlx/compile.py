@@ -10,7 +10,6 @@ executable, like llama.cpp reusing a graph when `can_reuse` holds.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -20,28 +19,6 @@ import numpy as np
 from ggmlx import lower, weights
 from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor
-
-_persistent_cache_on = False
-
-
-def cache_root() -> str:
-    """GGMLX_CACHE_DIR, else $XDG_CACHE_HOME/ggmlx or ~/.cache/ggmlx."""
-    return os.environ.get("GGMLX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ggmlx")
-
-
-def enable_persistent_cache() -> None:
-    """Turn on XLA's on-disk compilation cache so a second process starts warm.
-    Opt out with GGMLX_NO_PERSISTENT_CACHE=1; GGMLX_CACHE_DIR moves it."""
-    global _persistent_cache_on
-    if _persistent_cache_on or os.environ.get("GGMLX_NO_PERSISTENT_CACHE") == "1":
-        return
-    path = os.path.join(cache_root(), "xla")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _persistent_cache_on = True
 
 
 def _state_root(t: Tensor) -> Tensor:
@@ -170,7 +147,6 @@ class GraphCache:
         self._sigs: dict[str, list[tuple]] = {}
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
-        enable_persistent_cache()
 
     def __len__(self) -> int:
         return len(self._entries)

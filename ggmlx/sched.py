@@ -14,15 +14,14 @@ False there stops the computation (returns False from `compute`).
 """
 from __future__ import annotations
 
-import os
-import sys
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
-from ggmlx import lower, weights
+from ggmlx import flags, lower, weights
 from ggmlx.backend import Backend, backend_of, backends
 from ggmlx.compile import CompiledProgram, GraphCache, Program, get_default_cache
 from ggmlx.graph import Graph
@@ -30,6 +29,7 @@ from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor
 
 EvalCallback = Callable[[object, bool], bool]
 
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Scheduler:
         self.backends = backend_list or backends()
         self.cache = cache if cache is not None else get_default_cache()   # an empty GraphCache is falsy
         self.cb_eval = cb_eval
-        self.debug = os.environ.get("GGMLX_SCHED_DEBUG") == "1"
+        self.debug = flags.SCHED_DEBUG.on()
 
     # ---- placement -------------------------------------------------------------------
 
@@ -194,7 +194,8 @@ class Scheduler:
             s.program = Program.from_nodes(s.nodes, outs, s.backend.device)
         plan = Plan(graph, splits, place, observed, graph.outputs())
         if self.debug:
-            print(plan.dump(), file=sys.stderr)
+            # WARNING, so that the dump asked for with the flag shows without any logging setup
+            log.warning("%s", plan.dump())
         return plan
 
     # ---- running ---------------------------------------------------------------------

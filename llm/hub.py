@@ -46,7 +46,7 @@ DEFAULT_MODEL = "gemma3-270m"
 
 def cache_dir() -> Path:
     """User cache for assembled models (GGMLX_CACHE_DIR overrides)."""
-    from ggmlx.compile import cache_root
+    from ggmlx.flags import cache_root
     return Path(cache_root())
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax
 
+import ggmlx
 from ggmlx import gguf, weights
 from ggmlx.tensor import Tensor, new_weight
 from ggmlx.types import GGMLType
@@ -37,6 +38,7 @@ class ModelLoader:
     """Opens a GGUF file (all shards) and hands out weight tensors by name."""
 
     def __init__(self, path: str | os.PathLike):
+        ggmlx.init()
         self.path = str(path)
         if not os.path.isfile(self.path):
             raise ModelLoadError(f"{self.path}: no such model file")

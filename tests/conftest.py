@@ -10,7 +10,12 @@ from pathlib import Path
 # cheap to redo (the gemma fixture writes its file there).
 os.environ["GGMLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="ggmlx-test-cache-")
 
-import pytest
+import pytest  # noqa: E402
+
+import ggmlx  # noqa: E402
+
+# before any test touches JAX, as the loader would (XLA flags, the compilation cache above)
+ggmlx.init()
 
 DATA = Path(__file__).parent / "data"
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+import ggmlx
 from ggmlx import ops, weights
 from ggmlx.backend import Backend, backend_of, backends
 from ggmlx.compile import GraphCache
@@ -344,6 +345,7 @@ def _run(check, *args) -> dict:
 
 
 def main(out_path: str) -> None:
+    ggmlx.init()
     jax.config.update("jax_num_cpu_devices", N_DEVICES)
     bk = [b for b in backends() if b.kind == "cpu"]
     if len(bk) != N_DEVICES:

@@ -138,6 +138,8 @@ PERSIST_SCRIPT = textwrap.dedent("""
     from jax import monitoring
     events = []
     monitoring.register_event_listener(lambda name, **kw: events.append(name))
+    import ggmlx
+    ggmlx.init()
     from ggmlx import ops, compile as C
     from ggmlx.graph import Graph
     from ggmlx.tensor import new_input

@@ -9,6 +9,7 @@ keeps its one device and tests the single-device behaviour directly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -228,16 +229,21 @@ def test_backends_list_the_jax_devices():
     assert backend_of(jax.devices("cpu")[0]) == cpu_backend()
 
 
-def test_debug_env_prints_dump_to_stderr(monkeypatch, capsys):
+def test_debug_env_logs_the_dump(monkeypatch, caplog):
+    """GGMLX_SCHED_DEBUG=1 logs the split dump at WARNING on ggmlx.sched (shown without any
+    logging setup; the subprocess checks see it on stderr); unset, nothing is logged."""
     m = _one_device_model()
     monkeypatch.setenv("GGMLX_SCHED_DEBUG", "1")
-    plan = Scheduler([cpu_backend()], GraphCache()).alloc_graph(m.graph)
-    err = capsys.readouterr().err
-    assert plan.dump() in err
-    assert err.startswith("## SPLIT GRAPH: 1 splits, 0 copies")
+    with caplog.at_level(logging.DEBUG, logger="ggmlx.sched"):
+        plan = Scheduler([cpu_backend()], GraphCache()).alloc_graph(m.graph)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == \
+        [("ggmlx.sched", logging.WARNING, plan.dump())]
+    assert plan.dump().startswith("## SPLIT GRAPH: 1 splits, 0 copies")
+    caplog.clear()
     monkeypatch.delenv("GGMLX_SCHED_DEBUG")
-    Scheduler([cpu_backend()], GraphCache()).alloc_graph(m.graph)
-    assert capsys.readouterr().err == ""
+    with caplog.at_level(logging.DEBUG, logger="ggmlx.sched"):
+        Scheduler([cpu_backend()], GraphCache()).alloc_graph(m.graph)
+    assert caplog.records == []
 
 
 def test_reserve_then_compute_on_one_device(ref):

@@ -181,6 +181,9 @@ def _decode_all(model) -> np.ndarray:
 
 def run_multidevice(out_dir: Path) -> None:
     import jax
+
+    import ggmlx
+    ggmlx.init()
     jax.config.update("jax_num_cpu_devices", N_DEVICES)
     import llm
 

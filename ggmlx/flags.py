@@ -1,0 +1,53 @@
+"""Every `GGMLX_*` environment variable, in one place with its default and meaning.
+
+Code reads a flag through its `EnvFlag` here (`flags.SCHED_DEBUG.on()`), never through
+`os.environ` directly, so `ALL` is the complete list.
+Values are read when used, not at import: setting a variable before the call it affects
+is enough. `XLA_FLAGS` is JAX's, not ours: `ggmlx.init()` only adds one CPU scheduler flag.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvFlag:
+    """One environment variable: its name, its default and what it does."""
+    name: str
+    default: str
+    doc: str
+
+    def get(self) -> str:
+        """The value, the default when unset or empty."""
+        return os.environ.get(self.name) or self.default
+
+    def on(self) -> bool:
+        """True when set to "1"."""
+        return self.get() == "1"
+
+
+CACHE_DIR = EnvFlag(
+    "GGMLX_CACHE_DIR", "",
+    "where XLA's compilation cache (xla/) and assembled models live; default $XDG_CACHE_HOME/ggmlx "
+    "or ~/.cache/ggmlx (cache_root())")
+NO_PERSISTENT_CACHE = EnvFlag(
+    "GGMLX_NO_PERSISTENT_CACHE", "",
+    "1: ggmlx.init() leaves XLA's on-disk compilation cache off (every process compiles afresh)")
+SCHED_DEBUG = EnvFlag(
+    "GGMLX_SCHED_DEBUG", "",
+    "1: the scheduler logs each graph split (backend, nodes, copies) at WARNING on the ggmlx.sched "
+    "logger, so it shows on stderr without any logging setup (like GGML_SCHED_DEBUG)")
+REFERENCE = EnvFlag(
+    "GGMLX_REFERENCE", "",
+    "llama.cpp reference outputs for the parity tests and benchmarks/parity_report.py; "
+    "default ../shared/reference beside the repository")
+
+ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE)
+
+
+def cache_root() -> str:
+    """GGMLX_CACHE_DIR, else $XDG_CACHE_HOME/ggmlx or ~/.cache/ggmlx."""
+    return CACHE_DIR.get() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                           "ggmlx")
+
