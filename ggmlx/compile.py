@@ -151,6 +151,10 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __bool__(self) -> bool:
+        """Always true: an empty cache is still a cache (`cache or default` must keep it)."""
+        return True
+
     def clear(self) -> None:
         self._entries.clear()
         self._sigs.clear()
@@ -219,7 +223,7 @@ def compute(graph: Graph, inputs: dict[Tensor, object] | None = None,
             device=None, extra_outputs: list[Tensor] = ()):
     """Run a whole graph on one device. Returns ({output tensor: value}, {state leaf: new value}).
     State arrays passed in are donated: use the returned ones afterwards."""
-    cache = cache if cache is not None else get_default_cache()   # an empty GraphCache is falsy (__len__)
+    cache = cache or get_default_cache()
     device = device or jax.devices()[0]
     prog = Program.from_graph(graph, list(extra_outputs), device)
     inputs = inputs or {}

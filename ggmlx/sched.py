@@ -128,7 +128,7 @@ class Scheduler:
     def __init__(self, backend_list: list[Backend] | None = None, cache: GraphCache | None = None,
                  cb_eval: EvalCallback | None = None):
         self.backends = backend_list or backends()
-        self.cache = cache if cache is not None else get_default_cache()   # an empty GraphCache is falsy
+        self.cache = cache or get_default_cache()
         self.cb_eval = cb_eval
         self.debug = flags.SCHED_DEBUG.on()
 

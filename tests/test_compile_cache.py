@@ -49,6 +49,16 @@ def weights_pair(seed):
             rng.standard_normal((N_EMBD, N_FF)).astype(np.float32))
 
 
+def test_an_empty_cache_is_truthy_and_used():
+    """`cache or default` must keep an empty cache: len() counts entries, bool() is always True."""
+    cache = GraphCache()
+    assert cache and len(cache) == 0
+    wu, wd = weights_pair(0)
+    g, x, _ = mlp(wu, wd, 2)
+    compute(g, {x: np.ones((2, N_EMBD))}, cache=cache)
+    assert (len(cache), cache.stats.misses) == (1, 1)
+
+
 def test_identical_rebuild_hits_and_changed_shape_compiles_once():
     cache = GraphCache()
     wu, wd = weights_pair(0)
