@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 import ggmlx
-from ggmlx import quants
+from ggmlx import quants, weights
 from ggmlx.types import GGMLType, block_size, type_size
 
 try:
@@ -76,7 +76,7 @@ def main() -> None:
             rows = data.reshape(ne[1], -1)
             gtype = gguf.GGMLQuantizationType(int(t))
             ref = best_seconds(functools.partial(gguf_quants.dequantize, rows, gtype), args.repeats)
-        blocks = jax.device_put(quants.to_device_blocks(data, t, ne))
+        blocks = weights.to_device(data, t, ne, weight_format="native").array   # as the engine holds it
         fn = jax.jit(functools.partial(quants.dequantize_jax, type=t, ne=ne))
         fn(blocks).block_until_ready()
         on_device = best_seconds(lambda fn=fn, blocks=blocks: fn(blocks).block_until_ready(), args.repeats)

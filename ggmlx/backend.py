@@ -1,7 +1,8 @@
 """Backends: one per JAX device, like ggml_backend_load_all + the device list.
 
-A backend's buffers are device arrays placed with `jax.device_put`. Accelerators come
-first in the registry (the order llama.cpp offloads to), the CPU last.
+A backend's buffers are device arrays placed with `jax.device_put`. Every op lowers to
+portable JAX, so every backend runs every op. Accelerators come first in the registry (the
+order llama.cpp offloads to), the CPU last.
 """
 from __future__ import annotations
 
@@ -9,22 +10,12 @@ from dataclasses import dataclass
 
 import jax
 
-from ggmlx.tensor import Op
-
 
 @dataclass(frozen=True)
 class Backend:
     name: str            # e.g. "CPU0", "CUDA0"
     kind: str            # "cpu", "gpu" or "tpu"
     device: jax.Device
-
-    def supports_op(self, op: Op) -> bool:
-        """Every op lowers to portable JAX, so every backend runs every op."""
-        return isinstance(op, Op)
-
-    def put(self, x) -> jax.Array:
-        """A buffer on this backend holding x."""
-        return jax.device_put(x, self.device)
 
     def __str__(self) -> str:
         return self.name

@@ -14,7 +14,7 @@ import pytest
 from gguf import quants as gq
 from reference import reference_dir
 
-from ggmlx import quants
+from ggmlx import quants, weights
 from ggmlx.gguf import GGUFReader
 from ggmlx.quants import iq_tables
 from ggmlx.types import GGMLType, TypeSizeError, block_size, type_size
@@ -91,9 +91,10 @@ def random_tensor(t: GGMLType, seed: int) -> tuple[np.ndarray, tuple[int, int]]:
     return random_blocks(rng, t, n_blocks), ne
 
 
-@functools.cache
-def jitted_dequantize(t: GGMLType, ne: tuple[int, ...]):
-    return jax.jit(functools.partial(quants.dequantize_jax, type=t, ne=ne))
+def on_device_f32(data: np.ndarray, t: GGMLType, ne: tuple[int, ...]) -> jax.Array:
+    """A tensor's bytes as the engine holds them ("native" weight format) and reads them
+    inside jit (weights.materialize), as f32 in shape ne[::-1]."""
+    return jax.jit(weights.materialize)(weights.to_device(data, t, ne, weight_format="native")).reshape(ne[::-1])
 
 
 # --- tables -----------------------------------------------------------------------------
@@ -167,8 +168,7 @@ def test_jax_matches_numpy_inside_jit(t):
     if t == GGMLType.MXFP4:
         # XLA flushes float32 subnormals to zero: exponents 0 and 1 (scales 2^-128, 2^-127) differ.
         np.maximum(data.reshape(-1, 17)[:, 0], 2, out=data.reshape(-1, 17)[:, 0])
-    blocks = jax.device_put(quants.to_device_blocks(data, t, ne))
-    got = np.asarray(jitted_dequantize(t, ne)(blocks))
+    got = np.asarray(on_device_f32(data, t, ne))
     assert got.dtype == np.float32 and got.shape == ne[::-1]
     assert np.array_equal(bits(got), bits(quants.dequantize(data, t, ne)))
 
@@ -181,8 +181,7 @@ def test_jax_real_model_tensors_match_numpy(gemma3_path):
         if info.type not in smallest or info.nbytes < smallest[info.type].nbytes:
             smallest[info.type] = info
     for info in smallest.values():
-        blocks = jax.device_put(quants.to_device_blocks(info.data, info.type, info.ne))
-        got = np.asarray(jitted_dequantize(info.type, info.ne)(blocks))
+        got = np.asarray(on_device_f32(info.data, info.type, info.ne))
         assert np.array_equal(bits(got), bits(quants.dequantize(info.data, info.type, info.ne))), info.name
     reader.close()
 
@@ -192,7 +191,7 @@ def test_jax_dequantizes_gathered_rows():
     t = GGMLType.Q4_K
     data, ne = random_tensor(t, seed=7)
     rows = np.array([5, 0, 95, 5])
-    picked = jax.device_put(quants.to_device_blocks(data, t, ne))[rows]
+    picked = weights.to_device(data, t, ne, weight_format="native").array[rows]
     got = jax.jit(lambda b: quants.dequantize_jax(b, t, (ne[0], len(rows))))(picked)
     assert np.array_equal(bits(np.asarray(got)), bits(quants.dequantize(data, t, ne)[rows]))
 
@@ -207,14 +206,13 @@ def test_jax_accepts_rows_of_bytes():
 # --- device layout ---------------------------------------------------------------------------
 
 
-def test_to_device_blocks_layout_is_a_zero_copy_view():
+def test_native_weights_hold_rows_of_blocks():
+    """What dequantize_jax gets in the engine: a "native" weight's rows of packed bytes."""
     data, ne = random_tensor(GGMLType.Q6_K, seed=9)
-    blocks = quants.to_device_blocks(data, GGMLType.Q6_K, (ne[0], 4, ne[1] // 4))
-    assert blocks.shape == (ne[1] // 4, 4, ne[0] // 256, 210) and blocks.dtype == np.uint8
-    assert np.shares_memory(blocks, data)
+    w = weights.to_device(data, GGMLType.Q6_K, (ne[0], 4, ne[1] // 4), weight_format="native")
+    assert w.array.shape == (ne[1], ne[0] // 256 * 210) and w.array.dtype == np.uint8
     f16 = np.zeros(6 * 4, dtype=np.float16).view(np.uint8)
-    assert quants.to_device_blocks(f16, GGMLType.F16, (6, 4)).dtype == np.float16
-    assert quants.device_layout(GGMLType.BF16, (6, 4)) == ((4, 6), np.dtype("bfloat16"))
+    assert weights.to_device(f16, GGMLType.F16, (6, 4)).array.dtype == np.float16
 
 
 # --- quantizers ------------------------------------------------------------------------------
@@ -298,7 +296,9 @@ def test_wrong_byte_count_names_type_and_shape():
     with pytest.raises(ValueError, match=r"Q8_0.*\(64, 1\).*68 bytes, got 67"):
         quants.dequantize(data, GGMLType.Q8_0, (64, 1))
     with pytest.raises(ValueError, match=r"Q8_0.*\(64, 1\).*68 bytes, got 67"):
-        quants.to_device_blocks(data, GGMLType.Q8_0, (64, 1))
+        weights.to_device(data, GGMLType.Q8_0, (64, 1))
+    with pytest.raises(ValueError, match=r"Q8_0.*\(64, 1\).*uint8\[1, 2, 34\], got uint8\[67\]"):
+        quants.dequantize_jax(jax.numpy.asarray(data), GGMLType.Q8_0, (64, 1))
 
 
 def test_bad_shape_and_data_type():

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from ggmlx import gguf, quants, types, weights
+from ggmlx.quants import int8
 from ggmlx.types import GGMLType
 
-INT8_TYPES = list(weights.INT8_CONVERTERS)
+INT8_TYPES = list(int8.INT8_CONVERTERS)
 
 
 def _random_blocks(t: GGMLType, n_rows: int, ne0: int, seed: int) -> np.ndarray:
@@ -28,8 +29,8 @@ def test_int8_conversion_exact_on_random_blocks(t):
     ne = (512, 6)
     data = _random_blocks(t, ne[1], ne[0], seed=int(t))
     ref = quants.dequantize(data, t, ne)
-    q, scale, offset = weights.to_int8(data.reshape(ne[1], -1), t, ne[1])
-    sub = weights.INT8_CONVERTERS[t][0]
+    q, scale, offset = int8.to_int8(data.reshape(ne[1], -1), t, ne[1])
+    sub = int8.INT8_CONVERTERS[t][0]
     y = q.astype(np.float32).reshape(ne[1], -1, sub) * scale[..., None]
     if offset is not None:
         y = y + offset[..., None]

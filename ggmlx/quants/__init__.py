@@ -1,19 +1,20 @@
 """ggml quantization blocks: dequantize (numpy and JAX) and quantize.
 
 - `dequantize(data, type, ne)`: packed GGUF bytes -> numpy float32 in shape ne[::-1].
-- `to_device_blocks(data, type, ne)` / `dequantize_jax(blocks, type, ne)`: the device
-  layout of a tensor (see ggmlx.quants.jax_dequant) and its dequantization inside jit.
+- `dequantize_jax(blocks, type, ne)`: the same inside jit, from the packed blocks on a
+  device (layout: ggmlx.quants.jax_dequant; `weights.to_device` puts them there).
+- `int8.to_int8(blocks, type, n_rows)`: the exact int8 form of the linear block types.
 - `quantize(x, type)` / `quantize_jax(x, type)`: the legacy block quantizers, bit-exact
   with ggml's reference quantizers.
 
 Dequantization covers F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL,
 IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 and MXFP4.
 """
-from .jax_dequant import dequantize_jax, device_layout, to_device_blocks
+from .jax_dequant import dequantize_jax
 from .numpy_ref import SUPPORTED_TYPES, dequantize
 from .quantizers import QUANTIZE_KERNELS, QUANTIZE_TYPES, quantize, quantize_jax
 
 __all__ = [
     "SUPPORTED_TYPES", "QUANTIZE_TYPES", "QUANTIZE_KERNELS",
-    "dequantize", "dequantize_jax", "device_layout", "to_device_blocks", "quantize", "quantize_jax",
+    "dequantize", "dequantize_jax", "quantize", "quantize_jax",
 ]

@@ -1,16 +1,16 @@
 """Device dequantization with JAX: packed blocks held as a device array -> float32, inside jit.
 
-Device layout (what `to_device_blocks` returns and `dequantize_jax` expects) for a tensor
-of ggml shape `ne` (innermost first), numpy shape `ne[::-1]`:
+Device layout (what `dequantize_jax` expects) for a tensor of ggml shape `ne` (innermost
+first), numpy shape `ne[::-1]`:
 
 * quantized types: the raw block bytes, `uint8 [*ne[::-1][:-1], ne[0] // block_size, type_size]`.
   Rows stay a leading axis, so a row gather (`get_rows` on a quantized embedding) or a
   row split across devices works on the packed form before dequantizing.
 * F32 / F16 / BF16: the elements as `float32` / `float16` / `bfloat16` in shape `ne[::-1]`.
 
-`dequantize_jax` also takes any other shape of the same dtype and element count (e.g. the
-rows as `uint8 [n_rows, row_bytes]`): only the row-major byte order matters, and the
-reshape is free under jit.
+`dequantize_jax` also takes any other shape of the same dtype and element count, such as
+the rows as `uint8 [n_rows, row_bytes]`, which is how `weights.to_device` holds a "native"
+weight: only the row-major byte order matters, and the reshape is free under jit.
 
 The kernels (ggmlx.quants.kernels) are shared with the numpy path and use only vectorized
 bit operations, reshapes and small-table gathers, so `dequantize_jax` traces to one fused
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..types import GGMLType, block_size, nbytes, type_size
+from ..types import GGMLType, block_size, type_size
 from .kernels import DEQUANTIZE_KERNELS, ArrayOps
 from .numpy_ref import check_type, numpy_shape
 
@@ -52,27 +52,12 @@ _FLOAT_DTYPES = {
 }
 
 
-def device_layout(type: GGMLType | int, ne: tuple[int, ...] | list[int]) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) of the device array holding a tensor of `type` and ggml shape `ne`."""
-    t = check_type(type, "device_layout")
-    shape = numpy_shape(t, ne, "device_layout")
+def _device_layout(t: GGMLType, ne: tuple[int, ...] | list[int]) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of the blocks of a tensor of type t and ggml shape ne (module docstring)."""
+    shape = numpy_shape(t, ne, "dequantize_jax")
     if t in _FLOAT_DTYPES:
         return shape, _FLOAT_DTYPES[t]
     return (*shape[:-1], shape[-1] // block_size(t), type_size(t)), np.dtype(np.uint8)
-
-
-def to_device_blocks(data: np.ndarray, type: GGMLType | int, ne: tuple[int, ...] | list[int]) -> np.ndarray:
-    """Packed tensor bytes -> the host array to `jax.device_put` (a zero-copy view of `data`)."""
-    t = check_type(type, "to_device_blocks")
-    shape, dtype = device_layout(t, ne)
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
-        got = f"numpy {data.dtype}" if isinstance(data, np.ndarray) else data.__class__.__name__
-        raise TypeError(f"to_device_blocks: {t.name} tensor data must be a numpy uint8 array, got {got}")
-    want = nbytes(t, tuple(ne))
-    if data.size != want:
-        raise ValueError(f"to_device_blocks: {t.name} tensor of shape ne={tuple(ne)} needs {want} bytes, "
-                         f"got {data.size}")
-    return np.ascontiguousarray(data).reshape(-1).view(dtype).reshape(shape)
 
 
 def dequantize_jax(blocks: jax.Array, type: GGMLType | int, ne: tuple[int, ...] | list[int]) -> jax.Array:
@@ -81,7 +66,7 @@ def dequantize_jax(blocks: jax.Array, type: GGMLType | int, ne: tuple[int, ...] 
     `type` and `ne` are static; `blocks` may be a traced array inside `jax.jit`.
     """
     t = check_type(type, "dequantize_jax")
-    shape, dtype = device_layout(t, ne)
+    shape, dtype = _device_layout(t, ne)
     if math.prod(blocks.shape) != math.prod(shape) or blocks.dtype != dtype:
         raise ValueError(f"dequantize_jax: {t.name} tensor of ne={tuple(ne)} needs blocks {dtype}{list(shape)}, "
                          f"got {blocks.dtype}{list(blocks.shape)}")

@@ -70,13 +70,13 @@ def _u32(ops: ArrayOps, b, off: int, count: int = 1):
     return v
 
 
-def _f16(ops: ArrayOps, b, off: int):
+def read_f16(ops: ArrayOps, b, off: int):
     """The f16 (ggml_half) at byte `off` as float32 [n, 1]."""
     xp = ops.xp
     return ops.bitcast(_u16(ops, b, off), xp.float16).astype(xp.float32)
 
 
-def _unpack(ops: ArrayOps, q, group: int, shifts: tuple[int, ...], mask: int):
+def unpack_bits(ops: ArrayOps, q, group: int, shifts: tuple[int, ...], mask: int):
     """Split bit fields out of bytes: q [n, m] -> [n, m * len(shifts)].
 
     The bytes are taken in runs of `group`; each run gives len(shifts) runs of `group`
@@ -108,44 +108,44 @@ BITS = (0, 1, 2, 3, 4, 5, 6, 7)
 def q4_0(ops: ArrayOps, b):
     """block_q4_0: d (f16), qs[16]; y = (q - 8) * d."""
     xp = ops.xp
-    d = _f16(ops, b, 0)
-    q = _unpack(ops, b[:, 2:18], 16, NIBBLES, 0xF).astype(xp.int8) - 8
+    d = read_f16(ops, b, 0)
+    q = unpack_bits(ops, b[:, 2:18], 16, NIBBLES, 0xF).astype(xp.int8) - 8
     return d * q.astype(F32)
 
 
 def q4_1(ops: ArrayOps, b):
     """block_q4_1: d, m (f16), qs[16]; y = q * d + m."""
-    d = _f16(ops, b, 0)
-    m = _f16(ops, b, 2)
-    q = _unpack(ops, b[:, 4:20], 16, NIBBLES, 0xF)
+    d = read_f16(ops, b, 0)
+    m = read_f16(ops, b, 2)
+    q = unpack_bits(ops, b[:, 4:20], 16, NIBBLES, 0xF)
     return d * q.astype(F32) + m
 
 
-def _q5(ops: ArrayOps, qh, qs):
+def q5_quants(ops: ArrayOps, qh, qs):
     """5-bit quants from qh (4 bytes: bit j is bit 4 of element j) and qs (16 bytes of nibbles)."""
-    return _unpack(ops, qs, 16, NIBBLES, 0xF) | (_unpack(ops, qh, 1, BITS, 1) << 4)
+    return unpack_bits(ops, qs, 16, NIBBLES, 0xF) | (unpack_bits(ops, qh, 1, BITS, 1) << 4)
 
 
 def q5_0(ops: ArrayOps, b):
     """block_q5_0: d (f16), qh[4], qs[16]; y = (q - 16) * d."""
     xp = ops.xp
-    d = _f16(ops, b, 0)
-    q = _q5(ops, b[:, 2:6], b[:, 6:22]).astype(xp.int8) - 16
+    d = read_f16(ops, b, 0)
+    q = q5_quants(ops, b[:, 2:6], b[:, 6:22]).astype(xp.int8) - 16
     return d * q.astype(F32)
 
 
 def q5_1(ops: ArrayOps, b):
     """block_q5_1: d, m (f16), qh[4], qs[16]; y = q * d + m."""
-    d = _f16(ops, b, 0)
-    m = _f16(ops, b, 2)
-    q = _q5(ops, b[:, 4:8], b[:, 8:24])
+    d = read_f16(ops, b, 0)
+    m = read_f16(ops, b, 2)
+    q = q5_quants(ops, b[:, 4:8], b[:, 8:24])
     return d * q.astype(F32) + m
 
 
 def q8_0(ops: ArrayOps, b):
     """block_q8_0: d (f16), qs[32] int8; y = q * d."""
     xp = ops.xp
-    d = _f16(ops, b, 0)
+    d = read_f16(ops, b, 0)
     return d * ops.bitcast(b[:, 2:34], xp.int8).astype(F32)
 
 
@@ -156,13 +156,13 @@ def mxfp4(ops: ArrayOps, b):
     # ggml_e8m0_to_fp32_half: the two smallest exponents are f32 subnormals.
     bits = xp.where(e < 2, xp.uint32(0x00200000) << e, (e - 1) << 23)
     d = ops.bitcast(bits, xp.float32)
-    return d * _lookup(ops, tab.KVALUES_MXFP4, _unpack(ops, b[:, 1:17], 16, NIBBLES, 0xF))
+    return d * _lookup(ops, tab.KVALUES_MXFP4, unpack_bits(ops, b[:, 1:17], 16, NIBBLES, 0xF))
 
 
 def iq4_nl(ops: ArrayOps, b):
     """block_iq4_nl: d (f16), qs[16]; y = kvalues_iq4nl[q] * d."""
-    d = _f16(ops, b, 0)
-    return d * _lookup(ops, tab.KVALUES_IQ4NL, _unpack(ops, b[:, 2:18], 16, NIBBLES, 0xF))
+    d = read_f16(ops, b, 0)
+    return d * _lookup(ops, tab.KVALUES_IQ4NL, unpack_bits(ops, b[:, 2:18], 16, NIBBLES, 0xF))
 
 
 # --- K-quants: 256-element super-blocks -----------------------------------------------
@@ -175,9 +175,9 @@ def q2_k(ops: ArrayOps, b):
     """
     n = b.shape[0]
     sc = b[:, 0:16]
-    q = _unpack(ops, b[:, 16:80], 32, CRUMBS, 3)
-    d = _f16(ops, b, 80)
-    dmin = _f16(ops, b, 82)
+    q = unpack_bits(ops, b[:, 16:80], 32, CRUMBS, 3)
+    d = read_f16(ops, b, 80)
+    dmin = read_f16(ops, b, 82)
     dl = (d * (sc & 0xF).astype(F32)).reshape(n, 16, 1)
     ml = (dmin * (sc >> 4).astype(F32)).reshape(n, 16, 1)
     return (dl * q.reshape(n, 16, 16).astype(F32) - ml).reshape(n, 256)
@@ -190,20 +190,20 @@ def q3_k(ops: ArrayOps, b):
     """
     xp = ops.xp
     n = b.shape[0]
-    hbit = _unpack(ops, b[:, 0:32], 32, BITS, 1)
-    low = _unpack(ops, b[:, 32:96], 32, CRUMBS, 3)
+    hbit = unpack_bits(ops, b[:, 0:32], 32, BITS, 1)
+    low = unpack_bits(ops, b[:, 32:96], 32, CRUMBS, 3)
     s = b[:, 96:108]
     # Scale i: low nibble from byte i % 8 (i < 8: low half, else high half),
     # top 2 bits from byte 8 + i % 4 at bit 2 * (i // 4).
-    scale = _unpack(ops, s[:, 0:8], 8, NIBBLES, 0xF) | (_unpack(ops, s[:, 8:12], 4, CRUMBS, 3) << 4)
+    scale = unpack_bits(ops, s[:, 0:8], 8, NIBBLES, 0xF) | (unpack_bits(ops, s[:, 8:12], 4, CRUMBS, 3) << 4)
     scale = scale.astype(xp.int8) - 32
-    d = _f16(ops, b, 108)
+    d = read_f16(ops, b, 108)
     q = low.astype(xp.int8) - ((hbit ^ 1) << 2).astype(xp.int8)
     dl = (d * scale.astype(F32)).reshape(n, 16, 1)
     return (dl * q.reshape(n, 16, 16).astype(F32)).reshape(n, 256)
 
 
-def _k_scale_min(ops: ArrayOps, s):
+def k_scale_min(ops: ArrayOps, s):
     """The 8 six-bit scales and mins packed in 12 bytes (get_scale_min_k4) -> [n, 8] each."""
     xp = ops.xp
     lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
@@ -215,9 +215,9 @@ def _k_scale_min(ops: ArrayOps, s):
 def _k_affine(ops: ArrayOps, b, q):
     """y = d * scale * q - dmin * min per 32 elements, for Q4_K and Q5_K (q: [n, 256])."""
     n = b.shape[0]
-    d = _f16(ops, b, 0)
-    dmin = _f16(ops, b, 2)
-    scale, mins = _k_scale_min(ops, b[:, 4:16])
+    d = read_f16(ops, b, 0)
+    dmin = read_f16(ops, b, 2)
+    scale, mins = k_scale_min(ops, b[:, 4:16])
     dl = (d * scale.astype(F32)).reshape(n, 8, 1)
     ml = (dmin * mins.astype(F32)).reshape(n, 8, 1)
     return (dl * q.reshape(n, 8, 32).astype(F32) - ml).reshape(n, 256)
@@ -225,12 +225,12 @@ def _k_affine(ops: ArrayOps, b, q):
 
 def q4_k(ops: ArrayOps, b):
     """block_q4_K: d, dmin (f16), scales[12], qs[128] (4-bit)."""
-    return _k_affine(ops, b, _unpack(ops, b[:, 16:144], 32, NIBBLES, 0xF))
+    return _k_affine(ops, b, unpack_bits(ops, b[:, 16:144], 32, NIBBLES, 0xF))
 
 
 def q5_k(ops: ArrayOps, b):
     """block_q5_K: d, dmin (f16), scales[12], qh[32] (bit 4: element 32 * bit + byte), qs[128]."""
-    q = _unpack(ops, b[:, 48:176], 32, NIBBLES, 0xF) | (_unpack(ops, b[:, 16:48], 32, BITS, 1) << 4)
+    q = unpack_bits(ops, b[:, 48:176], 32, NIBBLES, 0xF) | (unpack_bits(ops, b[:, 16:48], 32, BITS, 1) << 4)
     return _k_affine(ops, b, q)
 
 
@@ -241,10 +241,10 @@ def q6_k(ops: ArrayOps, b):
     """
     xp = ops.xp
     n = b.shape[0]
-    low = _unpack(ops, b[:, 0:128], 64, NIBBLES, 0xF)
-    high = _unpack(ops, b[:, 128:192], 32, CRUMBS, 3)
+    low = unpack_bits(ops, b[:, 0:128], 64, NIBBLES, 0xF)
+    high = unpack_bits(ops, b[:, 128:192], 32, CRUMBS, 3)
     scale = ops.bitcast(b[:, 192:208], xp.int8)
-    d = _f16(ops, b, 208)
+    d = read_f16(ops, b, 208)
     q = (low | (high << 4)).astype(xp.int8) - 32
     dl = (d * scale.astype(F32)).reshape(n, 16, 1)
     return (dl * q.reshape(n, 16, 16).astype(F32)).reshape(n, 256)
@@ -258,11 +258,11 @@ def iq4_xs(ops: ArrayOps, b):
     """
     xp = ops.xp
     n = b.shape[0]
-    d = _f16(ops, b, 0)
+    d = read_f16(ops, b, 0)
     high = (_u16(ops, b, 2) >> xp.asarray(np.arange(0, 16, 2, dtype=np.uint16))) & 3
-    scale = _unpack(ops, b[:, 4:8], 1, NIBBLES, 0xF) | (high.astype(xp.uint8) << 4)
+    scale = unpack_bits(ops, b[:, 4:8], 1, NIBBLES, 0xF) | (high.astype(xp.uint8) << 4)
     dl = (d * (scale.astype(xp.int8) - 32).astype(F32)).reshape(n, 8, 1)
-    v = _lookup(ops, tab.KVALUES_IQ4NL, _unpack(ops, b[:, 8:136], 16, NIBBLES, 0xF))
+    v = _lookup(ops, tab.KVALUES_IQ4NL, unpack_bits(ops, b[:, 8:136], 16, NIBBLES, 0xF))
     return (dl * v.reshape(n, 8, 32)).reshape(n, 256)
 
 
@@ -283,7 +283,7 @@ def _trits(ops: ArrayOps, x, group: int, n_trits: int):
 
 def tq1_0(ops: ArrayOps, b):
     """block_tq1_0: qs[48] (5 trits per byte), qh[4] (4 trits per byte), d (f16)."""
-    d = _f16(ops, b, 52)
+    d = read_f16(ops, b, 52)
     q = ops.xp.concatenate([_trits(ops, b[:, 0:32], 32, 5),
                             _trits(ops, b[:, 32:48], 16, 5),
                             _trits(ops, b[:, 48:52], 4, 4)], axis=1)
@@ -293,8 +293,8 @@ def tq1_0(ops: ArrayOps, b):
 def tq2_0(ops: ArrayOps, b):
     """block_tq2_0: qs[64] (2 bits per element, value q - 1), d (f16)."""
     xp = ops.xp
-    d = _f16(ops, b, 64)
-    q = _unpack(ops, b[:, 0:64], 32, CRUMBS, 3).astype(xp.int8) - 1
+    d = read_f16(ops, b, 64)
+    q = unpack_bits(ops, b[:, 0:64], 32, CRUMBS, 3).astype(xp.int8) - 1
     return d * q.astype(F32)
 
 
@@ -320,7 +320,7 @@ def iq2_xxs(ops: ArrayOps, b):
     and a 4-bit scale on top.
     """
     n = b.shape[0]
-    d = _f16(ops, b, 0)
+    d = read_f16(ops, b, 0)
     aux = _u32(ops, b, 2, 16).reshape(n, 8, 2)[:, :, 1]
     db = _iq_scale(d, aux >> 28, 0.25).reshape(n, 8, 1, 1)
     grid = _lookup(ops, tab.IQ2XXS_GRID, b[:, 2:66].reshape(n, 8, 8)[:, :, 0:4])
@@ -331,9 +331,9 @@ def iq2_xxs(ops: ArrayOps, b):
 def iq2_xs(ops: ArrayOps, b):
     """block_iq2_xs: d (f16), qs[32] uint16 (9-bit grid index | 7-bit ksigns index), scales[8]."""
     n = b.shape[0]
-    d = _f16(ops, b, 0)
+    d = read_f16(ops, b, 0)
     qs = _u16(ops, b, 2, 32)
-    db = _iq_scale(d, _unpack(ops, b[:, 66:74], 1, NIBBLES, 0xF), 0.25).reshape(n, 16, 1, 1)
+    db = _iq_scale(d, unpack_bits(ops, b[:, 66:74], 1, NIBBLES, 0xF), 0.25).reshape(n, 16, 1, 1)
     grid = _lookup(ops, tab.IQ2XS_GRID, qs & 511).reshape(n, 16, 2, 8)
     signs = _lookup(ops, tab.SIGNS_FROM_KSIGNS, qs >> 9).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, 256)
@@ -343,10 +343,10 @@ def iq2_s(ops: ArrayOps, b):
     """block_iq2_s: d (f16), qs[32] (grid index low 8 bits), signs[32], qh[8] (2 high bits each), scales[8]."""
     xp = ops.xp
     n = b.shape[0]
-    d = _f16(ops, b, 0)
-    high = _unpack(ops, b[:, 66:74], 1, CRUMBS, 3)
+    d = read_f16(ops, b, 0)
+    high = unpack_bits(ops, b[:, 66:74], 1, CRUMBS, 3)
     idx = b[:, 2:34].astype(xp.uint16) | (high.astype(xp.uint16) << 8)
-    db = _iq_scale(d, _unpack(ops, b[:, 74:82], 1, NIBBLES, 0xF), 0.25).reshape(n, 16, 1, 1)
+    db = _iq_scale(d, unpack_bits(ops, b[:, 74:82], 1, NIBBLES, 0xF), 0.25).reshape(n, 16, 1, 1)
     grid = _lookup(ops, tab.IQ2S_GRID, idx).reshape(n, 16, 2, 8)
     signs = _lookup(ops, tab.SIGNS_FROM_BYTE, b[:, 34:66]).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, 256)
@@ -355,7 +355,7 @@ def iq2_s(ops: ArrayOps, b):
 def iq3_xxs(ops: ArrayOps, b):
     """block_iq3_xxs: d (f16), qs[64] grid indices (4 elements each), 8 uint32 (4 x 7 sign bits | 4-bit scale)."""
     n = b.shape[0]
-    d = _f16(ops, b, 0)
+    d = read_f16(ops, b, 0)
     aux = _u32(ops, b, 66, 8)
     db = _iq_scale(d, aux >> 28, 0.5).reshape(n, 8, 1, 1)
     grid = _lookup(ops, tab.IQ3XXS_GRID, b[:, 2:66]).reshape(n, 8, 4, 8)
@@ -367,10 +367,10 @@ def iq3_s(ops: ArrayOps, b):
     """block_iq3_s: d (f16), qs[64], qh[8] (9th index bit), signs[32], scales[4]; y = d * (1 + 2 s) * grid * sign."""
     xp = ops.xp
     n = b.shape[0]
-    d = _f16(ops, b, 0)
-    high = _unpack(ops, b[:, 66:74], 1, BITS, 1)
+    d = read_f16(ops, b, 0)
+    high = unpack_bits(ops, b[:, 66:74], 1, BITS, 1)
     idx = b[:, 2:66].astype(xp.uint16) | (high.astype(xp.uint16) << 8)
-    scale = _unpack(ops, b[:, 106:110], 1, NIBBLES, 0xF)
+    scale = unpack_bits(ops, b[:, 106:110], 1, NIBBLES, 0xF)
     db = (d * (1 + 2 * scale).astype(F32)).reshape(n, 8, 1, 1)
     grid = _lookup(ops, tab.IQ3S_GRID, idx).reshape(n, 8, 4, 8)
     signs = _lookup(ops, tab.SIGNS_FROM_BYTE, b[:, 74:106]).reshape(n, 8, 4, 8)
@@ -390,7 +390,7 @@ def iq1_s(ops: ArrayOps, b):
     """
     xp = ops.xp
     n = b.shape[0]
-    d = _f16(ops, b, 0)
+    d = read_f16(ops, b, 0)
     qh = _u16(ops, b, 34, 8)
     dl = (d * (2 * ((qh >> 12) & 7) + 1).astype(F32)).reshape(n, 8, 1, 1)
     delta = _iq1_delta(ops, (qh & 0x8000) != 0).reshape(n, 8, 1, 1)
@@ -413,7 +413,7 @@ def iq1_m(ops: ArrayOps, b):
     d = ops.bitcast(dbits, xp.float16).astype(F32).reshape(n, 1)
     s = (sc[:, :, None] >> xp.asarray(np.array([0, 3, 6, 9], dtype=np.uint16))) & 7
     dl = (d * (2 * s.reshape(n, 16) + 1).astype(F32)).reshape(n, 16, 1, 1)
-    qh = _unpack(ops, b[:, 32:48], 1, NIBBLES, 0xF)
+    qh = unpack_bits(ops, b[:, 32:48], 1, NIBBLES, 0xF)
     idx = b[:, 0:32].astype(xp.uint16) | ((qh & 7).astype(xp.uint16) << 8)
     delta = _iq1_delta(ops, (qh & 8) != 0).reshape(n, 16, 2, 1)
     grid = _lookup(ops, tab.IQ1S_GRID, idx).reshape(n, 16, 2, 8)
