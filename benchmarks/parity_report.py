@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 import llm
+from ggmlx import flags
 from llm import hub
 from llm.arch import registered_archs
 
@@ -103,7 +103,7 @@ def synthetic_models(ref_dir: Path, weight_format: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_ref = os.environ.get("GGMLX_REFERENCE") or Path(__file__).resolve().parents[2] / "shared" / "reference"
+    default_ref = flags.REFERENCE.get() or Path(__file__).resolve().parents[2] / "shared" / "reference"
     ap.add_argument("--reference", type=Path, default=Path(default_ref),
                     help="llama.cpp reference data (default: $GGMLX_REFERENCE or ../shared/reference)")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "native", "int8", "f32"])

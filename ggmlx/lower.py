@@ -269,7 +269,8 @@ def lowers(*ops: Op) -> Callable[[Lowering], Lowering]:
     return register
 
 
-_BINARY = {Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide}
+_BINARY: dict[Op, Callable[..., jax.Array]] = {
+    Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide}
 
 
 @lowers(Op.ADD, Op.SUB, Op.MUL, Op.DIV)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ggmlx import types
 from ggmlx.quants.int8 import INT8_CONVERTERS, to_int8
-from ggmlx.tensor import np_dtype
+from ggmlx.tensor import np_dtype, pad_ne
 from ggmlx.types import GGMLType
 
 FORMAT_PLAIN = "plain"
@@ -112,7 +112,7 @@ def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str
     weight_format selects for its type (see resolve_format)."""
     from ggmlx import quants
     t = GGMLType(t)
-    ne4 = tuple(int(d) for d in ne) + (1,) * (4 - len(ne))
+    ne4 = pad_ne(ne)
     rows = ne4[1] * ne4[2] * ne4[3]
     raw = np.ascontiguousarray(data)
     if raw.dtype == np.uint8 and raw.size != types.nbytes(t, ne4):

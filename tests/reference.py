@@ -6,11 +6,12 @@ are what CI checks.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from ggmlx import flags
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "reference"
 
 
 def reference_dir() -> Path:
-    return Path(os.environ.get("GGMLX_REFERENCE") or DEFAULT)
+    return Path(flags.REFERENCE.get() or DEFAULT)
