@@ -3,6 +3,7 @@
 Importing ggmlx changes nothing outside it; `ggmlx.init()` sets up JAX for it (the llm
 loader calls it) and must run before JAX's first computation.
 """
+import logging
 import os
 
 import jax
@@ -13,6 +14,8 @@ from ggmlx.types import GGMLType
 __all__ = ["GGMLType", "flags", "init"]
 
 _CPU_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
+_warned_late = False
+log = logging.getLogger("ggmlx")
 
 
 def init() -> None:
@@ -21,19 +24,25 @@ def init() -> None:
     - XLA_FLAGS: XLA:CPU's concurrency-optimized scheduler hoists every layer's dequantized
       weights into one huge temporary buffer (measured: decode 4x slower), so it is turned
       off unless XLA_FLAGS already says either way. XLA reads the flag when JAX creates its
-      CPU client, so this raises RuntimeError if that already happened without it.
+      CPU client; if that already happened (a caller listed `jax.devices()` to choose them),
+      the flag cannot apply any more: results are the same, decode is slower, and a warning
+      says how to avoid it.
     - XLA's on-disk compilation cache in `flags.cache_root()/xla`, so a second process
       starts warm (off with GGMLX_NO_PERSISTENT_CACHE=1).
     """
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if _CPU_SCHEDULER_FLAG not in xla_flags:
         if _backends_initialized():
-            raise RuntimeError(
-                "ggmlx.init() must run before JAX's first computation: JAX's backends were already "
-                f"created without --{_CPU_SCHEDULER_FLAG}=false in XLA_FLAGS, which ggmlx needs (decode is "
-                "4x slower on XLA:CPU without it). Call ggmlx.init() first, or set "
-                f"XLA_FLAGS='--{_CPU_SCHEDULER_FLAG}=false' (or =true to keep XLA's default) before starting.")
-        os.environ["XLA_FLAGS"] = f"{xla_flags} --{_CPU_SCHEDULER_FLAG}=false".strip()
+            global _warned_late
+            if not _warned_late:
+                _warned_late = True
+                log.warning("JAX's backends were created before ggmlx.init(), without "
+                            "--%s=false in XLA_FLAGS: CPU decode may be up to 4x slower. Call "
+                            "ggmlx.init() before the first JAX call, or set XLA_FLAGS='--%s=false' "
+                            "(=true keeps XLA's default and silences this).",
+                            _CPU_SCHEDULER_FLAG, _CPU_SCHEDULER_FLAG)
+        else:
+            os.environ["XLA_FLAGS"] = f"{xla_flags} --{_CPU_SCHEDULER_FLAG}=false".strip()
     if not flags.NO_PERSISTENT_CACHE.on():
         path = os.path.join(flags.cache_root(), "xla")
         os.makedirs(path, exist_ok=True)

@@ -1,5 +1,5 @@
 """ggmlx.init(): importing ggmlx changes neither XLA_FLAGS nor jax.config; init() sets both,
-is idempotent, and refuses (RuntimeError) once JAX's backends exist without its XLA flag.
+is idempotent, and warns once (still working) when JAX's backends already exist without its XLA flag.
 Each case runs in a fresh interpreter, since the test session itself is already initialised."""
 from __future__ import annotations
 
@@ -27,12 +27,16 @@ SCRIPT = textwrap.dedent("""
         ggmlx.init()          # backends exist now, with the flag: still fine
         report["ok"] = True
     else:
+        import logging
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("ggmlx").addHandler(handler)
         jax.numpy.ones(2).block_until_ready()
-        try:
-            ggmlx.init()
-            report["error"] = None
-        except RuntimeError as e:
-            report["error"] = str(e)
+        ggmlx.init()
+        ggmlx.init()
+        report["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+        report["sum"] = float(jax.numpy.ones(3).sum())
     print(json.dumps(report))
 """)
 
@@ -57,10 +61,13 @@ def test_import_has_no_side_effects_and_init_is_idempotent(tmp_path):
     assert r["ok"]
 
 
-def test_init_after_jax_started_without_the_flag_fails_loudly(tmp_path):
+def test_init_after_jax_started_without_the_flag_warns_once_and_works(tmp_path):
+    """Listing jax.devices() to choose them before load_model is a normal thing to do: the
+    flag can no longer apply, which costs speed, not correctness, so it is one warning."""
     r = _run("late", tmp_path)
     assert r["after_import"] == [None, None]
-    assert r["error"] and "ggmlx.init() must run before JAX's first computation" in r["error"]
+    assert len(r["warnings"]) == 1 and "before ggmlx.init()" in r["warnings"][0]
+    assert r["sum"] == 3.0
 
 
 def test_init_keeps_a_users_own_setting(tmp_path):
@@ -68,4 +75,4 @@ def test_init_keeps_a_users_own_setting(tmp_path):
     mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
     r = _run("late", tmp_path, xla_flags=mine)
     assert r["after_import"][0] == mine
-    assert r["error"] is None
+    assert r["warnings"] == []
