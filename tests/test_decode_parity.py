@@ -108,6 +108,7 @@ def run(request, case_id: str) -> CaseRun:
     return model_runs(request, model_of(case_id))[case_id]
 
 
+@pytest.mark.slow   # real models
 @pytest.mark.parametrize("case_id", CASES)
 def test_last_logits_match_twin(run: CaseRun, case_id: str):
     ref = case_ref(case_id)
@@ -126,6 +127,7 @@ def check_ranking(ids: np.ndarray, vals: np.ndarray, ref_ids: np.ndarray, ref_va
     return [tuple(x) for x in np.argwhere(bad)]
 
 
+@pytest.mark.slow   # real models
 @pytest.mark.parametrize("case_id", CASES)
 def test_top20_match_twin(run: CaseRun, case_id: str):
     ref = case_ref(case_id)
@@ -141,6 +143,7 @@ def test_top20_match_twin(run: CaseRun, case_id: str):
     assert not bad, f"top-20 differs beyond near-ties at (position, rank) {bad[:5]}"
 
 
+@pytest.mark.slow   # real models
 @pytest.mark.parametrize("case_id", CASES)
 def test_teacher_forced_greedy_matches_twin(run: CaseRun, case_id: str):
     ref = case_ref(case_id)
@@ -154,6 +157,7 @@ def test_teacher_forced_greedy_matches_twin(run: CaseRun, case_id: str):
     assert wrong.size == 0, f"greedy steps {wrong.tolist()}: ours {ours[wrong]} vs twin {gen[wrong]}"
 
 
+@pytest.mark.slow   # real models
 @pytest.mark.parametrize("stem", list(REAL_MODELS))
 def test_top1_agreement_with_llama_cpp(request, stem: str):
     agree, n = {}, {}

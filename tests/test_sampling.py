@@ -308,6 +308,7 @@ DIST_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # two fresh interpreters
 def test_dist_seed_gives_the_same_tokens_in_two_processes():
     def tokens_from_subprocess(seed: int) -> list[int]:
         out = subprocess.run([sys.executable, "-c", DIST_SCRIPT, str(seed)], check=True, capture_output=True,

@@ -29,7 +29,7 @@ def _vocab_from_file(path: str):
     return load_vocab(GGUFReader(path).kv, path=path)
 
 
-@pytest.fixture(params=list(MODELS))
+@pytest.fixture(params=[pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def model(request):
     """(reference name, Vocab) of each real model."""
     path = request.getfixturevalue(MODELS[request.param])
