@@ -135,7 +135,7 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         except ModelLoadError as e:
             raise ModelLoadError(f"{ml.path}: {e}") from None
         hp = load_hparams(ml.kv, arch, path=ml.path)
-        vocab = load_vocab(ml.kv, path=ml.path)
+        vocab = load_vocab(ml)
         meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
         model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta,
                       weight_format=weight_format)
