@@ -5,6 +5,7 @@ through `cb`, so dumps and eval callbacks find `attn_norm-3`, `Qcur-3`, `l_out-3
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +14,10 @@ from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.hparams import HParams, RopeScalingType
+
+if TYPE_CHECKING:
+    from llm.kv_cache import KVCache
+    from llm.model import Model
 
 F32, I32 = GGMLType.F32, GGMLType.I32
 
@@ -126,7 +131,7 @@ class GraphBuilder:
     """State of one graph build (llm_graph_context): the model, params, inputs and the
     graph being expanded."""
 
-    def __init__(self, model, kv, params: GraphParams):
+    def __init__(self, model: Model, kv: KVCache, params: GraphParams):
         self.model = model
         self.hparams = model.hparams
         self.kv = kv

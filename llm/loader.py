@@ -8,7 +8,7 @@ import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -84,42 +84,46 @@ class GGUFMeta:
         return MetadataError(self.path, name, f"key '{name}' has a value of type {type(value).__name__} "
                                               f"({value!r:.60}), expected {expected}")
 
-    def _raw(self, key: LLMKV, required: bool) -> tuple[str, object]:
-        name = self.key_name(key)
-        if name not in self.kv:
-            if required:
-                raise MetadataError(self.path, name, f"missing required key '{name}'")
-            return name, None
-        return name, self.kv[name]
+    def _missing(self, name: str) -> MetadataError:
+        return MetadataError(self.path, name, f"missing required key '{name}'")
 
     def get_key(self, key: LLMKV, kind: type[_V], default: _V | None = None) -> _V:
         """The scalar value of `key` as `kind` (int, float, bool or str); `default` when the key
         is absent, which is an error when no default is given."""
-        name, value = self._raw(key, required=default is None)
-        if value is None:
-            return default  # type: ignore[return-value]  # not None: _raw raised otherwise
+        name = self.key_name(key)
+        if name not in self.kv:
+            if default is None:
+                raise self._missing(name)
+            return default
+        value = self.kv[name]
         if not _is_kind(value, kind):
             raise self._wrong_type(name, value, _KIND_NAMES[kind])
-        return kind(value)  # type: ignore[arg-type]
+        return _convert(value, kind)
 
     def get_arr(self, key: LLMKV, kind: type[_V], default: list[_V] | None = None) -> list[_V]:
         """The array value of `key` with elements of `kind`, as a list; `default` when absent."""
-        name, value = self._raw(key, required=default is None)
-        if value is None:
-            return list(default)  # type: ignore[arg-type]  # not None: _raw raised otherwise
-        arr = self._as_list(value, kind)
+        name = self.key_name(key)
+        if name not in self.kv:
+            if default is None:
+                raise self._missing(name)
+            return list(default)
+        value = self.kv[name]
+        arr = _as_list(value, kind)
         if arr is None:
             raise self._wrong_type(name, value, _ARRAY_NAMES[kind])
         return arr
 
     def get_key_or_arr(self, key: LLMKV, kind: type[_V], n: int, default: list[_V] | None = None) -> list[_V]:
         """n values: a scalar repeated n times, or an array of exactly n (one per layer)."""
-        name, value = self._raw(key, required=default is None)
-        if value is None:
-            return list(default)  # type: ignore[arg-type]  # not None: _raw raised otherwise
+        name = self.key_name(key)
+        if name not in self.kv:
+            if default is None:
+                raise self._missing(name)
+            return list(default)
+        value = self.kv[name]
         if _is_kind(value, kind):
-            return [kind(value)] * n  # type: ignore[arg-type]
-        arr = self._as_list(value, kind)
+            return [_convert(value, kind)] * n
+        arr = _as_list(value, kind)
         if arr is None:
             raise self._wrong_type(name, value, f"{_KIND_NAMES[kind]} or {_ARRAY_NAMES[kind]}")
         if len(arr) != n:
@@ -127,18 +131,23 @@ class GGUFMeta:
                                                  f"expected one per layer ({n})")
         return arr
 
-    @staticmethod
-    def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
-        """value's elements as `kind`, or None when it is no array of that kind."""
-        if isinstance(value, np.ndarray):
-            if kind is str or value.ndim != 1 or (value.size and value.dtype.kind not in _DTYPE_KINDS[kind]):
-                return None
-            # widen first, so the values are the ones float64 / int64 hold (a float32 score stays exact)
-            wide = {int: np.int64, float: np.float64, bool: np.bool_}[kind]
-            return value.astype(wide).tolist()
-        if isinstance(value, (list, tuple)) and all(_is_kind(v, kind) for v in value):
-            return [kind(v) for v in value]  # type: ignore[arg-type]
-        return None
+
+def _convert(value: Any, kind: type[_V]) -> _V:
+    """A checked value as the plain Python type (numpy scalars and ints read as floats too)."""
+    return kind(value)
+
+
+def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
+    """value's elements as `kind`, or None when it is no array of that kind."""
+    if isinstance(value, np.ndarray):
+        if kind is str or value.ndim != 1 or (value.size and value.dtype.kind not in _DTYPE_KINDS[kind]):
+            return None
+        # widen first, so the values are the ones float64 / int64 hold (a float32 score stays exact)
+        wide = {int: np.int64, float: np.float64, bool: np.bool_}[kind]
+        return value.astype(wide).tolist()
+    if isinstance(value, (list, tuple)) and all(_is_kind(v, kind) for v in value):
+        return [_convert(v, kind) for v in value]
+    return None
 
 
 class ModelLoader(GGUFMeta):
