@@ -14,6 +14,7 @@ from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.hparams import HParams, RopeScalingType
+from llm.layer import Layer
 
 if TYPE_CHECKING:
     from llm.kv_cache import KVCache
@@ -193,7 +194,7 @@ class GraphBuilder:
             cur = ops.add(cur, b)
         return cur
 
-    def build_qkv(self, layer, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+    def build_qkv(self, layer: Layer, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
         """Qcur [d_k, n_head, n_tokens], Kcur and Vcur [d, n_head_kv, n_tokens] from separate
         wq/wk/wv (plus optional biases) or a fused wqkv whose rows are [Q; K; V]."""
         hp = self.hparams
