@@ -18,6 +18,7 @@ import time
 
 from ggmlx.gguf import GGUFReader
 from llm import hub
+from llm.loader import GGUFMeta
 from llm.vocab import load_vocab
 
 _CODE_MODULES = ("argparse", "collections", "email.message", "json.decoder", "logging",
@@ -56,7 +57,7 @@ def main() -> None:
     for name in args.models.split(","):
         path = hub.locate(name)
         t0 = time.perf_counter()
-        vocab = load_vocab(GGUFReader(path).kv, path=str(path))
+        vocab = load_vocab(GGUFMeta(GGUFReader(path).kv, str(path)))
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         ids = vocab.tokenize(text, add_special=True, parse_special=args.parse_special)

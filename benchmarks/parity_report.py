@@ -25,7 +25,7 @@ import numpy as np
 import llm
 from ggmlx import flags
 from llm import hub
-from llm.arch import registered_archs
+from llm.models import registered_archs
 
 CHUNK = 32
 TIE = 1e-2

@@ -1,14 +1,14 @@
 """Name tables of llama.cpp's llama-arch.h/.cpp: architectures, GGUF keys, tensor names.
 
 GGUF key and tensor names come from these tables (`LLMKV.X.key(arch)`, `tn(...)`), never
-from string literals scattered in model files. The architecture registry maps
-`general.architecture` to the model builder that `llm/models/*.py` registers.
+from string literals scattered in model files. Which tensors an architecture has is said
+once, by its `load_tensors` in llm/models/<arch>.py: the loader rejects a missing tensor
+and any tensor of the file that no declaration claimed. The registry of supported
+architectures is `llm.models.ARCHS`.
 """
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import TypeVar
 
 from llm.errors import ModelLoadError
 
@@ -260,50 +260,13 @@ class LLMTensor(enum.Enum):
     LAYER_OUT_NORM = "blk.%d.layer_output_norm"
 
 
-_T = LLMTensor
-_LLAMA_TENSORS = frozenset({
-    _T.TOKEN_EMBD, _T.OUTPUT_NORM, _T.OUTPUT, _T.ROPE_FREQS,
-    _T.ATTN_NORM, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT, _T.ATTN_ROT_EMBD,
-    _T.FFN_GATE_INP, _T.FFN_NORM, _T.FFN_GATE, _T.FFN_DOWN, _T.FFN_UP,
-    _T.FFN_GATE_EXP, _T.FFN_DOWN_EXP, _T.FFN_UP_EXP,
-    _T.FFN_GATE_EXPS, _T.FFN_DOWN_EXPS, _T.FFN_UP_EXPS,
-})
-_QWEN2_TENSORS = frozenset({
-    _T.TOKEN_EMBD, _T.OUTPUT_NORM, _T.OUTPUT,
-    _T.ATTN_NORM, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT,
-    _T.FFN_NORM, _T.FFN_GATE, _T.FFN_DOWN, _T.FFN_UP,
-})
-_GEMMA2_TENSORS = frozenset({
-    _T.TOKEN_EMBD, _T.OUTPUT_NORM,
-    _T.ATTN_NORM, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT, _T.ATTN_POST_NORM,
-    _T.FFN_NORM, _T.FFN_GATE, _T.FFN_DOWN, _T.FFN_UP, _T.FFN_POST_NORM,
-})
-
-# The tensors each architecture may declare (llama.cpp keeps one such table per architecture).
-ARCH_TENSORS: dict[LLMArch, frozenset[LLMTensor]] = {
-    LLMArch.LLAMA: _LLAMA_TENSORS,
-    LLMArch.QWEN2: _QWEN2_TENSORS,
-    LLMArch.QWEN3: _QWEN2_TENSORS | {_T.ATTN_Q_NORM, _T.ATTN_K_NORM},
-    LLMArch.PHI3: frozenset({
-        _T.TOKEN_EMBD, _T.OUTPUT_NORM, _T.OUTPUT, _T.ROPE_FACTORS_LONG, _T.ROPE_FACTORS_SHORT,
-        _T.ATTN_NORM, _T.ATTN_QKV, _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_OUT,
-        _T.FFN_NORM, _T.FFN_DOWN, _T.FFN_UP,
-    }),
-    LLMArch.GEMMA2: _GEMMA2_TENSORS,
-    LLMArch.GEMMA3: _GEMMA2_TENSORS | {_T.OUTPUT, _T.ATTN_Q_NORM, _T.ATTN_K_NORM},
-}
-
-
 def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,
-       xid: int | None = None, *, arch: LLMArch | None = None) -> str:
+       xid: int | None = None) -> str:
     """A tensor's GGUF name, like llama.cpp's LLM_TN: tn(ATTN_Q, "weight", 3) -> "blk.3.attn_q.weight".
 
     bid is the block (layer) id, xid the expert id, each required exactly when the template
-    has a slot for it. With `arch`, the tensor must be one that architecture declares.
+    has a slot for it.
     """
-    if arch is not None and tensor not in ARCH_TENSORS.get(arch, frozenset()):
-        raise ValueError(f"tensor {tensor.name} ('{tensor.value}') is not a tensor of "
-                         f"architecture '{arch.value}'")
     n_slots = tensor.value.count("%d")
     ids = [i for i in (bid, xid) if i is not None]
     if len(ids) != n_slots or (xid is not None and bid is None):
@@ -311,38 +274,3 @@ def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,
                          f"(block, expert), got bid={bid}, xid={xid}")
     name = tensor.value % tuple(ids) if n_slots else tensor.value
     return f"{name}.{suffix}" if suffix else name
-
-
-# Model builders by architecture, filled by llm/models/*.py through @register_arch.
-_BUILDERS: dict[LLMArch, object] = {}
-
-_B = TypeVar("_B")
-
-
-def register_arch(name: str) -> Callable[[_B], _B]:
-    """Decorator registering the model builder for architecture `name` (a `general.architecture` value)."""
-    arch = arch_from_name(name)
-
-    def decorate(builder: _B) -> _B:
-        if arch in _BUILDERS:
-            raise ValueError(f"architecture '{name}' already has a registered builder: "
-                             f"{_BUILDERS[arch]!r}")
-        _BUILDERS[arch] = builder
-        return builder
-
-    return decorate
-
-
-def get_arch(name: str) -> object:
-    """The builder registered for `name`; ModelLoadError for an unknown or unsupported architecture."""
-    arch = arch_from_name(name)
-    if arch not in _BUILDERS:
-        supported = ", ".join(registered_archs()) or "none"
-        raise ModelLoadError(f"model architecture '{name}' is not supported "
-                             f"(supported: {supported})")
-    return _BUILDERS[arch]
-
-
-def registered_archs() -> list[str]:
-    """Names of the architectures that have a registered builder, sorted."""
-    return sorted(a.value for a in _BUILDERS)

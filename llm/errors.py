@@ -5,5 +5,14 @@ class ModelLoadError(Exception):
     """A model file that cannot be loaded: unknown architecture, missing or mistyped key, bad tensor."""
 
 
+class MetadataError(ModelLoadError):
+    """A GGUF metadata key that is missing or holds a value of the wrong type; `path` and `key` name it."""
+
+    def __init__(self, path: str, key: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.key = key
+
+
 class LoadCancelled(ModelLoadError):
     """Loading stopped because the progress callback returned False."""

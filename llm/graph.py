@@ -5,6 +5,7 @@ through `cb`, so dumps and eval callbacks find `attn_norm-3`, `Qcur-3`, `l_out-3
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +14,11 @@ from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.hparams import HParams, RopeScalingType
+from llm.layer import Layer
+
+if TYPE_CHECKING:
+    from llm.kv_cache import KVCache
+    from llm.model import Model
 
 F32, I32 = GGMLType.F32, GGMLType.I32
 
@@ -126,7 +132,7 @@ class GraphBuilder:
     """State of one graph build (llm_graph_context): the model, params, inputs and the
     graph being expanded."""
 
-    def __init__(self, model, kv, params: GraphParams):
+    def __init__(self, model: Model, kv: KVCache, params: GraphParams):
         self.model = model
         self.hparams = model.hparams
         self.kv = kv
@@ -188,7 +194,7 @@ class GraphBuilder:
             cur = ops.add(cur, b)
         return cur
 
-    def build_qkv(self, layer, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
+    def build_qkv(self, layer: Layer, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
         """Qcur [d_k, n_head, n_tokens], Kcur and Vcur [d, n_head_kv, n_tokens] from separate
         wq/wk/wv (plus optional biases) or a fused wqkv whose rows are [Q; K; V]."""
         hp = self.hparams

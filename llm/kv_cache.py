@@ -7,6 +7,8 @@ Sliding-window layers share the cells with the global ones and get their own mas
 cache is sized for full attention; llama.cpp's separate SWA cache only saves memory)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,11 +19,14 @@ from llm.batch import UBatch
 from llm.hparams import SWAType
 from llm.kv_cells import KVCells, SlotInfo
 
+if TYPE_CHECKING:
+    from llm.model import Model
+
 KV_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
 
 
 class KVCache:
-    def __init__(self, model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
+    def __init__(self, model: Model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256):
         hp = model.hparams
         for name, t in (("type_k", type_k), ("type_v", type_v)):

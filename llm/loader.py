@@ -1,20 +1,43 @@
-"""The model loader (llama_model_loader): a validated GGUF file, its weights map, shape-checked
-tensor creation with per-layer placement, and load_all_data with a cancellable progress
-callback. Tensor bytes go from the mmap straight to device buffers."""
+"""The model loader (llama_model_loader): typed reads of the GGUF metadata (`get_key`,
+`get_arr`, `get_key_or_arr`), a validated GGUF file, its weights map, shape-checked tensor
+creation with per-layer placement, and load_all_data with a cancellable progress callback.
+Tensor bytes go from the mmap straight to device buffers."""
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 import ggmlx
 from ggmlx import gguf, weights
 from ggmlx.tensor import Tensor, new_weight
 from ggmlx.types import GGMLType
-from llm.errors import LoadCancelled, ModelLoadError
+from llm.arch import LLMKV
+from llm.errors import LoadCancelled, MetadataError, ModelLoadError
+
+_V = TypeVar("_V", int, float, bool, str)
+
+# What each kind of value may be stored as, and its name in errors. bool is no integer here.
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a bool", str: "a string"}
+_ARRAY_NAMES = {int: "an array of integers", float: "an array of numbers", bool: "an array of bools",
+                str: "an array of strings"}
+_DTYPE_KINDS = {int: "iu", float: "iuf", bool: "b"}
+
+
+def _is_kind(value: object, kind: type) -> bool:
+    is_bool = isinstance(value, (bool, np.bool_))
+    if kind is bool:
+        return is_bool
+    if kind is int:
+        return isinstance(value, (int, np.integer)) and not is_bool
+    if kind is float:
+        return isinstance(value, (int, float, np.integer, np.floating)) and not is_bool
+    return isinstance(value, str)
 
 
 class TensorFlag(enum.IntFlag):
@@ -34,30 +57,116 @@ class WeightEntry:
         return self.info.path
 
 
-class ModelLoader:
-    """Opens a GGUF file (all shards) and hands out weight tensors by name."""
+class GGUFMeta:
+    """Typed reads of GGUF metadata, named like llama_model_loader's getters. `path` names the
+    file in errors; `%s` in a key stands for `general.architecture`. A missing key without a
+    default, or a value of the wrong type, raises MetadataError naming the file and the key."""
+
+    def __init__(self, kv: Mapping[str, object], path: str = "<gguf kv>"):
+        self.kv = kv
+        self.path = path
+
+    def error(self, message: str) -> ModelLoadError:
+        """A load error about this file (for checks beyond a key's type)."""
+        return ModelLoadError(f"{self.path}: {message}")
+
+    @property
+    def arch_name(self) -> str:
+        """`general.architecture`, the value `%s` stands for in the other keys."""
+        return self.get_key(LLMKV.GENERAL_ARCHITECTURE, str)
+
+    def key_name(self, key: LLMKV) -> str:
+        return key.key(self.arch_name) if "%s" in key.value else key.value
+
+    def has_key(self, key: LLMKV) -> bool:
+        return self.key_name(key) in self.kv
+
+    def _wrong_type(self, name: str, value: object, expected: str) -> MetadataError:
+        return MetadataError(self.path, name, f"key '{name}' has a value of type {type(value).__name__} "
+                                              f"({value!r:.60}), expected {expected}")
+
+    def _missing(self, name: str) -> MetadataError:
+        return MetadataError(self.path, name, f"missing required key '{name}'")
+
+    def get_key(self, key: LLMKV, kind: type[_V], default: _V | None = None) -> _V:
+        """The scalar value of `key` as `kind` (int, float, bool or str); `default` when the key
+        is absent, which is an error when no default is given."""
+        name = self.key_name(key)
+        if name not in self.kv:
+            if default is None:
+                raise self._missing(name)
+            return default
+        value = self.kv[name]
+        if not _is_kind(value, kind):
+            raise self._wrong_type(name, value, _KIND_NAMES[kind])
+        return _convert(value, kind)
+
+    def get_arr(self, key: LLMKV, kind: type[_V], default: list[_V] | None = None) -> list[_V]:
+        """The array value of `key` with elements of `kind`, as a list; `default` when absent."""
+        name = self.key_name(key)
+        if name not in self.kv:
+            if default is None:
+                raise self._missing(name)
+            return list(default)
+        value = self.kv[name]
+        arr = _as_list(value, kind)
+        if arr is None:
+            raise self._wrong_type(name, value, _ARRAY_NAMES[kind])
+        return arr
+
+    def get_key_or_arr(self, key: LLMKV, kind: type[_V], n: int, default: list[_V] | None = None) -> list[_V]:
+        """n values: a scalar repeated n times, or an array of exactly n (one per layer)."""
+        name = self.key_name(key)
+        if name not in self.kv:
+            if default is None:
+                raise self._missing(name)
+            return list(default)
+        value = self.kv[name]
+        if _is_kind(value, kind):
+            return [_convert(value, kind)] * n
+        arr = _as_list(value, kind)
+        if arr is None:
+            raise self._wrong_type(name, value, f"{_KIND_NAMES[kind]} or {_ARRAY_NAMES[kind]}")
+        if len(arr) != n:
+            raise MetadataError(self.path, name, f"key '{name}' has an array of {len(arr)} values, "
+                                                 f"expected one per layer ({n})")
+        return arr
+
+
+def _convert(value: Any, kind: type[_V]) -> _V:
+    """A checked value as the plain Python type (numpy scalars and ints read as floats too)."""
+    return kind(value)
+
+
+def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
+    """value's elements as `kind`, or None when it is no array of that kind."""
+    if isinstance(value, np.ndarray):
+        if kind is str or value.ndim != 1 or (value.size and value.dtype.kind not in _DTYPE_KINDS[kind]):
+            return None
+        # widen first, so the values are the ones float64 / int64 hold (a float32 score stays exact)
+        wide = {int: np.int64, float: np.float64, bool: np.bool_}[kind]
+        return value.astype(wide).tolist()
+    if isinstance(value, (list, tuple)) and all(_is_kind(v, kind) for v in value):
+        return [_convert(v, kind) for v in value]
+    return None
+
+
+class ModelLoader(GGUFMeta):
+    """Opens a GGUF file (all shards): its metadata (GGUFMeta) and weight tensors by name."""
 
     def __init__(self, path: str | os.PathLike):
         ggmlx.init()
-        self.path = str(path)
-        if not os.path.isfile(self.path):
-            raise ModelLoadError(f"{self.path}: no such model file")
+        if not os.path.isfile(str(path)):
+            raise ModelLoadError(f"{path}: no such model file")
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            self.reader = gguf.GGUFReader(str(path))
         except gguf.GGUFError as e:
             raise ModelLoadError(f"failed to read model file: {e}") from e
-        self.kv = self.reader.kv
+        super().__init__(self.reader.kv, str(path))
         self.weights_map = {name: WeightEntry(info) for name, info in self.reader.tensors.items()}
         self.created: list[tuple[Tensor, WeightEntry, jax.Device]] = []
         self._used: set[str] = set()
         self.weight_format = ""
-
-    @property
-    def arch_name(self) -> str:
-        arch = self.kv.get("general.architecture")
-        if not isinstance(arch, str):
-            raise ModelLoadError(f"{self.path}: missing or non-string key 'general.architecture'")
-        return arch
 
     def close(self) -> None:
         self.reader.close()

@@ -11,38 +11,12 @@ import jax
 import numpy as np
 
 from ggmlx.tensor import Tensor
-from llm.arch import get_arch
 from llm.errors import ModelLoadError
 from llm.hparams import HParams, load_hparams
-from llm.loader import ModelLoader, TensorFlag
-
-
-@dataclass
-class Layer:
-    """One repeating block's weights (llama_layer); absent tensors stay None."""
-    attn_norm: Tensor | None = None
-    wq: Tensor | None = None
-    wk: Tensor | None = None
-    wv: Tensor | None = None
-    wqkv: Tensor | None = None
-    wo: Tensor | None = None
-    bq: Tensor | None = None
-    bk: Tensor | None = None
-    bv: Tensor | None = None
-    bo: Tensor | None = None
-    attn_q_norm: Tensor | None = None
-    attn_k_norm: Tensor | None = None
-    attn_post_norm: Tensor | None = None
-    ffn_norm: Tensor | None = None
-    ffn_gate: Tensor | None = None
-    ffn_up: Tensor | None = None
-    ffn_down: Tensor | None = None
-    ffn_post_norm: Tensor | None = None
-    ffn_gate_inp: Tensor | None = None
-    ffn_gate_exps: Tensor | None = None
-    ffn_up_exps: Tensor | None = None
-    ffn_down_exps: Tensor | None = None
-    rope_freqs: Tensor | None = None
+from llm.layer import Layer
+from llm.loader import ModelLoader
+from llm.models import ArchBuilder, get_arch
+from llm.vocab import Vocab, load_vocab
 
 
 @dataclass
@@ -93,8 +67,8 @@ class Model:
     path: str
     arch: str
     hparams: HParams
-    vocab: object
-    builder: object
+    vocab: Vocab
+    builder: ArchBuilder
     placement: Placement | None = None
     tok_embd: Tensor | None = None
     output_norm: Tensor | None = None
@@ -124,9 +98,6 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "f32"
     (dequantized at load) or "auto" (int8, the fastest measured on XLA:CPU);
     model.weight_format tells which was used."""
-    from llm import models  # noqa: F401  (registers the architecture builders)
-    from llm.vocab import load_vocab
-
     ml = ModelLoader(path)
     try:
         arch = ml.arch_name
@@ -134,8 +105,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
             builder = get_arch(arch)
         except ModelLoadError as e:
             raise ModelLoadError(f"{ml.path}: {e}") from None
-        hp = load_hparams(ml.kv, arch, path=ml.path)
-        vocab = load_vocab(ml.kv, path=ml.path)
+        hp = load_hparams(ml, builder)
+        vocab = load_vocab(ml)
         meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
         model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta,
                       weight_format=weight_format)
@@ -149,52 +120,3 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         return model
     finally:
         ml.close()
-
-
-def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
-    """The tensors every attention block has: attn_norm, wq, wk, wv, wo."""
-    from llm.arch import LLMTensor as T
-    from llm.arch import tn
-    n_embd, n_head = hp.n_embd, hp.n_head(il)
-    layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
-    layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, hp.n_embd_head_k * n_head), dev)
-    layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
-    layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
-    layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd_head_v * n_head, n_embd), dev)
-
-
-def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
-    """A gated FFN: ffn_norm, ffn_gate, ffn_up, ffn_down."""
-    from llm.arch import LLMTensor as T
-    from llm.arch import tn
-    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
-    layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
-    layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
-    layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
-    layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
-
-
-def create_embd_output(model: Model, ml: ModelLoader) -> None:
-    """token_embd on the input device, then the output norm and projection."""
-    from llm.arch import LLMTensor as T
-    from llm.arch import tn
-    hp = model.hparams
-    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab),
-                                      model.placement.dev_input)
-    create_output(model, ml, hp.n_embd, hp.n_vocab)
-
-
-def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> None:
-    """Output norm and projection; a model without output.weight ties it to token_embd
-    (loaded again on the output device when that differs, like TENSOR_DUPLICATED)."""
-    from llm.arch import LLMTensor, tn
-    dev = model.placement.dev_output
-    model.output_norm = ml.create_tensor(tn(LLMTensor.OUTPUT_NORM, "weight"), (n_embd,), dev)
-    model.output = ml.create_tensor(tn(LLMTensor.OUTPUT, "weight"), (n_embd, n_vocab), dev,
-                                    TensorFlag.NOT_REQUIRED)
-    if model.output is None:
-        if dev == model.placement.dev_input:
-            model.output = model.tok_embd
-        else:
-            model.output = ml.create_tensor(tn(LLMTensor.TOKEN_EMBD, "weight"), (n_embd, n_vocab), dev,
-                                            TensorFlag.DUPLICATED)

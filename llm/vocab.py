@@ -1,6 +1,6 @@
 """The vocabulary of a GGUF model and its tokenizer (llama.cpp's `llama_vocab`).
 
-`load_vocab(kv, path)` follows `llama_vocab::impl::load`: the tokenizer model picks the
+`load_vocab(ml)` follows `llama_vocab::impl::load`: the tokenizer model picks the
 algorithm (`llama` -> SPM, `gpt2` -> BPE), `tokenizer.ggml.pre` picks the BPE word splitting,
 token types become attributes, special token ids come from their keys and from the token
 texts llama.cpp recognizes (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `</s>`, ...), and the
@@ -20,13 +20,11 @@ from __future__ import annotations
 import codecs
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from llm.arch import LLMKV
-from llm.errors import ModelLoadError
+from llm.loader import GGUFMeta
 from llm.tokenizers.bpe import BPETokenizer, parse_merges
 from llm.tokenizers.pretokenize import PRE_TOKENIZERS, pre_tokenizer
 from llm.tokenizers.spm import ESCAPED_SPACE, SPMTokenizer
@@ -571,83 +569,15 @@ def _clean_spaces(text: bytes) -> bytes:
 # --- loading ------------------------------------------------------------------------------
 
 
-class _Reader:
-    """Typed reads of tokenizer metadata; errors name the key and the file."""
+def load_vocab(ml: GGUFMeta) -> Vocab:
+    """The vocabulary from GGUF metadata (a ModelLoader, or `GGUFMeta(kv, path)` over
+    `ggmlx.gguf.GGUFReader(path).kv`).
 
-    def __init__(self, kv: Mapping[str, object], path: str):
-        self.kv = kv
-        self.path = path
-
-    def error(self, message: str) -> ModelLoadError:
-        return ModelLoadError(f"{self.path}: {message}")
-
-    def _value(self, key: LLMKV):
-        return self.kv.get(key.value)
-
-    def _wrong(self, key: LLMKV, value, expected: str) -> ModelLoadError:
-        return self.error(f"key '{key.value}' has a value of type {type(value).__name__} "
-                          f"({value!r:.60}), expected {expected}")
-
-    def has(self, key: LLMKV) -> bool:
-        return key.value in self.kv
-
-    def get_str(self, key: LLMKV, default: str | None = None) -> str:
-        value = self._value(key)
-        if value is None:
-            if default is None:
-                raise self.error(f"missing required key '{key.value}'")
-            return default
-        if not isinstance(value, str):
-            raise self._wrong(key, value, "a string")
-        return value
-
-    def get_bool(self, key: LLMKV, default: bool) -> bool:
-        value = self._value(key)
-        if value is None:
-            return default
-        if not isinstance(value, (bool, np.bool_)):
-            raise self._wrong(key, value, "a bool")
-        return bool(value)
-
-    def get_id(self, key: LLMKV) -> int | None:
-        value = self._value(key)
-        if value is None:
-            return None
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise self._wrong(key, value, "a token id (integer)")
-        return int(value)
-
-    def get_strings(self, key: LLMKV) -> list[str | bytes] | None:
-        value = self._value(key)
-        if value is None:
-            return None
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, (str, bytes)) for v in value):
-            raise self._wrong(key, value, "an array of strings")
-        return list(value)
-
-    def get_numbers(self, key: LLMKV, n: int, integer: bool) -> np.ndarray | None:
-        """An array of at least n numbers (integers only when `integer`), as float64/int64."""
-        value = self._value(key)
-        if value is None:
-            return None
-        kinds = "iu" if integer else "iuf"
-        arr = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
-        if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
-            raise self._wrong(key, value, "an array of integers" if integer else "an array of numbers")
-        if arr.size < n:
-            raise self.error(f"key '{key.value}' has {arr.size} values for {n} tokens")
-        return arr[:n].astype(np.int64 if integer else np.float64)
-
-
-def load_vocab(kv: Mapping[str, object], path: str | None = None) -> Vocab:
-    """The vocabulary from GGUF metadata (`ggmlx.gguf.GGUFReader(path).kv`).
-
-    Raises ModelLoadError naming the key (and `path`) for a missing or mistyped key, an
+    Raises ModelLoadError naming the key and the file for a missing or mistyped key, an
     unsupported tokenizer model or pre-tokenizer, or an inconsistent vocabulary.
     """
-    r = _Reader(kv, path or "<gguf kv>")
-    model = r.get_str(LLMKV.TOKENIZER_MODEL)
-    pre = r.get_str(LLMKV.TOKENIZER_PRE, "")
+    model = ml.get_key(LLMKV.TOKENIZER_MODEL, str)
+    pre = ml.get_key(LLMKV.TOKENIZER_PRE, str, "")
     special = SpecialTokens()
     flags = TokenizerFlags()
     merges: list[str] = []
@@ -658,15 +588,12 @@ def load_vocab(kv: Mapping[str, object], path: str | None = None) -> Vocab:
         flags.add_space_prefix, flags.add_bos = True, True
     elif model == "gpt2":
         vtype = VocabType.BPE
-        raw_merges = r.get_strings(LLMKV.TOKENIZER_MERGES)
-        if raw_merges is None:
-            raise r.error(f"missing required key '{LLMKV.TOKENIZER_MERGES.value}' (BPE merges)")
-        merges = [m if isinstance(m, str) else m.decode("utf-8", "surrogateescape") for m in raw_merges]
+        merges = ml.get_arr(LLMKV.TOKENIZER_MERGES, str)
         special.bos, special.eos = 11, 11
         pre = pre or "default"
         spec = PRE_TOKENIZERS.get(pre)
         if spec is None:
-            raise r.error(f"key '{LLMKV.TOKENIZER_PRE.value}': unknown or unsupported "
+            raise ml.error(f"key '{LLMKV.TOKENIZER_PRE.value}': unknown or unsupported "
                           f"pre-tokenizer type '{pre}'")
         flags.escape_whitespaces = False
         flags.clean_spaces = spec.clean_spaces
@@ -676,54 +603,53 @@ def load_vocab(kv: Mapping[str, object], path: str | None = None) -> Vocab:
         if spec.no_bos:
             special.bos = LLAMA_TOKEN_NULL
     else:
-        raise r.error(f"key '{LLMKV.TOKENIZER_MODEL.value}': tokenizer model '{model}' is not "
+        raise ml.error(f"key '{LLMKV.TOKENIZER_MODEL.value}': tokenizer model '{model}' is not "
                       f"supported yet (supported: 'llama' = SPM, 'gpt2' = BPE)")
-    flags.add_space_prefix = r.get_bool(LLMKV.TOKENIZER_ADD_PREFIX, flags.add_space_prefix)
-    flags.remove_extra_whitespaces = r.get_bool(LLMKV.TOKENIZER_REMOVE_EXTRA_WS, False)
+    flags.add_space_prefix = ml.get_key(LLMKV.TOKENIZER_ADD_PREFIX, bool, flags.add_space_prefix)
+    flags.remove_extra_whitespaces = ml.get_key(LLMKV.TOKENIZER_REMOVE_EXTRA_WS, bool, False)
 
-    raw_texts = r.get_strings(LLMKV.TOKENIZER_LIST)
-    if raw_texts is None:
-        raise r.error(f"missing required key '{LLMKV.TOKENIZER_LIST.value}' (token texts)")
+    raw_texts = ml.get_arr(LLMKV.TOKENIZER_LIST, str)
     n = len(raw_texts)
-    scores = r.get_numbers(LLMKV.TOKENIZER_SCORES, n, integer=False)
-    types = r.get_numbers(LLMKV.TOKENIZER_TOKEN_TYPE, n, integer=True)
+    # scores and types may list more entries than tokens; only the first n count
+    scores = ml.get_arr(LLMKV.TOKENIZER_SCORES, float, [0.0] * n)
+    types = ml.get_arr(LLMKV.TOKENIZER_TOKEN_TYPE, int, [int(TokenType.NORMAL)] * n)
+    for key, values in ((LLMKV.TOKENIZER_SCORES, scores), (LLMKV.TOKENIZER_TOKEN_TYPE, types)):
+        if len(values) < n:
+            raise ml.error(f"key '{key.value}' has {len(values)} values for {n} tokens")
     texts: list[bytes] = []
     token_to_id: dict[bytes, int] = {}
     for i, t in enumerate(raw_texts):
-        text = t.encode("utf-8", "surrogateescape") if isinstance(t, str) else t
+        text = t.encode("utf-8", "surrogateescape")
         if not text:
             text = f"[EMPTY_{i}]".encode()
         if text in token_to_id:
-            raise r.error(f"key '{LLMKV.TOKENIZER_LIST.value}': duplicate token {text!r} "
+            raise ml.error(f"key '{LLMKV.TOKENIZER_LIST.value}': duplicate token {text!r} "
                           f"with ids {token_to_id[text]} and {i}")
         token_to_id[text] = i
         texts.append(text)
-    if types is None:
-        attrs = [_NORMAL] * n
-    else:
-        attrs = [_ATTR_OF_TYPE.get(t, 0) for t in types.tolist()]
-    score_list = scores.tolist() if scores is not None else [0.0] * n
+    attrs = [_ATTR_OF_TYPE.get(t, 0) for t in types[:n]]
+    score_list = scores[:n]
 
     pad_default = special.pad
     for key, name in _SPECIAL_ID_KEYS:
         current = getattr(special, name)
         if current >= n:
             setattr(special, name, LLAMA_TOKEN_NULL)
-        new_id = r.get_id(key)
-        if new_id is not None and 0 <= new_id < n:
+        new_id = ml.get_key(key, int, LLAMA_TOKEN_NULL)
+        if 0 <= new_id < n:
             setattr(special, name, new_id)
-    flags.add_bos = r.get_bool(LLMKV.TOKENIZER_ADD_BOS, flags.add_bos)
-    flags.add_eos = r.get_bool(LLMKV.TOKENIZER_ADD_EOS, flags.add_eos)
-    flags.add_sep = r.get_bool(LLMKV.TOKENIZER_ADD_SEP, flags.add_sep)
+    flags.add_bos = ml.get_key(LLMKV.TOKENIZER_ADD_BOS, bool, flags.add_bos)
+    flags.add_eos = ml.get_key(LLMKV.TOKENIZER_ADD_EOS, bool, flags.add_eos)
+    flags.add_sep = ml.get_key(LLMKV.TOKENIZER_ADD_SEP, bool, flags.add_sep)
     for on, tid, add_key, id_key in (
             (flags.add_bos, special.bos, LLMKV.TOKENIZER_ADD_BOS, LLMKV.TOKENIZER_BOS_ID),
             (flags.add_eos, special.eos, LLMKV.TOKENIZER_ADD_EOS, LLMKV.TOKENIZER_EOS_ID),
             (flags.add_sep, special.sep, LLMKV.TOKENIZER_ADD_SEP, LLMKV.TOKENIZER_SEP_ID)):
         if on and tid == LLAMA_TOKEN_NULL:
-            raise r.error(f"key '{add_key.value}' is true, but '{id_key.value}' is not set")
+            raise ml.error(f"key '{add_key.value}' is true, but '{id_key.value}' is not set")
 
     eog_ids = _recognize_special_texts(texts, attrs, special)
-    _apply_model_attrs(r, texts, attrs, token_to_id, pre)
+    _apply_model_attrs(ml, texts, attrs, token_to_id, pre)
 
     if vtype == VocabType.SPM:
         byte_tokens = [_spm_byte_token(token_to_id, b) for b in range(256)]
@@ -736,7 +662,7 @@ def load_vocab(kv: Mapping[str, object], path: str | None = None) -> Vocab:
                                  flags.ignore_merges)
         nl_ids = tokenizer.tokenize(b"\n")
         special.nl = nl_ids[0] if nl_ids else pad_default
-    return Vocab(path=r.path, type=vtype, tokenizer_model=model, tokenizer_pre=pre or "default",
+    return Vocab(path=ml.path, type=vtype, tokenizer_model=model, tokenizer_pre=pre or "default",
                  texts=texts, scores=score_list, attrs=attrs, special=special, flags=flags,
                  eog_ids=eog_ids, n_merges=len(merges), tokenizer=tokenizer, token_to_id=token_to_id)
 
@@ -801,16 +727,16 @@ def _recognize_special_texts(texts: list[bytes], attrs: list[int], special: Spec
     return frozenset(eog)
 
 
-def _apply_model_attrs(r: _Reader, texts: list[bytes], attrs: list[int],
+def _apply_model_attrs(ml: GGUFMeta, texts: list[bytes], attrs: list[int],
                        token_to_id: dict[bytes, int], pre: str) -> None:
     """Per-model LSTRIP/RSTRIP attributes llama.cpp sets by model, pre-tokenizer or arch name."""
-    name = r.get_str(LLMKV.GENERAL_NAME, "").lower()
-    arch = r.get_str(LLMKV.GENERAL_ARCHITECTURE, "")
+    name = ml.get_key(LLMKV.GENERAL_NAME, str, "").lower()
+    arch = ml.get_key(LLMKV.GENERAL_ARCHITECTURE, str, "")
 
     def set_attr(text: str, attr: int, value: bool) -> None:
         tid = token_to_id.get(text.encode())
         if tid is None:
-            raise r.error(f"model '{name}' needs the token '{text}', which is not in the vocabulary")
+            raise ml.error(f"model '{name}' needs the token '{text}', which is not in the vocabulary")
         attrs[tid] = attrs[tid] | attr if value else attrs[tid] & ~attr
 
     if (any(s in pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))

@@ -1,4 +1,4 @@
-"""llm.arch: GGUF key templates, tensor names (tn) and the architecture registry."""
+"""llm.arch: GGUF key templates and tensor names (tn); llm.models: the architecture registry."""
 from __future__ import annotations
 
 import json
@@ -7,19 +7,10 @@ import re
 import pytest
 from conftest import DATA
 
-from llm import arch as arch_mod
-from llm.arch import (
-    ARCH_TENSORS,
-    LLMKV,
-    LLMArch,
-    LLMTensor,
-    arch_from_name,
-    get_arch,
-    register_arch,
-    registered_archs,
-    tn,
-)
+from llm import models
+from llm.arch import LLMKV, LLMArch, LLMTensor, arch_from_name, tn
 from llm.errors import ModelLoadError
+from llm.models import ARCHS, get_arch, registered_archs
 
 
 def test_enums_have_no_aliases():
@@ -78,37 +69,27 @@ def test_tn_rejects_wrong_ids(tensor, bid, xid):
         tn(tensor, "weight", bid, xid)
 
 
-def test_tn_checks_the_architecture_table():
-    assert tn(LLMTensor.ATTN_QKV, "weight", 0, arch=LLMArch.PHI3) == "blk.0.attn_qkv.weight"
-    with pytest.raises(ValueError, match="ATTN_QKV.*llama"):
-        tn(LLMTensor.ATTN_QKV, "weight", 0, arch=LLMArch.LLAMA)
-    with pytest.raises(ValueError, match="ATTN_Q_NORM.*gemma2"):
-        tn(LLMTensor.ATTN_Q_NORM, "weight", 0, arch=LLMArch.GEMMA2)
-
-
-def _tn_names(arch: LLMArch, n_layer: int, n_expert: int) -> set[str]:
-    """Every name tn can produce for arch, with .weight and .bias suffixes."""
+def _tn_names(n_layer: int, n_expert: int) -> set[str]:
+    """Every name tn can produce, with .weight and .bias suffixes."""
     names = set()
-    for tensor in ARCH_TENSORS[arch]:
+    for tensor in LLMTensor:
         n_slots = tensor.value.count("%d")
         ids = [()] if n_slots == 0 else (
             [(il,) for il in range(n_layer)] if n_slots == 1 else
             [(il, x) for il in range(n_layer) for x in range(n_expert)])
         for id_ in ids:
             for suffix in ("weight", "bias"):
-                names.add(tn(tensor, suffix, *id_, arch=arch))
+                names.add(tn(tensor, suffix, *id_))
     return names
 
 
-@pytest.mark.parametrize("model, arch, n_layer", [
-    ("llama", LLMArch.LLAMA, 2), ("qwen2", LLMArch.QWEN2, 2), ("qwen3", LLMArch.QWEN3, 2),
-    ("phi3", LLMArch.PHI3, 2), ("gemma2", LLMArch.GEMMA2, 2), ("gemma3", LLMArch.GEMMA3, 2),
-    ("llama_moe", LLMArch.LLAMA, 2), ("smollm2", LLMArch.LLAMA, 30),
-    ("gemma3_270m", LLMArch.GEMMA3, 18),
+@pytest.mark.parametrize("model, n_layer", [
+    ("llama", 2), ("qwen2", 2), ("qwen3", 2), ("phi3", 2), ("gemma2", 2), ("gemma3", 2),
+    ("llama_moe", 2), ("smollm2", 30), ("gemma3_270m", 18),
 ])
-def test_every_tensor_of_real_files_has_a_tn_name(model, arch, n_layer):
+def test_every_tensor_of_real_files_has_a_tn_name(model, n_layer):
     file_names = json.loads((DATA / "hparams" / "tensor_names.json").read_text())[model]
-    missing = set(file_names) - _tn_names(arch, n_layer, n_expert=4)
+    missing = set(file_names) - _tn_names(n_layer, n_expert=4)
     assert not missing
 
 
@@ -119,20 +100,12 @@ def test_arch_from_name():
         arch_from_name("llama9")
 
 
-def test_registry(monkeypatch):
-    monkeypatch.setattr(arch_mod, "_BUILDERS", {})
-
-    @register_arch("qwen3")
-    class Qwen3Builder:
-        pass
-
-    assert get_arch("qwen3") is Qwen3Builder
-    assert registered_archs() == ["qwen3"]
-    with pytest.raises(ValueError, match="'qwen3' already has a registered builder"):
-        register_arch("qwen3")(object())
+def test_registry():
+    assert registered_archs() == ["gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3"]
+    assert get_arch("qwen3") is models.qwen3
+    assert all(ARCHS[arch_from_name(name)] is get_arch(name) for name in registered_archs())
     with pytest.raises(ModelLoadError, match="unknown model architecture: 'nope'"):
         get_arch("nope")
-    with pytest.raises(ModelLoadError, match="'mamba' is not supported.*qwen3"):
+    with pytest.raises(ModelLoadError, match="'mamba' is not supported.*gemma2, gemma3, llama, phi3, qwen2, qwen3"):
         get_arch("mamba")
-    with pytest.raises(ModelLoadError, match="unknown model architecture: 'nope'"):
-        register_arch("nope")
+

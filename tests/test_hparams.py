@@ -10,9 +10,11 @@ import pytest
 from conftest import DATA
 
 from ggmlx.gguf import GGUFReader
-from llm.arch import LLMArch
-from llm.errors import ModelLoadError
+from llm.arch import LLMKV, LLMArch
+from llm.errors import MetadataError, ModelLoadError
 from llm.hparams import HParams, RopeScalingType, RopeType, SWAType, is_masked_swa, load_hparams
+from llm.loader import GGUFMeta
+from llm.models import get_arch
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +22,9 @@ def synth_kv() -> dict[str, dict]:
     return json.loads((DATA / "hparams" / "synthetic_kv.json").read_text())
 
 
-def _load(kv: dict) -> HParams:
-    return load_hparams(kv, kv["general.architecture"], "model.gguf")
+def _load(kv: dict, path: str = "model.gguf") -> HParams:
+    ml = GGUFMeta(kv, path)
+    return load_hparams(ml, get_arch(ml.arch_name))
 
 
 # Expected values from the synthetic models' table in the reference README.
@@ -60,7 +63,7 @@ def test_synthetic_models_common(synth_kv, name):
 def test_synthetic_models_without_swa(synth_kv, name):
     hp = _load(synth_kv[name])
     assert hp.swa_type == SWAType.NONE and hp.n_swa == 0
-    assert hp.swa_layers == [False, False] and not hp.is_swa_any()
+    assert hp.swa_layers == [False, False] and not any(hp.swa_layers)
     assert hp.rope_freq_base_train_swa == hp.rope_freq_base_train
     assert hp.f_attention_scale == 0.0
 
@@ -110,24 +113,24 @@ def test_phi3_window_is_disabled(synth_kv):
     kv = copy.deepcopy(synth_kv["phi3"])
     kv["phi3.attention.sliding_window"] = 2047
     hp = _load(kv)
-    assert hp.swa_type == SWAType.NONE and hp.n_swa == 0 and not hp.is_swa_any()
+    assert hp.swa_type == SWAType.NONE and hp.n_swa == 0 and not any(hp.swa_layers)
 
 
 def test_smollm2(smollm2_path):
     with GGUFReader(smollm2_path) as f:
-        hp = load_hparams(f.kv, f.kv["general.architecture"], str(smollm2_path))
+        hp = _load(f.kv, str(smollm2_path))
     assert hp.arch == LLMArch.LLAMA
     assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer) == (49152, 8192, 576, 30)
     assert hp.n_head(29) == 9 and hp.n_head_kv(29) == 3 and hp.n_ff(0) == 1536
     assert (hp.n_embd_head_k, hp.n_rot) == (64, 64)
     assert hp.rope_freq_base_train == 100000.0 and hp.rope_type == RopeType.NORM
     assert hp.f_norm_rms_eps == pytest.approx(1e-5)
-    assert not hp.is_swa_any()
+    assert not any(hp.swa_layers)
 
 
 def test_gemma3_270m(gemma3_path):
     with GGUFReader(gemma3_path) as f:
-        hp = load_hparams(f.kv, f.kv["general.architecture"], str(gemma3_path))
+        hp = _load(f.kv, str(gemma3_path))
     assert hp.arch == LLMArch.GEMMA3
     assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer) == (262144, 32768, 640, 18)
     assert (hp.n_head(), hp.n_head_kv(), hp.n_embd_head_k, hp.n_ff()) == (4, 1, 256, 2048)
@@ -177,9 +180,9 @@ def test_vocab_size_from_tokens_list(synth_kv):
     assert _load(kv).n_vocab == 300
 
 
-def _bad(kv: dict, match: str, arch: str | None = None) -> None:
+def _bad(kv: dict, match: str) -> None:
     with pytest.raises(ModelLoadError, match=match):
-        load_hparams(kv, arch or kv["general.architecture"], "model.gguf")
+        _load(kv)
 
 
 def test_missing_and_mistyped_keys(synth_kv):
@@ -212,6 +215,52 @@ def test_missing_and_mistyped_keys(synth_kv):
     _bad(kv, r"'qwen2\.vocab_size' and 'tokenizer\.ggml\.tokens'")
 
 
+def test_metadata_errors_name_file_and_key(synth_kv):
+    kv = copy.deepcopy(synth_kv["gemma2"])
+    kv["gemma2.attention.sliding_window"] = 4.5
+    with pytest.raises(MetadataError, match=r"^model\.gguf: key 'gemma2\.attention\.sliding_window' has a value "
+                                            r"of type float \(4\.5\), expected an integer$") as e:
+        _load(kv)
+    assert (e.value.path, e.value.key) == ("model.gguf", "gemma2.attention.sliding_window")
+
+
+def test_gguf_meta_getters():
+    ml = GGUFMeta({"general.architecture": "llama", "llama.block_count": np.uint32(2),
+                   "llama.feed_forward_length": np.array([3, 4], np.int32),
+                   "llama.rope.freq_base": 10000, "tokenizer.ggml.add_bos_token": np.True_,
+                   "tokenizer.ggml.scores": np.array([0.5, -1.25], np.float32),
+                   "tokenizer.ggml.tokens": ["a", "b"]}, "m.gguf")
+    assert ml.arch_name == "llama" and ml.key_name(LLMKV.BLOCK_COUNT) == "llama.block_count"
+    assert ml.get_key(LLMKV.BLOCK_COUNT, int) == 2 and ml.get_key(LLMKV.ROPE_FREQ_BASE, float) == 10000.0
+    assert ml.get_key(LLMKV.CONTEXT_LENGTH, int, 7) == 7 and not ml.has_key(LLMKV.CONTEXT_LENGTH)
+    assert ml.get_key(LLMKV.TOKENIZER_ADD_BOS, bool) is True
+    assert ml.get_key_or_arr(LLMKV.FEED_FORWARD_LENGTH, int, 2) == [3, 4]
+    assert ml.get_key_or_arr(LLMKV.BLOCK_COUNT, int, 3) == [2, 2, 2]
+    assert ml.get_key_or_arr(LLMKV.ATTENTION_HEAD_COUNT, int, 2, [5, 6]) == [5, 6]
+    assert ml.get_arr(LLMKV.TOKENIZER_SCORES, float) == [0.5, -1.25]
+    assert ml.get_arr(LLMKV.TOKENIZER_LIST, str) == ["a", "b"]
+    assert ml.get_arr(LLMKV.TOKENIZER_MERGES, str, []) == []
+    for read, key, expected in [
+        (lambda: ml.get_key(LLMKV.TOKENIZER_ADD_BOS, int), "tokenizer.ggml.add_bos_token", "expected an integer"),
+        (lambda: ml.get_key(LLMKV.TOKENIZER_LIST, str), "tokenizer.ggml.tokens", "expected a string"),
+        (lambda: ml.get_key(LLMKV.BLOCK_COUNT, bool), "llama.block_count", "expected a bool"),
+        (lambda: ml.get_arr(LLMKV.TOKENIZER_SCORES, int), "tokenizer.ggml.scores", "expected an array of integers"),
+        (lambda: ml.get_arr(LLMKV.TOKENIZER_LIST, float), "tokenizer.ggml.tokens", "expected an array of numbers"),
+        (lambda: ml.get_arr(LLMKV.BLOCK_COUNT, int), "llama.block_count", "expected an array of integers"),
+        (lambda: ml.get_key_or_arr(LLMKV.FEED_FORWARD_LENGTH, int, 3), "llama.feed_forward_length",
+         r"array of 2 values, expected one per layer \(3\)"),
+        (lambda: ml.get_key_or_arr(LLMKV.TOKENIZER_SCORES, int, 2), "tokenizer.ggml.scores",
+         "expected an integer or an array of integers"),
+        (lambda: ml.get_key(LLMKV.CONTEXT_LENGTH, int), "llama.context_length",
+         "missing required key 'llama.context_length'"),
+    ]:
+        with pytest.raises(MetadataError, match=expected) as e:
+            read()
+        assert e.value.key == key and str(e.value).startswith("m.gguf: ")
+    with pytest.raises(MetadataError, match="missing required key 'general.architecture'"):
+        GGUFMeta({}).key_name(LLMKV.BLOCK_COUNT)
+
+
 def test_inconsistent_values(synth_kv):
     kv = copy.deepcopy(synth_kv["llama"])
     kv["llama.attention.head_count"] = [4, 4, 4]
@@ -235,15 +284,18 @@ def test_inconsistent_values(synth_kv):
 
 
 def test_unknown_and_unsupported_architectures(synth_kv):
-    _bad(synth_kv["llama"], "unknown model architecture: 'llama9'", arch="llama9")
-    _bad(synth_kv["llama"], "no hyperparameter loader for architecture 'mamba'", arch="mamba")
+    for arch, match in (("llama9", "unknown model architecture: 'llama9'"),
+                        ("mamba", "model architecture 'mamba' is not supported")):
+        kv = {k.replace("llama.", f"{arch}."): v for k, v in synth_kv["llama"].items()}
+        kv["general.architecture"] = arch
+        _bad(kv, match)
 
 
 def test_set_swa_pattern():
     hp = HParams(arch=LLMArch.GEMMA3, n_vocab=1, n_ctx_train=1, n_embd=8, n_layer=12,
                  n_head_arr=[1] * 12, n_head_kv_arr=[1] * 12, n_ff_arr=[1] * 12,
                  n_embd_head_k=8, n_embd_head_v=8, n_rot=8)
-    assert not hp.is_swa_any()
+    assert not any(hp.swa_layers)
     hp.set_swa_pattern(6)
     assert hp.swa_layers == [True] * 5 + [False] + [True] * 5 + [False]
     hp.set_swa_pattern(2)
@@ -253,7 +305,7 @@ def test_set_swa_pattern():
     hp.set_swa_pattern(0)
     assert all(hp.swa_layers)
     hp.set_swa_pattern(1)
-    assert not hp.is_swa_any()
+    assert not any(hp.swa_layers)
 
 
 def test_hparams_checks_array_lengths():

@@ -17,6 +17,7 @@ from reference import reference_dir
 
 from ggmlx.gguf import GGUFReader, GGUFValueType, GGUFWriter
 from llm import ModelLoadError
+from llm.loader import GGUFMeta
 from llm.vocab import LLAMA_TOKEN_NULL, TokenAttr, VocabType, load_vocab
 
 DATA = Path(__file__).parent / "data" / "tokenizer"
@@ -26,7 +27,7 @@ MODELS = {"smollm2-135m-instruct-q4_1": "smollm2_path", "gemma-3-270m-q4_k_m": "
 
 @functools.cache
 def _vocab_from_file(path: str):
-    return load_vocab(GGUFReader(path).kv, path=path)
+    return load_vocab(GGUFMeta(GGUFReader(path).kv, str(path)))
 
 
 @pytest.fixture(params=[pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
@@ -219,7 +220,7 @@ def _write_gguf(path: Path, kv: dict) -> Path:
 @pytest.fixture(scope="module")
 def synthetic_vocab(tmp_path_factory):
     path = _write_gguf(tmp_path_factory.mktemp("vocab") / "synth-spm.gguf", _synthetic_kv())
-    return load_vocab(GGUFReader(path).kv, path=str(path))
+    return load_vocab(GGUFMeta(GGUFReader(path).kv, str(path)))
 
 
 def test_synthetic_vocab_loads(synthetic_vocab):
@@ -262,7 +263,7 @@ def test_synthetic_model_files_share_the_vocab(synthetic_vocab):
     files = sorted((SHARED / "synthetic" / "models").glob("*.gguf"))
     assert files
     for path in files:
-        v = load_vocab(GGUFReader(path).kv, path=str(path))
+        v = load_vocab(GGUFMeta(GGUFReader(path).kv, str(path)))
         assert v.texts == synthetic_vocab.texts and v.scores == synthetic_vocab.scores, path
         assert v.attrs == synthetic_vocab.attrs and v.special == synthetic_vocab.special, path
         text = "the world is round"
@@ -298,13 +299,13 @@ def test_spm_merges_by_score(ab, bc, abc, expected):
         if score is not None:
             tokens.append(text)
             scores.append(score)
-    v = load_vocab(_spm_kv(tokens, scores))
+    v = load_vocab(GGUFMeta(_spm_kv(tokens, scores)))
     assert [v.token_get_text(t).decode() for t in v.tokenize("abc", add_special=False)] == expected
 
 
 def test_spm_byte_fallback_and_space_escape():
     tokens = _SPM_BASE + ["\u2581a"]
-    v = load_vocab(_spm_kv(tokens, [0.0] * len(tokens)))
+    v = load_vocab(GGUFMeta(_spm_kv(tokens, [0.0] * len(tokens))))
     assert v.tokenize("é a", add_special=False) == [3 + 0xC3, 3 + 0xA9, len(tokens) - 1]
     assert v.detokenize(v.tokenize("é a", add_special=False)) == "é a"
 
@@ -313,7 +314,7 @@ def test_spm_add_space_prefix_after_special_tokens():
     tokens = _SPM_BASE + ["\u2581a"]
     kv = _spm_kv(tokens, [0.0] * len(tokens))
     kv["tokenizer.ggml.add_space_prefix"] = True
-    v = load_vocab(kv)
+    v = load_vocab(GGUFMeta(kv))
     space_a = len(tokens) - 1
     assert v.tokenize("a</s>a", add_special=False, parse_special=True) == [space_a, 2, space_a]
     assert v.detokenize([space_a, 2, space_a]) == "a a"
@@ -335,14 +336,14 @@ def _bpe_kv(tokens: list[str], merges: list[str], pre: str = "gpt-2", **extra) -
 ])
 def test_bpe_merges_by_rank(merges, expected):
     tokens = ["<|endoftext|>", "a", "b", "c", "ab", "bc", "abc"]
-    v = load_vocab(_bpe_kv(tokens, merges))
+    v = load_vocab(GGUFMeta(_bpe_kv(tokens, merges)))
     assert [v.token_get_text(t).decode() for t in v.tokenize("abc")] == expected
     assert v.bos == LLAMA_TOKEN_NULL          # BPE's default BOS id 11 is out of range here
 
 
 def test_bpe_unknown_symbols_become_known_bytes_or_vanish():
     tokens = ["<|endoftext|>", "a", "b", "\u0120"]        # Ġ is the byte-level space
-    v = load_vocab(_bpe_kv(tokens, []))
+    v = load_vocab(GGUFMeta(_bpe_kv(tokens, [])))
     assert v.tokenize("ab c a") == [1, 2, 3, 3, 1]        # "c" is no token: dropped, as in llama.cpp
     assert v.eot == 0 and v.eog_ids == {0}                # "<|endoftext|>" recognized by its text
     assert v.detokenize([1, 3, 2]) == "a b"
@@ -351,19 +352,19 @@ def test_bpe_unknown_symbols_become_known_bytes_or_vanish():
 def test_bpe_ignore_merges_for_llama3():
     tokens = ["<|endoftext|>", "h", "e", "l", "o", "he", "hello"]
     kv = _bpe_kv(tokens, ["h e"], pre="llama-bpe", **{"tokenizer.ggml.bos_token_id": 0})
-    v = load_vocab(kv)
+    v = load_vocab(GGUFMeta(kv))
     assert v.tokenize("hello", add_special=False) == [6]   # whole word is a token: no merging
     assert v.add_bos and v.tokenize("hello") == [0, 6]
-    v = load_vocab(_bpe_kv(tokens, ["h e"], pre="gpt-2"))
+    v = load_vocab(GGUFMeta(_bpe_kv(tokens, ["h e"], pre="gpt-2")))
     assert v.tokenize("hello") == [5, 3, 3, 4]
 
 
 def test_clean_spaces_on_detokenize():
     tokens = ["<|endoftext|>", "a", "\u0120", "'", "s", ".", "\u0120'"]
-    v = load_vocab(_bpe_kv(tokens, [], pre="gpt-2"))      # gpt-2: clean_spaces on
+    v = load_vocab(GGUFMeta(_bpe_kv(tokens, [], pre="gpt-2")))      # gpt-2: clean_spaces on
     ids = v.tokenize("a 's a . a ' a")
     assert v.detokenize(ids) == "a's a. a'a"
-    v = load_vocab(_bpe_kv(tokens, [], pre="qwen2"))      # qwen2: off
+    v = load_vocab(GGUFMeta(_bpe_kv(tokens, [], pre="qwen2")))      # qwen2: off
     assert v.detokenize(v.tokenize("a 's a . a ' a")) == "a 's a . a ' a"
 
 
@@ -371,7 +372,7 @@ def test_phi3_strips_spaces_around_special_tokens():
     tokens = _SPM_BASE + ["<|endoftext|>", "<|end|>", "\u2581a", "\u2581\u2581"]
     kv = _spm_kv(tokens, [0.0] * len(tokens), **{"general.name": "Phi3 mini"})
     kv["tokenizer.ggml.token_type"][len(_SPM_BASE):len(_SPM_BASE) + 2] = 3
-    v = load_vocab(kv)
+    v = load_vocab(GGUFMeta(kv))
     end = v.text_to_token("<|end|>")
     assert v.token_get_attr(end) & TokenAttr.RSTRIP
     assert not v.token_get_attr(v.text_to_token("<|endoftext|>")) & TokenAttr.RSTRIP
@@ -381,7 +382,7 @@ def test_phi3_strips_spaces_around_special_tokens():
     kv["tokenizer.ggml.tokens"] = [t for t in tokens if t != "<|endoftext|>"]
     kv["tokenizer.ggml.scores"] = kv["tokenizer.ggml.scores"][:-1]
     with pytest.raises(ModelLoadError, match="<\\|endoftext\\|>"):
-        load_vocab(kv)
+        load_vocab(GGUFMeta(kv))
 
 
 # --- load errors ----------------------------------------------------------------------------
@@ -402,7 +403,7 @@ def _good_kv() -> dict:
      "'tokenizer.ggml.scores' has 3 values for 263 tokens"),
     (lambda kv: kv.update({"tokenizer.ggml.token_type": np.zeros(263, np.float32)}),
      "'tokenizer.ggml.token_type'.*array of integers"),
-    (lambda kv: kv.update({"tokenizer.ggml.bos_token_id": "1"}), "'tokenizer.ggml.bos_token_id'.*token id"),
+    (lambda kv: kv.update({"tokenizer.ggml.bos_token_id": "1"}), "'tokenizer.ggml.bos_token_id'.*expected an integer"),
     (lambda kv: kv.update({"tokenizer.ggml.add_bos_token": 1}), "'tokenizer.ggml.add_bos_token'.*a bool"),
     (lambda kv: kv.update({"tokenizer.ggml.add_sep_token": True}),
      "'tokenizer.ggml.add_sep_token' is true, but 'tokenizer.ggml.seperator_token_id' is not set"),
@@ -412,16 +413,17 @@ def test_load_errors_name_the_key(change, message):
     kv = _good_kv()
     change(kv)
     with pytest.raises(ModelLoadError, match=message) as e:
-        load_vocab(kv, path="model.gguf")
+        load_vocab(GGUFMeta(kv, "model.gguf"))
     assert str(e.value).startswith("model.gguf: ")
 
 
 def test_bpe_load_errors():
     with pytest.raises(ModelLoadError, match="missing required key 'tokenizer.ggml.merges'"):
-        load_vocab({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
+        load_vocab(GGUFMeta({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]}))
     with pytest.raises(ModelLoadError, match="unknown or unsupported pre-tokenizer type 'no-such-pre'"):
-        load_vocab(_bpe_kv(["a"], [], pre="no-such-pre"))
-    v = load_vocab({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []})
+        load_vocab(GGUFMeta(_bpe_kv(["a"], [], pre="no-such-pre")))
+    v = load_vocab(GGUFMeta({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
+                             "tokenizer.ggml.merges": []}))
     assert v.tokenizer_pre == "default" and v.bos == LLAMA_TOKEN_NULL   # default 11 is out of range
 
 
@@ -429,7 +431,7 @@ def test_out_of_range_special_ids_keep_the_default():
     kv = _good_kv()
     kv["tokenizer.ggml.eos_token_id"] = 100000
     kv["tokenizer.ggml.unknown_token_id"] = 0
-    v = load_vocab(kv)
+    v = load_vocab(GGUFMeta(kv))
     assert v.eos == 2 and v.unk == 0 and v.eot == LLAMA_TOKEN_NULL
 
 

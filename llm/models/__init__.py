@@ -1,2 +1,57 @@
-"""One module per architecture; importing this package registers every builder."""
-from llm.models import gemma2, gemma3, llama, phi3, qwen2, qwen3  # noqa: F401
+"""The architectures: one module per architecture, each holding everything about it (like
+llama.cpp's src/models/<arch>.cpp): the hyperparameters it reads, the tensors it declares
+and the graph it builds. Each module is an `ArchBuilder`; `ARCHS` maps the
+`general.architecture` value to it. See docs/adding-an-architecture.md.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from llm.arch import LLMArch, arch_from_name
+from llm.errors import ModelLoadError
+from llm.models import gemma2, gemma3, llama, phi3, qwen2, qwen3
+
+if TYPE_CHECKING:
+    from llm.graph import GraphBuilder
+    from llm.hparams import HParams
+    from llm.loader import GGUFMeta, ModelLoader
+    from llm.model import Model
+
+
+class ArchBuilder(Protocol):
+    """What an architecture module defines, in the order the loader calls it."""
+
+    def load_hparams(self, hp: HParams, ml: GGUFMeta) -> None:
+        """Set the rope type and read the architecture's own keys into `hp` (after the generic
+        keys; llama.cpp's `switch (arch)` in load_hparams)."""
+
+    def load_tensors(self, model: Model, ml: ModelLoader) -> None:
+        """Declare every weight with `ml.create_tensor` on its placed device; fill `model`."""
+
+    def build_graph(self, g: GraphBuilder) -> None:
+        """Build the forward graph for one ubatch from `g`'s inputs and shared blocks."""
+
+
+ARCHS: dict[LLMArch, ArchBuilder] = {
+    LLMArch.LLAMA: llama,
+    LLMArch.QWEN2: qwen2,
+    LLMArch.QWEN3: qwen3,
+    LLMArch.PHI3: phi3,
+    LLMArch.GEMMA2: gemma2,
+    LLMArch.GEMMA3: gemma3,
+}
+
+
+def get_arch(name: str) -> ArchBuilder:
+    """The builder for a `general.architecture` value; ModelLoadError for an unknown or
+    unsupported architecture, listing the supported ones."""
+    arch = arch_from_name(name)
+    if arch not in ARCHS:
+        raise ModelLoadError(f"model architecture '{name}' is not supported "
+                             f"(supported: {', '.join(registered_archs())})")
+    return ARCHS[arch]
+
+
+def registered_archs() -> list[str]:
+    """Names of the supported architectures, sorted."""
+    return sorted(a.value for a in ARCHS)

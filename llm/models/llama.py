@@ -5,73 +5,83 @@ a SiLU-gated FFN or a softmax-gated mixture of experts."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ggmlx import ops
+from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.arch import register_arch, tn
 from llm.graph import GraphBuilder
-from llm.loader import ModelLoader, TensorFlag
-from llm.model import Layer, Model, create_attn, create_embd_output, create_ffn
+from llm.hparams import HParams, RopeType
+from llm.layer import Layer, create_attn, create_embd_output, create_ffn
+from llm.loader import GGUFMeta, ModelLoader, TensorFlag
+
+if TYPE_CHECKING:
+    from llm.model import Model
 
 
-@register_arch("llama")
-class Llama:
-    @staticmethod
-    def load_tensors(model: Model, ml: ModelLoader) -> None:
-        hp = model.hparams
-        n_embd = hp.n_embd
-        create_embd_output(model, ml)
-        for il in range(hp.n_layer):
-            dev = model.placement.dev_layer[il]
-            layer = Layer()
-            create_attn(layer, ml, hp, il, dev)
-            if hp.n_expert == 0:
-                create_ffn(layer, ml, hp, il, dev)
-            else:
-                n_ff, n_exp = hp.n_ff(il), hp.n_expert
-                layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
-                layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
-                layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
-                layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
-                layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
-            # one copy per layer, so each layer's rope runs on its own device
-            flags = TensorFlag.NOT_REQUIRED | (TensorFlag.DUPLICATED if il else TensorFlag.NONE)
-            layer.rope_freqs = ml.create_tensor(tn(T.ROPE_FREQS, "weight"), (hp.n_rot // 2,), dev, flags)
-            model.layers.append(layer)
-
-    @staticmethod
-    def build_graph(g: GraphBuilder) -> None:
-        m, hp = g.model, g.hparams
-        kq_scale = hp.f_attention_scale if hp.f_attention_scale else 1.0 / math.sqrt(hp.n_embd_head_k)
+def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
+    hp.rope_type = RopeType.NORM
+    hp.f_norm_rms_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_RMS_EPS, float)
+    if hp.n_rot != hp.n_embd_head_k:
+        raise ml.error(f"invalid '{ml.key_name(LLMKV.ROPE_DIMENSION_COUNT)}' = {hp.n_rot}: "
+                       f"llama rotates whole heads, expected {hp.n_embd_head_k}")
 
 
-        inpL = g.build_inp_embd(m.tok_embd)
-        inp_pos = g.build_inp_pos()
-        inp_attn = g.build_attn_inp_kv()
-        inp_out_ids = g.build_inp_out_ids()
+def load_tensors(model: Model, ml: ModelLoader) -> None:
+    hp = model.hparams
+    n_embd = hp.n_embd
+    create_embd_output(model, ml)
+    for il in range(hp.n_layer):
+        dev = model.placement.dev_layer[il]
+        layer = Layer()
+        create_attn(layer, ml, hp, il, dev)
+        if hp.n_expert == 0:
+            create_ffn(layer, ml, hp, il, dev)
+        else:
+            n_ff, n_exp = hp.n_ff(il), hp.n_expert
+            layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+            layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
+            layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+            layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
+            layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+        # one copy per layer, so each layer's rope runs on its own device
+        flags = TensorFlag.NOT_REQUIRED | (TensorFlag.DUPLICATED if il else TensorFlag.NONE)
+        layer.rope_freqs = ml.create_tensor(tn(T.ROPE_FREQS, "weight"), (hp.n_rot // 2,), dev, flags)
+        model.layers.append(layer)
 
-        for il in range(hp.n_layer):
-            layer = m.layers[il]
-            inpSA = inpL
-            cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
 
-            q, k, v = g.build_qkv(layer, cur, il)
-            q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
-            k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+def build_graph(g: GraphBuilder) -> None:
+    m, hp = g.model, g.hparams
+    kq_scale = hp.f_attention_scale if hp.f_attention_scale else 1.0 / math.sqrt(hp.n_embd_head_k)
 
-            cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
-            if il == hp.n_layer - 1 and inp_out_ids is not None:
-                cur = ops.get_rows(cur, inp_out_ids)
-                inpSA = ops.get_rows(inpSA, inp_out_ids)
-            ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-            cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
-            if layer.ffn_gate_inp is None:
-                cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
-            else:
-                cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
-                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
-            g.cb(cur, "ffn_out", il)
-            inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+    inpL = g.build_inp_embd(m.tok_embd)
+    inp_pos = g.build_inp_pos()
+    inp_attn = g.build_attn_inp_kv()
+    inp_out_ids = g.build_inp_out_ids()
 
-        g.build_output(inpL)
+    for il in range(hp.n_layer):
+        layer = m.layers[il]
+        inpSA = inpL
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+
+        q, k, v = g.build_qkv(layer, cur, il)
+        q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+
+        cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
+        if il == hp.n_layer - 1 and inp_out_ids is not None:
+            cur = ops.get_rows(cur, inp_out_ids)
+            inpSA = ops.get_rows(inpSA, inp_out_ids)
+        ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
+
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+        if layer.ffn_gate_inp is None:
+            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
+        else:
+            cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
+                                  layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
+        g.cb(cur, "ffn_out", il)
+        inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+
+    g.build_output(inpL)

@@ -1,0 +1,89 @@
+"""One repeating block's weights (llama_layer) and the tensor declarations most architectures
+share: the attention projections, a gated FFN, the token embeddings and the output head.
+An architecture's `load_tensors` (llm/models/<arch>.py) calls these and declares the rest."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+
+from ggmlx.tensor import Tensor
+from llm.arch import LLMTensor as T
+from llm.arch import tn
+from llm.hparams import HParams
+from llm.loader import ModelLoader, TensorFlag
+
+if TYPE_CHECKING:
+    from llm.model import Model
+
+
+@dataclass
+class Layer:
+    """One repeating block's weights (llama_layer); absent tensors stay None."""
+    attn_norm: Tensor | None = None
+    wq: Tensor | None = None
+    wk: Tensor | None = None
+    wv: Tensor | None = None
+    wqkv: Tensor | None = None
+    wo: Tensor | None = None
+    bq: Tensor | None = None
+    bk: Tensor | None = None
+    bv: Tensor | None = None
+    bo: Tensor | None = None
+    attn_q_norm: Tensor | None = None
+    attn_k_norm: Tensor | None = None
+    attn_post_norm: Tensor | None = None
+    ffn_norm: Tensor | None = None
+    ffn_gate: Tensor | None = None
+    ffn_up: Tensor | None = None
+    ffn_down: Tensor | None = None
+    ffn_post_norm: Tensor | None = None
+    ffn_gate_inp: Tensor | None = None
+    ffn_gate_exps: Tensor | None = None
+    ffn_up_exps: Tensor | None = None
+    ffn_down_exps: Tensor | None = None
+    rope_freqs: Tensor | None = None
+
+
+
+def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+    """The tensors every attention block has: attn_norm, wq, wk, wv, wo."""
+    n_embd, n_head = hp.n_embd, hp.n_head(il)
+    layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
+    layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, hp.n_embd_head_k * n_head), dev)
+    layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
+    layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
+    layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd_head_v * n_head, n_embd), dev)
+
+
+def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+    """A gated FFN: ffn_norm, ffn_gate, ffn_up, ffn_down."""
+    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+    layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+    layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
+    layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+    layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+
+
+def create_embd_output(model: Model, ml: ModelLoader) -> None:
+    """token_embd on the input device, then the output norm and projection."""
+    hp = model.hparams
+    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab),
+                                      model.placement.dev_input)
+    create_output(model, ml, hp.n_embd, hp.n_vocab)
+
+
+def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> None:
+    """Output norm and projection; a model without output.weight ties it to token_embd
+    (loaded again on the output device when that differs, like TENSOR_DUPLICATED)."""
+    dev = model.placement.dev_output
+    model.output_norm = ml.create_tensor(tn(T.OUTPUT_NORM, "weight"), (n_embd,), dev)
+    model.output = ml.create_tensor(tn(T.OUTPUT, "weight"), (n_embd, n_vocab), dev,
+                                    TensorFlag.NOT_REQUIRED)
+    if model.output is None:
+        if dev == model.placement.dev_input:
+            model.output = model.tok_embd
+        else:
+            model.output = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), dev,
+                                            TensorFlag.DUPLICATED)
