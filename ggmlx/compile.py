@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -62,7 +63,7 @@ class Program:
         return cls(nodes, w, inp, st, list(outputs), device, writes)
 
     @classmethod
-    def from_graph(cls, graph: Graph, extra_outputs: list[Tensor] = (), device=None) -> Program:
+    def from_graph(cls, graph: Graph, extra_outputs: Sequence[Tensor] = (), device=None) -> Program:
         outs = list(graph.outputs())
         outs += [t for t in extra_outputs if t not in outs]
         return cls.from_nodes(graph.nodes, outs, device)
@@ -220,7 +221,7 @@ def get_default_cache() -> GraphCache:
 
 def compute(graph: Graph, inputs: dict[Tensor, object] | None = None,
             state: dict[Tensor, jax.Array] | None = None, *, cache: GraphCache | None = None,
-            device=None, extra_outputs: list[Tensor] = ()):
+            device=None, extra_outputs: Sequence[Tensor] = ()):
     """Run a whole graph on one device. Returns ({output tensor: value}, {state leaf: new value}).
     State arrays passed in are donated: use the returned ones afterwards."""
     cache = cache or get_default_cache()

@@ -203,6 +203,7 @@ class Scheduler:
     def _args(self, split: Split, values: dict[int, jax.Array], host_inputs: dict[Tensor, object],
               state: dict[Tensor, jax.Array]):
         prog = split.program
+        assert prog is not None   # alloc_graph built it
         dev = split.backend.device
         if split.w_leaves is None:
             w_vals = []
@@ -228,11 +229,13 @@ class Scheduler:
         """Compile every split ahead of time (like ggml_backend_sched_reserve)."""
         for s in plan.splits:
             if s.compiled is None:
+                assert s.program is not None   # alloc_graph built it
                 w, i, st = self._abstract_args(s, host_inputs, state)
                 s.compiled = self.cache.get(s.program, w, i, st)
 
     def _abstract_args(self, split: Split, host_inputs, state):
         prog = split.program
+        assert prog is not None   # alloc_graph built it
         w = [t.data for t in prog.weights]
         i = [np.zeros(t.shape, lower.jnp_dtype(t.type)) for t in prog.inputs]
         st = [_state_buffer(t, state) for t in prog.states]
@@ -244,18 +247,20 @@ class Scheduler:
         values: dict[int, jax.Array] = {}
         state = dict(state)
         for s in plan.splits:
+            prog = s.program
+            assert prog is not None   # alloc_graph built it
             w, i, st = self._args(s, values, host_inputs, state)
             if s.compiled is None:
-                s.compiled = self.cache.get(s.program, w, i, st)
+                s.compiled = self.cache.get(prog, w, i, st)
             outs, new_st = s.compiled(s.w_leaves, i, st)
-            for t, v in zip(s.program.outputs, outs, strict=False):
+            for t, v in zip(prog.outputs, outs, strict=False):
                 values[t.id] = v
             copied = {c.id for c in s.copies}
-            for t, v in zip(s.program.states, new_st, strict=False):
+            for t, v in zip(prog.states, new_st, strict=False):
                 if t.id not in copied:      # a copied-in state is only read here; its home keeps it
                     state[t] = v
             if self.cb_eval is not None:
-                for t in s.program.outputs:
+                for t in prog.outputs:
                     if t in plan.observed and not self.cb_eval(Observed(t, np.asarray(values[t.id])), False):
                         return self._outputs(plan, values), state, False
         return self._outputs(plan, values), state, True

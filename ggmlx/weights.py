@@ -147,6 +147,7 @@ def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: ja
     if spec.format == FORMAT_BLOCKS:
         from ggmlx import quants
         return quants.dequantize_jax(q, spec.type, (spec.ne[0], n))
+    assert scale is not None   # the int8 format always has scales
     y = q.astype(jnp.float32).reshape(n, -1, spec.sub_block) * scale[..., None]
     if offset is not None:
         y = y + offset[..., None]
@@ -169,8 +170,10 @@ def materialize(w: DeviceWeight) -> jax.Array:
 
 def get_rows(w: DeviceWeight, idx: jax.Array) -> jax.Array:
     """Rows idx of a 2-d weight as f32 [len(idx), ne0]; only the gathered rows are dequantized."""
-    picked = [None if a is None else jnp.take(a, idx, axis=0) for a in _row_arrays(w)]
-    return _rows_f32(w, *picked)
+    q, scale, offset = _row_arrays(w)
+    return _rows_f32(w, jnp.take(q, idx, axis=0),
+                     None if scale is None else jnp.take(scale, idx, axis=0),
+                     None if offset is None else jnp.take(offset, idx, axis=0))
 
 
 def _chunk_rows(n_rows: int, ne0: int) -> int:

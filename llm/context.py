@@ -17,8 +17,8 @@ from ggmlx import ops
 from ggmlx.backend import backend_of
 from ggmlx.compile import get_default_cache
 from ggmlx.graph import Graph
-from ggmlx.sched import Scheduler
-from ggmlx.tensor import new_input
+from ggmlx.sched import Plan, Scheduler
+from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.batch import Batch, BatchAllocator, BatchError, UBatch
 from llm.graph import GraphBuilder, GraphParams, rope_params
@@ -71,14 +71,14 @@ class Context:
         self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket)
         self.balloc = BatchAllocator()
         devices = []
-        for d in [model.placement.dev_input, *model.placement.dev_layer, model.placement.dev_output]:
+        for d in [model.place.dev_input, *model.place.dev_layer, model.place.dev_output]:
             if d not in devices:
                 devices.append(d)
         self.sched = Scheduler([backend_of(d) for d in devices], get_default_cache(), cb_eval)
         self.logits = np.zeros((0, model.n_vocab), np.float32)
         self.output_ids = np.zeros(0, np.int32)
         self.last_error: str | None = None
-        self._prev = None       # (builder, plan) of the last graph, for reuse
+        self._prev: tuple[GraphBuilder, Plan] | None = None   # the last graph, for reuse
         self._perf = Perf(time.perf_counter())
         if reserve:
             self.reserve(reserve)
@@ -169,6 +169,7 @@ class Context:
             plan = self.sched.alloc_graph(g.gf)
             self._prev = (g, plan)
             self._perf.n_graph_builds += 1
+        assert g.inp_attn is not None   # every architecture builds its attention input
         g.inp_attn.slot = slot
         values: dict = {}
         for inp in g.inputs:
@@ -206,7 +207,7 @@ class Context:
             cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), self.n_ctx), idxs)
             gf.build_forward_expand(cur.set_name(f"k_shifted-{il}"))
         plan = self.sched.alloc_graph(gf)
-        values = {shift: kv.cells.k_shift(), idxs: np.arange(self.n_ctx, dtype=np.int32)}
+        values: dict[Tensor, object] = {shift: kv.cells.k_shift(), idxs: np.arange(self.n_ctx, dtype=np.int32)}
         _, new_state, _ = self.sched.compute(plan, values, kv.state())
         kv.update(new_state)
         kv.cells.reset_shift()

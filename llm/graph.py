@@ -13,6 +13,7 @@ from ggmlx import ops, types
 from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
+from llm.errors import ModelLoadError
 from llm.hparams import HParams, RopeScalingType
 from llm.layer import Layer
 
@@ -52,6 +53,8 @@ class InpEmbd(GraphInput):
 
     def __init__(self, params: GraphParams, n_embd: int):
         super().__init__(params)
+        self.embd: Tensor | None
+        self.tokens: Tensor | None
         if params.embd_input:
             self.embd = new_input(F32, (n_embd, params.n_tokens), "inp_embd")
             self.tokens = None
@@ -148,18 +151,29 @@ class GraphBuilder:
     def rope_params(self, il: int) -> dict:
         return rope_params(self.hparams, il)
 
+    def need(self, w: Tensor | None, what: str, il: int = -1) -> Tensor:
+        """A weight the graph cannot do without; the loader declares these as required, so a
+        None here is a builder bug, reported by name rather than as a failure deep in an op."""
+        if w is None:
+            where = f" of layer {il}" if il >= 0 else ""
+            raise ModelLoadError(f"{self.model.path}: the {self.model.arch} graph needs tensor "
+                                 f"{what!r}{where}, which the model does not have")
+        return w
+
     def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
         """Name an intermediate like llama.cpp's callback: `name-il` inside layers."""
         return t.set_name(f"{name}-{il}" if il >= 0 else name)
 
     # ---- inputs ----------------------------------------------------------------------
 
-    def build_inp_embd(self, tok_embd: Tensor) -> Tensor:
+    def build_inp_embd(self, tok_embd: Tensor | None) -> Tensor:
+        tok_embd = self.need(tok_embd, "token_embd")
         inp = InpEmbd(self.params, self.hparams.n_embd)
         self.inputs.append(inp)
         if inp.tokens is not None:
             cur = ops.get_rows(tok_embd, inp.tokens)
         else:
+            assert inp.embd is not None   # InpEmbd holds one of the two
             cur = inp.embd
         return self.cb(cur, "inp_embd")
 
@@ -201,7 +215,7 @@ class GraphBuilder:
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if layer.wqkv is not None:
-            qkv = self.cb(ops.mul_mat(layer.wqkv, cur), "wqkv", il)
+            qkv = self.cb(ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
             row = qkv.nb[1]
             esz = qkv.nb[0]
             q = ops.view_3d(qkv, d_k, n_head, self.n_tokens, d_k * esz, row, 0)
@@ -213,17 +227,18 @@ class GraphBuilder:
         for name, w, b, d, n in (("Qcur", layer.wq, layer.bq, d_k, n_head),
                                  ("Kcur", layer.wk, layer.bk, d_k, n_head_kv),
                                  ("Vcur", layer.wv, layer.bv, d_v, n_head_kv)):
-            t = ops.mul_mat(w, cur)
+            t = ops.mul_mat(self.need(w, name, il), cur)
             if b is not None:
                 t = ops.add(t, b)
             self.cb(t, name, il)
             out.append(ops.reshape_3d(t, d, n, self.n_tokens))
         return out[0], out[1], out[2]
 
-    def build_ffn(self, cur: Tensor, up: Tensor, gate: Tensor | None, down: Tensor, act: str,
-                  il: int) -> Tensor:
+    def build_ffn(self, cur: Tensor, up: Tensor | None, gate: Tensor | None, down: Tensor | None,
+                  act: str, il: int) -> Tensor:
         """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu". Without a
         gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u)."""
+        up, down = self.need(up, "ffn_up", il), self.need(down, "ffn_down", il)
         tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
         if gate is not None:
             g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
@@ -237,10 +252,13 @@ class GraphBuilder:
             self.cb(cur, "ffn_act", il)
         return self.cb(ops.mul_mat(down, cur), "ffn_down", il)
 
-    def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
-                      down_exps: Tensor, n_expert: int, n_expert_used: int, norm_w: bool,
-                      il: int) -> Tensor:
+    def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
+                      gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
+                      n_expert_used: int, norm_w: bool, il: int) -> Tensor:
         """Softmax-gated mixture of experts with SiLU experts (build_moe_ffn)."""
+        gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
+        up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
+        down_exps = self.need(down_exps, "ffn_down_exps", il)
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
         logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
         probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
@@ -258,13 +276,13 @@ class GraphBuilder:
         par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
         experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
-        moe_out = None
-        for e in range(n_expert_used):
+        moe_out = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], 0)
+        for e in range(1, n_expert_used):
             view = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], e * experts.nb[1])
-            moe_out = view if moe_out is None else ops.add(moe_out, view)
+            moe_out = ops.add(moe_out, view)
         return self.cb(moe_out, "ffn_moe_out", il)
 
-    def build_attn(self, inp: InpAttnKV, wo: Tensor, bo: Tensor | None, q_cur: Tensor,
+    def build_attn(self, inp: InpAttnKV, wo: Tensor | None, bo: Tensor | None, q_cur: Tensor,
                    k_cur: Tensor, v_cur: Tensor, kq_scale: float, il: int,
                    softcap: float = 0.0) -> Tensor:
         """Store this ubatch's K and V in the layer's cache cells, then attend over the first
@@ -292,7 +310,7 @@ class GraphBuilder:
         cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap)
         self.cb(cur, "kqv_out", il)
         cur = ops.reshape_2d(cur, d_v * hp.n_head(il), self.n_tokens)
-        cur = ops.mul_mat(wo, cur)
+        cur = ops.mul_mat(self.need(wo, "attn_output", il), cur)
         if bo is not None:
             cur = ops.add(cur, bo)
         return self.cb(cur, "attn_out", il)
@@ -301,7 +319,7 @@ class GraphBuilder:
         """result_norm -> result_output (logits [n_vocab, n_outputs]), soft-capped if asked."""
         m = self.model
         cur = self.cb(self.build_norm(cur, m.output_norm, None, "rms", -1), "result_norm")
-        cur = ops.mul_mat(m.output, cur)
+        cur = ops.mul_mat(self.need(m.output, "output"), cur)
         if final_softcap > 0.0:
             cur = ops.scale(ops.tanh(ops.scale(cur, 1.0 / final_softcap)), final_softcap)
         self.cb(cur, "result_output")

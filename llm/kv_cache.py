@@ -42,7 +42,7 @@ class KVCache:
         self.v_l: list[Tensor] = []
         tk, tv = KV_TYPES[type_k], KV_TYPES[type_v]
         for il in range(hp.n_layer):
-            dev = model.placement.dev_layer[il]
+            dev = model.place.dev_layer[il]
             k = new_state(tk, (hp.n_embd_k_gqa(il), n_ctx), f"cache_k_l{il}")
             v = new_state(tv, (hp.n_embd_v_gqa(il), n_ctx), f"cache_v_l{il}")
             k.data = jax.device_put(jnp.zeros(k.shape, np_dtype(tk)), dev)

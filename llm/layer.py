@@ -70,19 +70,19 @@ def create_embd_output(model: Model, ml: ModelLoader) -> None:
     """token_embd on the input device, then the output norm and projection."""
     hp = model.hparams
     model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab),
-                                      model.placement.dev_input)
+                                      model.place.dev_input)
     create_output(model, ml, hp.n_embd, hp.n_vocab)
 
 
 def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> None:
     """Output norm and projection; a model without output.weight ties it to token_embd
     (loaded again on the output device when that differs, like TENSOR_DUPLICATED)."""
-    dev = model.placement.dev_output
+    dev = model.place.dev_output
     model.output_norm = ml.create_tensor(tn(T.OUTPUT_NORM, "weight"), (n_embd,), dev)
     model.output = ml.create_tensor(tn(T.OUTPUT, "weight"), (n_embd, n_vocab), dev,
                                     TensorFlag.NOT_REQUIRED)
     if model.output is None:
-        if dev == model.placement.dev_input:
+        if dev == model.place.dev_input:
             model.output = model.tok_embd
         else:
             model.output = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), dev,

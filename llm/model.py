@@ -79,6 +79,13 @@ class Model:
     weight_format: str = "auto"
 
     @property
+    def place(self) -> Placement:
+        """Where the layers live; a vocab-only model has no weights to place."""
+        if self.placement is None:
+            raise ValueError(f"{self.path}: the model was loaded with vocab_only=True and has no weights")
+        return self.placement
+
+    @property
     def n_vocab(self) -> int:
         return self.hparams.n_vocab
 

@@ -844,6 +844,7 @@ def _overlapping_token_sequences(token_pieces: Sequence[bytes], pattern: bytes,
         for m in range(j):
             heads = heads[text[ends[heads] - j + m] == want[m]]
         if heads.size:
+            assert tokenize is not None   # dry() requires it for multi-byte breakers
             tail = tuple(tokenize(pattern[j:].decode("utf-8", errors="replace"))[:_DRY_MAX_SEQ_LEN])
             out.extend((int(t), *tail) for t in heads)
     return out

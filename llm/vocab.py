@@ -657,6 +657,7 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
                                                               special.unk)
         special.nl = byte_tokens[0x0A] if byte_tokens[0x0A] >= 0 else pad_default
     else:
+        assert spec is not None   # every BPE branch above sets it or raises
         str_to_id = {t.decode("utf-8", "surrogateescape"): i for i, t in enumerate(texts)}
         tokenizer = BPETokenizer(str_to_id, parse_merges(merges), pre_tokenizer(spec.regexes),
                                  flags.ignore_merges)

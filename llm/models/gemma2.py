@@ -39,7 +39,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     n_embd = hp.n_embd
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         create_attn(layer, ml, hp, il, dev)
         layer.attn_post_norm = ml.create_tensor(tn(T.ATTN_POST_NORM, "weight", il), (n_embd,), dev)

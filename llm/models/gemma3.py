@@ -43,7 +43,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     d_k, n_embd = hp.n_embd_head_k, hp.n_embd
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         create_attn(layer, ml, hp, il, dev)
         layer.attn_q_norm = ml.create_tensor(tn(T.ATTN_Q_NORM, "weight", il), (d_k,), dev)

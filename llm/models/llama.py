@@ -32,7 +32,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     n_embd = hp.n_embd
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         create_attn(layer, ml, hp, il, dev)
         if hp.n_expert == 0:

@@ -33,7 +33,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     n_embd = hp.n_embd
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         n_ff, n_head = hp.n_ff(il), hp.n_head(il)
         n_qkv = hp.n_embd_head_k * n_head + hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)
         layer = Layer()
