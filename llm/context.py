@@ -6,10 +6,11 @@ graph when every input's can_reuse holds or build a new one, set the inputs, com
 copy the requested logits rows to the host output buffer."""
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -24,8 +25,17 @@ from llm.batch import Batch, BatchAllocator, BatchError, UBatch
 from llm.graph import GraphBuilder, GraphParams, rope_params
 from llm.kv_cache import KVCache
 
-DECODE_OK, DECODE_NO_SLOT, DECODE_ABORTED, DECODE_INVALID = 0, 1, 2, -1
-DECODE_FATAL = -3
+logger = logging.getLogger(__name__)
+
+
+class DecodeStatus(IntEnum):
+    """llama_decode's return codes; an IntEnum, so each compares equal to llama.cpp's number."""
+
+    OK = 0              # the batch was decoded
+    NO_KV_SLOT = 1      # no room in the KV cache for the batch (cache unchanged)
+    ABORTED = 2         # the abort or eval callback stopped it (earlier ubatches kept)
+    INVALID_BATCH = -1  # the batch is malformed (nothing changed)
+    FATAL = -3          # the engine failed while computing (see Context.last_exception)
 
 
 def bucket(n: int, cap: int) -> int:
@@ -78,6 +88,7 @@ class Context:
         self.logits = np.zeros((0, model.n_vocab), np.float32)
         self.output_ids = np.zeros(0, np.int32)
         self.last_error: str | None = None
+        self.last_exception: BaseException | None = None    # behind the last DecodeStatus.FATAL
         self._prev: tuple[GraphBuilder, Plan] | None = None   # the last graph, for reuse
         self._perf = Perf(time.perf_counter())
         if reserve:
@@ -108,46 +119,51 @@ class Context:
 
     # ---- decode ----------------------------------------------------------------------
 
-    def _fail(self, code: int, msg: str) -> int:
+    def _fail(self, code: DecodeStatus, msg: str) -> DecodeStatus:
         self.last_error = msg
-        print(f"decode: {msg}", file=sys.stderr)
+        logger.warning("decode: %s", msg)
         return code
 
-    def decode(self, batch: Batch) -> int:
-        """0 ok; 1 no KV slot (cache unchanged); 2 aborted (earlier ubatches kept);
-        -1 invalid batch (nothing changed); < -1 fatal."""
+    def decode(self, batch: Batch) -> DecodeStatus:
+        """A DecodeStatus: OK (0); NO_KV_SLOT (1, cache unchanged); ABORTED (2, earlier ubatches
+        kept); INVALID_BATCH (-1, nothing changed); FATAL (< -1, the exception is logged with its
+        traceback and kept in `last_exception`)."""
         self.last_error = None
+        self.last_exception = None
         if not isinstance(batch, Batch):
-            return self._fail(DECODE_INVALID, f"expected an llm.Batch, got {type(batch).__name__}")
+            return self._fail(DecodeStatus.INVALID_BATCH, f"expected an llm.Batch, got {type(batch).__name__}")
         if batch.n_tokens > self.n_batch:
-            return self._fail(DECODE_INVALID, f"n_tokens = {batch.n_tokens} > n_batch = {self.n_batch}")
+            return self._fail(DecodeStatus.INVALID_BATCH, f"n_tokens = {batch.n_tokens} > n_batch = {self.n_batch}")
         hp = self.model.hparams
         try:
             self.balloc.init(batch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_seq_max=self.n_seq_max,
                              memory=self.memory)
         except BatchError as e:
-            return self._fail(DECODE_INVALID, str(e))
+            return self._fail(DecodeStatus.INVALID_BATCH, str(e))
         if self.memory.cells.has_shift:
             self._apply_k_shift()
         ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1
                     else self.balloc.split_equal(self.n_ubatch))
         slots = self.memory.cells.prepare(ubatches)
         if slots is None:
-            return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
+            return self._fail(DecodeStatus.NO_KV_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
                                               f"(n_ctx = {self.n_ctx}, used = {self.memory.cells.get_used()})")
         n_outputs = self.balloc.n_outputs
         self.logits = np.zeros((n_outputs, self.n_vocab), np.float32)
         self.output_ids = self.balloc.output_ids.copy()
         for ub, slot in zip(ubatches, slots, strict=False):
             if self.abort_callback is not None and self.abort_callback():
-                return self._fail(DECODE_ABORTED, "aborted by the abort callback")
+                return self._fail(DecodeStatus.ABORTED, "aborted by the abort callback")
             try:
                 ok = self._process_ubatch(ub, slot)
             except Exception as e:  # a failure inside the engine, not in the input
-                return self._fail(DECODE_FATAL, f"{type(e).__name__}: {e}")
+                self.last_exception = e
+                self.last_error = f"{type(e).__name__}: {e}"
+                logger.exception("decode: fatal error in ubatch of %d tokens", ub.n_tokens)
+                return DecodeStatus.FATAL
             if not ok:
-                return self._fail(DECODE_ABORTED, "aborted by the eval callback")
-        return DECODE_OK
+                return self._fail(DecodeStatus.ABORTED, "aborted by the eval callback")
+        return DecodeStatus.OK
 
     def _params(self, ub: UBatch) -> GraphParams:
         n_tokens = bucket(ub.n_tokens, self.n_ubatch)

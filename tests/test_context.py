@@ -193,8 +193,9 @@ def test_bad_batch_returns_minus_1_and_changes_nothing(llama, ref, batch):
     ctx = new_ctx(llama, n_batch=40)
     decode_ok(ctx, all_logits(TOKENS[:20]))
     before = cache_snapshot(ctx)
-    assert ctx.decode(batch()) == -1
-    assert ctx.last_error
+    status = ctx.decode(batch())
+    assert status == llm.DecodeStatus.INVALID_BATCH == -1 and isinstance(status, llm.DecodeStatus)
+    assert ctx.last_error and ctx.last_exception is None
     assert_same_cache(before, cache_snapshot(ctx))
     decode_ok(ctx, llm.Batch.get_one([TOKENS[20]]))
     assert np.abs(ctx.get_logits_ith(-1) - ref[20]).max() <= TOL
@@ -205,7 +206,7 @@ def test_batch_larger_than_free_cache_returns_1_and_changes_nothing(llama, ref):
     decode_ok(ctx, all_logits(TOKENS[:24]))
     before = cache_snapshot(ctx)
     # 41 tokens in 6 ubatches: the first five fit in the 40 free cells, the last does not
-    assert ctx.decode(llm.Batch(prompt_tokens(41, seed=3))) == 1
+    assert ctx.decode(llm.Batch(prompt_tokens(41, seed=3))) == llm.DecodeStatus.NO_KV_SLOT == 1
     assert_same_cache(before, cache_snapshot(ctx))
     decode_ok(ctx, all_logits(TOKENS[24:]))
     assert np.abs(ctx.get_logits() - ref[24:]).max() <= TOL
@@ -219,11 +220,28 @@ def test_abort_returns_2_and_keeps_earlier_ubatches(llama, ref):
         return len(calls) == 3      # checked before each ubatch: two ran, the third is aborted
 
     ctx = new_ctx(llama, n_ubatch=7, abort_callback=abort)
-    assert ctx.decode(all_logits(TOKENS[:24])) == 2
+    assert ctx.decode(all_logits(TOKENS[:24])) == llm.DecodeStatus.ABORTED == 2
     assert ctx.memory.seq_pos_min(0) == 0 and ctx.memory.seq_pos_max(0) == 13
     assert ctx.memory.cells.get_used() == 14
     decode_ok(ctx, all_logits(TOKENS[14:]))
     assert np.abs(ctx.get_logits() - ref[14:]).max() <= TOL
+
+
+def test_engine_failure_is_fatal_logged_and_kept(llama, caplog):
+    """An exception inside compute (here from the eval callback) gives FATAL; the exception is
+    kept on the context and logged with its traceback; the next decode starts clean."""
+    def cb_eval(t, ask):
+        if ask:
+            return t.name == "result_output"
+        raise RuntimeError("observer failed")
+
+    ctx = new_ctx(llama, cb_eval=cb_eval)
+    with caplog.at_level("ERROR", logger="llm.context"):
+        status = ctx.decode(all_logits(TOKENS[:4]))
+    assert status == llm.DecodeStatus.FATAL and status < -1
+    assert isinstance(ctx.last_exception, RuntimeError) and "observer failed" in ctx.last_error
+    [rec] = [r for r in caplog.records if r.name == "llm.context"]
+    assert rec.exc_info and rec.exc_info[1] is ctx.last_exception
 
 
 # ---- sequence operations ---------------------------------------------------------------
