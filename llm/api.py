@@ -2,7 +2,6 @@
 streams and chats, on top of Context, the vocab and the sampler chain."""
 from __future__ import annotations
 
-import codecs
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +12,7 @@ import numpy as np
 from llm import chat as chat_mod
 from llm import hub
 from llm.batch import Batch
-from llm.context import Context
+from llm.context import Context, DecodeStatus
 from llm.model import Model, load_model
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
 
@@ -34,6 +33,18 @@ class Completion:
     timings: dict = field(default_factory=dict)
 
 
+@dataclass
+class GenerationChunk:
+    """One step of `LLM.stream`: the text that became safe to show (may be empty, held back
+    for a stop string or an unfinished UTF-8 character) and the token sampled. The last chunk
+    has no token, the finish reason, and the whole Completion (with timings)."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    completion: Completion | None = None
+
+
 class LLM:
     """A loaded model with one context. Known names: see `llm.hub.KNOWN_MODELS`."""
 
@@ -51,7 +62,8 @@ class LLM:
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
 
     def reset(self) -> None:
-        """Forget the cached conversation: clear the KV cache."""
+        """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).
+        Call it after decoding on `self.ctx` directly, so the next request starts clean."""
         self.ctx.memory_clear()
         self._cached = []
 
@@ -90,21 +102,22 @@ class LLM:
 
     def _decode(self, batch: Batch) -> bool:
         """False when the context is full; raises on any other failure."""
-        ret = self.ctx.decode(batch)
-        if ret == 1:
+        status = self.ctx.decode(batch)
+        if status == DecodeStatus.NO_KV_SLOT:
             return False
-        if ret != 0:
-            raise GenerationError(f"decode returned {ret}: {self.ctx.last_error}")
+        if status != DecodeStatus.OK:
+            raise GenerationError(f"decode returned {status.name} ({int(status)}): {self.ctx.last_error}") \
+                from self.ctx.last_exception
         return True
 
-    def _pieces(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
-                stop: list[str]) -> Iterator[str]:
-        """Evaluate the prompt, then sample and yield text; `self.last` gets the Completion."""
+    def _chunks(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
+                stop: list[str]) -> Iterator[GenerationChunk]:
+        """Evaluate the prompt, then sample; one chunk per sampled token, then the final one."""
         perf0 = self.ctx.perf()
         t0 = time.perf_counter()
         self._eval_prompt(tokens)
         t_prompt = time.perf_counter() - t0
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder = self.vocab.stream_decoder()
         out_tokens: list[int] = []
         text = ""
         emitted = 0
@@ -117,51 +130,49 @@ class LLM:
                 finish = FINISH_EOG
                 break
             out_tokens.append(tok)
-            text += decoder.decode(self.vocab.token_to_piece(tok, 0, False))
+            text += decoder.push(tok)
             cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
             if cut >= 0:
                 text = text[:cut]
                 finish = FINISH_STOP
                 break
-            safe = len(text) - hold
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
+            safe = max(len(text) - hold, emitted)
+            yield GenerationChunk(text[emitted:safe], tok)
+            emitted = safe
             if len(out_tokens) == max_tokens:
                 break
             if not self._decode(Batch.get_one([tok])):
                 break
             self._cached.append(tok)
         if finish != FINISH_STOP:
-            text += decoder.decode(b"", final=True)
-        if len(text) > emitted:
-            yield text[emitted:]
+            text += decoder.flush()
         t_gen = time.perf_counter() - t1
         perf = self.ctx.perf()
         n_gen = len(out_tokens)
-        self.last = Completion(
+        completion = Completion(
             text=text, tokens=out_tokens, n_prompt_tokens=len(tokens), n_completion_tokens=n_gen,
             finish_reason=finish,
             timings={"prompt_s": t_prompt, "prompt_tok_s": len(tokens) / t_prompt if t_prompt else 0.0,
                      "gen_s": t_gen, "gen_tok_s": n_gen / t_gen if t_gen and n_gen else 0.0,
                      "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
                      "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load})
-
+        yield GenerationChunk(text[emitted:], None, finish, completion)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: str | list[str] | None = None) -> Completion:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens."""
-        for _ in self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop):
-            pass
-        return self.last
+        *_, last = self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)
+        assert last.completion is not None
+        return last.completion
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-               seed: int | None = None, stop: str | list[str] | None = None) -> Iterator[str]:
-        """Text pieces as they are generated; never splits a UTF-8 character or a stop string.
-        Arguments are checked at once; `self.last` holds the Completion once the pieces end."""
+               seed: int | None = None, stop: str | list[str] | None = None) -> Iterator[GenerationChunk]:
+        """GenerationChunks as tokens are generated: their texts join to the completion's text,
+        never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
+        and the Completion. Arguments are checked at once, before the first chunk is asked for."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ValueError("the prompt is empty (no tokens)")
@@ -171,7 +182,7 @@ class LLM:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-        return self._pieces(tokens, max_tokens, sampler, stop)
+        return self._chunks(tokens, max_tokens, sampler, stop)
 
     # ---- chat ------------------------------------------------------------------------
 
@@ -195,5 +206,5 @@ class LLM:
         (keyword arguments as for generate)."""
         return self.generate(self.chat_tokens(messages), **kw)
 
-    def chat_stream(self, messages: list[dict], **kw) -> Iterator[str]:
+    def chat_stream(self, messages: list[dict], **kw) -> Iterator[GenerationChunk]:
         return self.stream(self.chat_tokens(messages), **kw)

@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections import Counter
 
+from ggmlx.weights import WEIGHT_FORMATS
 from llm import bench, hub
 
 
@@ -35,7 +36,7 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (n_batch)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (n_ubatch)")
-    p.add_argument("--weight-format", choices=("auto", "native", "int8", "f32"), default="auto",
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
 
 
@@ -71,12 +72,12 @@ def _print_perf(result) -> None:
 
 def cmd_generate(a) -> int:
     llm = _open(a)
-    for piece in llm.stream(a.prompt, **_sampling_kwargs(a)):
-        sys.stdout.write(piece)
+    for chunk in llm.stream(a.prompt, **_sampling_kwargs(a)):
+        sys.stdout.write(chunk.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if a.perf:
-        _print_perf(llm.last)
+        _print_perf(chunk.completion)
     return 0
 
 
@@ -97,16 +98,14 @@ def cmd_chat(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        reply = []
-        for piece in llm.chat_stream(messages, **_sampling_kwargs(a)):
-            reply.append(piece)
-            sys.stdout.write(piece)
+        for chunk in llm.chat_stream(messages, **_sampling_kwargs(a)):
+            sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
         if a.perf:
-            _print_perf(llm.last)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+            _print_perf(chunk.completion)
+        messages.append({"role": "assistant", "content": chunk.completion.text})
     return 0
 
 
@@ -150,12 +149,12 @@ def cmd_dump_graph(a) -> int:
     import numpy as np
 
     from llm.batch import Batch
-    from llm.context import Context
+    from llm.context import Context, DecodeStatus
     from llm.model import load_model
     model = load_model(hub.resolve(a.model))
     ctx = Context(model, n_ctx=a.ctx_size, n_batch=max(a.n_tokens, 1), n_ubatch=max(a.n_tokens, 1))
     tokens = [model.vocab.bos if model.vocab.bos >= 0 else 0] * a.n_tokens
-    if ctx.decode(Batch(np.asarray(tokens))) != 0:
+    if ctx.decode(Batch(np.asarray(tokens))) != DecodeStatus.OK:
         print(f"error: decode failed: {ctx.last_error}", file=sys.stderr)
         return 1
     g, plan = ctx.last_graph

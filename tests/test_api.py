@@ -38,10 +38,34 @@ def test_stop_string_cuts_text(smol):
 
 
 def test_stream_joins_to_generate_and_keeps_utf8(smol):
-    pieces = list(smol.stream("Write the word café three times:", max_tokens=12, temperature=0.0))
+    chunks = list(smol.stream("Write the word café three times:", max_tokens=12, temperature=0.0))
     full = smol.generate("Write the word café three times:", max_tokens=12, temperature=0.0)
-    assert "".join(pieces) == full.text
-    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(c.text for c in chunks) == full.text
+    assert all("\ufffd" not in c.text for c in chunks)
+    # one chunk per generated token, then the final one with the finish reason and the completion
+    assert [c.token for c in chunks[:-1]] == full.tokens
+    assert all(c.finish_reason is None and c.completion is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.token is None and last.finish_reason == full.finish_reason == FINISH_LENGTH
+    assert last.completion.tokens == full.tokens and last.completion.text == full.text
+    assert not hasattr(smol, "last")
+
+
+def test_stream_holds_back_a_stop_string(smol):
+    full = smol.generate("The capital of France is", max_tokens=8, temperature=0.0)
+    word = full.text.strip().split()[-1]
+    chunks = list(smol.stream("The capital of France is", max_tokens=8, temperature=0.0, stop=word))
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == FINISH_STOP and word not in text
+    assert text == chunks[-1].completion.text and full.text.startswith(text)
+
+
+def test_reset_forgets_the_cached_prompt(smol):
+    a = smol.generate("The capital of France is", max_tokens=4, temperature=0.0)
+    smol.reset()
+    assert smol.ctx.memory.cells.get_used() == 0
+    b = smol.generate("The capital of France is", max_tokens=4, temperature=0.0)
+    assert a.tokens == b.tokens
 
 
 def test_chat_stops_on_end_of_generation(smol):
