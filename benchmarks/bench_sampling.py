@@ -87,11 +87,11 @@ def main() -> None:
     print("single samplers on the full row (each includes from_logits):")
     singles = [
         ("from_logits only", None),
-        ("top_k(40)", sampling.top_k(40)),
-        ("top_p(0.8, 1)", sampling.top_p(0.8, 1)),
-        ("min_p(0.2, 1)", sampling.min_p(0.2, 1)),
-        ("temp(0.8)", sampling.temp(0.8)),
-        ("dist(1234)", sampling.dist(1234)),
+        ("top_k(40)", sampling.TopK(40)),
+        ("top_p(0.8, 1)", sampling.TopP(0.8, 1)),
+        ("min_p(0.2, 1)", sampling.MinP(0.2, 1)),
+        ("temp(0.8)", sampling.Temp(0.8)),
+        ("dist(1234)", sampling.Dist(1234)),
         ("penalties(64, 1.1, 0.1, 0.1)", _penalties_with_history()),
     ]
     n_single = max(args.iters // 4, 10)
@@ -107,7 +107,7 @@ def main() -> None:
 
 
 def _penalties_with_history() -> sampling.Penalties:
-    smpl = sampling.penalties(64, 1.1, 0.1, 0.1)
+    smpl = sampling.Penalties(64, 1.1, 0.1, 0.1)
     for token in range(0, 64 * 97, 97):
         smpl.accept(token)
     return smpl

@@ -80,7 +80,7 @@ class LLM:
     def _sampler(self, temperature, top_k, top_p, min_p, repeat_penalty, seed) -> SamplerChain:
         params = SamplingParams(seed=LLAMA_DEFAULT_SEED if seed is None else seed, temp=temperature,
                                 top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
-        return SamplerChain.from_params(params, n_vocab=self.model.n_vocab)
+        return SamplerChain.from_params(params, n_vocab=self.model.n_vocab, n_ctx=self.ctx.n_ctx)
 
     def _eval_prompt(self, tokens: list[int]) -> None:
         """Decode the prompt, keeping the cached prefix it shares with the last request."""

@@ -25,7 +25,9 @@ from __future__ import annotations
 import abc
 import collections
 import copy
+import dataclasses
 import functools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +37,8 @@ from typing import Protocol
 import numpy as np
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+logger = logging.getLogger(__name__)
 
 _F32 = np.float32
 # top-p first tries the best _TOP_P_TRY candidates when more than _TOP_P_SORT_ALL are unsorted
@@ -173,9 +177,8 @@ def _rng_seed(seed: int) -> int:
 
 
 def _check_seed(name: str, seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= 0xFFFFFFFF:
-        raise ValueError(f"{name}: seed must be an integer in [0, 0xFFFFFFFF], got {seed!r}")
-    return int(seed)
+    """A uint32_t seed, converted as C converts an int (so -1 is LLAMA_DEFAULT_SEED: random)."""
+    return _int(f"{name}: seed", seed) & 0xFFFFFFFF
 
 
 class _Mt19937:
@@ -220,33 +223,36 @@ class _Mt19937:
 
 
 # --- parameter checks ----------------------------------------------------------------------
+# Every value llama.cpp's samplers take is accepted, with llama.cpp's meaning (e.g. top_k <= 0,
+# top_p >= 1, min_p <= 0: off; min_p > 1 or top_p <= 0: only the top token). Floats are held
+# as float32, as llama.cpp holds them. Refused: NaN (no sampler gives it a meaning), a type
+# that is not a number, and the few values on which llama.cpp crashes or divides by zero.
 
 
-def _finite(name: str, value) -> float:
-    v = float(value)
-    if not np.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+def _number(name: str, value) -> float:
+    """A float parameter: any value but NaN, rounded to float32 (1e40 becomes inf, as in C)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    with np.errstate(over="ignore"):
+        v = float(_F32(value))
+    if np.isnan(v):
+        raise ValueError(f"{name} must not be NaN")
     return v
 
 
-def _unit(name: str, value) -> float:
-    v = _finite(name, value)
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-    return v
-
-
-def _non_negative(name: str, value) -> float:
-    v = _finite(name, value)
-    if v < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return v
+def _int(name: str, value) -> int:
+    """An int32_t parameter (any integer; what it means when negative is the sampler's)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _count(name: str, value, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    """A size_t parameter (min_keep) or a size that must be at least `minimum`."""
+    v = _int(name, value)
+    if v < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return v
 
 
 # --- samplers ------------------------------------------------------------------------------
@@ -328,15 +334,15 @@ class Dist(Sampler):
 
 
 class TopK(Sampler):
-    """Keep the k highest logits, sorted (a partial sort). k == 0 keeps everything."""
+    """Keep the k highest logits, sorted (a partial sort). k <= 0 keeps everything."""
 
     name = "top-k"
 
     def __init__(self, k: int) -> None:
-        self.k = _count("top_k: k", k)
+        self.k = _int("top_k: k", k)
 
     def apply(self, cur: TokenDataArray) -> None:
-        if self.k == 0:
+        if self.k <= 0:
             return
         k = min(self.k, cur.size)
         if cur.sorted:
@@ -346,12 +352,13 @@ class TopK(Sampler):
 
 
 class TopP(Sampler):
-    """Nucleus: the smallest best-first prefix whose probability reaches p (at least min_keep)."""
+    """Nucleus: the smallest best-first prefix whose probability reaches p (at least min_keep).
+    p >= 1 keeps everything; p <= 0 keeps the top token (or min_keep)."""
 
     name = "top-p"
 
     def __init__(self, p: float, min_keep: int = 1) -> None:
-        self.p = _unit("top_p: p", p)
+        self.p = _number("top_p: p", p)
         self.min_keep = _count("top_p: min_keep", min_keep)
 
     def apply(self, cur: TokenDataArray) -> None:
@@ -381,12 +388,13 @@ class TopP(Sampler):
 
 
 class MinP(Sampler):
-    """Keep candidates with p >= p_min * p_max, i.e. logit >= max logit + log(p_min)."""
+    """Keep candidates with p >= p_min * p_max, i.e. logit >= max logit + log(p_min).
+    p_min <= 0 keeps everything; p_min > 1 keeps the top token (or min_keep)."""
 
     name = "min-p"
 
     def __init__(self, p: float, min_keep: int = 1) -> None:
-        self.p = _unit("min_p: p", p)
+        self.p = _number("min_p: p", p)
         self.min_keep = _count("min_p: min_keep", min_keep)
 
     def apply(self, cur: TokenDataArray) -> None:
@@ -406,12 +414,13 @@ class MinP(Sampler):
 
 
 class Typical(Sampler):
-    """Locally typical sampling: keep the tokens whose surprise is closest to the entropy."""
+    """Locally typical sampling: keep the tokens whose surprise is closest to the entropy.
+    p >= 1 keeps everything; p <= 0 keeps the most typical token (or min_keep)."""
 
     name = "typical"
 
     def __init__(self, p: float, min_keep: int = 1) -> None:
-        self.p = _unit("typical: p", p)
+        self.p = _number("typical: p", p)
         self.min_keep = _count("typical: min_keep", min_keep)
 
     def apply(self, cur: TokenDataArray) -> None:
@@ -436,21 +445,22 @@ class Temp(Sampler):
     name = "temp"
 
     def __init__(self, t: float) -> None:
-        self.t = _finite("temp: t", t)
+        self.t = _number("temp: t", t)
 
     def apply(self, cur: TokenDataArray) -> None:
         _temp_impl(cur, self.t)
 
 
 class TempExt(Sampler):
-    """Dynamic temperature: t +- delta, chosen from the normalised entropy ** exponent."""
+    """Dynamic temperature: t +- delta, chosen from the normalised entropy ** exponent;
+    delta <= 0 is plain temp(t)."""
 
     name = "temp-ext"
 
     def __init__(self, t: float, delta: float, exponent: float) -> None:
-        self.t = _finite("temp_ext: t", t)
-        self.delta = _non_negative("temp_ext: delta", delta)
-        self.exponent = _non_negative("temp_ext: exponent", exponent)
+        self.t = _number("temp_ext: t", t)
+        self.delta = _number("temp_ext: delta", delta)
+        self.exponent = _number("temp_ext: exponent", exponent)
 
     def apply(self, cur: TokenDataArray) -> None:
         if self.delta <= 0:
@@ -472,13 +482,14 @@ class TempExt(Sampler):
 
 
 class Xtc(Sampler):
-    """Exclude Top Choices: with chance `p`, drop every token with p >= t except the least likely."""
+    """Exclude Top Choices: with chance `p`, drop every token with p >= t except the least likely.
+    p <= 0 or t > 0.5 is off; p >= 1 always applies; t <= 0 leaves only the least likely token."""
 
     name = "xtc"
 
     def __init__(self, p: float, t: float, min_keep: int = 1, seed: int = LLAMA_DEFAULT_SEED) -> None:
-        self.probability = _unit("xtc: p", p)
-        self.threshold = _unit("xtc: t", t)
+        self.probability = _number("xtc: p", p)
+        self.threshold = _number("xtc: t", t)
         self.min_keep = _count("xtc: min_keep", min_keep)
         self.seed = _check_seed("xtc", seed)
         self.seed_cur = _rng_seed(self.seed)
@@ -508,7 +519,7 @@ class TopNSigma(Sampler):
     name = "top-n-sigma"
 
     def __init__(self, n: float) -> None:
-        self.n = _finite("top_n_sigma: n", n)
+        self.n = _number("top_n_sigma: n", n)
 
     def apply(self, cur: TokenDataArray) -> None:
         if self.n <= 0.0 or cur.size <= 1:
@@ -517,7 +528,8 @@ class TopNSigma(Sampler):
         if valid.size:
             mean = valid.sum(dtype=_F32) / _F32(valid.size)
             std = np.sqrt(((valid - mean) ** 2).sum(dtype=_F32) / _F32(valid.size))
-            cut = cur.logits.max() - _F32(self.n) * std
+            with np.errstate(invalid="ignore"):     # n = inf with std 0: no cut, as in C
+                cut = cur.logits.max() - _F32(self.n) * std
             cur.logits = np.where(cur.logits < cut, _F32(-np.inf), cur.logits)
         _softmax(cur, do_sort=False)
 
@@ -527,8 +539,8 @@ class _MirostatBase(Sampler):
 
     def __init__(self, label: str, seed: int, tau: float, eta: float) -> None:
         self.seed = _check_seed(label, seed)
-        self.tau = _non_negative(f"{label}: tau", tau)
-        self.eta = _non_negative(f"{label}: eta", eta)
+        self.tau = _number(f"{label}: tau", tau)
+        self.eta = _number(f"{label}: eta", eta)
         self.seed_cur = _rng_seed(self.seed)
         self.rng = _Mt19937(self.seed_cur)
         self.mu = _F32(2.0) * _F32(self.tau)
@@ -547,18 +559,20 @@ class _MirostatBase(Sampler):
 
 
 class Mirostat(_MirostatBase):
-    """Mirostat 1.0: estimate Zipf's s from the top m tokens, pick top-k for target surprise tau."""
+    """Mirostat 1.0: estimate Zipf's s from the top m tokens, pick top-k for target surprise tau.
+    m <= 0 estimates from all candidates; m == 1 estimates nothing, so keeps the top token."""
 
     name = "mirostat"
 
     def __init__(self, n_vocab: int, seed: int, tau: float, eta: float, m: int = 100) -> None:
         super().__init__("mirostat", seed, tau, eta)
         self.n_vocab = _count("mirostat: n_vocab", n_vocab, minimum=1)
-        self.m = _count("mirostat: m", m, minimum=2)
+        self.m = _int("mirostat: m", m)
 
     def apply(self, cur: TokenDataArray) -> None:
         _softmax(cur, do_sort=False)
-        head = cur.p[_top_k_order(cur.logits, min(self.m, cur.size))]
+        m = cur.size if self.m <= 0 else min(self.m, cur.size)    # C: size_t(m - 1) wraps for m <= 0
+        head = cur.p[_top_k_order(cur.logits, m)]
         i = np.arange(head.size - 1, dtype=_F32)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             t_i = np.log((i + _F32(2)) / (i + _F32(1)))
@@ -596,17 +610,19 @@ class Penalties(Sampler):
 
     repeat divides a positive logit (multiplies a negative one); freq subtracts
     count * freq; presence subtracts presence once. Only tokens in the history are touched.
+    last_n <= 0 is off (llama_sampler_init_penalties clamps it to 0; -1 = context size is
+    resolved by SamplerChain.from_params, as llama.cpp's common layer does).
     """
 
     name = "penalties"
 
     def __init__(self, last_n: int, repeat: float, freq: float, presence: float) -> None:
-        self.last_n = _count("penalties: last_n", last_n)
-        self.repeat = _finite("penalties: repeat", repeat)
-        if self.repeat <= 0:
-            raise ValueError(f"penalties: repeat must be > 0 (1 = off), got {repeat!r}")
-        self.freq = _finite("penalties: freq", freq)
-        self.presence = _finite("penalties: presence", presence)
+        self.last_n = max(_int("penalties: last_n", last_n), 0)
+        self.repeat = _number("penalties: repeat", repeat)
+        if self.repeat == 0:
+            raise ValueError("penalties: repeat must not be 0 (it divides positive logits; 1 = off)")
+        self.freq = _number("penalties: freq", freq)
+        self.presence = _number("penalties: presence", presence)
         self.prev: collections.deque[int] = collections.deque(maxlen=max(self.last_n, 1))
         self.token_count: dict[int, int] = {}
 
@@ -648,33 +664,34 @@ class Dry(Sampler):
     `breakers` are token sequences (head token then tail) that end a repetition, the form
     llama.cpp keeps after processing its string breakers; `dry(...)` builds them from
     strings. A token extending a repeat of length L >= allowed_length gets
-    logit -= multiplier * base ** (L - allowed_length).
+    logit -= multiplier * base ** (L - allowed_length). Off when multiplier == 0, base < 1 or
+    penalty_last_n == 0; penalty_last_n == -1 means n_ctx_train.
     """
 
     name = "dry"
 
     def __init__(self, multiplier: float, base: float, allowed_length: int, penalty_last_n: int,
                  breakers: Sequence[Sequence[int]] = (), *, n_ctx_train: int) -> None:
-        self.multiplier = _non_negative("dry: multiplier", multiplier)
-        self.base = _non_negative("dry: base", base)
-        self.allowed_length = _count("dry: allowed_length", allowed_length)
-        if isinstance(penalty_last_n, bool) or not isinstance(penalty_last_n, (int, np.integer)) \
-                or penalty_last_n < -1:
-            raise ValueError(f"dry: penalty_last_n must be -1 (context size) or >= 0, got {penalty_last_n!r}")
-        self.penalty_last_n = int(penalty_last_n)
-        self.n_ctx_train = _count("dry: n_ctx_train", n_ctx_train)
+        self.multiplier = _number("dry: multiplier", multiplier)
+        self.base = _number("dry: base", base)
+        self.allowed_length = _int("dry: allowed_length", allowed_length)
+        self.penalty_last_n = _int("dry: penalty_last_n", penalty_last_n)
+        self.n_ctx_train = _int("dry: n_ctx_train", n_ctx_train)
         self.enabled = self.multiplier != 0.0 and self.base >= 1.0 and self.penalty_last_n != 0
-        if self.enabled and self.n_ctx_train < 1:
-            raise ValueError("dry: n_ctx_train must be >= 1 when DRY is enabled")
+        effective = self.n_ctx_train if self.penalty_last_n == -1 else max(self.penalty_last_n, 0)
+        if self.enabled and effective < 1:
+            # llama.cpp gives DRY a history of 0 tokens here and throws on the first accept
+            raise ValueError(f"dry: penalty_last_n = {penalty_last_n} with n_ctx_train = {n_ctx_train} leaves "
+                             "no history; use -1 (n_ctx_train, which must be >= 1) or a count >= 1")
         self.breakers: dict[int, list[tuple[int, ...]]] = {}
         for i, seq in enumerate(breakers):
             seq = tuple(int(t) for t in seq)
             if not seq:
-                raise ValueError(f"dry: breakers[{i}] is empty")
+                logger.warning("dry: skipping empty sequence breaker %d", i)
+                continue
             tails = self.breakers.setdefault(seq[0], [])
             if seq[1:] not in tails:
                 tails.append(seq[1:])
-        effective = self.n_ctx_train if self.penalty_last_n == -1 else self.penalty_last_n
         self.last_tokens: collections.deque[int] = collections.deque(maxlen=max(effective, 1))
 
     def accept(self, token: int) -> None:
@@ -689,7 +706,7 @@ class Dry(Sampler):
             return
         effective = self.n_ctx_train if self.penalty_last_n == -1 else self.penalty_last_n
         n = min(len(self.last_tokens), effective, self.n_ctx_train)
-        if n <= self.allowed_length:
+        if n <= self.allowed_length or n <= 0:
             return
         recent = list(self.last_tokens)[-n:][::-1]      # recent[i]: i tokens back from the end
         rep_limit = self._repeat_limit(recent)
@@ -809,7 +826,8 @@ def dry(multiplier: float = 0.0, base: float = 1.75, allowed_length: int = 2, pe
         for i, text in enumerate(seq_breakers):
             pattern = text.encode("utf-8")[:_DRY_MAX_CHAR_LEN]
             if not pattern:
-                raise ValueError(f"dry: seq_breakers[{i}] is empty")
+                logger.warning("dry: skipping empty sequence breaker %d", i)
+                continue
             if len(pattern) > 1 and tokenize is None:
                 raise ValueError(f"dry: seq_breakers[{i}] {text!r} is longer than one byte; pass tokenize")
             breakers.extend(_overlapping_token_sequences(token_pieces, pattern, tokenize))
@@ -848,23 +866,6 @@ def _overlapping_token_sequences(token_pieces: Sequence[bytes], pattern: bytes,
             tail = tuple(tokenize(pattern[j:].decode("utf-8", errors="replace"))[:_DRY_MAX_SEQ_LEN])
             out.extend((int(t), *tail) for t in heads)
     return out
-
-
-# llama.cpp-style constructor names (llama_sampler_init_*)
-greedy = Greedy
-dist = Dist
-top_k = TopK
-top_p = TopP
-min_p = MinP
-typical = Typical
-temp = Temp
-temp_ext = TempExt
-xtc = Xtc
-top_n_sigma = TopNSigma
-mirostat = Mirostat
-mirostat_v2 = MirostatV2
-penalties = Penalties
-logit_bias = LogitBias
 
 
 # --- chain ---------------------------------------------------------------------------------
@@ -962,13 +963,25 @@ class SamplerChain(Sampler):
         self.n_sample = 0
 
     @classmethod
-    def from_params(cls, params: SamplingParams, *, n_vocab: int, n_ctx_train: int = 0,
+    def from_params(cls, params: SamplingParams, *, n_vocab: int, n_ctx: int = 0, n_ctx_train: int = 0,
                     token_pieces: Sequence[bytes] | None = None,
                     tokenize: Callable[[str], list[int]] | None = None) -> SamplerChain:
         """common_sampler_init: logit-bias, then params.samplers in order and dist (or mirostat).
 
-        n_ctx_train, token_pieces and tokenize are only needed when DRY is enabled.
+        As llama.cpp's common layer, penalty_last_n / dry_penalty_last_n = -1 mean the context
+        size n_ctx (needed only then) and values below -1 are refused. n_ctx_train,
+        token_pieces and tokenize are only needed when DRY is enabled.
         """
+        updates = {}
+        for name in ("penalty_last_n", "dry_penalty_last_n"):
+            value = getattr(params, name)
+            if value < -1:
+                raise ValueError(f"{name} must be >= -1 (-1 = context size), got {value!r}")
+            if value == -1:
+                if n_ctx < 1:
+                    raise ValueError(f"{name} = -1 means the context size: pass n_ctx")
+                updates[name] = n_ctx
+        params = dataclasses.replace(params, **updates)
         chain = cls()
         if params.logit_bias:
             chain.add(LogitBias(n_vocab, params.logit_bias))
