@@ -84,8 +84,16 @@ def test_chat_renders_the_models_chatml_template(smol):
 def test_bad_arguments(smol):
     with pytest.raises(ValueError, match="max_tokens"):
         smol.generate("x", max_tokens=-1)
-    with pytest.raises(ValueError, match="p"):
-        smol.generate("x", top_p=2.0)
+    with pytest.raises(ValueError, match="temp"):
+        smol.generate("x", temperature=float("nan"))
+
+
+def test_sampler_values_llama_cpp_accepts_are_accepted(smol):
+    # top_k <= 0 and top_p >= 1 are off, min_p > 1 keeps only the top token: greedy
+    greedy = smol.generate("The capital of France is", max_tokens=4, temperature=0.0)
+    r = smol.generate("The capital of France is", max_tokens=4, temperature=0.9, top_k=-1, top_p=2.0,
+                      min_p=1.05, seed=5)
+    assert r.tokens == greedy.tokens
 
 
 def test_cli_chat_two_turns_through_a_pty(smollm2_path):
