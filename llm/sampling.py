@@ -972,16 +972,9 @@ class SamplerChain(Sampler):
         size n_ctx (needed only then) and values below -1 are refused. n_ctx_train,
         token_pieces and tokenize are only needed when DRY is enabled.
         """
-        updates = {}
-        for name in ("penalty_last_n", "dry_penalty_last_n"):
-            value = getattr(params, name)
-            if value < -1:
-                raise ValueError(f"{name} must be >= -1 (-1 = context size), got {value!r}")
-            if value == -1:
-                if n_ctx < 1:
-                    raise ValueError(f"{name} = -1 means the context size: pass n_ctx")
-                updates[name] = n_ctx
-        params = dataclasses.replace(params, **updates)
+        params = dataclasses.replace(
+            params, penalty_last_n=_last_n("penalty_last_n", params.penalty_last_n, n_ctx),
+            dry_penalty_last_n=_last_n("dry_penalty_last_n", params.dry_penalty_last_n, n_ctx))
         chain = cls()
         if params.logit_bias:
             chain.add(LogitBias(n_vocab, params.logit_bias))
@@ -1004,6 +997,17 @@ class SamplerChain(Sampler):
         """llama.cpp's default chain: penalties, dry, top-n-sigma, top-k 40, typical, top-p 0.95,
         min-p 0.05, xtc, temp 0.8, dist (the disabled ones are no-ops, as in llama.cpp)."""
         return cls.from_params(SamplingParams(seed=seed), n_vocab=n_vocab)
+
+
+def _last_n(name: str, value: int, n_ctx: int) -> int:
+    """common's rule for a history length: -1 is the context size, below -1 is an error."""
+    if value < -1:
+        raise ValueError(f"{name} must be >= -1 (-1 = context size), got {value!r}")
+    if value == -1:
+        if n_ctx < 1:
+            raise ValueError(f"{name} = -1 means the context size: pass n_ctx")
+        return n_ctx
+    return value
 
 
 def _from_params(kind: str, params: SamplingParams, n_ctx_train: int, token_pieces, tokenize) -> Sampler:
