@@ -24,6 +24,7 @@ from ggmlx.types import GGMLType
 from llm.batch import Batch, BatchAllocator, BatchError, UBatch
 from llm.graph import GraphBuilder, GraphParams, rope_params
 from llm.kv_cache import KVCache
+from llm.model import Model
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class Perf:
 
 
 class Context:
-    """A model plus its KV cache and runtime state; see DESIGN.md for the contract."""
+    """A model plus its KV cache and runtime state; see docs/design.md for the contract."""
 
-    def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512,
+    def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512,
                  n_seq_max: int = 1, *, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256, cb_eval: Callable | None = None,
                  abort_callback: Callable[[], bool] | None = None,

@@ -100,7 +100,7 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
                progress_callback: Callable[[float], bool] | None = None,
                weight_format: str = "auto") -> Model:
-    """Load a GGUF model (see DESIGN.md). `devices` hold the repeating layers (default: the
+    """Load a GGUF model (see docs/design.md). `devices` hold the repeating layers (default: the
     accelerators; pass CPU devices to split over simulated devices). `weight_format` is how
     quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "f32"
     (dequantized at load) or "auto" (int8, the fastest measured on XLA:CPU);

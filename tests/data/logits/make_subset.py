@@ -1,6 +1,7 @@
 """Cut the compact logits-parity subset in this folder from the full llama.cpp reference.
 
-Usage: python tests/data/logits/make_subset.py [/work/shared/reference/logits]
+Usage: python tests/data/logits/make_subset.py [REFERENCE_DIR/logits]
+(REFERENCE_DIR: $GGMLX_REFERENCE or ../shared/reference by default)
 
 For every case `<model>__<prompt>.npz` of the reference it writes `<model>__<prompt>.npz`
 here with (see the reference README for the meaning of the source arrays):
@@ -56,4 +57,6 @@ def main(src: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/work/shared/reference/logits"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from reference import reference_dir
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else reference_dir() / "logits")

@@ -1,7 +1,8 @@
 """Copy the synthetic llama.cpp reference models the parity tests use (the smallest file of
 each architecture), with a compact subset of their logits.
 
-Usage: python tests/data/synthetic/make_subset.py [/work/shared/reference/synthetic]
+Usage: python tests/data/synthetic/make_subset.py [REFERENCE_DIR/synthetic]
+(REFERENCE_DIR: $GGMLX_REFERENCE or ../shared/reference by default)
 
 Models: synth-llama-Q4_0.gguf (legacy quant blocks), synth-gemma3-Q4_K_M.gguf (K-quants,
 gemma3 with 2 sliding-window layers), qwen2 (q/k/v biases), qwen3 (q/k norms, head 128, Q2_K/
@@ -41,4 +42,6 @@ def main(src: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/work/shared/reference/synthetic"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from reference import reference_dir
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else reference_dir() / "synthetic")
