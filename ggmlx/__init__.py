@@ -15,6 +15,7 @@ __all__ = ["GGMLType", "flags", "init"]
 
 _CPU_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 _warned_late = False
+_cache_path_checked: str | None = None    # the last cache folder checked (and used if usable)
 log = logging.getLogger("ggmlx")
 
 
@@ -28,7 +29,9 @@ def init() -> None:
       the flag cannot apply any more: results are the same, decode is slower, and a warning
       says how to avoid it.
     - XLA's on-disk compilation cache in `flags.cache_root()/xla`, so a second process
-      starts warm (off with GGMLX_NO_PERSISTENT_CACHE=1).
+      starts warm (off with GGMLX_NO_PERSISTENT_CACHE=1). A folder that cannot be written
+      (a file, no permission) gives one warning and no persistent cache: a cache never
+      stops the engine.
     """
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if _CPU_SCHEDULER_FLAG not in xla_flags:
@@ -43,9 +46,14 @@ def init() -> None:
                             _CPU_SCHEDULER_FLAG, _CPU_SCHEDULER_FLAG)
         else:
             os.environ["XLA_FLAGS"] = f"{xla_flags} --{_CPU_SCHEDULER_FLAG}=false".strip()
-    if not flags.NO_PERSISTENT_CACHE.on():
-        path = os.path.join(flags.cache_root(), "xla")
-        os.makedirs(path, exist_ok=True)
+    global _cache_path_checked
+    path = os.path.join(flags.cache_root(), "xla")
+    if not flags.NO_PERSISTENT_CACHE.on() and path != _cache_path_checked:
+        _cache_path_checked = path
+        problem = flags.usable_dir(path)
+        if problem is not None:
+            log.warning("compile cache %s is not usable (%s); running without the persistent cache", path, problem)
+            return
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -10,7 +10,11 @@ executable, like llama.cpp reusing a graph when `can_reuse` holds.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +24,31 @@ import numpy as np
 from ggmlx import lower, weights
 from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor
+
+log = logging.getLogger(__name__)
+
+_CACHE_READ_ERROR = "Error reading persistent compilation cache entry"
+
+
+def remove_damaged_entries(path: str) -> list[str]:
+    """Delete the XLA cache entries in `path` that do not decompress (a torn or overwritten
+    file). JAX never replaces an existing entry, so a damaged one would otherwise be read,
+    rejected and recompiled on every run. Returns the names removed."""
+    from jax._src import compilation_cache as jcc
+    removed = []
+    for name in sorted(os.listdir(path)):
+        if not name.endswith("-cache"):
+            continue
+        full = os.path.join(path, name)
+        try:
+            with open(full, "rb") as f:
+                jcc.extract_executable_and_time(jcc.decompress_executable(f.read()))
+        except OSError:
+            continue
+        except Exception:
+            os.unlink(full)
+            removed.append(name)
+    return removed
 
 
 def _state_root(t: Tensor) -> Tensor:
@@ -137,14 +166,23 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     compile_seconds: float = 0.0
+    evictions: int = 0
+    rewritten: int = 0      # damaged persistent-cache entries found and written again
+
+
+DEFAULT_MAX_ENTRIES = 64
 
 
 class GraphCache:
-    """Compiled programs keyed by structural signature; counts hits, misses and compile time
+    """Compiled programs keyed by structural signature, at most `max_entries` of them (the
+    least recently used is dropped first); counts hits, misses, evictions and compile time
     and can say why the last lookup missed."""
 
-    def __init__(self) -> None:
-        self._entries: dict[str, CompiledProgram] = {}
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"GraphCache: max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, CompiledProgram] = OrderedDict()
         self._sigs: dict[str, list[tuple]] = {}
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
@@ -170,6 +208,7 @@ class GraphCache:
         key = self.key_of(sig)
         hit = self._entries.get(key)
         if hit is not None:
+            self._entries.move_to_end(key)
             self.stats.hits += 1
             return hit
         self.stats.misses += 1
@@ -178,14 +217,44 @@ class GraphCache:
         w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
         abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_leaves), tuple(in_vals), tuple(st_vals)))
         t0 = time.perf_counter()
-        jitted = jax.jit(program.make_fn(w_treedef), donate_argnums=(2,))
-        executable = jitted.lower(*abstract).compile()
+        fn = program.make_fn(w_treedef)
+        executable = self._compile(lambda: jax.jit(fn, donate_argnums=(2,)).lower(*abstract))
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
         entry = CompiledProgram(executable, key, dt)
         self._entries[key] = entry
         self._sigs[key] = sig
+        while len(self._entries) > self.max_entries:
+            old, _ = self._entries.popitem(last=False)
+            del self._sigs[old]
+            self.stats.evictions += 1
         return entry
+
+    def _compile(self, lower_fn):
+        """Compile; when JAX reports a damaged persistent-cache entry, delete the damaged
+        entries and compile once more so the entry is written again (JAX never overwrites)."""
+        cache_dir = jax.config.jax_compilation_cache_dir     # set by ggmlx.init()
+        if not cache_dir:
+            return lower_fn().compile()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            executable = lower_fn().compile()
+        damaged = False
+        for w in caught:
+            if _CACHE_READ_ERROR in str(w.message):
+                damaged = True
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if not damaged:
+            return executable
+        removed = remove_damaged_entries(cache_dir)
+        log.warning("compile cache: %d damaged entr%s in %s removed and written again", len(removed),
+                    "y" if len(removed) == 1 else "ies", cache_dir)
+        self.stats.rewritten += len(removed)
+        if not removed:
+            return executable
+        jax.clear_caches()      # else JAX hands back its in-memory executable and writes nothing
+        return lower_fn().compile()
 
     def _explain_miss(self, sig: list[tuple]) -> str:
         if not self._sigs:

@@ -8,6 +8,7 @@ is enough. `XLA_FLAGS` is JAX's, not ours: `ggmlx.init()` only adds one CPU sche
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 
@@ -51,3 +52,14 @@ def cache_root() -> str:
     return CACHE_DIR.get() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                            "ggmlx")
 
+
+
+def usable_dir(path: str) -> str | None:
+    """None when `path` is (or can be made) a folder we can write files into, else why not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None

@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +57,22 @@ DEFAULT_MODEL = "gemma3-270m"
 
 
 def cache_dir() -> Path:
-    """User cache for assembled models (GGMLX_CACHE_DIR overrides)."""
-    from ggmlx.flags import cache_root
-    return Path(cache_root())
+    """User cache for assembled models (GGMLX_CACHE_DIR overrides). When it cannot be
+    written (a file, no permission), a folder in the system's temporary directory, with a
+    warning: a cache never stops the engine."""
+    from ggmlx.flags import cache_root, usable_dir
+    root = cache_root()
+    problem = usable_dir(root)
+    if problem is None:
+        return Path(root)
+    fallback = Path(tempfile.gettempdir()) / f"ggmlx-{os.getuid()}"
+    if root not in _warned_dirs:
+        _warned_dirs.add(root)
+        log.warning("cache %s is not usable (%s); using %s", root, problem, fallback)
+    return fallback
+
+
+_warned_dirs: set[str] = set()
 
 
 def _known(name: str) -> KnownModel:

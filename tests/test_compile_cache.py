@@ -160,18 +160,21 @@ PERSIST_SCRIPT = textwrap.dedent("""
     x = new_input(T.F32, (16, 4), "x")
     y = ops.rms_norm(ops.silu(x).set_name("a"), 1e-5).set_name("b")
     out, _ = C.compute(Graph().build_forward_expand(y), {x: np.ones((4, 16))}, cache=cache)
-    print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
-                      "dir": jax.config.jax_compilation_cache_dir}))
+    print(json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"), "rewritten": cache.stats.rewritten,
+                      "value": float(np.asarray(out[y]).sum()), "dir": jax.config.jax_compilation_cache_dir}))
 """)
 
 
-def _run_persist(env_extra: dict) -> dict:
+def _run_persist(env_extra: dict, with_stderr: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
     env.update(env_extra)
     res = subprocess.run([sys.executable, "-c", PERSIST_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).parent.parent)
     assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if with_stderr:
+        out["stderr"] = res.stderr
+    return out
 
 
 @pytest.mark.slow
@@ -192,3 +195,47 @@ def test_persistent_cache_opt_out(tmp_path):
     res = _run_persist({"GGMLX_CACHE_DIR": str(root), "GGMLX_NO_PERSISTENT_CACHE": "1"})
     assert not root.exists() and res["dir"] != str(root / "xla")
 
+
+
+@pytest.mark.slow
+def test_damaged_persistent_entry_is_rewritten_once(tmp_path):
+    """JAX never replaces an existing entry: a damaged one used to be rejected and recompiled
+    on every run. Now the run that finds it rewrites it, and the next one loads it."""
+    root = tmp_path / "c"
+    first = _run_persist({"GGMLX_CACHE_DIR": str(root)})
+    entries = list((root / "xla").glob("*-cache"))
+    assert entries
+    for e in entries:
+        e.write_bytes(b"torn write" * 10)
+    second = _run_persist({"GGMLX_CACHE_DIR": str(root)}, with_stderr=True)
+    assert second["rewritten"] == len(entries) and second["value"] == first["value"]
+    assert "written again" in second["stderr"]
+    third = _run_persist({"GGMLX_CACHE_DIR": str(root)}, with_stderr=True)
+    assert third["hits"] >= 1 and third["rewritten"] == 0, third
+    assert "Error reading" not in third["stderr"]
+
+
+@pytest.mark.slow
+def test_unusable_cache_dir_warns_and_runs_without(tmp_path):
+    """GGMLX_CACHE_DIR naming a file (or a folder under a file) used to abort."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    for root in (a_file, a_file / "sub"):
+        res = _run_persist({"GGMLX_CACHE_DIR": str(root)}, with_stderr=True)
+        assert res["dir"] is None and res["value"] != 0
+        assert "not usable" in res["stderr"] and "Traceback" not in res["stderr"]
+
+
+def test_graph_cache_is_lru_bounded_and_counts_evictions():
+    cache = GraphCache(max_entries=2)
+    w_up, w_down = weights_pair(0)
+    for n_tokens in (1, 2, 3):
+        g, x, out = mlp(w_up, w_down, n_tokens)
+        compute(g, {x: np.ones((n_tokens, N_EMBD), np.float32)}, cache=cache)
+    assert len(cache) == 2 and cache.stats.evictions == 1 and cache.stats.misses == 3
+    g, x, out = mlp(w_up, w_down, 3)                 # most recent: still cached
+    compute(g, {x: np.ones((3, N_EMBD), np.float32)}, cache=cache)
+    assert cache.stats.hits == 1
+    g, x, out = mlp(w_up, w_down, 1)                 # least recent: was evicted
+    compute(g, {x: np.ones((1, N_EMBD), np.float32)}, cache=cache)
+    assert cache.stats.misses == 4 and cache.stats.evictions == 2 and len(cache) == 2
