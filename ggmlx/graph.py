@@ -50,19 +50,35 @@ class Graph:
 
     # ---- dumps -----------------------------------------------------------------------
 
-    def dump_text(self, placement: Callable[[Tensor], str] | None = None) -> str:
-        """One line per node and leaf: index, shape (ne), op, type, name, [backend]."""
-        lines = ["=== GRAPH ===", f"n_nodes = {len(self.nodes)}"]
-        for i, n in enumerate(self.nodes):
-            lines.append(_line(i, n, placement))
-        lines.append(f"n_leafs = {len(self.leafs)}")
-        for i, n in enumerate(self.leafs):
-            lines.append(_line(i, n, placement))
+    def _selected(self, keep: Callable[[Tensor], bool] | None) -> tuple[list[Tensor], list[Tensor]]:
+        """(nodes, leafs) to dump: the nodes `keep` accepts and the leafs they read."""
+        if keep is None:
+            return self.nodes, self.leafs
+        nodes = [n for n in self.nodes if keep(n)]
+        read = {s.id for n in nodes for s in n.src}
+        return nodes, [t for t in self.leafs if t.id in read]
+
+    def dump_text(self, placement: Callable[[Tensor], str] | None = None,
+                  keep: Callable[[Tensor], bool] | None = None) -> str:
+        """One line per node and leaf: index, shape (ne), op, type, name, [backend]. With
+        `keep`, only the nodes it accepts and the leafs they read (indices stay the graph's)."""
+        nodes, leafs = self._selected(keep)
+        index = {t.id: i for i, t in enumerate(self.nodes)} | {t.id: i for i, t in enumerate(self.leafs)}
+        lines = ["=== GRAPH ===", f"n_nodes = {len(nodes)}"]
+        for n in nodes:
+            lines.append(_line(index[n.id], n, placement))
+        lines.append(f"n_leafs = {len(leafs)}")
+        for n in leafs:
+            lines.append(_line(index[n.id], n, placement))
         lines.append("========================================")
         return "\n".join(lines)
 
-    def dump_dot(self, placement: Callable[[Tensor], str] | None = None) -> str:
-        """Graphviz DOT; leafs are boxes, nodes records; colour by backend when placed."""
+    def dump_dot(self, placement: Callable[[Tensor], str] | None = None,
+                 keep: Callable[[Tensor], bool] | None = None) -> str:
+        """Graphviz DOT; leafs are boxes, nodes records; colour by backend when placed. With
+        `keep`, only the nodes it accepts, the leafs they read and the edges between them."""
+        nodes, leafs = self._selected(keep)
+        shown = {t.id for t in nodes} | {t.id for t in leafs}
         palette = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c"]
         colours: dict[str, str] = {}
 
@@ -72,15 +88,16 @@ class Graph:
             return colours.setdefault(placement(t), palette[len(colours) % len(palette)])
 
         out = ["digraph G {", '  newrank = true;', '  rankdir = TB;']
-        for t in self.leafs:
+        for t in leafs:
             out.append(f'  t{t.id} [shape=box, style=filled, fillcolor="{colour(t)}", '
                        f'label="{_label(t, placement)}"];')
-        for t in self.nodes:
+        for t in nodes:
             out.append(f'  t{t.id} [shape=record, style="rounded,filled", fillcolor="{colour(t)}", '
                        f'label="{_label(t, placement)}"];')
-        for t in self.nodes:
+        for t in nodes:
             for j, s in enumerate(t.src):
-                out.append(f'  t{s.id} -> t{t.id} [label="src{j}"];')
+                if s.id in shown:
+                    out.append(f'  t{s.id} -> t{t.id} [label="src{j}"];')
         out.append("}")
         return "\n".join(out)
 

@@ -1,9 +1,21 @@
-"""llm: the llama.cpp layer over ggmlx. GGUF model -> vocab, weights, KV cache, decode, sampling."""
-from llm.api import LLM, Completion, GenerationChunk
-from llm.batch import Batch, BatchError
-from llm.context import Context, DecodeStatus
-from llm.errors import LoadCancelled, ModelLoadError
-from llm.model import Model, load_model
+"""llm: the llama.cpp layer over ggmlx. GGUF model -> vocab, weights, KV cache, decode, sampling.
 
-__all__ = ["LLM", "Batch", "BatchError", "Completion", "Context", "DecodeStatus", "GenerationChunk",
-           "LoadCancelled", "Model", "ModelLoadError", "load_model"]
+The names below are imported on first use (PEP 562), so `python -m llm` can install its
+Ctrl-C handler before JAX is imported."""
+import importlib
+
+_EXPORTS = {
+    "LLM": "llm.api", "Completion": "llm.api", "GenerationChunk": "llm.api",
+    "Batch": "llm.batch", "BatchError": "llm.batch",
+    "Context": "llm.context", "DecodeStatus": "llm.context",
+    "LoadCancelled": "llm.errors", "ModelLoadError": "llm.errors",
+    "Model": "llm.model", "load_model": "llm.model",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'llm' has no attribute {name!r}")

@@ -1,5 +1,23 @@
+"""`python -m llm`: Ctrl-C during start-up (importing JAX) exits 130 with one line; after
+that, llm.cli.main handles it."""
+import os
+import signal
 import sys
 
-from llm.cli import main
 
-sys.exit(main())
+def _interrupted_at_start(signum, frame) -> None:
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+signal.signal(signal.SIGINT, _interrupted_at_start)
+
+from llm.cli import EXIT_INTERRUPTED, main  # noqa: E402  (after the handler, on purpose)
+
+rc = main()
+if rc == EXIT_INTERRUPTED:      # skip interpreter teardown: nothing is left to save
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+sys.exit(rc)

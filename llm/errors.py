@@ -16,3 +16,12 @@ class MetadataError(ModelLoadError):
 
 class LoadCancelled(ModelLoadError):
     """Loading stopped because the progress callback returned False."""
+
+
+class SizeError(ValueError):
+    """A context, batch or prompt size that the model or the memory cannot take; the message
+    gives the estimate it was checked with."""
+
+
+class UsageError(ValueError):
+    """A mistake in how a command was called (a bad value for an option): the CLI exits 2."""

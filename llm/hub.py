@@ -227,7 +227,24 @@ def pull(name: str) -> Path:
 
 
 def resolve(model: str | os.PathLike) -> Path:
-    """A path as given, or the file of a known model name."""
-    if str(model) in KNOWN_MODELS:
-        return locate(str(model))
-    return Path(model)
+    """A path as given, or the file of a known model name. A string that names no file and
+    does not look like a path (no folder, no .gguf) is taken for a mistyped model name."""
+    name = str(model)
+    if name in KNOWN_MODELS:
+        return locate(name)
+    path = Path(model)
+    if isinstance(model, str) and not path.exists() and os.sep not in name and path.suffix.lower() != ".gguf":
+        raise ModelNotFoundError(f"unknown model name {name!r}; known: {', '.join(sorted(KNOWN_MODELS))} "
+                                 "(or give the path of a GGUF file)")
+    return path
+
+
+def model_file(model: str | os.PathLike) -> Path:
+    """resolve(model), checked to be a file: ModelNotFoundError (one line) for a folder or a
+    path that does not exist."""
+    path = resolve(model)
+    if path.is_dir():
+        raise ModelNotFoundError(f"{path} is a directory, not a GGUF model file")
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such model file")
+    return path

@@ -16,6 +16,7 @@ import numpy as np
 from ggmlx.tensor import Tensor, new_state, np_dtype
 from ggmlx.types import GGMLType
 from llm.batch import UBatch
+from llm.errors import SizeError
 from llm.hparams import SWAType
 from llm.kv_cells import KVCells, SlotInfo
 
@@ -23,6 +24,42 @@ if TYPE_CHECKING:
     from llm.model import Model
 
 KV_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
+
+
+def available_bytes(device: jax.Device) -> int | None:
+    """Memory that a new buffer on `device` may still take: the allocator's free bytes on an
+    accelerator, the host's available memory for the CPU; None when unknown."""
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -> None:
+    """SizeError, with the estimate, when the K and V buffers of n_ctx cells do not fit in
+    the memory of their devices (asking XLA for 77 GB fails late, with a long traceback)."""
+    hp = model.hparams
+    need: dict[jax.Device, int] = {}
+    for il in range(hp.n_layer):
+        dev = model.placement.dev_layer[il]
+        n = n_ctx * (hp.n_embd_k_gqa(il) * np.dtype(np_dtype(type_k)).itemsize
+                     + hp.n_embd_v_gqa(il) * np.dtype(np_dtype(type_v)).itemsize)
+        need[dev] = need.get(dev, 0) + n
+    for dev, n in need.items():
+        free = available_bytes(dev)
+        if free is not None and n > free:
+            raise SizeError(f"n_ctx = {n_ctx}: the KV cache needs {n / 2**30:.2f} GiB on {dev}, "
+                            f"more than the {free / 2**30:.2f} GiB available "
+                            f"(the model was trained with a context of {hp.n_ctx_train})")
 
 
 class KVCache:
@@ -34,13 +71,14 @@ class KVCache:
                 raise ValueError(f"{name} must be one of {sorted(KV_TYPES)}, got {t!r}")
         if kv_bucket < 1:
             raise ValueError(f"kv_bucket must be >= 1, got {kv_bucket}")
+        tk, tv = KV_TYPES[type_k], KV_TYPES[type_v]
+        check_fits(model, n_ctx, tk, tv)
         self.hparams = hp
         self.n_ctx = n_ctx
         self.kv_bucket = kv_bucket
         self.cells = KVCells(n_ctx, n_seq_max)
         self.k_l: list[Tensor] = []
         self.v_l: list[Tensor] = []
-        tk, tv = KV_TYPES[type_k], KV_TYPES[type_v]
         for il in range(hp.n_layer):
             dev = model.place.dev_layer[il]
             k = new_state(tk, (hp.n_embd_k_gqa(il), n_ctx), f"cache_k_l{il}")

@@ -127,8 +127,8 @@ def test_cli_generate_and_info(smollm2_path):
 def test_cli_missing_model_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "llm", "generate", "-m", str(tmp_path / "nope.gguf"), "-p", "x"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    assert "nope.gguf" in out.stderr
+    assert out.returncode == 2
+    assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_cli_dump_graph_text_and_dot(smollm2_path, tmp_path):
