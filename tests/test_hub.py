@@ -112,3 +112,16 @@ def test_truncated_gemma_in_the_cache_is_rebuilt(gemma3_path, tmp_path, monkeypa
     path = hub.locate("gemma3-270m")
     assert os.path.getsize(path) == hub.KNOWN_MODELS["gemma3-270m"].size
     assert hub.verify(hub.KNOWN_MODELS["gemma3-270m"], path) is None
+
+
+def test_cli_says_when_it_assembles_and_when_it_repairs(tiny_known, capsys):
+    from llm import cli
+    km, data, _ = tiny_known
+    assert cli.main(["info", "tiny"]) == 0
+    err = capsys.readouterr().err
+    assert "assembling tiny.gguf" in err
+    (hub.cache_dir() / "tiny.gguf").write_bytes(data[:100])
+    assert cli.main(["info", "tiny"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("warning: ") and "incomplete or damaged (100 bytes" in lines[0], lines
+    assert lines[1].startswith("assembling tiny.gguf"), lines
