@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGINT, interrupt.handler) if in_main_thread else None
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LogFormatter())
+    handler.addFilter(lambda record: not interrupt.flag)     # after Ctrl-C, only "interrupted"
     loggers = [logging.getLogger("llm"), logging.getLogger("ggmlx")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

@@ -143,8 +143,10 @@ def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
     if isinstance(value, np.ndarray):
         if kind is str or value.ndim != 1 or (value.size and value.dtype.kind not in _DTYPE_KINDS[kind]):
             return None
-        # widen first, so the values are the ones float64 / int64 hold (a float32 score stays exact)
-        wide = {int: np.int64, float: np.float64, bool: np.bool_}[kind]
+        if kind is int:     # Python ints, exact for uint64 too (astype(int64) would wrap them)
+            return value.tolist()
+        # widen first, so the values are the ones float64 holds (a float32 score stays exact)
+        wide = {float: np.float64, bool: np.bool_}[kind]
         return value.astype(wide).tolist()
     if isinstance(value, (list, tuple)) and all(_is_kind(v, kind) for v in value):
         return [_convert(v, kind) for v in value]
