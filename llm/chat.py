@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import re
 import string
+import sys
 import time
 from dataclasses import dataclass
 from functools import update_wrapper
@@ -41,6 +42,7 @@ class RenderLimits:
     seconds: float = 2.0
     max_output_chars: int = 1 << 20
     max_product: int = 1 << 20      # longest string/list any one operation may build
+    max_built_bytes: int = 128 << 20    # all strings, lists and integers built during one render
     max_int_bits: int = 1 << 16     # largest integer an arithmetic operation may build
 
 
@@ -71,12 +73,13 @@ class _Env(ImmutableSandboxedEnvironment):
     Compiled with the optimizer off: constant folding would run template code (for example
     `'x' | center(3000000000)`) while compiling, before any check or the deadline."""
 
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    intercepted_binops = frozenset({"*", "**", "+", "%", "-", "/", "//"})
 
     def __init__(self, deadline: _Deadline, limits: RenderLimits):
         super().__init__(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined, optimized=False)
         self.deadline = deadline
         self.limits = limits
+        self.built = 0      # bytes of the values built so far (the per-operation caps alone allow many)
         self.code_generator_class = _CodeGenerator
         self._wrap_filters()
 
@@ -85,6 +88,20 @@ class _Env(ImmutableSandboxedEnvironment):
     def _check_size(self, n: int, what: str) -> None:
         if n > self.limits.max_product:
             raise ChatTemplateError(f"chat template {what} of {n} items (limit {self.limits.max_product})")
+
+    def _charge(self, value, extra: int = 0):
+        """Count what an operation built against the render's budget; returns value."""
+        if isinstance(value, (str, int)):
+            n = sys.getsizeof(value)
+        elif isinstance(value, (list, tuple, dict)):
+            n = 8 * len(value)
+        else:
+            n = 0
+        self.built += n + extra
+        if self.built > self.limits.max_built_bytes:
+            raise ChatTemplateError(f"chat template built more than {self.limits.max_built_bytes >> 20} MB "
+                                    f"of values (limit)")
+        return value
 
     def _check_int(self, bits: int, what: str) -> None:
         if bits > self.limits.max_int_bits:
@@ -181,7 +198,7 @@ class _Env(ImmutableSandboxedEnvironment):
                 raise ChatTemplateError("chat template builds a string beyond the output limit")
         if operator == "%" and isinstance(left, str):
             self._check_percent(left, right)
-        return super().call_binop(context, operator, left, right)
+        return self._charge(super().call_binop(context, operator, left, right))
 
     def call_concat(self, values: tuple) -> str:
         """`a ~ b ~ c`, with its length checked as each operand is converted."""
@@ -194,14 +211,16 @@ class _Env(ImmutableSandboxedEnvironment):
             if size > self.limits.max_output_chars:
                 raise ChatTemplateError("chat template builds a string beyond the output limit")
             parts.append(s)
-        return "".join(parts)
+        return self._charge("".join(parts))
 
     def call(self, context, obj, *args, **kwargs):
         self.deadline.check()
         owner = getattr(obj, "__self__", None)
-        if isinstance(owner, str):
+        extra = 0
+        if isinstance(owner, str):      # any str method builds at most about len(owner) more
             args = self._check_str_method(owner, obj.__name__, args, kwargs)
-        return super().call(context, obj, *args, **kwargs)
+            extra = sys.getsizeof(owner)
+        return self._charge(super().call(context, obj, *args, **kwargs), extra)
 
     def _wrap_filters(self) -> None:
         """Check the width, count and format arguments of the filters that grow strings."""
@@ -255,6 +274,19 @@ class _Env(ImmutableSandboxedEnvironment):
         truncate.jinja_pass_arg = f["truncate"].jinja_pass_arg
         self.filters.update(center=center, indent=indent, wordwrap=wordwrap, format=format_, join=join,
                             replace=replace, truncate=truncate)
+        for name, fn in list(self.filters.items()):
+            self.filters[name] = self._charged(fn)
+
+    def _charged(self, fn):
+        """A filter whose result (and the strings it read) count against the budget."""
+        env = self
+
+        def charged(*args, **kwargs):
+            env.deadline.check()
+            extra = sum(sys.getsizeof(a) for a in args if isinstance(a, str))
+            return env._charge(fn(*args, **kwargs), extra)
+
+        return update_wrapper(charged, fn)      # copies jinja_pass_arg too
 
 
 class _CodeGenerator(CodeGenerator):
@@ -290,7 +322,10 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool =
     def checked_range(*args):
         if len(args) > 3:
             raise ChatTemplateError("range() takes at most 3 arguments")
-        for i in range(*args):
+        r = range(*args)
+        if len(r) > limits.max_product:
+            raise ChatTemplateError(f"chat template asks for a range of {len(r)} numbers (limit {limits.max_product})")
+        for i in r:
             deadline.check()
             yield i
 

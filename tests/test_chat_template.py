@@ -86,6 +86,13 @@ BOMBS = [
     "{{ ((10 ** 1000) ** 1000) ** 1000 }}",
     "{% set ns = namespace(n=10 ** 100) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
     "{{ 'x'.translate({120: 'yy'}) }}",
+    # each step is small; what they keep adds up
+    "{% set s = 'x' * 1000000 %}{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
+    "{% set ns.l = ns.l + [s ~ i] %}{% endfor %}",
+    "{% set s = 'x' * 1000000 %}{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
+    "{% set ns.l = ns.l + [s | upper] %}{% endfor %}",
+    "{% set ns = namespace(l=[]) %}{% for i in range(1000000) %}{% set ns.l = ns.l + [10 ** 1000 - i] %}{% endfor %}",
+    "{{ range(100000000) | list | length }}",
 ]
 
 _BOMB_CHILD = r"""
