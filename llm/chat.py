@@ -268,10 +268,8 @@ class _Env(ImmutableSandboxedEnvironment):
             env._check_size(len(str(end)), "filter truncate builds a string")
             return f["truncate"](environment, s, length, killwords, end, leeway)
 
-        wordwrap.jinja_pass_arg = f["wordwrap"].jinja_pass_arg
-        join.jinja_pass_arg = f["join"].jinja_pass_arg
-        replace.jinja_pass_arg = f["replace"].jinja_pass_arg
-        truncate.jinja_pass_arg = f["truncate"].jinja_pass_arg
+        for new in (wordwrap, join, replace, truncate):     # keeps jinja_pass_arg (environment, eval context)
+            update_wrapper(new, f[new.__name__])
         self.filters.update(center=center, indent=indent, wordwrap=wordwrap, format=format_, join=join,
                             replace=replace, truncate=truncate)
         for name, fn in list(self.filters.items()):

@@ -148,11 +148,11 @@ def _compile_for(llm, a, tokens: list[int], seen: set[int]) -> None:
     for start in range(0, len(tokens), ctx.n_batch):
         n = min(ctx.n_batch, len(tokens) - start)
         sizes |= {bucket(min(ctx.n_ubatch, n - k), ctx.n_ubatch) for k in range(0, n, ctx.n_ubatch)}
-    sizes = sorted((sizes | {1}) - seen)
-    if sizes:
-        _status(f"compiling {len(sizes)} graph{'s' if len(sizes) > 1 else ''}")
-        ctx.reserve(tuple(sizes))
-        seen.update(sizes)
+    todo = sorted((sizes | {1}) - seen)
+    if todo:
+        _status(f"compiling {len(todo)} graph{'s' if len(todo) > 1 else ''}")
+        ctx.reserve(tuple(todo))
+        seen.update(todo)
     a.interrupt.check()
 
 

@@ -146,7 +146,7 @@ def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
         if kind is int:     # Python ints, exact for uint64 too (astype(int64) would wrap them)
             return value.tolist()
         # widen first, so the values are the ones float64 holds (a float32 score stays exact)
-        wide = {float: np.float64, bool: np.bool_}[kind]
+        wide = np.bool_ if kind is bool else np.float64
         return value.astype(wide).tolist()
     if isinstance(value, (list, tuple)) and all(_is_kind(v, kind) for v in value):
         return [_convert(v, kind) for v in value]
