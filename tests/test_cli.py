@@ -203,3 +203,16 @@ def test_unusable_cache_dir_does_not_stop_the_cli(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "warning: compile cache" in r.stderr and "not usable" in r.stderr
     assert r.stdout.strip()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_chat_waits_for_input(tiny, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "llm", "chat", "-m", str(tiny), "-c", "64"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "GGMLX_CACHE_DIR": str(tmp_path)})
+    assert proc.stderr.readline().startswith(b"loading")
+    time.sleep(5)       # loaded: now blocked reading stdin (which stays open)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.decode().strip().splitlines()[-1] == "interrupted" and b"Traceback" not in err
