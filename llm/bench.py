@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ggmlx.weights import WEIGHT_FORMATS
 from llm import hub
 from llm.batch import Batch
 from llm.context import Context
@@ -157,7 +158,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-ub", "--ubatch", type=int, default=512, help="physical batch size (n_ubatch)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md", help="table format")
-    p.add_argument("--weight-format", choices=("auto", "native", "int8", "f32"), default="auto",
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
     p.set_defaults(fn=run)
     return p
