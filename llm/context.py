@@ -21,7 +21,7 @@ from ggmlx.graph import Graph
 from ggmlx.sched import Plan, Scheduler
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
-from llm.batch import Batch, BatchAllocator, BatchError, UBatch
+from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.graph import GraphBuilder, GraphParams, rope_params
 from llm.kv_cache import KVCache
 from llm.model import Model
@@ -71,8 +71,11 @@ class Context:
         if model.placement is None:
             raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if n_ctx > POS_MAX + 1:
+            raise ValueError(f"n_ctx = {n_ctx} is more than the {POS_MAX + 1} cells a KV cache can index "
+                             f"(int32 positions; the model was trained with {model.hparams.n_ctx_train})")
         self.model = model
         self.n_ctx = n_ctx
         self.n_batch = n_batch

@@ -201,6 +201,23 @@ def test_bad_batch_returns_minus_1_and_changes_nothing(llama, ref, batch):
     assert np.abs(ctx.get_logits_ith(-1) - ref[20]).max() <= TOL
 
 
+def test_positions_past_int32_return_minus_1(llama):
+    """pos 2**31 - 1 is rejected by the batch check (-1, nothing changed) instead of being
+    accepted and making the next decode raise OverflowError; a sequence at the last position
+    is full: its next token gets -1 too, and the context keeps working."""
+    from llm.batch import POS_MAX
+    ctx = new_ctx(llama)
+    assert ctx.decode(llm.Batch([5], pos=[2**31 - 1])) == -1 and "past POS_MAX" in ctx.last_error
+    assert ctx.memory.cells.get_used() == 0
+    decode_ok(ctx, llm.Batch([5], pos=[POS_MAX]))
+    assert ctx.decode(llm.Batch([6])) == -1 and "continuing sequence 0" in ctx.last_error
+    with pytest.raises(ValueError, match="past POS_MAX"):
+        ctx.memory.seq_add(0, 0, -1, 2**40)
+    ctx.memory.seq_add(0, 0, -1, -(POS_MAX - 2))   # K re-rotated by -2**31 + 4, then decoding goes on
+    decode_ok(ctx, llm.Batch([6]))
+    assert ctx.memory.seq_pos_max(0) == 3 and np.isfinite(ctx.get_logits()).all()
+
+
 def test_batch_larger_than_free_cache_returns_1_and_changes_nothing(llama, ref):
     ctx = new_ctx(llama, n_ubatch=7)
     decode_ok(ctx, all_logits(TOKENS[:24]))
@@ -342,6 +359,10 @@ def test_context_argument_errors(llama, tmp_path):
         llm.Context(llama, n_ctx=0)
     with pytest.raises(ValueError, match="type_k"):
         llm.Context(llama, n_ctx=N_CTX, type_k="q4_0")
+    for n_ctx in (2**40, 2**31, True, 2.0):
+        with pytest.raises(ValueError, match="n_ctx") as e:
+            llm.Context(llama, n_ctx=n_ctx)
+        assert "\n" not in str(e.value)
     vocab_only = llm.load_model(write_model(tmp_path / "m.gguf", SPECS["llama"]), vocab_only=True)
     with pytest.raises(ValueError, match="vocab_only"):
         llm.Context(vocab_only)
