@@ -98,24 +98,46 @@ class Context:
         if reserve:
             self.reserve(reserve)
 
-    def reserve(self, n_tokens: tuple[int, ...] = (1,)) -> int:
+    def reserve(self, n_tokens: tuple[int, ...] = (1,), n_kv: tuple[int, ...] | None = None) -> int:
         """Compile ahead of time the graphs of ubatches of these sizes that output the last
-        token's logits, at the current KV length (graph reservation; 1 = the decode step).
-        The executables land in the shared cache, so the first real ubatch of such a size
-        compiles nothing. Returns the number of compilations."""
-        stats = self.sched.cache.stats
-        misses, t_comp = stats.misses, stats.compile_seconds
+        token's logits, at each KV length of n_kv (default: the current one; graph
+        reservation; 1 = the decode step). The executables land in the shared cache, so the
+        first real ubatch of such a size compiles nothing. Returns the number of compilations."""
+        kv_lengths = (self.memory.n_kv(),) if n_kv is None else tuple(n_kv)
         for n in n_tokens:
             if not 1 <= n <= self.n_ubatch:
                 raise ValueError(f"reserve: ubatch size {n} is outside [1, n_ubatch = {self.n_ubatch}]")
-            params = GraphParams(n_tokens=bucket(n, self.n_ubatch), n_outputs=1, n_kv=self.memory.n_kv(),
-                                 embd_input=False)
-            g = GraphBuilder(self.model, self.memory, params)
-            self.model.builder.build_graph(g)
-            self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
+        for kv in kv_lengths:
+            if not 1 <= kv <= self.n_ctx:
+                raise ValueError(f"reserve: KV length {kv} is outside [1, n_ctx = {self.n_ctx}]")
+        stats = self.sched.cache.stats
+        misses, t_comp = stats.misses, stats.compile_seconds
+        for n in n_tokens:
+            for kv in kv_lengths:
+                params = GraphParams(n_tokens=bucket(n, self.n_ubatch), n_outputs=1, n_kv=kv, embd_input=False)
+                g = GraphBuilder(self.model, self.memory, params)
+                self.model.builder.build_graph(g)
+                self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
         return stats.misses - misses
+
+    def reserve_generation(self, n_prompt: int, n_predict: int) -> int:
+        """Compile ahead every graph that decoding n_prompt tokens (in n_batch, then n_ubatch
+        pieces) and then up to n_predict - 1 single tokens will use, starting from the cache as it
+        is: the KV buckets a generation crosses compile before its first token, not in the
+        middle of it, and outside the prompt's timing. Returns the number of compilations."""
+        used = self.memory.cells.used_max_p1()
+        shapes: dict[int, set[int]] = {}      # ubatch size -> KV lengths
+        for start in range(0, n_prompt, self.n_batch):
+            chunk = min(self.n_batch, n_prompt - start)
+            for first in range(0, chunk, self.n_ubatch):
+                n = min(self.n_ubatch, chunk - first)
+                used = min(used + n, self.n_ctx)
+                shapes.setdefault(bucket(n, self.n_ubatch), set()).add(self.memory.n_kv_at(used))
+        last = min(used + max(n_predict - 1, 0), self.n_ctx)
+        shapes.setdefault(1, set()).update(self.memory.n_kv_at(u) for u in range(used + 1, last + 1))
+        return sum(self.reserve((n,), tuple(sorted(kvs))) for n, kvs in shapes.items() if kvs)
 
     @property
     def n_vocab(self) -> int:

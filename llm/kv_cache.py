@@ -66,6 +66,10 @@ class KVCache:
     def n_kv(self) -> int:
         return self.cells.n_kv(self.kv_bucket)
 
+    def n_kv_at(self, used_max_p1: int) -> int:
+        """n_kv once the cells up to used_max_p1 are filled."""
+        return self.cells.n_kv_of(used_max_p1, self.kv_bucket)
+
     def write_indices(self, slot: SlotInfo, n_tokens_pad: int) -> np.ndarray:
         return self.cells.write_indices(slot, n_tokens_pad)
 

@@ -74,9 +74,13 @@ class KVCells:
     def n_kv(self, bucket: int = 256) -> int:
         """KV length a graph must read: used_max_p1 rounded up to a multiple of bucket, at least
         one bucket, never more than n_ctx (llama_kv_cache::get_n_kv pads to 256 so graphs repeat)."""
+        return self.n_kv_of(self.used_max_p1(), bucket)
+
+    def n_kv_of(self, used_max_p1: int, bucket: int = 256) -> int:
+        """n_kv once the cells up to used_max_p1 are filled (to reserve graphs ahead)."""
         if bucket < 1:
             raise ValueError(f"bucket = {bucket} must be at least 1")
-        padded = -(-self.used_max_p1() // bucket) * bucket
+        padded = -(-used_max_p1 // bucket) * bucket
         return min(self.n_ctx, max(bucket, padded))
 
     def _check_seq(self, name: str, seq_id: int) -> None:

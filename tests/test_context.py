@@ -176,6 +176,24 @@ def test_reserve_compiles_decode_and_prefill_ahead(llama):
         ctx.reserve((17,))
 
 
+def test_reserve_generation_compiles_every_bucket_before_the_first_token(llama):
+    """Issue 19 item 11: the KV buckets a generation crosses compile ahead, not mid-stream."""
+    from ggmlx.compile import GraphCache
+    ctx = new_ctx(llama, n_ubatch=8, kv_bucket=16)
+    ctx.sched.cache = GraphCache()
+    # prefill of 11: ubatches of 8 and 3 (padded to 4) at n_kv 16; then 29 steps reach
+    # 12..40 used cells: decode graphs at n_kv 16, 32 and 48
+    assert ctx.reserve_generation(11, 30) == 5
+    compiles = ctx.perf()["n_compiles"]
+    decode_ok(ctx, llm.Batch(TOKENS[:11]))
+    for t in prompt_tokens(29, seed=3):
+        decode_ok(ctx, llm.Batch.get_one([t]))
+    assert ctx.perf()["n_compiles"] == compiles and ctx.memory.n_kv() == 48
+    assert ctx.reserve_generation(1, 100) == 1          # only n_kv 64 is new; capped at n_ctx
+    with pytest.raises(ValueError, match="KV length 65 is outside"):
+        ctx.reserve((1,), n_kv=(65,))
+
+
 # ---- return codes ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch", [
