@@ -23,7 +23,7 @@ from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.graph import GraphBuilder, GraphParams, rope_params
-from llm.kv_cache import KVCache
+from llm.kv_cache import KVCache, locked
 from llm.model import Model
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,9 @@ class Context:
         self.n_seq_max = n_seq_max
         self.abort_callback = abort_callback
         self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket)
+        # one lock for the cache and the context: a decode and a sequence operation from
+        # another thread take turns (each is short); outputs belong to the last decode
+        self.lock = self.memory.lock
         self.balloc = BatchAllocator()
         devices = []
         for d in [model.place.dev_input, *model.place.dev_layer, model.place.dev_output]:
@@ -98,6 +101,7 @@ class Context:
         if reserve:
             self.reserve(reserve)
 
+    @locked
     def reserve(self, n_tokens: tuple[int, ...] = (1,), n_kv: tuple[int, ...] | None = None) -> int:
         """Compile ahead of time the graphs of ubatches of these sizes that output the last
         token's logits, at each KV length of n_kv (default: the current one; graph
@@ -122,6 +126,7 @@ class Context:
         self._perf.t_compile += stats.compile_seconds - t_comp
         return stats.misses - misses
 
+    @locked
     def reserve_generation(self, n_prompt: int, n_predict: int) -> int:
         """Compile ahead every graph that decoding n_prompt tokens (in n_batch, then n_ubatch
         pieces) and then up to n_predict - 1 single tokens will use, starting from the cache as it
@@ -150,10 +155,13 @@ class Context:
         logger.warning("decode: %s", msg)
         return code
 
+    @locked
     def decode(self, batch: Batch) -> DecodeStatus:
         """A DecodeStatus: OK (0); NO_KV_SLOT (1, cache unchanged); ABORTED (2, earlier ubatches
-        kept); INVALID_BATCH (-1, nothing changed); FATAL (< -1, the exception is logged with its
-        traceback and kept in `last_exception`)."""
+        kept, the aborted one removed); INVALID_BATCH (-1, nothing changed); FATAL (< -1, the
+        exception is logged with its traceback and kept in `last_exception`; the failed
+        ubatch's tokens are removed from the cache, or every sequence is cleared when the
+        computation lost the cache's buffers: `last_error` says which)."""
         self.last_error = None
         self.last_exception = None
         if not isinstance(batch, Batch):
@@ -183,13 +191,28 @@ class Context:
             try:
                 ok = self._process_ubatch(ub, slot)
             except Exception as e:  # a failure inside the engine, not in the input
+                undone = self._undo_ubatch(ub)
                 self.last_exception = e
-                self.last_error = f"{type(e).__name__}: {e}"
-                logger.exception("decode: fatal error in ubatch of %d tokens", ub.n_tokens)
+                self.last_error = f"{type(e).__name__}: {e}{undone}"
+                logger.exception("decode: fatal error in a ubatch of %d tokens%s", ub.n_tokens, undone)
                 return DecodeStatus.FATAL
             if not ok:
-                return self._fail(DecodeStatus.ABORTED, "aborted by the eval callback")
+                return self._fail(DecodeStatus.ABORTED, f"aborted by the eval callback{self._undo_ubatch(ub)}")
         return DecodeStatus.OK
+
+    def _undo_ubatch(self, ub: UBatch) -> str:
+        """After a ubatch failed or was aborted: remove its positions from the cache, as
+        llama_decode does, so no cell claims K/V that were never written. When the failure
+        came after the cache's buffers were donated to the computation, they are gone:
+        rebuild them empty, clearing every sequence. Returns what happened, for the message."""
+        for s in ub.seq_id_unq:
+            in_seq = np.array([int(s) in ids for ids in ub.seq_id])
+            self.memory.cells.seq_rm(int(s), int(ub.pos[in_seq].min()), -1)
+        if not self.memory.lost():
+            return f"; its {ub.n_tokens} tokens were removed from the KV cache"
+        cleared = self.memory.rebuild()
+        return (f"; the KV cache's buffers were lost in the failed computation: rebuilt empty, "
+                f"sequences {cleared} cleared")
 
     def _params(self, ub: UBatch) -> GraphParams:
         n_tokens = bucket(ub.n_tokens, self.n_ubatch)
@@ -285,6 +308,7 @@ class Context:
 
     # ---- memory and perf -------------------------------------------------------------
 
+    @locked
     def memory_clear(self) -> None:
         self.memory.clear()
 

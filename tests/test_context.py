@@ -236,6 +236,77 @@ def test_positions_past_int32_return_minus_1(llama):
     assert ctx.memory.seq_pos_max(0) == 3 and np.isfinite(ctx.get_logits()).all()
 
 
+class FailingEval:
+    """An eval callback that observes one tensor and raises when told to: `when="build"` while
+    the graph is planned (before the cache is handed over), `"compute"` after a computation
+    took the cache's buffers (donated)."""
+
+    def __init__(self):
+        self.when: str | None = None
+
+    def __call__(self, t, ask: bool) -> bool:
+        if self.when == ("build" if ask else "compute"):
+            raise RuntimeError(f"failure in {self.when}")
+        return t.name == "inp_embd" if ask else True
+
+
+def test_failure_before_compute_removes_the_ubatch(llama, ref):
+    """A ubatch that fails leaves no cells claiming K/V that were never written (llama_decode's
+    rule); the context goes on as if it had not been sent."""
+    cb = FailingEval()
+    ctx = new_ctx(llama, cb_eval=cb)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    cb.when = "build"
+    assert ctx.decode(all_logits(TOKENS[20:24])) == -3      # a new graph shape: planned, fails
+    assert "its 4 tokens were removed from the KV cache" in ctx.last_error
+    assert ctx.memory.seq_pos_max(0) == 19 and ctx.memory.cells.get_used() == 20
+    cb.when = None
+    decode_ok(ctx, all_logits(TOKENS[20:]))
+    assert np.abs(ctx.get_logits() - ref[20:]).max() <= TOL
+
+
+def test_failure_after_the_cache_was_donated_rebuilds_it(llama, ref):
+    """Issue 19 item 3: a computation that fails after taking the donated KV buffers used to
+    leave them deleted for good ("Array has been deleted" on every later decode, even after
+    memory_clear). Now the buffers are rebuilt empty, the sequences cleared, and it says so."""
+    cb = FailingEval()
+    ctx = new_ctx(llama, n_seq_max=2, cb_eval=cb)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    decode_ok(ctx, llm.Batch(TOKENS[:3], seq_id=[1, 1, 1]))
+    cb.when = "compute"
+    assert ctx.decode(llm.Batch([TOKENS[20]])) == -3
+    assert "rebuilt empty, sequences [0, 1] cleared" in ctx.last_error
+    assert ctx.memory.cells.get_used() == 0 and not ctx.memory.lost()
+    cb.when = None
+    decode_ok(ctx, all_logits(TOKENS))
+    assert np.abs(ctx.get_logits() - ref).max() <= TOL
+
+
+def test_two_threads_on_one_context_take_turns(llama, ref):
+    """Issue 19 item 3: decodes from two threads on one Context used to fail with -3 ("Array
+    has been deleted", donated buffers) and corrupt the cache; they now serialise."""
+    import threading
+    ctx = new_ctx(llama, n_seq_max=2)
+    codes: list[int] = []
+    start = threading.Barrier(2)
+
+    def run(seq: int) -> None:
+        start.wait()
+        for i in range(24):
+            codes.append(int(ctx.decode(llm.Batch([TOKENS[i]], seq_id=[seq]))))
+            ctx.memory.seq_pos_max(seq)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [0] * 48
+    for seq in (0, 1):
+        decode_ok(ctx, llm.Batch([TOKENS[24]], seq_id=[seq]))
+        assert np.abs(ctx.get_logits_ith(-1) - ref[24]).max() <= TOL
+
+
 def test_batch_larger_than_free_cache_returns_1_and_changes_nothing(llama, ref):
     ctx = new_ctx(llama, n_ubatch=7)
     decode_ok(ctx, all_logits(TOKENS[:24]))
