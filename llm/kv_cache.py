@@ -80,10 +80,7 @@ class KVCache:
         """New zero buffers for the lost ones and every cell cleared: the K/V of every cached
         token are gone. Returns the sequences that held cells (now cleared)."""
         seqs = [s for s in range(self.cells.n_seq_max) if self.cells.seq_pos_max(s) >= 0]
-        for t in self.k_l + self.v_l:
-            if t.data.is_deleted():
-                t.data = self._zeros(t)
-        self.cells.clear()
+        self.clear()
         return seqs
 
     @property
@@ -143,4 +140,8 @@ class KVCache:
 
     @locked
     def clear(self) -> None:
+        """Empty every cell; buffers lost in a failed computation get new (zero) ones."""
+        for t in self.k_l + self.v_l:
+            if t.data.is_deleted():
+                t.data = self._zeros(t)
         self.cells.clear()

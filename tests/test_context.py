@@ -280,6 +280,11 @@ def test_failure_after_the_cache_was_donated_rebuilds_it(llama, ref):
     cb.when = None
     decode_ok(ctx, all_logits(TOKENS))
     assert np.abs(ctx.get_logits() - ref).max() <= TOL
+    # memory_clear (LLM.reset) mends a cache whose buffers are gone, whatever lost them
+    ctx.memory.v_l[1].data.delete()
+    ctx.memory_clear()
+    decode_ok(ctx, all_logits(TOKENS))
+    assert np.abs(ctx.get_logits() - ref).max() <= TOL
 
 
 def test_two_threads_on_one_context_take_turns(llama, ref):
