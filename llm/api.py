@@ -2,7 +2,9 @@
 streams and chats, on top of Context, the vocab and the sampler chain."""
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,9 +20,16 @@ from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
 
 FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
 
+logger = logging.getLogger(__name__)
+
 
 class GenerationError(RuntimeError):
     """decode failed during generation (the message carries the context's error)."""
+
+
+class LLMBusyError(RuntimeError):
+    """A generation or reset on an LLM while another generation on it is live (an unfinished
+    stream, or a call in another thread): one LLM holds one conversation in its cache."""
 
 
 @dataclass
@@ -60,12 +69,19 @@ class LLM:
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
+        self._busy = threading.Lock()    # held while a generation is live
+        self._warned_template = False
 
     def reset(self) -> None:
         """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).
         Call it after decoding on `self.ctx` directly, so the next request starts clean."""
-        self.ctx.memory_clear()
-        self._cached = []
+        if not self._busy.acquire(blocking=False):
+            raise LLMBusyError("reset() while a generation on this LLM is live: finish or close() it first")
+        try:
+            self.ctx.memory_clear()
+            self._cached = []
+        finally:
+            self._busy.release()
 
     # ---- text <-> tokens -------------------------------------------------------------
 
@@ -82,8 +98,8 @@ class LLM:
                                 top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
         return SamplerChain.from_params(params, n_vocab=self.model.n_vocab, n_ctx=self.ctx.n_ctx)
 
-    def _eval_prompt(self, tokens: list[int]) -> None:
-        """Decode the prompt, keeping the cached prefix it shares with the last request."""
+    def _keep_prefix(self, tokens: list[int]) -> list[int]:
+        """Keep the cached prefix the prompt shares with the last request; the tokens left to decode."""
         n_keep = 0
         for a, b in zip(self._cached, tokens[:-1], strict=False):
             if a != b:
@@ -91,7 +107,10 @@ class LLM:
             n_keep += 1
         self.ctx.memory.seq_rm(0, n_keep, -1)
         self._cached = self._cached[:n_keep]
-        rest = tokens[n_keep:]
+        return tokens[n_keep:]
+
+    def _eval_prompt(self, rest: list[int]) -> None:
+        """Decode the prompt's tokens after the kept prefix."""
         for start in range(0, len(rest), self.ctx.n_batch):
             chunk = rest[start:start + self.ctx.n_batch]
             flags = np.zeros(len(chunk), bool)
@@ -106,6 +125,8 @@ class LLM:
         if status == DecodeStatus.NO_KV_SLOT:
             return False
         if status != DecodeStatus.OK:
+            # a failed decode may have removed tokens (or cleared the cache): forget them too
+            self._cached = self._cached[:self.ctx.memory.seq_pos_max(0) + 1]
             raise GenerationError(f"decode returned {status.name} ({int(status)}): {self.ctx.last_error}") \
                 from self.ctx.last_exception
         return True
@@ -114,8 +135,11 @@ class LLM:
                 stop: list[str]) -> Iterator[GenerationChunk]:
         """Evaluate the prompt, then sample; one chunk per sampled token, then the final one."""
         perf0 = self.ctx.perf()
+        rest = self._keep_prefix(tokens)
+        # every graph this request will use compiles now: none mid-stream, none in the prompt's time
+        self.ctx.reserve_generation(len(rest), max_tokens)
         t0 = time.perf_counter()
-        self._eval_prompt(tokens)
+        self._eval_prompt(rest)
         t_prompt = time.perf_counter() - t0
         decoder = self.vocab.stream_decoder()
         out_tokens: list[int] = []
@@ -173,21 +197,56 @@ class LLM:
         """GenerationChunks as tokens are generated: their texts join to the completion's text,
         never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
         and the Completion. Arguments are checked at once, before the first chunk is asked for."""
-        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not tokens:
-            raise ValueError("the prompt is empty (no tokens)")
+        tokens = self._prompt_tokens(prompt)
         if len(tokens) >= self.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        stop = _stop_strings(stop)
         sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-        return self._chunks(tokens, max_tokens, sampler, stop)
+        return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop))
+
+    def _one_at_a_time(self, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
+        """The chunks, while holding the LLM: a second generation started while this one is
+        live (interleaved streams, another thread) raises LLMBusyError instead of mixing its
+        tokens into this one's cache. Released when the stream ends, is closed or collected."""
+        if not self._busy.acquire(blocking=False):
+            raise LLMBusyError("another generation on this LLM is live (an unfinished stream, or a call in "
+                               "another thread): finish it or close() it first, or use a second LLM")
+        try:
+            yield from chunks
+        finally:
+            self._busy.release()
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        """Text is tokenized; token ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            tokens = list(prompt)
+            for i, t in enumerate(tokens):
+                if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+                    raise TypeError(f"prompt[{i}] = {t!r} is not a token id (int): pass text or a list of ids")
+                if not 0 <= t < self.model.n_vocab:
+                    raise ValueError(f"prompt[{i}] = {t} is not a token id of this model [0, {self.model.n_vocab})")
+            tokens = [int(t) for t in tokens]
+        else:
+            is_bytes = isinstance(prompt, (bytes, bytearray))
+            hint = " (decode bytes first, e.g. prompt.decode('utf-8'))" if is_bytes else ""
+            raise TypeError(f"prompt must be text (str) or a list of token ids, got {type(prompt).__name__}{hint}")
+        if not tokens:
+            raise ValueError("the prompt is empty (no tokens)")
+        return tokens
 
     # ---- chat ------------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         tmpl = chat_mod.template_for(self.model.meta, self.model.arch)
+        if "tokenizer.chat_template" not in self.model.meta and not self._warned_template:
+            self._warned_template = True
+            logger.warning("%s has no chat template (a base model?): chat uses a generic one and may answer "
+                           "poorly; for chat use an instruction-tuned model, e.g. llm.LLM(%r)",
+                           os.path.basename(self.model.path), hub.DEFAULT_CHAT_MODEL)
         v = self.vocab
         return chat_mod.render(tmpl, messages, add_generation_prompt=add_generation_prompt,
                                bos_token=v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
@@ -208,3 +267,14 @@ class LLM:
 
     def chat_stream(self, messages: list[dict], **kw) -> Iterator[GenerationChunk]:
         return self.stream(self.chat_tokens(messages), **kw)
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    """stop as a list of non-empty strings (an empty one would end every generation at once)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for i, s in enumerate(stops):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] = {s!r} is not a string")
+        if not s:
+            raise ValueError(f"stop[{i}] is an empty string: it would end the generation at once")
+    return stops

@@ -14,6 +14,9 @@ from typing import Protocol
 import numpy as np
 
 MAX_SEQ = 64
+# The largest position a token may take: the position after it must fit int32 (llama_pos) too,
+# so a sequence at POS_MAX is full and the next batch is rejected instead of overflowing.
+POS_MAX = int(np.iinfo(np.int32).max) - 1
 
 
 class BatchError(ValueError):
@@ -212,14 +215,16 @@ class BatchAllocator:
         seq_set = np.array([_seq_bits(ids) for ids in seq_id], dtype=np.uint64)
         seq_id_unq = np.array(sorted({s for ids in seq_id for s in ids}), dtype=np.int32)
 
-        if batch.pos is not None:
-            pos = batch.pos
-            bad = np.flatnonzero(pos < 0)
-            if bad.size:
-                i = int(bad[0])
+        pos = batch.pos if batch.pos is not None else self._fill_pos(seq_id, seq_id_unq, memory)
+        bad = np.flatnonzero((pos < 0) | (pos > POS_MAX))
+        if bad.size:
+            i = int(bad[0])
+            if pos[i] < 0:
                 raise BatchError(f"pos[{i}] = {int(pos[i])} is negative")
-        else:
-            pos = self._fill_pos(seq_id, seq_id_unq, memory)
+            given = "" if batch.pos is not None else f" (continuing sequence {seq_id[i][0]})"
+            raise BatchError(f"pos[{i}] = {int(pos[i])}{given} is past POS_MAX = {POS_MAX}: "
+                             f"the position after it must fit int32")
+        pos = pos.astype(np.int32)
 
         if batch.logits is None:
             output = np.ones(n, bool) if output_all else np.arange(n) == n - 1
@@ -251,9 +256,10 @@ class BatchAllocator:
 
     @staticmethod
     def _fill_pos(seq_id, seq_id_unq: np.ndarray, memory: SeqPosMemory | None) -> np.ndarray:
-        """Each token continues its first sequence; it advances all the sequences it is in."""
+        """Each token continues its first sequence; it advances all the sequences it is in.
+        int64, so a sequence that reached POS_MAX gives a position the caller rejects."""
         p0 = {int(s): 0 if memory is None else memory.seq_pos_max(int(s)) + 1 for s in seq_id_unq}
-        pos = np.empty(len(seq_id), np.int32)
+        pos = np.empty(len(seq_id), np.int64)
         for i, ids in enumerate(seq_id):
             pos[i] = p0[ids[0]]
             for s in ids:

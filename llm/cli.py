@@ -78,8 +78,8 @@ def _progress(a):
     return cb
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=hub.DEFAULT_MODEL,
+def _add_model(p: argparse.ArgumentParser, default: str = hub.DEFAULT_MODEL) -> None:
+    p.add_argument("-m", "--model", default=default,
                    help=f"GGUF path or known name ({', '.join(sorted(hub.KNOWN_MODELS))})")
 
 
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.set_defaults(fn=cmd_generate)
     p = add("chat", "interactive multi-turn chat (Ctrl-D to quit)")
-    _add_model(p)
+    _add_model(p, default=hub.DEFAULT_CHAT_MODEL)     # an instruction-tuned model, with a chat template
     p.add_argument("--system", default=None, help="system message")
     _add_ctx(p)
     _add_sampling(p)

@@ -21,9 +21,9 @@ from ggmlx.graph import Graph
 from ggmlx.sched import Plan, Scheduler
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
-from llm.batch import Batch, BatchAllocator, BatchError, UBatch
+from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.graph import GraphBuilder, GraphParams, rope_params
-from llm.kv_cache import KVCache
+from llm.kv_cache import KVCache, locked
 from llm.model import Model
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,11 @@ class Context:
         if model.placement is None:
             raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if n_ctx > POS_MAX + 1:
+            raise ValueError(f"n_ctx = {n_ctx} is more than the {POS_MAX + 1} cells a KV cache can index "
+                             f"(int32 positions; the model was trained with {model.hparams.n_ctx_train})")
         self.model = model
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -80,6 +83,9 @@ class Context:
         self.n_seq_max = n_seq_max
         self.abort_callback = abort_callback
         self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket)
+        # one lock for the cache and the context: a decode and a sequence operation from
+        # another thread take turns (each is short); outputs belong to the last decode
+        self.lock = self.memory.lock
         self.balloc = BatchAllocator()
         devices = []
         for d in [model.place.dev_input, *model.place.dev_layer, model.place.dev_output]:
@@ -95,24 +101,48 @@ class Context:
         if reserve:
             self.reserve(reserve)
 
-    def reserve(self, n_tokens: tuple[int, ...] = (1,)) -> int:
+    @locked
+    def reserve(self, n_tokens: tuple[int, ...] = (1,), n_kv: tuple[int, ...] | None = None) -> int:
         """Compile ahead of time the graphs of ubatches of these sizes that output the last
-        token's logits, at the current KV length (graph reservation; 1 = the decode step).
-        The executables land in the shared cache, so the first real ubatch of such a size
-        compiles nothing. Returns the number of compilations."""
-        stats = self.sched.cache.stats
-        misses, t_comp = stats.misses, stats.compile_seconds
+        token's logits, at each KV length of n_kv (default: the current one; graph
+        reservation; 1 = the decode step). The executables land in the shared cache, so the
+        first real ubatch of such a size compiles nothing. Returns the number of compilations."""
+        kv_lengths = (self.memory.n_kv(),) if n_kv is None else tuple(n_kv)
         for n in n_tokens:
             if not 1 <= n <= self.n_ubatch:
                 raise ValueError(f"reserve: ubatch size {n} is outside [1, n_ubatch = {self.n_ubatch}]")
-            params = GraphParams(n_tokens=bucket(n, self.n_ubatch), n_outputs=1, n_kv=self.memory.n_kv(),
-                                 embd_input=False)
-            g = GraphBuilder(self.model, self.memory, params)
-            self.model.builder.build_graph(g)
-            self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
+        for kv in kv_lengths:
+            if not 1 <= kv <= self.n_ctx:
+                raise ValueError(f"reserve: KV length {kv} is outside [1, n_ctx = {self.n_ctx}]")
+        stats = self.sched.cache.stats
+        misses, t_comp = stats.misses, stats.compile_seconds
+        for n in n_tokens:
+            for kv in kv_lengths:
+                params = GraphParams(n_tokens=bucket(n, self.n_ubatch), n_outputs=1, n_kv=kv, embd_input=False)
+                g = GraphBuilder(self.model, self.memory, params)
+                self.model.builder.build_graph(g)
+                self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
         return stats.misses - misses
+
+    @locked
+    def reserve_generation(self, n_prompt: int, n_predict: int) -> int:
+        """Compile ahead every graph that decoding n_prompt tokens (in n_batch, then n_ubatch
+        pieces) and then up to n_predict - 1 single tokens will use, starting from the cache as it
+        is: the KV buckets a generation crosses compile before its first token, not in the
+        middle of it, and outside the prompt's timing. Returns the number of compilations."""
+        used = self.memory.cells.used_max_p1()
+        shapes: dict[int, set[int]] = {}      # ubatch size -> KV lengths
+        for start in range(0, n_prompt, self.n_batch):
+            chunk = min(self.n_batch, n_prompt - start)
+            for first in range(0, chunk, self.n_ubatch):
+                n = min(self.n_ubatch, chunk - first)
+                used = min(used + n, self.n_ctx)
+                shapes.setdefault(bucket(n, self.n_ubatch), set()).add(self.memory.n_kv_at(used))
+        last = min(used + max(n_predict - 1, 0), self.n_ctx)
+        shapes.setdefault(1, set()).update(self.memory.n_kv_at(u) for u in range(used + 1, last + 1))
+        return sum(self.reserve((n,), tuple(sorted(kvs))) for n, kvs in shapes.items() if kvs)
 
     @property
     def n_vocab(self) -> int:
@@ -125,10 +155,13 @@ class Context:
         logger.warning("decode: %s", msg)
         return code
 
+    @locked
     def decode(self, batch: Batch) -> DecodeStatus:
         """A DecodeStatus: OK (0); NO_KV_SLOT (1, cache unchanged); ABORTED (2, earlier ubatches
-        kept); INVALID_BATCH (-1, nothing changed); FATAL (< -1, the exception is logged with its
-        traceback and kept in `last_exception`)."""
+        kept, the aborted one removed); INVALID_BATCH (-1, nothing changed); FATAL (< -1, the
+        exception is logged with its traceback and kept in `last_exception`; the failed
+        ubatch's tokens are removed from the cache, or every sequence is cleared when the
+        computation lost the cache's buffers: `last_error` says which)."""
         self.last_error = None
         self.last_exception = None
         if not isinstance(batch, Batch):
@@ -158,13 +191,28 @@ class Context:
             try:
                 ok = self._process_ubatch(ub, slot)
             except Exception as e:  # a failure inside the engine, not in the input
+                undone = self._undo_ubatch(ub)
                 self.last_exception = e
-                self.last_error = f"{type(e).__name__}: {e}"
-                logger.exception("decode: fatal error in ubatch of %d tokens", ub.n_tokens)
+                self.last_error = f"{type(e).__name__}: {e}{undone}"
+                logger.exception("decode: fatal error in a ubatch of %d tokens%s", ub.n_tokens, undone)
                 return DecodeStatus.FATAL
             if not ok:
-                return self._fail(DecodeStatus.ABORTED, "aborted by the eval callback")
+                return self._fail(DecodeStatus.ABORTED, f"aborted by the eval callback{self._undo_ubatch(ub)}")
         return DecodeStatus.OK
+
+    def _undo_ubatch(self, ub: UBatch) -> str:
+        """After a ubatch failed or was aborted: remove its positions from the cache, as
+        llama_decode does, so no cell claims K/V that were never written. When the failure
+        came after the cache's buffers were donated to the computation, they are gone:
+        rebuild them empty, clearing every sequence. Returns what happened, for the message."""
+        for s in ub.seq_id_unq:
+            in_seq = np.array([int(s) in ids for ids in ub.seq_id])
+            self.memory.cells.seq_rm(int(s), int(ub.pos[in_seq].min()), -1)
+        if not self.memory.lost():
+            return f"; its {ub.n_tokens} tokens were removed from the KV cache"
+        cleared = self.memory.rebuild()
+        return (f"; the KV cache's buffers were lost in the failed computation: rebuilt empty, "
+                f"sequences {cleared} cleared")
 
     def _params(self, ub: UBatch) -> GraphParams:
         n_tokens = bucket(ub.n_tokens, self.n_ubatch)
@@ -260,6 +308,7 @@ class Context:
 
     # ---- memory and perf -------------------------------------------------------------
 
+    @locked
     def memory_clear(self) -> None:
         self.memory.clear()
 

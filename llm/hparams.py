@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llm.arch import LLMKV, LLMArch, arch_from_name
+from llm.errors import MetadataError
 from llm.loader import GGUFMeta
 
 if TYPE_CHECKING:
@@ -187,8 +189,9 @@ def load_hparams(ml: GGUFMeta, builder: ArchBuilder) -> HParams:
     the wrong type or an inconsistent value.
     """
     hp = _load_generic(ml)
+    _check_sizes(hp, ml)
     builder.load_hparams(hp, ml)
-    _check(hp, ml)
+    _check_values(hp, ml)
     return hp
 
 
@@ -210,6 +213,10 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     if n_head_arr[0] <= 0:
         raise ml.error(f"key '{ml.key_name(LLMKV.ATTENTION_HEAD_COUNT)}' = {n_head_arr[0]} "
                       f"must be positive")
+    if n_embd % n_head_arr[0] and not ml.has_key(LLMKV.ATTENTION_KEY_LENGTH):
+        raise _invalid(ml, LLMKV.ATTENTION_HEAD_COUNT, n_head_arr[0],
+                       f"does not divide '{ml.key_name(LLMKV.EMBEDDING_LENGTH)}' = {n_embd} "
+                       f"(and '{ml.key_name(LLMKV.ATTENTION_KEY_LENGTH)}' is not given)")
     n_embd_head_k = ml.get_key(LLMKV.ATTENTION_KEY_LENGTH, int, n_embd // n_head_arr[0])
     n_embd_head_v = ml.get_key(LLMKV.ATTENTION_VALUE_LENGTH, int, n_embd // n_head_arr[0])
     n_rot = ml.get_key(LLMKV.ROPE_DIMENSION_COUNT, int, n_embd_head_k)
@@ -229,11 +236,11 @@ def _load_generic(ml: GGUFMeta) -> HParams:
         raise ml.error(f"key '{ml.key_name(LLMKV.ROPE_SCALING_TYPE)}' = '{scaling_name}' is not "
                       f"one of {sorted(_ROPE_SCALING_NAMES)}")
     # the GGUF stores the scaling factor; the graph uses its inverse
-    if ml.has_key(LLMKV.ROPE_SCALING_FACTOR):
-        rope_scale = ml.get_key(LLMKV.ROPE_SCALING_FACTOR, float)
-    else:
-        rope_scale = ml.get_key(LLMKV.ROPE_SCALE_LINEAR, float, 0.0)
+    scale_key = LLMKV.ROPE_SCALING_FACTOR if ml.has_key(LLMKV.ROPE_SCALING_FACTOR) else LLMKV.ROPE_SCALE_LINEAR
+    rope_scale = ml.get_key(scale_key, float, 0.0)
     rope_freq_scale = 1.0 if rope_scale == 0.0 else 1.0 / rope_scale
+    if not (rope_scale >= 0.0 and math.isfinite(rope_scale) and math.isfinite(rope_freq_scale)):
+        raise _invalid(ml, scale_key, rope_scale, "must be a finite number >= 0 (0: no scaling)")
 
     return HParams(
         arch=arch,
@@ -266,14 +273,27 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     )
 
 
-def _check(hp: HParams, ml: GGUFMeta) -> None:
-    """Consistency checks llama.cpp asserts; here they are load errors naming the key."""
-    if hp.n_expert_used > hp.n_expert:
-        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}' = {hp.n_expert_used} exceeds "
-                      f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' = {hp.n_expert}")
-    if hp.n_expert > 0 and hp.n_expert_used == 0:
-        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' = {hp.n_expert} needs a positive "
-                      f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}'")
+def _invalid(ml: GGUFMeta, key: LLMKV, value: object, rule: str) -> MetadataError:
+    """A value that has the right type but no meaning: the error names the file and the key."""
+    name = ml.key_name(key)
+    return MetadataError(ml.path, name, f"key '{name}' = {value} {rule}")
+
+
+def _check_sizes(hp: HParams, ml: GGUFMeta) -> None:
+    """The generic sizes, before the architecture derives values from them."""
+    vocab_key = LLMKV.VOCAB_SIZE if ml.has_key(LLMKV.VOCAB_SIZE) else LLMKV.TOKENIZER_LIST
+    ints = [  # (key, value, lowest allowed)
+        (vocab_key, hp.n_vocab, 1),
+        (LLMKV.CONTEXT_LENGTH, hp.n_ctx_train, 1),
+        (LLMKV.ATTENTION_KEY_LENGTH, hp.n_embd_head_k, 1),
+        (LLMKV.ATTENTION_VALUE_LENGTH, hp.n_embd_head_v, 1),
+        (LLMKV.ROPE_SCALING_ORIG_CTX_LEN, hp.n_ctx_orig_yarn, 1),
+        (LLMKV.EXPERT_COUNT, hp.n_expert, 0),
+        (LLMKV.EXPERT_USED_COUNT, hp.n_expert_used, 0),
+    ]
+    for key, value, lo in ints:
+        if value < lo:
+            raise _invalid(ml, key, value, f"must be >= {lo}")
     for il in range(hp.n_layer):
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv != 0:
@@ -284,6 +304,47 @@ def _check(hp: HParams, ml: GGUFMeta) -> None:
         if hp.n_ff(il) <= 0:
             raise ml.error(f"layer {il}: '{ml.key_name(LLMKV.FEED_FORWARD_LENGTH)}' = "
                           f"{hp.n_ff(il)} must be positive")
+
+
+def _check_values(hp: HParams, ml: GGUFMeta) -> None:
+    """Every value in range and consistent with the others, so a bad file fails here, naming
+    the key, rather than as NaN logits or failed decodes later. The weights' shapes are
+    checked against these values when the tensors are declared (ModelLoader.create_tensor)."""
+    positive = "must be a finite number > 0"
+    floats = [  # (key, value, ok): every float the graphs use
+        (LLMKV.ATTENTION_LAYERNORM_RMS_EPS, hp.f_norm_rms_eps, 0.0 < hp.f_norm_rms_eps < 1.0,
+         "must be a finite number in (0, 1)"),
+        (LLMKV.ATTENTION_LAYERNORM_EPS, hp.f_norm_eps, 0.0 <= hp.f_norm_eps < 1.0,
+         "must be a finite number in [0, 1)"),
+        (LLMKV.ROPE_FREQ_BASE, hp.rope_freq_base_train, hp.rope_freq_base_train > 0.0, positive),
+        (LLMKV.ROPE_FREQ_BASE_SWA, hp.rope_freq_base_train_swa, hp.rope_freq_base_train_swa > 0.0, positive),
+        (LLMKV.ROPE_SCALING_ATTN_FACTOR, hp.rope_attn_factor, hp.rope_attn_factor > 0.0, positive),
+        (LLMKV.ROPE_SCALING_YARN_LOG_MUL, hp.rope_yarn_log_mul, True, "must be finite"),
+        (LLMKV.ROPE_SCALING_YARN_EXT_FACTOR, hp.yarn_ext_factor, True, "must be finite"),
+        (LLMKV.ROPE_SCALING_YARN_ATTN_FACTOR, hp.yarn_attn_factor, hp.yarn_attn_factor > 0.0, positive),
+        (LLMKV.ROPE_SCALING_YARN_BETA_FAST, hp.yarn_beta_fast, True, "must be finite"),
+        (LLMKV.ROPE_SCALING_YARN_BETA_SLOW, hp.yarn_beta_slow, True, "must be finite"),
+        (LLMKV.ATTN_LOGIT_SOFTCAPPING, hp.f_attn_logit_softcapping,
+         hp.f_attn_logit_softcapping > 0.0 or not hp.attn_soft_cap, positive),
+        (LLMKV.FINAL_LOGIT_SOFTCAPPING, hp.f_final_logit_softcapping, hp.f_final_logit_softcapping >= 0.0,
+         "must be a finite number >= 0 (0: no soft-capping)"),
+        (LLMKV.ATTENTION_SCALE, hp.f_attention_scale, hp.f_attention_scale >= 0.0,
+         "must be a finite number >= 0 (0: 1/sqrt(head size))"),
+    ]
+    for key, value, ok, rule in floats:
+        if not (math.isfinite(value) and ok):
+            raise _invalid(ml, key, value, rule)
+    if hp.rope_type != RopeType.NONE and not (0 < hp.n_rot <= hp.n_embd_head_k and hp.n_rot % 2 == 0):
+        raise _invalid(ml, LLMKV.ROPE_DIMENSION_COUNT, hp.n_rot,
+                       f"must be even and in [2, head size {hp.n_embd_head_k}]: rope turns pairs of values")
+    if hp.n_expert_used > hp.n_expert:
+        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}' = {hp.n_expert_used} exceeds "
+                      f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' = {hp.n_expert}")
+    if hp.n_expert > 0 and hp.n_expert_used == 0:
+        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' = {hp.n_expert} needs a positive "
+                      f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}'")
+    if hp.n_swa < 0:
+        raise _invalid(ml, LLMKV.ATTENTION_SLIDING_WINDOW, hp.n_swa, "must be >= 0")
     if hp.swa_type != SWAType.NONE and hp.n_swa <= 0:
         raise ml.error(f"sliding-window attention needs a positive "
                       f"'{ml.key_name(LLMKV.ATTENTION_SLIDING_WINDOW)}', got {hp.n_swa}")

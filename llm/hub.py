@@ -54,6 +54,8 @@ KNOWN_MODELS = {
 }
 
 DEFAULT_MODEL = "gemma3-270m"
+# Gemma 3 270M is a base model without a chat template; chat defaults to an instruction-tuned one
+DEFAULT_CHAT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:

@@ -7,7 +7,10 @@ Sliding-window layers share the cells with the global ones and get their own mas
 cache is sized for full attention; llama.cpp's separate SWA cache only saves memory)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,18 @@ if TYPE_CHECKING:
     from llm.model import Model
 
 KV_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def locked(method: _F) -> _F:
+    """Run the method under its object's `lock`: calls from several threads take turns
+    instead of handing the same donated buffers to two computations."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 def available_bytes(device: jax.Device) -> int | None:
@@ -76,17 +91,35 @@ class KVCache:
         self.hparams = hp
         self.n_ctx = n_ctx
         self.kv_bucket = kv_bucket
+        self.lock = threading.RLock()     # one decode or sequence operation at a time
         self.cells = KVCells(n_ctx, n_seq_max)
         self.k_l: list[Tensor] = []
         self.v_l: list[Tensor] = []
+        self._device: dict[Tensor, jax.Device] = {}
         for il in range(hp.n_layer):
             dev = model.place.dev_layer[il]
             k = new_state(tk, (hp.n_embd_k_gqa(il), n_ctx), f"cache_k_l{il}")
             v = new_state(tv, (hp.n_embd_v_gqa(il), n_ctx), f"cache_v_l{il}")
-            k.data = jax.device_put(jnp.zeros(k.shape, np_dtype(tk)), dev)
-            v.data = jax.device_put(jnp.zeros(v.shape, np_dtype(tv)), dev)
+            for buf in (k, v):
+                self._device[buf] = dev
+                buf.data = self._zeros(buf)
             self.k_l.append(k)
             self.v_l.append(v)
+
+    def _zeros(self, t: Tensor) -> jax.Array:
+        return jax.device_put(jnp.zeros(t.shape, np_dtype(t.type)), self._device[t])
+
+    def lost(self) -> bool:
+        """Were buffers donated to a computation that failed before handing them back?"""
+        return any(t.data.is_deleted() for t in self.k_l + self.v_l)
+
+    @locked
+    def rebuild(self) -> list[int]:
+        """New zero buffers for the lost ones and every cell cleared: the K/V of every cached
+        token are gone. Returns the sequences that held cells (now cleared)."""
+        seqs = [s for s in range(self.cells.n_seq_max) if self.cells.seq_pos_max(s) >= 0]
+        self.clear()
+        return seqs
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +136,10 @@ class KVCache:
 
     def n_kv(self) -> int:
         return self.cells.n_kv(self.kv_bucket)
+
+    def n_kv_at(self, used_max_p1: int) -> int:
+        """n_kv once the cells up to used_max_p1 are filled."""
+        return self.cells.n_kv_of(used_max_p1, self.kv_bucket)
 
     def write_indices(self, slot: SlotInfo, n_tokens_pad: int) -> np.ndarray:
         return self.cells.write_indices(slot, n_tokens_pad)
@@ -122,18 +159,27 @@ class KVCache:
     def seq_pos_max(self, seq_id: int) -> int:
         return self.cells.seq_pos_max(seq_id)
 
+    @locked
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return self.cells.seq_rm(seq_id, p0, p1)
 
+    @locked
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
         self.cells.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
+    @locked
     def seq_keep(self, seq_id: int) -> None:
         self.cells.seq_keep(seq_id)
 
+    @locked
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """Shift positions; the cached K rows are re-rotated before the next decode."""
         self.cells.seq_add(seq_id, p0, p1, shift)
 
+    @locked
     def clear(self) -> None:
+        """Empty every cell; buffers lost in a failed computation get new (zero) ones."""
+        for t in self.k_l + self.v_l:
+            if t.data.is_deleted():
+                t.data = self._zeros(t)
         self.cells.clear()

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from llm.batch import MAX_SEQ, UBatch
+from llm.batch import MAX_SEQ, POS_MAX, UBatch
 from llm.hparams import SWAType, is_masked_swa
 
 _POS_MAX = np.iinfo(np.int32).max
@@ -74,9 +74,13 @@ class KVCells:
     def n_kv(self, bucket: int = 256) -> int:
         """KV length a graph must read: used_max_p1 rounded up to a multiple of bucket, at least
         one bucket, never more than n_ctx (llama_kv_cache::get_n_kv pads to 256 so graphs repeat)."""
+        return self.n_kv_of(self.used_max_p1(), bucket)
+
+    def n_kv_of(self, used_max_p1: int, bucket: int = 256) -> int:
+        """n_kv once the cells up to used_max_p1 are filled (to reserve graphs ahead)."""
         if bucket < 1:
             raise ValueError(f"bucket = {bucket} must be at least 1")
-        padded = -(-self.used_max_p1() // bucket) * bucket
+        padded = -(-used_max_p1 // bucket) * bucket
         return min(self.n_ctx, max(bucket, padded))
 
     def _check_seq(self, name: str, seq_id: int) -> None:
@@ -249,15 +253,22 @@ class KVCells:
         `k_shift()` gives the per-cell delta. Cells pushed below position 0 become empty.
         """
         self._check_seq("seq_id", seq_id)
+        if not isinstance(shift, (int, np.integer)) or isinstance(shift, (bool, np.bool_)):
+            raise TypeError(f"seq_add: shift must be an integer, got {shift!r}")
         if shift == 0:
             return
         p0, p1 = self._range(p0, p1)
         if p0 == p1:
             return
         sel = (self.pos >= p0) & (self.pos < p1) & self._has(seq_id)
+        new_pos = self.pos[sel].astype(np.int64) + int(shift)
+        if new_pos.size and new_pos.max() > POS_MAX:
+            raise ValueError(f"seq_add: shift = {shift} moves position {int(new_pos.max()) - int(shift)} of "
+                             f"sequence {seq_id} past POS_MAX = {POS_MAX} (the cache is unchanged)")
         if sel.any():
-            self.pos[sel] += shift
-            self.shift[sel] += shift
+            # cells pushed below 0 are freed below, so their delta needs no int32 room
+            self.shift[sel] = np.where(new_pos < 0, 0, self.shift[sel] + (new_pos - self.pos[sel]))
+            self.pos[sel] = np.maximum(new_pos, -1)
             self.has_shift = True
         freed = sel & (self.pos < 0)
         self._clear_cells(freed)

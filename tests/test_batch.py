@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm.batch import Batch, BatchAllocator, BatchError, UBatch, ubatch_reserve
+from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch, ubatch_reserve
 
 
 class FakeMemory:
@@ -134,6 +134,19 @@ def test_coupled_sequences_must_agree_in_the_cache():
     with pytest.raises(BatchError, match="sequence 1 is coupled to sequence 0"):
         _init(batch, memory=FakeMemory({0: (0, 4), 1: (2, 4)}))
     assert _init(batch, memory=FakeMemory({0: (0, 4), 1: (0, 4)})).pos.tolist() == [5]
+
+
+def test_positions_must_leave_room_for_the_next_one():
+    """pos 2**31 - 1 would make the next position overflow int32: rejected like any bad field."""
+    assert POS_MAX == 2**31 - 2
+    assert _init(Batch(tokens=[1], pos=[POS_MAX])).pos.tolist() == [POS_MAX]
+    with pytest.raises(BatchError, match=rf"pos\[1\] = {POS_MAX + 1} is past POS_MAX"):
+        _init(Batch(tokens=[1, 2], pos=[POS_MAX, POS_MAX + 1]))
+    # a sequence that reached POS_MAX is full: its next token cannot be placed
+    with pytest.raises(BatchError, match=rf"pos\[0\] = {POS_MAX + 1} \(continuing sequence 2\) is past"):
+        _init(Batch(tokens=[1], seq_id=[2]), memory=FakeMemory({2: (POS_MAX - 3, POS_MAX)}))
+    with pytest.raises(BatchError, match="pos has values outside int32"):
+        Batch(tokens=[1], pos=[2**40])
 
 
 def test_failed_init_keeps_nothing():

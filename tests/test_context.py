@@ -176,6 +176,24 @@ def test_reserve_compiles_decode_and_prefill_ahead(llama):
         ctx.reserve((17,))
 
 
+def test_reserve_generation_compiles_every_bucket_before_the_first_token(llama):
+    """Issue 19 item 11: the KV buckets a generation crosses compile ahead, not mid-stream."""
+    from ggmlx.compile import GraphCache
+    ctx = new_ctx(llama, n_ubatch=8, kv_bucket=16)
+    ctx.sched.cache = GraphCache()
+    # prefill of 11: ubatches of 8 and 3 (padded to 4) at n_kv 16; then 29 steps reach
+    # 12..40 used cells: decode graphs at n_kv 16, 32 and 48
+    assert ctx.reserve_generation(11, 30) == 5
+    compiles = ctx.perf()["n_compiles"]
+    decode_ok(ctx, llm.Batch(TOKENS[:11]))
+    for t in prompt_tokens(29, seed=3):
+        decode_ok(ctx, llm.Batch.get_one([t]))
+    assert ctx.perf()["n_compiles"] == compiles and ctx.memory.n_kv() == 48
+    assert ctx.reserve_generation(1, 100) == 1          # only n_kv 64 is new; capped at n_ctx
+    with pytest.raises(ValueError, match="KV length 65 is outside"):
+        ctx.reserve((1,), n_kv=(65,))
+
+
 # ---- return codes ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch", [
@@ -199,6 +217,99 @@ def test_bad_batch_returns_minus_1_and_changes_nothing(llama, ref, batch):
     assert_same_cache(before, cache_snapshot(ctx))
     decode_ok(ctx, llm.Batch.get_one([TOKENS[20]]))
     assert np.abs(ctx.get_logits_ith(-1) - ref[20]).max() <= TOL
+
+
+def test_positions_past_int32_return_minus_1(llama):
+    """pos 2**31 - 1 is rejected by the batch check (-1, nothing changed) instead of being
+    accepted and making the next decode raise OverflowError; a sequence at the last position
+    is full: its next token gets -1 too, and the context keeps working."""
+    from llm.batch import POS_MAX
+    ctx = new_ctx(llama)
+    assert ctx.decode(llm.Batch([5], pos=[2**31 - 1])) == -1 and "past POS_MAX" in ctx.last_error
+    assert ctx.memory.cells.get_used() == 0
+    decode_ok(ctx, llm.Batch([5], pos=[POS_MAX]))
+    assert ctx.decode(llm.Batch([6])) == -1 and "continuing sequence 0" in ctx.last_error
+    with pytest.raises(ValueError, match="past POS_MAX"):
+        ctx.memory.seq_add(0, 0, -1, 2**40)
+    ctx.memory.seq_add(0, 0, -1, -(POS_MAX - 2))   # K re-rotated by -2**31 + 4, then decoding goes on
+    decode_ok(ctx, llm.Batch([6]))
+    assert ctx.memory.seq_pos_max(0) == 3 and np.isfinite(ctx.get_logits()).all()
+
+
+class FailingEval:
+    """An eval callback that observes one tensor and raises when told to: `when="build"` while
+    the graph is planned (before the cache is handed over), `"compute"` after a computation
+    took the cache's buffers (donated)."""
+
+    def __init__(self):
+        self.when: str | None = None
+
+    def __call__(self, t, ask: bool) -> bool:
+        if self.when == ("build" if ask else "compute"):
+            raise RuntimeError(f"failure in {self.when}")
+        return t.name == "inp_embd" if ask else True
+
+
+def test_failure_before_compute_removes_the_ubatch(llama, ref):
+    """A ubatch that fails leaves no cells claiming K/V that were never written (llama_decode's
+    rule); the context goes on as if it had not been sent."""
+    cb = FailingEval()
+    ctx = new_ctx(llama, cb_eval=cb)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    cb.when = "build"
+    assert ctx.decode(all_logits(TOKENS[20:24])) == -3      # a new graph shape: planned, fails
+    assert "its 4 tokens were removed from the KV cache" in ctx.last_error
+    assert ctx.memory.seq_pos_max(0) == 19 and ctx.memory.cells.get_used() == 20
+    cb.when = None
+    decode_ok(ctx, all_logits(TOKENS[20:]))
+    assert np.abs(ctx.get_logits() - ref[20:]).max() <= TOL
+
+
+def test_failure_after_the_cache_was_donated_rebuilds_it(llama, ref):
+    """Issue 19 item 3: a computation that fails after taking the donated KV buffers used to
+    leave them deleted for good ("Array has been deleted" on every later decode, even after
+    memory_clear). Now the buffers are rebuilt empty, the sequences cleared, and it says so."""
+    cb = FailingEval()
+    ctx = new_ctx(llama, n_seq_max=2, cb_eval=cb)
+    decode_ok(ctx, all_logits(TOKENS[:20]))
+    decode_ok(ctx, llm.Batch(TOKENS[:3], seq_id=[1, 1, 1]))
+    cb.when = "compute"
+    assert ctx.decode(llm.Batch([TOKENS[20]])) == -3
+    assert "rebuilt empty, sequences [0, 1] cleared" in ctx.last_error
+    assert ctx.memory.cells.get_used() == 0 and not ctx.memory.lost()
+    cb.when = None
+    decode_ok(ctx, all_logits(TOKENS))
+    assert np.abs(ctx.get_logits() - ref).max() <= TOL
+    # memory_clear (LLM.reset) mends a cache whose buffers are gone, whatever lost them
+    ctx.memory.v_l[1].data.delete()
+    ctx.memory_clear()
+    decode_ok(ctx, all_logits(TOKENS))
+    assert np.abs(ctx.get_logits() - ref).max() <= TOL
+
+
+def test_two_threads_on_one_context_take_turns(llama, ref):
+    """Issue 19 item 3: decodes from two threads on one Context used to fail with -3 ("Array
+    has been deleted", donated buffers) and corrupt the cache; they now serialise."""
+    import threading
+    ctx = new_ctx(llama, n_seq_max=2)
+    codes: list[int] = []
+    start = threading.Barrier(2)
+
+    def run(seq: int) -> None:
+        start.wait()
+        for i in range(24):
+            codes.append(int(ctx.decode(llm.Batch([TOKENS[i]], seq_id=[seq]))))
+            ctx.memory.seq_pos_max(seq)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [0] * 48
+    for seq in (0, 1):
+        decode_ok(ctx, llm.Batch([TOKENS[24]], seq_id=[seq]))
+        assert np.abs(ctx.get_logits_ith(-1) - ref[24]).max() <= TOL
 
 
 def test_batch_larger_than_free_cache_returns_1_and_changes_nothing(llama, ref):
@@ -342,6 +453,10 @@ def test_context_argument_errors(llama, tmp_path):
         llm.Context(llama, n_ctx=0)
     with pytest.raises(ValueError, match="type_k"):
         llm.Context(llama, n_ctx=N_CTX, type_k="q4_0")
+    for n_ctx in (2**40, 2**31, True, 2.0):
+        with pytest.raises(ValueError, match="n_ctx") as e:
+            llm.Context(llama, n_ctx=n_ctx)
+        assert "\n" not in str(e.value)
     vocab_only = llm.load_model(write_model(tmp_path / "m.gguf", SPECS["llama"]), vocab_only=True)
     with pytest.raises(ValueError, match="vocab_only"):
         llm.Context(vocab_only)

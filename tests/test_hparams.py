@@ -338,3 +338,65 @@ def test_attention_scale_27b_rule(synth_kv):
     hp = _load(kv)
     assert hp.f_attention_scale == pytest.approx(1 / math.sqrt(64))
     assert [il for il in range(12) if not hp.is_swa(il)] == [5, 11]
+
+
+NAN, INF = float("nan"), float("inf")
+
+# (model, key without the arch prefix, bad value): each must fail at load naming the key
+BAD_VALUES = [
+    ("llama", "attention.layer_norm_rms_epsilon", v) for v in (-1e-5, 0.0, NAN, INF, 1.5)
+] + [
+    ("llama", "rope.freq_base", v) for v in (0.0, -1.0, NAN, INF)
+] + [
+    ("llama", "context_length", 0), ("llama", "context_length", -5), ("llama", "vocab_size", 0),
+    ("llama", "embedding_length", 0), ("llama", "attention.head_count", 3),
+    ("llama", "rope.scaling.factor", -2.0), ("llama", "rope.scaling.factor", NAN),
+    ("llama", "rope.scaling.factor", 1e-320), ("llama", "rope.scale_linear", INF),
+    ("llama", "rope.scaling.attn_factor", 0.0), ("llama", "rope.scaling.original_context_length", 0),
+    ("llama", "rope.scaling.yarn_beta_fast", NAN), ("llama", "rope.scaling.yarn_ext_factor", INF),
+    ("llama", "rope.scaling.yarn_attn_factor", -1.0), ("llama", "rope.scaling.yarn_log_multiplier", NAN),
+    ("llama", "expert_count", -1),
+    ("gemma2", "attn_logit_softcapping", 0.0), ("gemma2", "attn_logit_softcapping", NAN),
+    ("gemma2", "final_logit_softcapping", -1.0), ("gemma2", "final_logit_softcapping", INF),
+    ("gemma3", "attention.sliding_window", -4), ("gemma3", "attention.key_length", 0),
+    ("gemma3", "attention.value_length", -1), ("gemma3", "rope.freq_base", NAN),
+    ("qwen2", "rope.dimension_count", 63), ("qwen2", "rope.dimension_count", 0),
+    ("qwen2", "rope.dimension_count", 128),
+]
+
+
+@pytest.mark.parametrize("name,key,value", BAD_VALUES)
+def test_nonsense_values_fail_at_load_naming_the_key(synth_kv, name, key, value):
+    kv = copy.deepcopy(synth_kv[name])
+    kv[f"{name}.{key}"] = value
+    with pytest.raises(ModelLoadError, match=rf"^model\.gguf: .*'{name}\.{key}'") as e:
+        _load(kv)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(SYNTH))
+def test_real_values_pass_the_checks(synth_kv, name):
+    """Boundary values that real models use stay accepted."""
+    kv = copy.deepcopy(synth_kv[name])
+    a = kv["general.architecture"]
+    kv[f"{a}.attention.layer_norm_rms_epsilon"] = 1e-12
+    kv[f"{a}.rope.scaling.factor"] = 0.0        # 0 = no scaling
+    kv[f"{a}.rope.scaling.yarn_ext_factor"] = -1.0
+    hp = _load(kv)
+    assert hp.f_norm_rms_eps == 1e-12 and hp.rope_freq_scale_train == 1.0
+
+
+@pytest.mark.parametrize("key,value", [("attention.layer_norm_rms_epsilon", -1e-5), ("rope.freq_base", 0.0),
+                                       ("rope.freq_base", -1.0), ("rope.freq_base", NAN)])
+def test_load_model_rejects_nonsense_hparams(tmp_path, key, value):
+    """The whole loader, on a written file: the issue's cases fail at load, not as failed
+    decodes or NaN logits later."""
+    from tiny_model import TinySpec, model_kv, model_tensors, write_gguf
+
+    import llm
+    spec = TinySpec()
+    kv = model_kv(spec)
+    kv[f"llama.{key}"] = value
+    path = write_gguf(tmp_path / "bad.gguf", kv, model_tensors(spec))
+    with pytest.raises(ModelLoadError, match=rf"bad\.gguf: key 'llama\.{key}' = "):
+        llm.load_model(path)

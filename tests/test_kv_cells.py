@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm.batch import Batch, BatchAllocator, BatchError, UBatch
+from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.hparams import SWAType
 from llm.kv_cells import KVCells, SlotInfo
 
@@ -194,6 +194,27 @@ def test_seq_add_records_the_k_shift():
     cells.seq_add(0, 0, -1, 0)
     cells.seq_add(0, 3, 3, 5)
     assert _state(cells) == before
+
+
+def test_seq_add_out_of_range_shifts():
+    """A shift past int32 is a ValueError that changes nothing; a shift below 0 by any amount
+    frees the cells (llama.cpp's rule), without overflowing the int32 bookkeeping."""
+    cells = KVCells(8, 2)
+    _put(cells, [0, 1, 2])
+    before = _state(cells)
+    for shift in (2**40, POS_MAX - 1):
+        with pytest.raises(ValueError, match=rf"shift = {shift} moves position 2 of sequence 0 past POS_MAX"):
+            cells.seq_add(0, 0, -1, shift)
+        assert _state(cells) == before
+    with pytest.raises(TypeError, match="shift must be an integer, got 1.5"):
+        cells.seq_add(0, 0, -1, 1.5)
+    cells.seq_add(0, 0, -1, POS_MAX - 2)     # the last position lands exactly on POS_MAX
+    assert cells.pos[:3].tolist() == [POS_MAX - 2, POS_MAX - 1, POS_MAX]
+    assert cells.k_shift()[:3].tolist() == [POS_MAX - 2] * 3
+    cells.seq_add(0, 0, -1, -2**40)
+    assert cells.get_used() == 0 and not cells.k_shift().any() and cells.head == 0
+    cells.seq_rm(0, 2**40, 2**41)             # positions beyond int32 select nothing
+    cells.seq_cp(0, 1, -2**40, 2**40)
 
 
 def test_clear():
