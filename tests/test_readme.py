@@ -60,7 +60,7 @@ def test_readme_python_examples_run(tmp_path, gemma3_path, smollm2_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", commands(README.read_text()))
+@pytest.mark.parametrize("command", commands(README.read_text()), ids=lambda c: " ".join(c.split()[2:4]))
 def test_readme_command_runs(tmp_path, gemma3_path, smollm2_path, command):
     r = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(), input="Say hello.\n",
                        capture_output=True, text=True, timeout=900)
