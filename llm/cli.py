@@ -139,23 +139,6 @@ def _open(a):
     return llm
 
 
-def _compile_for(llm, a, tokens: list[int], seen: set[int]) -> None:
-    """Compile the graphs of the prompt's ubatches and of the decode step before the first
-    token, with a status line; sizes already compiled in this run are skipped."""
-    from llm.context import bucket
-    ctx = llm.ctx
-    sizes = set()
-    for start in range(0, len(tokens), ctx.n_batch):
-        n = min(ctx.n_batch, len(tokens) - start)
-        sizes |= {bucket(min(ctx.n_ubatch, n - k), ctx.n_ubatch) for k in range(0, n, ctx.n_ubatch)}
-    todo = sorted((sizes | {1}) - seen)
-    if todo:
-        _status(f"compiling {len(todo)} graph{'s' if len(todo) > 1 else ''}")
-        ctx.reserve(tuple(todo))
-        seen.update(todo)
-    a.interrupt.check()
-
-
 def _write_stream(a, chunks, t0: float):
     """Write the chunks' text to stdout as it comes, a status line before the first one;
     returns the Completion of the last chunk."""
@@ -187,7 +170,6 @@ def cmd_generate(a) -> int:
     if len(tokens) >= a.ctx_size:
         raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.ctx_size} holds at most {a.ctx_size - 1}")
     t0 = time.perf_counter()
-    _compile_for(llm, a, tokens, set())
     completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
     if a.perf:
         _print_perf(completion)
@@ -200,7 +182,6 @@ def cmd_chat(a) -> int:
     if a.system:
         messages.append({"role": "system", "content": a.system})
     interactive = sys.stdin.isatty()
-    compiled: set[int] = set()
     while True:
         if interactive:
             sys.stdout.write("> ")
@@ -218,9 +199,7 @@ def cmd_chat(a) -> int:
             continue
         messages.append({"role": "user", "content": line})
         tokens = llm.chat_tokens(messages)
-        t0 = time.perf_counter()
-        if not compiled:
-            _compile_for(llm, a, tokens, compiled)
+        t0 = time.perf_counter()     # the stream compiles what this turn needs first, with a status line
         completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
         if a.perf:
             _print_perf(completion)

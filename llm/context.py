@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -27,6 +28,8 @@ from llm.kv_cache import KVCache, locked
 from llm.model import Model
 
 logger = logging.getLogger(__name__)
+
+GRAPHS_KEPT = 32    # built graphs a context keeps by shape (ubatch size, outputs, KV length)
 
 
 class DecodeStatus(IntEnum):
@@ -97,6 +100,8 @@ class Context:
         self.last_error: str | None = None
         self.last_exception: BaseException | None = None    # behind the last DecodeStatus.FATAL
         self._prev: tuple[GraphBuilder, Plan] | None = None   # the last graph, for reuse
+        # graphs built (and compiled) by shape, so a shape seen before costs no build or lookup
+        self._graphs: OrderedDict[GraphParams, tuple[GraphBuilder, Plan]] = OrderedDict()
         self._perf = Perf(time.perf_counter())
         if reserve:
             self.reserve(reserve)
@@ -114,35 +119,44 @@ class Context:
         for kv in kv_lengths:
             if not 1 <= kv <= self.n_ctx:
                 raise ValueError(f"reserve: KV length {kv} is outside [1, n_ctx = {self.n_ctx}]")
-        stats = self.sched.cache.stats
-        misses, t_comp = stats.misses, stats.compile_seconds
-        for n in n_tokens:
-            for kv in kv_lengths:
-                params = GraphParams(n_tokens=bucket(n, self.n_ubatch), n_outputs=1, n_kv=kv, embd_input=False)
-                g = GraphBuilder(self.model, self.memory, params)
-                self.model.builder.build_graph(g)
-                self.sched.reserve(self.sched.alloc_graph(g.gf), {}, self.memory.state())
-        self._perf.n_compiles += stats.misses - misses
-        self._perf.t_compile += stats.compile_seconds - t_comp
-        return stats.misses - misses
+        return self._reserve([self._reserve_params(n, kv) for n in n_tokens for kv in kv_lengths])
 
     @locked
     def reserve_generation(self, n_prompt: int, n_predict: int) -> int:
         """Compile ahead every graph that decoding n_prompt tokens (in n_batch, then n_ubatch
         pieces) and then up to n_predict - 1 single tokens will use, starting from the cache as it
         is: the KV buckets a generation crosses compile before its first token, not in the
-        middle of it, and outside the prompt's timing. Returns the number of compilations."""
+        middle of it, and outside the prompt's timing. Logs one line when there are graphs to
+        build. Returns the number of compilations."""
         used = self.memory.cells.used_max_p1()
-        shapes: dict[int, set[int]] = {}      # ubatch size -> KV lengths
+        shapes: set[GraphParams] = set()
         for start in range(0, n_prompt, self.n_batch):
             chunk = min(self.n_batch, n_prompt - start)
             for first in range(0, chunk, self.n_ubatch):
                 n = min(self.n_ubatch, chunk - first)
                 used = min(used + n, self.n_ctx)
-                shapes.setdefault(bucket(n, self.n_ubatch), set()).add(self.memory.n_kv_at(used))
+                shapes.add(self._reserve_params(n, self.memory.n_kv_at(used)))
         last = min(used + max(n_predict - 1, 0), self.n_ctx)
-        shapes.setdefault(1, set()).update(self.memory.n_kv_at(u) for u in range(used + 1, last + 1))
-        return sum(self.reserve((n,), tuple(sorted(kvs))) for n, kvs in shapes.items() if kvs)
+        shapes.update(self._reserve_params(1, self.memory.n_kv_at(u)) for u in range(used + 1, last + 1))
+        todo = sorted((p for p in shapes if p not in self._graphs), key=lambda p: (p.n_kv, p.n_tokens))
+        if todo:
+            logger.info("compiling %d graph%s", len(todo), "s" if len(todo) > 1 else "")
+        return self._reserve(todo)
+
+    def _reserve_params(self, n_tokens: int, n_kv: int) -> GraphParams:
+        """The shape of a ubatch of n_tokens that outputs the last token's logits."""
+        return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False)
+
+    def _reserve(self, shapes: list[GraphParams]) -> int:
+        stats = self.sched.cache.stats
+        misses, t_comp = stats.misses, stats.compile_seconds
+        for params in shapes:
+            if params not in self._graphs:
+                plan = self._build(params)[1]
+                self.sched.reserve(plan, {}, self.memory.state())
+        self._perf.n_compiles += stats.misses - misses
+        self._perf.t_compile += stats.compile_seconds - t_comp
+        return stats.misses - misses
 
     @property
     def n_vocab(self) -> int:
@@ -221,6 +235,17 @@ class Context:
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
                            embd_input=ub.embd is not None)
 
+    def _build(self, params: GraphParams) -> tuple[GraphBuilder, Plan]:
+        """Build and plan the graph of one shape, and keep it (the last GRAPHS_KEPT shapes)."""
+        g = GraphBuilder(self.model, self.memory, params)
+        self.model.builder.build_graph(g)
+        plan = self.sched.alloc_graph(g.gf)
+        self._perf.n_graph_builds += 1
+        self._graphs[params] = (g, plan)
+        while len(self._graphs) > GRAPHS_KEPT:
+            self._graphs.popitem(last=False)
+        return g, plan
+
     def _process_ubatch(self, ub: UBatch, slot) -> bool:
         t0 = time.perf_counter()
         self.memory.cells.apply(slot, ub)
@@ -228,12 +253,12 @@ class Context:
         if self._prev is not None and all(i.can_reuse(params) for i in self._prev[0].inputs):
             g, plan = self._prev
             self._perf.n_reused += 1
+        elif params in self._graphs:
+            g, plan = self._prev = self._graphs[params]
+            self._graphs.move_to_end(params)
+            self._perf.n_reused += 1
         else:
-            g = GraphBuilder(self.model, self.memory, params)
-            self.model.builder.build_graph(g)
-            plan = self.sched.alloc_graph(g.gf)
-            self._prev = (g, plan)
-            self._perf.n_graph_builds += 1
+            g, plan = self._prev = self._build(params)
         assert g.inp_attn is not None   # every architecture builds its attention input
         g.inp_attn.slot = slot
         values: dict = {}
