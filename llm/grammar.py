@@ -11,26 +11,24 @@ its per-token mask is well under the 1 ms budget, it has no dependencies (xgramm
 torch, triton and transformers, ~2 GB, and takes ~10 s to import), and llama.cpp itself
 offers it as its alternative grammar engine.
 
-GBNF (llama.cpp's dialect) is translated to llguidance's Lark dialect with the parser that
-ships with llguidance, after two fixes it needs: `\\UXXXXXXXX` escapes and a root rule with
-another name than "root".
+GBNF (llama.cpp's dialect) is parsed and checked by llm.gbnf and handed to llguidance in its
+Lark dialect.
 """
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-from llguidance import gbnf_to_lark as _gbnf
 
+from llm import gbnf as gbnf_mod
 from llm.errors import GrammarError
 from llm.sampling import Sampler, TokenDataArray
 from llm.tokenizers.spm import ESCAPED_SPACE
 from llm.tokenizers.unicode import BYTE_TO_CHAR
-from llm.vocab import TokenAttr, Vocab
+from llm.vocab import TokenAttr, Vocab, VocabType
 
 # llguidance marks a special (control) token by a leading 0xff byte: text can never produce it
 _SPECIAL_PREFIX = b"\xff"
@@ -138,67 +136,23 @@ class _TokenizerShim:
         return [t for t, p in enumerate(self.tokens) if p.startswith(_SPECIAL_PREFIX)]
 
     def __call__(self, text: bytes) -> list[int]:
+        """Tokens whose bytes are exactly `text` (llguidance re-tokenizes forced text with it):
+        an SPM vocabulary's space prefix is not added."""
+        if self.vocab.type == VocabType.SPM:
+            return self.vocab.tokenizer.tokenize(text.replace(b" ", ESCAPED_SPACE))
         return self.vocab.tokenize(text, add_special=False, parse_special=False)
 
 
 # --- grammar sources -> llguidance grammars -----------------------------------------------
 
 
-_BIG_U = re.compile(r"(?<!\\)((?:\\\\)*)\\U([0-9a-fA-F]{8})")
-
-
-def _fix_big_u(gbnf: str) -> str:
-    """\\UXXXXXXXX -> \\uXXXX (BMP) or the character itself, which the converter understands."""
-    def repl(m: re.Match) -> str:
-        cp = int(m.group(2), 16)
-        if cp > 0x10FFFF or 0xD800 <= cp <= 0xDFFF:
-            raise GrammarError(f"grammar: \\U{m.group(2)} is not a Unicode scalar value")
-        return m.group(1) + (f"\\u{cp:04x}" if cp <= 0xFFFF else chr(cp))
-    return _BIG_U.sub(repl, gbnf)
-
-
 def gbnf_to_lark(gbnf: str, root: str = "root") -> str:
-    """llama.cpp's GBNF -> llguidance's Lark dialect; GrammarError names what is wrong."""
+    """llama.cpp's GBNF -> llguidance's Lark dialect (llm.gbnf); GrammarError names what is wrong."""
     if not isinstance(gbnf, str):
         raise GrammarError(f"grammar: expected GBNF text (str), got {type(gbnf).__name__}")
     if len(gbnf.encode("utf-8")) > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"grammar: {len(gbnf)} characters is more than the {MAX_GRAMMAR_BYTES} bytes allowed")
-    try:
-        rules = _gbnf.GrammarParser().parse(_fix_big_u(gbnf))
-    except (_gbnf.GbnfToLarkError, RecursionError) as e:
-        raise GrammarError(f"grammar: {e}") from None
-    if not rules:
-        raise GrammarError("grammar: no rules")
-    if root not in rules:
-        raise GrammarError(f"grammar: no rule named {root!r} (the root); rules are {sorted(rules)[:10]}")
-    if root != "root":
-        _make_root(rules, root)
-    try:
-        _gbnf.resolve(rules)
-    except Exception as e:  # the converter raises plain Exception for unknown rules
-        raise GrammarError(f"grammar: {e}") from None
-    body = "\n".join(str(r) for r in sorted(rules.values(), key=lambda r: r.order))
-    return "%llguidance {}\n\n" + body + "\n"
-
-
-def _make_root(rules: dict, root: str) -> None:
-    """Rename rule `root` to "root" (and a rule already called "root" out of the way)."""
-    taken = "root"
-    while taken in rules:
-        taken += "_"
-    renames = {"root": taken, root: "root"} if "root" in rules else {root: "root"}
-    for r in list(rules.values()):
-        stack = [r.alternatives]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, _gbnf.RuleRefNode) and node.name in renames:
-                node.name = renames[node.name]
-            stack.extend(node.children())
-    renamed = {renames.get(name, name): r for name, r in rules.items()}
-    for name, r in renamed.items():
-        r.name = name
-    rules.clear()
-    rules.update(renamed)
+    return gbnf_mod.to_lark(gbnf, root)
 
 
 def _limits() -> llguidance.LLParserLimits:
