@@ -262,7 +262,12 @@ class Grammar(Sampler):
     def apply(self, cur: TokenDataArray) -> None:
         allowed = self.allowed()
         if cur.size == self.n_vocab and cur.ids[-1] == self.n_vocab - 1 and not cur.sorted:
-            cur.logits[~allowed] = -np.inf          # first in the chain: ids are 0..n-1
+            # first in the chain (ids 0..n-1): a grammar usually allows few tokens, so keep
+            # those and fill the rest, rather than index by the large disallowed set
+            keep = np.flatnonzero(allowed)
+            kept = cur.logits[keep]
+            cur.logits.fill(-np.inf)
+            cur.logits[keep] = kept
         else:
             cur.logits[~allowed[cur.ids]] = -np.inf
 
