@@ -205,6 +205,7 @@ class _Parser:
         while True:
             self.skip(nested)
             c = self.peek()
+            item: Lit | CharClass | AnyChar | Alt | Ref
             if c == '"':
                 item = self.literal()
             elif c == "[":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -33,13 +34,13 @@ from llm.vocab import TokenAttr, Vocab, VocabType
 # llguidance marks a special (control) token by a leading 0xff byte: text can never produce it
 _SPECIAL_PREFIX = b"\xff"
 # the parser's resource limits: a grammar past them fails to build instead of exhausting memory
-LIMITS = dict(max_grammar_size=500_000, max_lexer_states=250_000, step_max_items=50_000,
-              initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_items_in_row=2000)
+LIMITS: dict[str, Any] = dict(max_grammar_size=500_000, max_lexer_states=250_000, step_max_items=50_000,
+                              initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_items_in_row=2000)
 # a grammar text larger than this is refused before it is parsed
 MAX_GRAMMAR_BYTES = 4 << 20
 # JSON output on one line with ", " and ": " between items: small models otherwise drift
 # into long runs of whitespace, which the schema allows but which eat max_tokens
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 # --- the vocabulary as bytes --------------------------------------------------------------
@@ -167,7 +168,7 @@ def _checked(grammar: str, what: str) -> str:
     return grammar
 
 
-def _check_schema(schema) -> dict:
+def _check_schema(schema) -> dict | bool:
     import jsonschema  # only needed for schemas
 
     if isinstance(schema, str):

@@ -51,11 +51,11 @@ class PromptCache:
         """The saved entry sharing the longest prefix with `tokens`: (prefix length, state bytes,
         where it came from). (0, None, "") when nothing shares at least min_tokens."""
         want = np.asarray(tokens, np.int64)
-        best_n, best = 0, None
+        best_n, best_key, best_path = 0, None, None
         for key in self._memory:
             n = _common(want, np.asarray(key, np.int64))
             if n > best_n:
-                best_n, best = n, ("memory", key)
+                best_n, best_key = n, key
         for path in self._entries():
             try:
                 saved = np.fromfile(path.with_suffix(".tokens"), dtype="<i4")
@@ -63,23 +63,24 @@ class PromptCache:
                 continue
             n = _common(want, saved)
             if n > best_n:
-                best_n, best = n, ("disk", path)
-        if best is None or best_n < self.min_tokens:
+                best_n, best_key, best_path = n, None, path
+        if best_n < self.min_tokens or (best_key is None and best_path is None):
             self.misses += 1
             return 0, None, ""
-        where, ref = best
-        if where == "memory":
-            self._memory.move_to_end(ref)
-            data = self._memory[ref]
+        if best_path is None:
+            assert best_key is not None
+            self._memory.move_to_end(best_key)
+            data, where = self._memory[best_key], "memory"
         else:
             try:
-                data = ref.read_bytes()
-                os.utime(ref)
+                data = best_path.read_bytes()
+                os.utime(best_path)
             except OSError:
                 self.misses += 1
                 return 0, None, ""
+            where = str(best_path)
         self.hits += 1
-        return best_n, data, f"{where}:{ref if where == 'disk' else 'memory'}"
+        return best_n, data, where
 
     def contains(self, tokens: Sequence[int]) -> bool:
         key = tuple(int(t) for t in tokens)

@@ -106,8 +106,8 @@ def encode(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None
     """The whole state of ctx (seq_id None) or one sequence's, as bytes (header + body)."""
     mem = ctx.memory
     cells_meta = mem.cells
-    tokens = np.asarray(list(tokens), dtype=np.int64)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= ctx.n_vocab):
+    ids = np.asarray(list(tokens), dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= ctx.n_vocab):
         raise StateError(f"state: tokens must be in [0, n_vocab = {ctx.n_vocab})")
     if seq_id is None:
         cells = np.flatnonzero(cells_meta.pos >= 0).astype(np.int32)
@@ -118,7 +118,7 @@ def encode(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None
         cells = np.flatnonzero(has & (cells_meta.pos >= 0)).astype(np.int32)
         cells = cells[np.argsort(cells_meta.pos[cells], kind="stable")]
     parts = [fingerprint, _u32(int(mem.k_l[0].type)), _u32(int(mem.v_l[0].type)), _u32(len(mem.k_l)),
-             _u32(tokens.size), tokens.astype("<i4").tobytes(), _u32(cells.size)]
+             _u32(ids.size), ids.astype("<i4").tobytes(), _u32(cells.size)]
     if seq_id is None:
         parts += [cells.astype("<i4").tobytes(), cells_meta.pos[cells].astype("<i4").tobytes(),
                   cells_meta.seq[cells].astype("<u8").tobytes()]
@@ -271,7 +271,8 @@ def decode(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sampl
         if mt_pos > _MT_WORDS:
             raise r.error(f"rng {i} position {mt_pos} > {_MT_WORDS}")
         rngs.append((key, mt_pos))
-    k_rows, v_rows = [], []
+    k_rows: list[np.ndarray] = []
+    v_rows: list[np.ndarray] = []
     for il, (k, v) in enumerate(zip(mem.k_l, mem.v_l, strict=True)):
         for name, t, out in (("K", k, k_rows), ("V", v, v_rows)):
             width = t.data.shape[-1]
