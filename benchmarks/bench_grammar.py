@@ -10,6 +10,7 @@ points at a checkout, and reports install weight (package plus dependencies on d
 import time. xgrammar is skipped when it is not installed.
 
     python benchmarks/bench_grammar.py [--models smollm2-135m gemma3-270m] [--gbnf-dir DIR]
+                                       [--generate smollm2-135m ...] [--runs 5]
 """
 from __future__ import annotations
 
@@ -302,10 +303,35 @@ def byte_tokenizer():
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()), n_vocab=257, eos_token=256)
 
 
+def generation_speed(name: str, runs: int) -> None:
+    """Decode tok/s of the same chat request without and with the JSON schema, interleaved."""
+    import llm
+
+    m = llm.LLM(name, n_ctx=1024)
+    msgs = [{"role": "user", "content": "Write a long JSON description of a fictional employee: name, code, "
+                                        "age, role, address with city and zip, and several tags."}]
+    tokens = m.chat_tokens(msgs)
+    m.generate(tokens, max_tokens=4, json_schema=SCHEMA)       # compile, build the grammar vocabulary
+    speeds: dict[str, list[float]] = {"unconstrained": [], "json-schema": []}
+    counts: dict[str, list[int]] = {"unconstrained": [], "json-schema": []}
+    for r in range(runs):
+        for kind, kw in (("unconstrained", {}), ("json-schema", {"json_schema": SCHEMA})):
+            c = m.generate(tokens, max_tokens=64, temperature=0.8, seed=r, **kw)
+            speeds[kind].append(c.timings["gen_tok_s"])
+            counts[kind].append(c.n_completion_tokens)
+    base = float(np.median(speeds["unconstrained"]))
+    for kind in speeds:
+        med = float(np.median(speeds[kind]))
+        print(f"{name:14} {kind:14} {med:8.1f} tok/s  ({med / base - 1:+.1%})  tokens per run {counts[kind]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--gbnf-dir", type=Path, help="llama.cpp's grammars/ folder, for the coverage table")
+    ap.add_argument("--generate", nargs="*", default=["smollm2-135m"], metavar="MODEL",
+                    help="models for the constrained vs unconstrained tok/s table (none: skip it)")
+    ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     try:
         import xgrammar  # noqa: F401
@@ -362,6 +388,11 @@ def main() -> None:
             for how, t in app.items():
                 print(f"{name:14} {vocab.n_tokens:8} {'apply mask':12} {density:4.0%} allowed, {how} on {dev}: "
                       f"{t * 1e3:.3f} ms")
+
+    if args.generate:
+        print(f"\n## generation speed, JSON schema vs none (median of {args.runs} interleaved runs, temp 0.8)")
+        for name in args.generate:
+            generation_speed(name, args.runs)
 
 
 if __name__ == "__main__":

@@ -224,6 +224,28 @@ def spec_json_object() -> GrammarSpec:
     return spec_json_schema({"type": "object"})
 
 
+def spec_response_format(response_format) -> GrammarSpec | None:
+    """OpenAI's `response_format`: {"type": "text"} (None), {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}. GrammarError names
+    the field at fault; for a server, a 400."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise GrammarError(f"response_format: expected an object, got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = response_format.get("schema")       # llama-server also takes a schema here
+        return spec_json_schema(schema) if schema is not None else spec_json_object()
+    if kind == "json_schema":
+        js = response_format.get("json_schema")
+        if not isinstance(js, Mapping) or "schema" not in js:
+            raise GrammarError("response_format.json_schema: expected an object with a 'schema' field")
+        return spec_json_schema(js["schema"])
+    raise GrammarError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
 # --- the sampler ----------------------------------------------------------------------------
 
 

@@ -164,6 +164,16 @@ def max_state_bytes(ctx, *, seq: bool) -> int:
     return _HEADER.size + 32 + 4 * 12 + ctx.n_ctx * (4 + per_cell) + logits + 64 * (_MT_WORDS + 1) * 4
 
 
+def slot_path(directory: str | os.PathLike, filename: str) -> Path:
+    """Where llama-server's `POST /slots/{id}?action=save|restore {"filename"}` reads or writes:
+    a plain file name inside `directory` (--slot-save-path); StateError for anything else."""
+    if (not isinstance(filename, str) or not filename or len(filename) > 255 or filename in (".", "..")
+            or any(c in filename for c in '/\\:\0') or filename != filename.strip()
+            or any(ord(c) < 32 for c in filename)):
+        raise StateError(f"slot filename {filename!r}: expected a plain file name")
+    return Path(directory) / filename
+
+
 # --- reading ---------------------------------------------------------------------------------
 
 

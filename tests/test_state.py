@@ -253,3 +253,10 @@ def test_fuzz_1000_mutated_files_only_state_error(saved, victim, tmp_path):
         with pytest.raises(llm.StateError):
             victim.state_load_file(path)
     assert_same(before, snapshot(victim))
+
+
+def test_slot_path_accepts_only_plain_names(tmp_path):
+    assert state.slot_path(tmp_path, "slot0.bin") == tmp_path / "slot0.bin"
+    for bad in ["", "..", "../x", "a/b", "a\\b", "c:x", "x\0", " x", 5, "x" * 300]:
+        with pytest.raises(llm.StateError, match="plain file name"):
+            state.slot_path(tmp_path, bad)

@@ -175,3 +175,15 @@ def test_prompt_cache_new_process_restores(tmp_path, smollm2_path):
                            capture_output=True, text=True).stdout.split(" ", 1) for _ in range(2)]
     assert runs[0][0] == "0" and runs[1][0] == "1"
     assert runs[0][1] == runs[1][1]
+
+
+def test_response_format():
+    from llm.grammar import spec_response_format
+    assert spec_response_format(None) is None and spec_response_format({"type": "text"}) is None
+    assert spec_response_format({"type": "json_object"}).what == "json_schema"
+    spec = spec_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    assert spec == sampling.json_schema(SCHEMA)
+    for bad, field in [({"type": "xml"}, "response_format.type"), ({"type": "json_schema"}, "json_schema"),
+                       ({"type": "json_schema", "json_schema": {"schema": {"type": 3}}}, "invalid schema"), ([], "")]:
+        with pytest.raises(llm.GrammarError, match=field):
+            spec_response_format(bad)
