@@ -184,6 +184,7 @@ def test_response_format():
     spec = spec_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
     assert spec == sampling.json_schema(SCHEMA)
     for bad, field in [({"type": "xml"}, "response_format.type"), ({"type": "json_schema"}, "json_schema"),
-                       ({"type": "json_schema", "json_schema": {"schema": {"type": 3}}}, "invalid schema"), ([], "")]:
+                       ({"type": "json_schema", "json_schema": {"schema": {"type": 3}}}, "invalid schema"),
+                       ([], "expected an object")]:
         with pytest.raises(llm.GrammarError, match=field):
             spec_response_format(bad)
