@@ -121,11 +121,12 @@ class PromptCache:
             total -= size
             log.info("prompt cache: evicted %s (%d bytes)", p.name, size)
 
-    def restore(self, ctx, tokens: Sequence[int], seq_id: int = 0) -> int:
-        """Load the best entry for `tokens` into seq_id and cut it to the shared prefix;
-        returns how many tokens are now cached (0: nothing usable, the sequence untouched)."""
+    def restore(self, ctx, tokens: Sequence[int], seq_id: int = 0, better_than: int = 0) -> int:
+        """Load the best entry for `tokens` into seq_id and cut it to the shared prefix, if that
+        prefix is longer than `better_than` tokens (what the sequence already holds); returns
+        how many tokens are now cached (0: nothing better, the sequence untouched)."""
         n, data, where = self.lookup(tokens)
-        if data is None:
+        if data is None or n <= better_than:
             return 0
         try:
             ctx.state_seq_set_data(data, seq_id, where=f"prompt cache {where}")
