@@ -341,7 +341,7 @@ class Context:
     def _state_bytes(self, tokens, seq_id, sampler) -> bytes:
         if self.memory.cells.has_shift:
             self._apply_k_shift()      # saved K rows must already carry their positions
-        return state.encode(self, self.fingerprint, tokens, seq_id=seq_id, sampler=sampler)
+        return state.serialize(self, self.fingerprint, tokens, seq_id=seq_id, sampler=sampler)
 
     @locked
     def state_get_data(self, tokens=(), sampler=None) -> bytes:
@@ -352,7 +352,7 @@ class Context:
     def state_set_data(self, data: bytes, sampler=None, *, where: str = "state data") -> list[int]:
         """Replace the state by `data` from state_get_data; returns its tokens. StateError
         (context unchanged) when the data does not fit this context."""
-        saved = state.decode(self, self.fingerprint, bytes(data), where, kind=state.KIND_FULL, sampler=sampler)
+        saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_FULL, sampler=sampler)
         state.apply_full(self, saved, sampler)
         return saved.tokens
 
@@ -375,7 +375,7 @@ class Context:
         its tokens. StateError (context unchanged) when it does not fit."""
         if not isinstance(dest_seq_id, int) or not 0 <= dest_seq_id < self.n_seq_max:
             raise StateError(f"{where}: dest_seq_id {dest_seq_id!r} is out of range [0, n_seq_max = {self.n_seq_max})")
-        saved = state.decode(self, self.fingerprint, bytes(data), where, kind=state.KIND_SEQ)
+        saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_SEQ)
         cells = self.memory.cells
         own = cells.seq == (np.uint64(1) << np.uint64(dest_seq_id))
         n_free = int(np.count_nonzero((cells.pos < 0) | own))

@@ -17,6 +17,7 @@ Lark dialect.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from llm.sampling import Sampler, TokenDataArray
 from llm.tokenizers.spm import ESCAPED_SPACE
 from llm.tokenizers.unicode import BYTE_TO_CHAR
 from llm.vocab import TokenAttr, Vocab, VocabType
+
+log = logging.getLogger(__name__)
 
 # llguidance marks a special (control) token by a leading 0xff byte: text can never produce it
 _SPECIAL_PREFIX = b"\xff"
@@ -111,6 +114,8 @@ class GrammarVocab:
         bad = check_token_bytes(vocab, self.pieces)
         if bad:
             # a token whose bytes are not what its text says would let text slip past the grammar
+            log.warning("%s: %d tokens do not round-trip to their bytes (first: %d); grammars never allow them",
+                        vocab.path, len(bad), bad[0])
             for t in bad:
                 self.pieces[t] = b""
         self.n_unusable = len(bad)

@@ -83,12 +83,12 @@ class _Saved:
 
 def _rng_owners(sampler) -> list:
     """The samplers in `sampler` (a chain or one sampler) that own a Mersenne Twister."""
-    from llm.sampling import SamplerChain, _Mt19937
+    from llm.sampling import Dist, SamplerChain, Xtc, _MirostatBase
 
     if sampler is None:
         return []
     members = sampler.samplers if isinstance(sampler, SamplerChain) else [sampler]
-    return [s for s in members if isinstance(getattr(s, "rng", None), _Mt19937)]
+    return [s for s in members if isinstance(s, (Dist, Xtc, _MirostatBase))]
 
 
 def _u32(n: int) -> bytes:
@@ -102,7 +102,7 @@ def _rows(t, cells: np.ndarray) -> np.ndarray:
     return np.asarray(rows).reshape(len(cells), t.data.shape[-1])
 
 
-def encode(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None = None, sampler=None) -> bytes:
+def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None = None, sampler=None) -> bytes:
     """The whole state of ctx (seq_id None) or one sequence's, as bytes (header + body)."""
     mem = ctx.memory
     cells_meta = mem.cells
@@ -210,7 +210,7 @@ class _Reader:
         return np.frombuffer(self.take(n * dt.itemsize, what), dtype=dt).copy()
 
 
-def decode(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sampler=None) -> _Saved:
+def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sampler=None) -> _Saved:
     """Parse and validate a state against ctx without changing anything."""
     if len(data) < _HEADER.size:
         raise StateError(f"{where}: truncated: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
