@@ -1,7 +1,8 @@
 """Tool calling for the chat API, in OpenAI's shapes, with the call constrained by a schema.
 
 Like llama.cpp's generic tool-call format (for templates without a native one), the tools
-are described to the model in a system message, and its reply is constrained by a JSON
+are described to the model in a system message (and passed to the chat template as `tools`,
+for templates that render them), and its reply is constrained by a JSON
 schema built from the tools' parameter schemas: either {"tool_call": {"name", "arguments"}}
 or, when tool_choice is "auto", {"response": "..."}. The reply is parsed into OpenAI's
 `tool_calls` ([{"id", "type": "function", "function": {"name", "arguments": JSON text}}]).

@@ -188,3 +188,14 @@ def test_response_format():
                        ([], "expected an object")]:
         with pytest.raises(llm.GrammarError, match=field):
             spec_response_format(bad)
+
+
+def test_tools_reach_a_template_that_uses_them(tiny):
+    tiny.model.meta["tokenizer.chat_template"] = (
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    try:
+        text = tiny.render_chat(tools.with_tools([{"role": "user", "content": "hi"}], WEATHER), tools=WEATHER)
+    finally:
+        del tiny.model.meta["tokenizer.chat_template"]
+    assert text.startswith("[tool get_weather][tool get_time]<system>You can call these tools")
