@@ -304,25 +304,44 @@ def byte_tokenizer():
 
 
 def generation_speed(name: str, runs: int) -> None:
-    """Decode tok/s of the same chat request without and with the JSON schema, interleaved."""
+    """Decode tok/s of the same chat request without and with the JSON schema, interleaved, and the
+    sampler chain's own time per token (SamplerChain.perf), which is what the constraint adds: on
+    a shared machine tok/s swings more between runs than the chain costs."""
     import llm
 
     m = llm.LLM(name, n_ctx=1024)
+    chains: list = []
+    make_chain = m._sampler
+
+    def recording_sampler(*args, **kw):
+        chains.append(make_chain(*args, **kw))
+        return chains[-1]
+
+    m._sampler = recording_sampler
     msgs = [{"role": "user", "content": "Write a long JSON description of a fictional employee: name, code, "
                                         "age, role, address with city and zip, and several tags."}]
     tokens = m.chat_tokens(msgs)
     m.generate(tokens, max_tokens=4, json_schema=SCHEMA)       # compile, build the grammar vocabulary
-    speeds: dict[str, list[float]] = {"unconstrained": [], "json-schema": []}
-    counts: dict[str, list[int]] = {"unconstrained": [], "json-schema": []}
+    kinds = ("unconstrained", "json-schema")
+    speed: dict[str, list[float]] = {k: [] for k in kinds}
+    sample_ms: dict[str, list[float]] = {k: [] for k in kinds}
+    step_ms: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(runs):
-        for kind, kw in (("unconstrained", {}), ("json-schema", {"json_schema": SCHEMA})):
+        for kind in kinds:
+            kw = {"json_schema": SCHEMA} if kind == "json-schema" else {}
             c = m.generate(tokens, max_tokens=64, temperature=0.8, seed=r, **kw)
-            speeds[kind].append(c.timings["gen_tok_s"])
-            counts[kind].append(c.n_completion_tokens)
-    base = float(np.median(speeds["unconstrained"]))
-    for kind in speeds:
-        med = float(np.median(speeds[kind]))
-        print(f"{name:14} {kind:14} {med:8.1f} tok/s  ({med / base - 1:+.1%})  tokens per run {counts[kind]}")
+            perf = chains[-1].perf()
+            speed[kind].append(c.timings["gen_tok_s"])
+            sample_ms[kind].append(perf["t_sample_ms"] / max(perf["n_sample"], 1))
+            step_ms[kind].append(c.timings["gen_s"] * 1e3 / max(c.n_completion_tokens, 1))
+    base = float(np.median(speed["unconstrained"]))
+    for kind in kinds:
+        med = float(np.median(speed[kind]))
+        print(f"{name:14} {kind:14} {med:8.1f} tok/s ({med / base - 1:+6.1%})  sampler chain "
+              f"{np.median(sample_ms[kind]):6.3f} ms/token of {np.median(step_ms[kind]):7.1f} ms/token")
+    extra = float(np.median(sample_ms["json-schema"]) - np.median(sample_ms["unconstrained"]))
+    step = float(np.median(step_ms["unconstrained"]))
+    print(f"{name:14} the constraint adds {extra:.3f} ms per token: {extra / step:.1%} of an unconstrained step")
 
 
 def main() -> None:
