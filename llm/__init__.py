@@ -8,7 +8,8 @@ _EXPORTS = {
     "LLM": "llm.api", "Completion": "llm.api", "GenerationChunk": "llm.api",
     "Batch": "llm.batch", "BatchError": "llm.batch",
     "Context": "llm.context", "DecodeStatus": "llm.context",
-    "LoadCancelled": "llm.errors", "ModelLoadError": "llm.errors",
+    "GrammarError": "llm.errors", "LoadCancelled": "llm.errors", "ModelLoadError": "llm.errors",
+    "StateError": "llm.errors",
     "Model": "llm.model", "load_model": "llm.model",
 }
 

@@ -8,17 +8,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from llm import chat as chat_mod
+from llm import grammar as grammar_mod
 from llm import hub
+from llm import tools as tools_mod
 from llm.batch import Batch
 from llm.context import Context, DecodeStatus
 from llm.model import Model, load_model
+from llm.prompt_cache import PromptCache
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
 
 FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
+FINISH_TOOL_CALLS = "tool_calls"
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ class Completion:
     n_completion_tokens: int
     finish_reason: str
     timings: dict = field(default_factory=dict)
+    tool_calls: list[dict] | None = None    # OpenAI-shaped calls parsed from a chat reply with tools
 
 
 @dataclass
@@ -60,6 +66,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
                  n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
                  weight_format: str = "auto", progress_callback: Callable[[float], bool] | None = None,
+                 prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  **ctx_kwargs):
         path = hub.resolve(model)
         t0 = time.perf_counter()
@@ -69,6 +76,10 @@ class LLM:
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
+        self._gvocab: grammar_mod.GrammarVocab | None = None     # built on the first constrained request
+        self._save_pending = False
+        self.prompt_cache = (PromptCache(prompt_cache, self.ctx.fingerprint, max_bytes=prompt_cache_bytes)
+                             if prompt_cache is not None else None)
         self._busy = threading.Lock()    # held while a generation is live
         self._warned_template = False
 
@@ -93,10 +104,33 @@ class LLM:
 
     # ---- generation ------------------------------------------------------------------
 
-    def _sampler(self, temperature, top_k, top_p, min_p, repeat_penalty, seed) -> SamplerChain:
+    def _sampler(self, temperature, top_k, top_p, min_p, repeat_penalty, seed, constraint=None) -> SamplerChain:
         params = SamplingParams(seed=LLAMA_DEFAULT_SEED if seed is None else seed, temp=temperature,
                                 top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
-        return SamplerChain.from_params(params, n_vocab=self.model.n_vocab, n_ctx=self.ctx.n_ctx)
+        chain = SamplerChain.from_params(params, n_vocab=self.model.n_vocab, n_ctx=self.ctx.n_ctx)
+        if constraint is not None:     # the grammar goes first, as in llama.cpp
+            chain.samplers.insert(0, constraint.sampler(self.grammar_vocab()))
+        return chain
+
+    def grammar_vocab(self) -> grammar_mod.GrammarVocab:
+        """The vocabulary as llguidance wants it (built once: about a second for 262144 tokens)."""
+        if self._gvocab is None:
+            self._gvocab = grammar_mod.GrammarVocab(self.model.vocab)
+        return self._gvocab
+
+    @staticmethod
+    def constraint(grammar=None, json_schema=None) -> grammar_mod.GrammarSpec | None:
+        """The checked constraint of a request: GBNF text or a GrammarSpec (llm.sampling.grammar /
+        json_schema / json_object), or a JSON schema; GrammarError before any decoding."""
+        if grammar is not None and json_schema is not None:
+            raise ValueError("pass either grammar or json_schema, not both")
+        if isinstance(grammar, grammar_mod.GrammarSpec):
+            return grammar
+        if grammar is not None:
+            return grammar_mod.spec_gbnf(grammar)
+        if json_schema is not None:
+            return grammar_mod.spec_json_schema(json_schema)
+        return None
 
     def _keep_prefix(self, tokens: list[int]) -> list[int]:
         """Keep the cached prefix the prompt shares with the last request; the tokens left to decode."""
@@ -107,6 +141,10 @@ class LLM:
             n_keep += 1
         self.ctx.memory.seq_rm(0, n_keep, -1)
         self._cached = self._cached[:n_keep]
+        if self.prompt_cache is not None and n_keep < len(tokens) - 1 - self.prompt_cache.min_tokens:
+            n_restored = self.prompt_cache.restore(self.ctx, tokens[:-1], better_than=n_keep)
+            if n_restored:
+                n_keep, self._cached = n_restored, list(tokens[:n_restored])
         return tokens[n_keep:]
 
     def _eval_prompt(self, rest: list[int]) -> None:
@@ -118,6 +156,15 @@ class LLM:
                 flags[-1] = True
             self._decode(Batch(chunk, logits=flags))
             self._cached += chunk
+        # worth a new cache entry when this request evaluated a long new stretch; saved once the
+        # request is done (save_prompt_cache), so saving does not delay the first token
+        self._save_pending = self.prompt_cache is not None and len(rest) >= self.prompt_cache.min_tokens
+
+    def save_prompt_cache(self) -> None:
+        """Save what the KV cache holds now (prompt and generated tokens) as a prompt-cache entry."""
+        if self.prompt_cache is not None and self._cached and not self.prompt_cache.contains(self._cached):
+            self.prompt_cache.store(self._cached, self.ctx.state_seq_get_data(0, self._cached))
+        self._save_pending = False
 
     def _decode(self, batch: Batch) -> bool:
         """False when the context is full; raises on any other failure."""
@@ -168,6 +215,8 @@ class LLM:
             if not self._decode(Batch.get_one([tok])):
                 break
             self._cached.append(tok)
+        if self._save_pending:
+            self.save_prompt_cache()
         if finish != FINISH_STOP:
             text += decoder.flush()
         t_gen = time.perf_counter() - t1
@@ -184,16 +233,20 @@ class LLM:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 seed: int | None = None, stop: str | list[str] | None = None) -> Completion:
+                 seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
+                 json_schema=None) -> Completion:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
-        string (cut from the text) or max_tokens."""
-        *_, last = self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)
+        string (cut from the text) or max_tokens. `grammar` (GBNF text or an llm.sampling
+        grammar/json_schema/json_object) or `json_schema` (dict) constrain the output."""
+        *_, last = self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop,
+                               grammar=grammar, json_schema=json_schema)
         assert last.completion is not None
         return last.completion
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-               seed: int | None = None, stop: str | list[str] | None = None) -> Iterator[GenerationChunk]:
+               seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
+               json_schema=None) -> Iterator[GenerationChunk]:
         """GenerationChunks as tokens are generated: their texts join to the completion's text,
         never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
         and the Completion. Arguments are checked at once, before the first chunk is asked for."""
@@ -203,7 +256,8 @@ class LLM:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         stop = _stop_strings(stop)
-        sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        constraint = self.constraint(grammar, json_schema)
+        sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed, constraint)
         return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop))
 
     def _one_at_a_time(self, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
@@ -240,7 +294,9 @@ class LLM:
 
     # ---- chat ------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The model's chat template over messages; `tools` is passed to templates that use it."""
         tmpl = chat_mod.template_for(self.model.meta, self.model.arch)
         if "tokenizer.chat_template" not in self.model.meta and not self._warned_template:
             self._warned_template = True
@@ -248,25 +304,53 @@ class LLM:
                            "poorly; for chat use an instruction-tuned model, e.g. llm.LLM(%r)",
                            os.path.basename(self.model.path), hub.DEFAULT_CHAT_MODEL)
         v = self.vocab
-        return chat_mod.render(tmpl, messages, add_generation_prompt=add_generation_prompt,
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        return chat_mod.render(tmpl, messages, add_generation_prompt=add_generation_prompt, **extra,
                                bos_token=v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
                                eos_token=v.token_get_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else "")
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The rendered conversation as tokens; the template writes BOS itself where the
         model wants it, else it is added here."""
-        tokens = self.tokenize(self.render_chat(messages), add_special=False, parse_special=True)
+        tokens = self.tokenize(self.render_chat(messages, tools=tools), add_special=False, parse_special=True)
         if self.vocab.add_bos and (not tokens or tokens[0] != self.vocab.bos):
             tokens = [self.vocab.bos] + tokens
         return tokens
 
-    def chat(self, messages: list[dict], **kw) -> Completion:
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice="auto", **kw) -> Completion:
         """Render the model's chat template for messages and generate the assistant reply
-        (keyword arguments as for generate)."""
-        return self.generate(self.chat_tokens(messages), **kw)
+        (keyword arguments as for generate). With `tools` (OpenAI's format) the reply is
+        constrained to a tool call or, with tool_choice "auto", a plain answer; a call comes
+        back in `tool_calls` with finish_reason "tool_calls"."""
+        *_, last = self.chat_stream(messages, tools=tools, tool_choice=tool_choice, **kw)
+        assert last.completion is not None
+        return last.completion
 
-    def chat_stream(self, messages: list[dict], **kw) -> Iterator[GenerationChunk]:
-        return self.stream(self.chat_tokens(messages), **kw)
+    def chat_stream(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice="auto",
+                    **kw) -> Iterator[GenerationChunk]:
+        """chat as GenerationChunks; with tools, the chunks carry the model's JSON reply and the
+        last chunk's Completion has the parsed tool_calls."""
+        if not tools or tool_choice == "none":
+            return self.stream(self.chat_tokens(messages), **kw)
+        if "grammar" in kw or "json_schema" in kw:
+            raise ValueError("tools cannot be combined with grammar or json_schema")
+        tools = tools_mod.check_tools(tools)
+        schema = tools_mod.reply_schema(tools, tool_choice)
+        chunks = self.stream(self.chat_tokens(tools_mod.with_tools(messages, tools, tool_choice), tools=tools),
+                             json_schema=schema, **kw)
+        return self._parse_tool_calls(chunks)
+
+    @staticmethod
+    def _parse_tool_calls(chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
+        for chunk in chunks:
+            done = chunk.completion
+            if done is not None:
+                content, calls = tools_mod.parse_reply(done.text)
+                done.text = content or ""
+                if calls:
+                    done.tool_calls = calls
+                    done.finish_reason = chunk.finish_reason = FINISH_TOOL_CALLS
+            yield chunk
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

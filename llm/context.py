@@ -7,6 +7,7 @@ copy the requested logits rows to the host output buffer."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,7 +23,9 @@ from ggmlx.graph import Graph
 from ggmlx.sched import Plan, Scheduler
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
+from llm import state
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
+from llm.errors import StateError
 from llm.graph import GraphBuilder, GraphParams, rope_params
 from llm.kv_cache import KVCache, locked
 from llm.model import Model
@@ -102,6 +105,7 @@ class Context:
         self._prev: tuple[GraphBuilder, Plan] | None = None   # the last graph, for reuse
         # graphs built (and compiled) by shape, so a shape seen before costs no build or lookup
         self._graphs: OrderedDict[GraphParams, tuple[GraphBuilder, Plan]] = OrderedDict()
+        self._fingerprint: bytes | None = None
         self._perf = Perf(time.perf_counter())
         if reserve:
             self.reserve(reserve)
@@ -349,3 +353,80 @@ class Context:
 
     def perf_reset(self) -> None:
         self._perf = Perf(time.perf_counter())
+
+    # ---- saved state (llama_state_*; format and checks in llm.state) ------------------
+
+    @property
+    def fingerprint(self) -> bytes:
+        """The model's fingerprint in saved states (computed once, from the GGUF header)."""
+        if self._fingerprint is None:
+            self._fingerprint = state.model_fingerprint(self.model)
+        return self._fingerprint
+
+    def _state_bytes(self, tokens, seq_id, sampler) -> bytes:
+        if self.memory.cells.has_shift:
+            self._apply_k_shift()      # saved K rows must already carry their positions
+        return state.serialize(self, self.fingerprint, tokens, seq_id=seq_id, sampler=sampler)
+
+    @locked
+    def state_get_data(self, tokens=(), sampler=None) -> bytes:
+        """The whole state (KV cells and rows, last logits, `sampler`'s RNG states, tokens) as bytes."""
+        return self._state_bytes(tokens, None, sampler)
+
+    @locked
+    def state_set_data(self, data: bytes, sampler=None, *, where: str = "state data") -> list[int]:
+        """Replace the state by `data` from state_get_data; returns its tokens. StateError
+        (context unchanged) when the data does not fit this context."""
+        saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_FULL, sampler=sampler)
+        state.apply_full(self, saved, sampler)
+        return saved.tokens
+
+    def state_save_file(self, path, tokens, sampler=None) -> None:
+        """llama_state_save_file: the whole state plus `tokens`, written atomically."""
+        state.write_atomic(path, self.state_get_data(tokens, sampler))
+
+    def state_load_file(self, path, sampler=None) -> list[int]:
+        """llama_state_load_file: restore a state file; returns the tokens saved with it."""
+        return self.state_set_data(self._read_state(path, seq=False), sampler, where=str(path))
+
+    @locked
+    def state_seq_get_data(self, seq_id: int, tokens=()) -> bytes:
+        """One sequence's cells and K/V rows (no logits) as bytes."""
+        return self._state_bytes(tokens, seq_id, None)
+
+    @locked
+    def state_seq_set_data(self, data: bytes, dest_seq_id: int, *, where: str = "state data") -> list[int]:
+        """Put a sequence state into dest_seq_id, replacing what that sequence held; returns
+        its tokens. StateError (context unchanged) when it does not fit."""
+        if not isinstance(dest_seq_id, int) or not 0 <= dest_seq_id < self.n_seq_max:
+            raise StateError(f"{where}: dest_seq_id {dest_seq_id!r} is out of range [0, n_seq_max = {self.n_seq_max})")
+        saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_SEQ)
+        cells = self.memory.cells
+        own = cells.seq == (np.uint64(1) << np.uint64(dest_seq_id))
+        n_free = int(np.count_nonzero((cells.pos < 0) | own))
+        if n_free < saved.pos.size:
+            raise StateError(f"{where}: {saved.pos.size} cells do not fit: the context has {n_free} free cells")
+        self.memory.seq_rm(dest_seq_id, -1, -1)
+        state.apply_seq(self, saved, dest_seq_id, state.free_cells_for(self, saved, where))
+        return saved.tokens
+
+    def state_seq_save_file(self, path, seq_id: int, tokens) -> None:
+        """llama_state_seq_save_file: one sequence's state plus `tokens`, written atomically."""
+        state.write_atomic(path, self.state_seq_get_data(seq_id, tokens))
+
+    def state_seq_load_file(self, path, dest_seq_id: int) -> list[int]:
+        """llama_state_seq_load_file: restore a sequence state into dest_seq_id; returns its tokens."""
+        return self.state_seq_set_data(self._read_state(path, seq=True), dest_seq_id, where=str(path))
+
+    def _read_state(self, path, *, seq: bool) -> bytes:
+        """The file's bytes, refused before reading when it is larger than any state of this context."""
+        try:
+            size = os.path.getsize(path)
+            limit = state.max_state_bytes(self, seq=seq)
+            if size > limit:
+                raise StateError(f"{path}: {size} bytes is too large for this context "
+                                 f"(at most {limit} for n_ctx = {self.n_ctx})")
+            with open(path, "rb") as f:
+                return f.read(limit + 1)
+        except OSError as e:
+            raise StateError(f"{path}: cannot read: {e.strerror or e}") from None

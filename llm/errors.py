@@ -25,3 +25,13 @@ class SizeError(ValueError):
 
 class UsageError(ValueError):
     """A mistake in how a command was called (a bad value for an option): the CLI exits 2."""
+
+
+class GrammarError(ValueError):
+    """A grammar or JSON schema that cannot be used: bad syntax, unknown rule, invalid schema,
+    over a size limit. Raised before any decoding."""
+
+
+class StateError(Exception):
+    """A saved state (file or bytes) that cannot be loaded into this context; the message
+    names the file and what is wrong, and the context is left unchanged."""

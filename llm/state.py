@@ -1,0 +1,344 @@
+"""Saved context state: llama.cpp's llama_state_* (session files) for `llm.Context`.
+
+What is saved: the KV cells in use (cell index, position, sequences) with the K and V rows
+of every layer in the cache's own type, the last logits with their output ids, the
+Mersenne-Twister states of the seeded samplers of an optional sampler chain, and the
+caller's tokens. A seq file holds one sequence's cells, positions and rows (no logits).
+
+Layout (little-endian):
+
+    header   magic b"GGMLXST\\0" | version u32 | kind u32 | body length u64 | body crc32 u32
+    body     fingerprint 32 B (sha256 of arch, hparams and the GGUF tensor table)
+             type_k u32 | type_v u32 | n_layer u32
+             n_tokens u32, tokens i32[n_tokens]
+             n_cells u32, cell i32[n], pos i32[n], seq u64[n] (kind FULL; kind SEQ: pos only)
+             n_outputs u32, n_vocab u32, n_ids u32, output_ids i32[n_ids], logits f32[n_outputs * n_vocab]
+             n_rng u32, per rng: key u32[624], pos u32
+             per layer: K rows [n, n_embd_k_gqa], V rows [n, n_embd_v_gqa] in the cache types
+
+The crc32 over the body catches a flipped byte anywhere; every count is still checked
+against the context before anything is allocated from it (as the GGUF reader does), so a
+crafted file with a matching checksum fails with StateError too. Loading validates all of
+it first and only then touches the context, so a failed load leaves the context unchanged.
+Files are written to a temporary file in the same directory and renamed into place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from llm.errors import StateError
+
+MAGIC = b"GGMLXST\0"
+VERSION = 1
+KIND_FULL, KIND_SEQ = 0, 1
+_HEADER = struct.Struct("<8sIIQI")
+_MT_WORDS = 624
+
+
+def model_fingerprint(model) -> bytes:
+    """sha256 over the architecture, the hparams and the GGUF tensor table (name, type, shape):
+    two files with the same fingerprint give the same K/V for the same tokens."""
+    from ggmlx import gguf
+
+    with gguf.GGUFReader(model.path) as f:
+        table = sorted((t.name, int(t.type), list(t.ne)) for t in f.tensors.values())
+    hp = json.dumps(dataclasses.asdict(model.hparams), sort_keys=True, default=str)
+    h = hashlib.sha256()
+    for part in (model.arch, hp, json.dumps(table)):
+        h.update(part.encode("utf-8"))
+        h.update(b"\0")
+    return h.digest()
+
+
+@dataclass
+class _Saved:
+    """A validated state, not yet applied."""
+
+    kind: int
+    tokens: list[int]
+    cells: np.ndarray          # int32 cell indices (kind FULL)
+    pos: np.ndarray            # int32
+    seq: np.ndarray            # uint64 bit sets (kind FULL)
+    output_ids: np.ndarray
+    logits: np.ndarray
+    rngs: list[tuple[np.ndarray, int]]
+    k_rows: list[np.ndarray]
+    v_rows: list[np.ndarray]
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def _rng_owners(sampler) -> list:
+    """The samplers in `sampler` (a chain or one sampler) that own a Mersenne Twister."""
+    from llm.sampling import Dist, SamplerChain, Xtc, _MirostatBase
+
+    if sampler is None:
+        return []
+    members = sampler.samplers if isinstance(sampler, SamplerChain) else [sampler]
+    return [s for s in members if isinstance(s, (Dist, Xtc, _MirostatBase))]
+
+
+def _u32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def _rows(t, cells: np.ndarray) -> np.ndarray:
+    """K or V rows of `cells` as host numpy in the cache type ([n_cells, n_embd]); the buffer is
+    [..., n_ctx, n_embd] in numpy order."""
+    rows = jax.device_get(t.data[..., np.asarray(cells), :])
+    return np.asarray(rows).reshape(len(cells), t.data.shape[-1])
+
+
+def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None = None, sampler=None) -> bytes:
+    """The whole state of ctx (seq_id None) or one sequence's, as bytes (header + body)."""
+    mem = ctx.memory
+    cells_meta = mem.cells
+    ids = np.asarray(list(tokens), dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= ctx.n_vocab):
+        raise StateError(f"state: tokens must be in [0, n_vocab = {ctx.n_vocab})")
+    if seq_id is None:
+        cells = np.flatnonzero(cells_meta.pos >= 0).astype(np.int32)
+    else:
+        if not 0 <= seq_id < ctx.n_seq_max:
+            raise StateError(f"state: seq_id {seq_id} is out of range [0, n_seq_max = {ctx.n_seq_max})")
+        has = (cells_meta.seq & (np.uint64(1) << np.uint64(seq_id))) != 0
+        cells = np.flatnonzero(has & (cells_meta.pos >= 0)).astype(np.int32)
+        cells = cells[np.argsort(cells_meta.pos[cells], kind="stable")]
+    parts = [fingerprint, _u32(int(mem.k_l[0].type)), _u32(int(mem.v_l[0].type)), _u32(len(mem.k_l)),
+             _u32(ids.size), ids.astype("<i4").tobytes(), _u32(cells.size)]
+    if seq_id is None:
+        parts += [cells.astype("<i4").tobytes(), cells_meta.pos[cells].astype("<i4").tobytes(),
+                  cells_meta.seq[cells].astype("<u8").tobytes()]
+        logits, ids = ctx.logits, ctx.output_ids
+    else:
+        parts.append(cells_meta.pos[cells].astype("<i4").tobytes())
+        logits, ids = np.zeros((0, ctx.n_vocab), np.float32), np.zeros(0, np.int32)
+    parts += [_u32(logits.shape[0]), _u32(ctx.n_vocab), _u32(ids.size), ids.astype("<i4").tobytes(),
+              np.ascontiguousarray(logits, "<f4").tobytes()]
+    owners = _rng_owners(sampler)
+    parts.append(_u32(len(owners)))
+    for s in owners:
+        st = s.rng._bits.state["state"]
+        parts += [np.asarray(st["key"], "<u4").tobytes(), _u32(int(st["pos"]))]
+    for k, v in zip(mem.k_l, mem.v_l, strict=True):
+        parts += [_rows(k, cells).tobytes(), _rows(v, cells).tobytes()]
+    body = b"".join(parts)
+    kind = KIND_FULL if seq_id is None else KIND_SEQ
+    return _HEADER.pack(MAGIC, VERSION, kind, len(body), zlib.crc32(body)) + body
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temporary file next to `path`, fsync, then rename over it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def max_state_bytes(ctx, *, seq: bool) -> int:
+    """An upper bound on the size of any state of ctx: a longer file cannot be one."""
+    mem = ctx.memory
+    row_bytes = sum(t.data.shape[-1] * t.data.dtype.itemsize for t in mem.k_l + mem.v_l)
+    per_cell = 4 + 4 + 8 + row_bytes
+    logits = 0 if seq else ctx.n_batch * (ctx.n_vocab * 4 + 4)
+    return _HEADER.size + 32 + 4 * 12 + ctx.n_ctx * (4 + per_cell) + logits + 64 * (_MT_WORDS + 1) * 4
+
+
+def slot_path(directory: str | os.PathLike, filename: str) -> Path:
+    """Where llama-server's `POST /slots/{id}?action=save|restore {"filename"}` reads or writes:
+    a plain file name inside `directory` (--slot-save-path); StateError for anything else."""
+    if (not isinstance(filename, str) or not filename or len(filename) > 255 or filename in (".", "..")
+            or any(c in filename for c in '/\\:\0') or filename != filename.strip()
+            or any(ord(c) < 32 for c in filename)):
+        raise StateError(f"slot filename {filename!r}: expected a plain file name")
+    return Path(directory) / filename
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Bounds-checked reads from the body; every failure is a StateError naming `where`."""
+
+    def __init__(self, data: memoryview, where: str):
+        self.data = data
+        self.off = 0
+        self.where = where
+
+    def error(self, msg: str) -> StateError:
+        return StateError(f"{self.where}: {msg}")
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.off + n > len(self.data):
+            raise self.error(f"truncated: {what} needs {n} bytes at offset {self.off}, "
+                             f"{len(self.data) - self.off} left")
+        out = self.data[self.off:self.off + n]
+        self.off += n
+        return out
+
+    def u32(self, what: str) -> int:
+        return struct.unpack("<I", self.take(4, what))[0]
+
+    def count(self, what: str, limit: int, limit_name: str) -> int:
+        n = self.u32(what)
+        if n > limit:
+            raise self.error(f"{what} = {n} is more than {limit_name} = {limit}")
+        return n
+
+    def array(self, dtype: str, n: int, what: str) -> np.ndarray:
+        dt = np.dtype(dtype)
+        return np.frombuffer(self.take(n * dt.itemsize, what), dtype=dt).copy()
+
+
+def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sampler=None) -> _Saved:
+    """Parse and validate a state against ctx without changing anything."""
+    if len(data) < _HEADER.size:
+        raise StateError(f"{where}: truncated: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
+    magic, version, got_kind, n_body, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise StateError(f"{where}: not a ggmlx state (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise StateError(f"{where}: format version {version}, this build reads version {VERSION}")
+    if got_kind != kind:
+        names = {KIND_FULL: "full context state", KIND_SEQ: "sequence state"}
+        raise StateError(f"{where}: holds a {names.get(got_kind, f'kind {got_kind}')}, "
+                         f"expected a {names[kind]}")
+    if len(data) - _HEADER.size != n_body:
+        what = "truncated" if len(data) - _HEADER.size < n_body else "trailing bytes"
+        raise StateError(f"{where}: {what}: the header says {n_body} body bytes, "
+                         f"the data has {len(data) - _HEADER.size}")
+    body = memoryview(data)[_HEADER.size:]
+    if zlib.crc32(body) != crc:
+        raise StateError(f"{where}: checksum mismatch (corrupted data)")
+    r = _Reader(body, where)
+    if bytes(r.take(32, "fingerprint")) != fingerprint:
+        raise StateError(f"{where}: saved by another model (fingerprint differs from {ctx.model.path})")
+    mem = ctx.memory
+    for name, t in (("type_k", mem.k_l[0].type), ("type_v", mem.v_l[0].type)):
+        got = r.u32(name)
+        if got != int(t):
+            raise StateError(f"{where}: {name} is GGML type {got}, this context's cache is {t.name}")
+    n_layer = r.u32("n_layer")
+    if n_layer != len(mem.k_l):
+        raise StateError(f"{where}: {n_layer} layers, the context has {len(mem.k_l)}")
+    n_tokens = r.count("n_tokens", ctx.n_ctx, "n_ctx")
+    tokens = r.array("<i4", n_tokens, "tokens")
+    if n_tokens and (tokens.min() < 0 or tokens.max() >= ctx.n_vocab):
+        raise r.error(f"a token id is outside [0, n_vocab = {ctx.n_vocab})")
+    n_cells = r.count("n_cells", ctx.n_ctx, "n_ctx")
+    if kind == KIND_FULL:
+        cells = r.array("<i4", n_cells, "cells")
+        pos = r.array("<i4", n_cells, "positions")
+        seq = r.array("<u8", n_cells, "sequences")
+        if n_cells and (cells.min() < 0 or cells.max() >= ctx.n_ctx or np.unique(cells).size != n_cells):
+            raise r.error(f"cell indices must be distinct and in [0, n_ctx = {ctx.n_ctx})")
+        allowed = np.uint64((1 << ctx.n_seq_max) - 1) if ctx.n_seq_max < 64 else np.uint64(2**64 - 1)
+        if n_cells and ((seq == 0).any() or (seq & ~allowed).any()):
+            raise r.error(f"a cell's sequence set is empty or names a seq_id >= n_seq_max = {ctx.n_seq_max}")
+    else:
+        cells = np.zeros(0, np.int32)
+        pos = r.array("<i4", n_cells, "positions")
+        seq = np.zeros(0, np.uint64)
+    if n_cells and pos.min() < 0:
+        raise r.error("a cell has a negative position")
+    n_outputs = r.count("n_outputs", ctx.n_batch, "n_batch")
+    n_vocab = r.u32("n_vocab")
+    if n_vocab != ctx.n_vocab:
+        raise r.error(f"n_vocab = {n_vocab}, the model has {ctx.n_vocab}")
+    n_ids = r.count("n_output_ids", ctx.n_batch, "n_batch")
+    ids = r.array("<i4", n_ids, "output_ids")
+    if n_ids and (ids.min() < -1 or ids.max() >= n_outputs):
+        raise r.error(f"an output id is outside [-1, n_outputs = {n_outputs})")
+    logits = r.array("<f4", n_outputs * n_vocab, "logits").reshape(n_outputs, n_vocab)
+    owners = _rng_owners(sampler)
+    n_rng = r.count("n_rng", 64, "64")
+    if sampler is not None and n_rng != len(owners):
+        raise r.error(f"{n_rng} sampler RNG states saved, the sampler has {len(owners)} seeded samplers")
+    rngs = []
+    for i in range(n_rng):
+        key = r.array("<u4", _MT_WORDS, f"rng {i} key")
+        mt_pos = r.u32(f"rng {i} position")
+        if mt_pos > _MT_WORDS:
+            raise r.error(f"rng {i} position {mt_pos} > {_MT_WORDS}")
+        rngs.append((key, mt_pos))
+    k_rows: list[np.ndarray] = []
+    v_rows: list[np.ndarray] = []
+    for il, (k, v) in enumerate(zip(mem.k_l, mem.v_l, strict=True)):
+        for name, t, out in (("K", k, k_rows), ("V", v, v_rows)):
+            width = t.data.shape[-1]
+            out.append(r.array(t.data.dtype, n_cells * width,
+                               f"layer {il} {name} rows").reshape(n_cells, width))
+    if r.off != len(body):
+        raise r.error(f"{len(body) - r.off} unexpected bytes after the last layer")
+    return _Saved(kind, tokens.tolist(), cells, pos, seq, ids, logits, rngs, k_rows, v_rows)
+
+
+# --- applying ----------------------------------------------------------------------------------
+
+
+def _write_rows(mem, cells: np.ndarray, saved: _Saved) -> None:
+    idx = np.asarray(cells, np.int32)
+    for il, (k, v) in enumerate(zip(mem.k_l, mem.v_l, strict=True)):
+        for t, rows in ((k, saved.k_rows[il]), (v, saved.v_rows[il])):
+            if idx.size:
+                rows = rows.astype(t.data.dtype).reshape(*t.data.shape[:-2], idx.size, t.data.shape[-1])
+                t.data = t.data.at[..., idx, :].set(jax.device_put(rows, t.data.sharding))
+
+
+def _restore_rngs(saved: _Saved, sampler) -> None:
+    for s, (key, mt_pos) in zip(_rng_owners(sampler), saved.rngs, strict=False):
+        s.rng._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": mt_pos}}
+
+
+def apply_full(ctx, saved: _Saved, sampler=None) -> None:
+    """Replace the whole context state by `saved` (already validated)."""
+    mem = ctx.memory
+    mem.clear()
+    cells = mem.cells
+    cells.pos[saved.cells] = saved.pos
+    cells.seq[saved.cells] = saved.seq
+    cells.head = int(saved.cells.max()) + 1 if saved.cells.size else 0
+    if cells.head >= ctx.n_ctx:
+        cells.head = 0
+    _write_rows(mem, saved.cells, saved)
+    ctx.logits = saved.logits
+    ctx.output_ids = saved.output_ids.astype(np.int32)
+    _restore_rngs(saved, sampler)
+
+
+def free_cells_for(ctx, saved: _Saved, where: str) -> np.ndarray:
+    """Cells for a sequence state: the empty cells from the start of the cache."""
+    free = np.flatnonzero(ctx.memory.cells.pos < 0)
+    n = saved.pos.size
+    if free.size < n:
+        raise StateError(f"{where}: {n} cells do not fit: the context has {free.size} free cells")
+    return free[:n].astype(np.int32)
+
+
+def apply_seq(ctx, saved: _Saved, dest_seq_id: int, cells: np.ndarray) -> None:
+    """Put a sequence state into dest_seq_id (its old cells removed first), in `cells`."""
+    mem = ctx.memory
+    meta = mem.cells
+    meta.pos[cells] = saved.pos
+    meta.seq[cells] = np.uint64(1) << np.uint64(dest_seq_id)
+    _write_rows(mem, cells, saved)
