@@ -32,6 +32,7 @@ class GraphParams:
     n_outputs: int         # output rows, padded to a bucket
     n_kv: int              # KV cells the attention reads, padded to a bucket
     embd_input: bool       # embeddings instead of token ids
+    embeddings: bool = False  # also output the final hidden state (result_norm / result_embd)
 
 
 class GraphInput:
@@ -147,6 +148,7 @@ class GraphBuilder:
         self.gf = Graph()
         self.inp_attn: InpAttnKV | None = None
         self.res_logits: Tensor | None = None
+        self.res_embd: Tensor | None = None
 
     def rope_params(self, il: int) -> dict:
         return rope_params(self.hparams, il)
@@ -315,10 +317,20 @@ class GraphBuilder:
             cur = ops.add(cur, bo)
         return self.cb(cur, "attn_out", il)
 
+    def build_embd_output(self, cur: Tensor, name: str = "result_norm") -> Tensor:
+        """The final hidden state [n_embd, n_outputs] (llama.cpp's t_embd), an output of the
+        graph when the context wants embeddings (an encoder's only output)."""
+        self.cb(cur, name)
+        self.res_embd = cur
+        if self.params.embeddings:
+            cur.set_output()
+            self.gf.build_forward_expand(cur)
+        return cur
+
     def build_output(self, cur: Tensor, final_softcap: float = 0.0) -> Tensor:
         """result_norm -> result_output (logits [n_vocab, n_outputs]), soft-capped if asked."""
         m = self.model
-        cur = self.cb(self.build_norm(cur, m.output_norm, None, "rms", -1), "result_norm")
+        cur = self.build_embd_output(self.build_norm(cur, m.output_norm, None, "rms", -1))
         cur = ops.mul_mat(self.need(m.output, "output"), cur)
         if final_softcap > 0.0:
             cur = ops.scale(ops.tanh(ops.scale(cur, 1.0 / final_softcap)), final_softcap)

@@ -50,6 +50,30 @@ _ROPE_SCALING_NAMES = {
 }
 
 
+class PoolingType(enum.IntEnum):
+    """llama_pooling_type: how per-token embeddings become one vector per sequence."""
+
+    UNSPECIFIED = -1
+    NONE = 0
+    MEAN = 1
+    CLS = 2
+    LAST = 3
+    RANK = 4
+
+    @classmethod
+    def parse(cls, value: PoolingType | int | str) -> PoolingType:
+        """A pooling type from its llama.cpp name ("none", "mean", "cls", "last", "rank") or value."""
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"unknown pooling type '{value}' (known: none, mean, cls, last, rank)") from None
+        try:
+            return cls(int(value))
+        except ValueError:
+            raise ValueError(f"unknown pooling type {value!r} (known: none, mean, cls, last, rank)") from None
+
+
 class SWAType(enum.IntEnum):
     """llama_swa_type: how a sliding-window layer masks old positions."""
 
@@ -109,6 +133,8 @@ class HParams:
     # 0 means "use 1/sqrt(n_embd_head_k)" (llama.cpp's build_attn convention)
     f_attention_scale: float = 0.0
     causal_attn: bool = True
+    pooling_type: PoolingType = PoolingType.NONE   # the model's default (%s.pooling_type)
+    n_cls_out: int = 1                             # classifier outputs (rank pooling)
 
     rope_type: RopeType = RopeType.NONE
     rope_finetuned: bool = False
@@ -242,8 +268,16 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     if not (rope_scale >= 0.0 and math.isfinite(rope_scale) and math.isfinite(rope_freq_scale)):
         raise _invalid(ml, scale_key, rope_scale, "must be a finite number >= 0 (0: no scaling)")
 
+    pooling = ml.get_key(LLMKV.POOLING_TYPE, int, int(PoolingType.NONE))
+    if pooling not in {int(p) for p in PoolingType}:
+        raise ml.error(f"key '{ml.key_name(LLMKV.POOLING_TYPE)}' = {pooling} is not a pooling type")
+    labels = ml.get_arr(LLMKV.CLASSIFIER_OUTPUT_LABELS, str, [])
+
     return HParams(
         arch=arch,
+        causal_attn=ml.get_key(LLMKV.ATTENTION_CAUSAL, bool, True),
+        pooling_type=PoolingType(pooling),
+        n_cls_out=len(labels) or 1,
         n_vocab=n_vocab,
         n_ctx_train=n_ctx_train,
         n_embd=n_embd,
