@@ -63,8 +63,9 @@ class Perf:
 
 
 def _weight(t) -> np.ndarray:
-    """A weight's values as float32, numpy order."""
-    return np.asarray(materialize(t.data), np.float32)
+    """A weight's values as float32 rows [ne1, ne0] (a vector: [ne0])."""
+    x = np.asarray(materialize(t.data), np.float32)
+    return x.reshape(-1) if t.ne[1] == 1 else x.reshape(-1, t.ne[0])
 
 
 def rank_head(model, v: np.ndarray) -> np.ndarray:
@@ -221,7 +222,11 @@ class Context:
             return self._fail(DecodeStatus.INVALID_BATCH, str(e))
         if self.memory.cells.has_shift:
             self._apply_k_shift()
-        ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1
+        if not hp.causal_attn and batch.n_tokens > self.n_ubatch:
+            return self._fail(DECODE_INVALID, f"a non-causal model needs the whole batch in one ubatch: "
+                                              f"n_tokens = {batch.n_tokens} > n_ubatch = {self.n_ubatch}")
+        # pooling needs each sequence's tokens together: consecutive runs, never interleaved
+        ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1 or self.pooled
                     else self.balloc.split_equal(self.n_ubatch))
         slots = self.memory.cells.prepare(ubatches)
         if slots is None:

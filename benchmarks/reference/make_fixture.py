@@ -784,8 +784,9 @@ SYNTHETIC = ROOT / "tests" / "data" / "synthetic"
 
 def make_synthetic_companions() -> list[Path]:
     """`<stem>.llamacpp.npz` for each committed synthetic model: all-position logits of the
-    24 reference tokens from the dequantized twin (exact path) and the argmax of llama.cpp's
-    own quantized run, by the same runner as the new fixtures."""
+    24 reference tokens from the dequantized twin (exact path), the argmax of llama.cpp's
+    own quantized run, and the twin's embeddings as a decoder embedder (pooling none, mean,
+    last), by the same runner as the new fixtures."""
     written = []
     for gg in sorted(SYNTHETIC.glob("synth-*.gguf")):
         toks = np.load(gg.with_suffix(".npz"))["tokens"]
@@ -794,6 +795,8 @@ def make_synthetic_companions() -> list[Path]:
         tw, q = LlamaCpp(twin), LlamaCpp(gg)
         arrays = {"tokens": toks, "twin_logits": tw.run(toks)[0],
                   "q_top1": q.run(toks)[0].argmax(1).astype(np.int32)}
+        for pooling in ("none", "mean", "last"):
+            arrays[f"twin_embd_{pooling}"] = tw.run(toks, embeddings=True, pooling=pooling)[1]
         tw.close()
         q.close()
         twin.unlink()
