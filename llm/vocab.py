@@ -24,6 +24,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from llm.arch import LLMKV
 from llm.loader import GGUFMeta
 from llm.tokenizers.bpe import BPETokenizer, parse_merges
