@@ -261,6 +261,8 @@ class LLMTensor(enum.Enum):
     FFN_DOWN_SHEXP = "blk.%d.ffn_down_shexp"
     FFN_EXP_PROBS_B = "blk.%d.exp_probs_b"
     LAYER_OUT_NORM = "blk.%d.layer_output_norm"
+    CLS = "cls"
+    CLS_OUT = "cls.output"
 
 
 def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,

@@ -217,7 +217,10 @@ class GraphBuilder:
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if layer.wqkv is not None:
-            qkv = self.cb(ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
+            qkv = ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur)
+            if layer.bqkv is not None:
+                qkv = ops.add(qkv, layer.bqkv)
+            qkv = self.cb(qkv, "wqkv", il)
             row = qkv.nb[1]
             esz = qkv.nb[0]
             q = ops.view_3d(qkv, d_k, n_head, self.n_tokens, d_k * esz, row, 0)
@@ -237,13 +240,21 @@ class GraphBuilder:
         return out[0], out[1], out[2]
 
     def build_ffn(self, cur: Tensor, up: Tensor | None, gate: Tensor | None, down: Tensor | None,
-                  act: str, il: int) -> Tensor:
+                  act: str, il: int, *, up_b: Tensor | None = None, gate_b: Tensor | None = None,
+                  down_b: Tensor | None = None) -> Tensor:
         """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu". Without a
-        gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u)."""
+        gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u);
+        otherwise it is sequential: down(act(up x)). Each projection may have a bias."""
         up, down = self.need(up, "ffn_up", il), self.need(down, "ffn_down", il)
-        tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
+        tmp = ops.mul_mat(up, cur)
+        if up_b is not None:
+            tmp = ops.add(tmp, up_b)
+        tmp = self.cb(tmp, "ffn_up", il)
         if gate is not None:
-            g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
+            g = ops.mul_mat(gate, cur)
+            if gate_b is not None:
+                g = ops.add(g, gate_b)
+            g = self.cb(g, "ffn_gate", il)
             cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
             self.cb(cur, "ffn_gate_par", il)
         elif tmp.ne[0] == 2 * down.ne[0]:
@@ -252,7 +263,10 @@ class GraphBuilder:
         else:
             cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
             self.cb(cur, "ffn_act", il)
-        return self.cb(ops.mul_mat(down, cur), "ffn_down", il)
+        cur = ops.mul_mat(down, cur)
+        if down_b is not None:
+            cur = ops.add(cur, down_b)
+        return self.cb(cur, "ffn_down", il)
 
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
@@ -294,6 +308,8 @@ class GraphBuilder:
         n_head_kv = hp.n_head_kv(il)
         gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
+        if not k_cur.is_contiguous():
+            k_cur = ops.cont(k_cur)
         if not v_cur.is_contiguous():
             v_cur = ops.cont(v_cur)
         k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), inp.k_idxs)
@@ -327,11 +343,18 @@ class GraphBuilder:
             self.gf.build_forward_expand(cur)
         return cur
 
-    def build_output(self, cur: Tensor, final_softcap: float = 0.0) -> Tensor:
-        """result_norm -> result_output (logits [n_vocab, n_outputs]), soft-capped if asked."""
+    def build_output(self, cur: Tensor, final_softcap: float = 0.0, *, norm: str = "rms",
+                     logit_scale: float = 1.0) -> Tensor:
+        """result_norm -> result_output (logits [n_vocab, n_outputs]): the output norm ("rms",
+        or "norm" = LayerNorm) with the model's optional norm and output biases, logits
+        multiplied by `logit_scale`, soft-capped if asked."""
         m = self.model
-        cur = self.build_embd_output(self.build_norm(cur, m.output_norm, None, "rms", -1))
+        cur = self.build_embd_output(self.build_norm(cur, m.output_norm, m.output_norm_b, norm, -1))
         cur = ops.mul_mat(self.need(m.output, "output"), cur)
+        if m.output_b is not None:
+            cur = ops.add(cur, m.output_b)
+        if logit_scale != 1.0:
+            cur = ops.scale(cur, logit_scale)
         if final_softcap > 0.0:
             cur = ops.scale(ops.tanh(ops.scale(cur, 1.0 / final_softcap)), final_softcap)
         self.cb(cur, "result_output")

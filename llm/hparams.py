@@ -124,6 +124,10 @@ class HParams:
     n_rot: int
     n_expert: int = 0
     n_expert_used: int = 0
+    n_ff_exp: int = 0                 # one expert's FFN width (0: n_ff / n_expert_used)
+    n_ff_shexp: int = 0               # the shared expert's FFN width (0: n_ff)
+    expert_weights_scale: float = 0.0
+    n_token_types: int = 0            # BERT-style token types (tokenizer.ggml.token_type_count)
 
     f_norm_eps: float = 0.0
     f_norm_rms_eps: float = 0.0
@@ -132,6 +136,10 @@ class HParams:
     attn_soft_cap: bool = False
     # 0 means "use 1/sqrt(n_embd_head_k)" (llama.cpp's build_attn convention)
     f_attention_scale: float = 0.0
+    # Granite's multipliers (0 = not used)
+    f_embedding_scale: float = 0.0
+    f_residual_scale: float = 0.0
+    f_logit_scale: float = 0.0
     causal_attn: bool = True
     pooling_type: PoolingType = PoolingType.NONE   # the model's default (%s.pooling_type)
     n_cls_out: int = 1                             # classifier outputs (rank pooling)
@@ -276,6 +284,7 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     return HParams(
         arch=arch,
         causal_attn=ml.get_key(LLMKV.ATTENTION_CAUSAL, bool, True),
+        n_token_types=ml.get_key(LLMKV.TOKENIZER_TOKEN_TYPE_COUNT, int, 0),
         pooling_type=PoolingType(pooling),
         n_cls_out=len(labels) or 1,
         n_vocab=n_vocab,

@@ -234,6 +234,7 @@ def spec_granite(d: Dims, w: Weights) -> dict:
 
 
 def spec_smollm3(d: Dims, w: Weights) -> dict:
+    d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
     w.embd("token_embd.weight", N_VOCAB, d.n_embd)
     output(w, d)
@@ -557,7 +558,7 @@ VOCABS = {"spm": spm_vocab_kv, "wpm": wpm_vocab_kv, "ugm": ugm_vocab_kv}
 def write_gguf(path: Path, kv: dict[str, object], vocab: list, tensors: dict[str, np.ndarray],
                wtype: str = "F32") -> None:
     """kv, then the vocabulary keys, then the tensors; weight matrices (2-D and 3-D, not the
-    1-D norms and biases, not the MoE router) in `wtype`."""
+    1-D norms and biases, not the MoE router or the token-type rows) in `wtype`."""
     from ggmlx import gguf, quants
     from ggmlx.types import GGMLType
     w = gguf.GGUFWriter()
@@ -566,8 +567,8 @@ def write_gguf(path: Path, kv: dict[str, object], vocab: list, tensors: dict[str
     for k, v, vtype, atype in vocab:
         w.add_kv(k, v, vtype, atype)
     for name, x in tensors.items():
-        quantize = wtype != "F32" and x.ndim >= 2 and "ffn_gate_inp" not in name and "_b" not in name \
-            and not name.endswith(".bias") and x.shape[-1] % 32 == 0
+        quantize = (wtype != "F32" and x.ndim >= 2 and x.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
+                    and "token_types" not in name and not name.endswith(".bias"))
         if quantize:
             t = GGMLType[wtype]
             w.add_tensor(name, quants.quantize(x, t), t, tuple(reversed(x.shape)))

@@ -1,0 +1,206 @@
+"""Parity of the newer architectures with llama.cpp, on the fixtures of
+benchmarks/reference/make_fixture.py (tests/data/fixtures/<arch>-*.gguf and <arch>.npz).
+
+- F32 fixture: our logits at every position of every sequence against llama.cpp's (flash
+  attention off, F32 KV cache): max |diff| within TOL (1e-4; looser where llama.cpp computes
+  GELU through an fp16 lookup table, see GELU_TOL); encoders: per-token hidden states.
+- Embeddings: every pooling type llama.cpp gave, cosine >= 0.9999.
+- Quantized fixture: against llama.cpp on its dequantized-F32 twin (the same exact math on
+  the same weights), and top-1 agreement with llama.cpp's own quantized run, which rounds
+  activations to 8 bits inside its matmuls.
+- Bad input: a missing tensor or key, a wrong shape, an expert count that disagrees with the
+  tensors: ModelLoadError naming the file and the tensor or key.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llm
+from ggmlx import gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "data" / "fixtures"
+ARCHS = sorted(p.stem for p in FIXTURES.glob("*.npz"))
+# ggml-cpu computes GELU as fp16(gelu(fp16(x))) through a table (vec.h, GGML_GELU_FP16); an
+# exact GELU differs by up to ~1e-3 relative per activation, which a few layers carry to the
+# logits. Every other op of these fixtures is exact F32 math in both engines.
+GELU_TOL = 2e-2
+GELU_ARCHS = {"bert", "starcoder2", "gpt2", "phi2"}
+TOL = 1e-4
+COS_MIN = 0.9999
+Q_TOP1_MIN = 0.9
+
+
+def tol(arch: str) -> float:
+    return GELU_TOL if arch in GELU_ARCHS else TOL
+
+
+def gen():
+    spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "benchmarks" / "reference" / "make_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = np.atleast_2d(a), np.atleast_2d(b)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def run(path: Path, seqs: list[np.ndarray], *, embeddings: bool, pooling: str | None = None) -> list:
+    model = llm.load_model(path)
+    ctx = llm.Context(model, n_ctx=64, n_ubatch=32, embeddings=embeddings, pooling_type=pooling)
+    out = []
+    for toks in seqs:
+        ctx.memory_clear()
+        assert ctx.decode(llm.Batch(toks, logits=np.ones(len(toks), bool))) == 0, ctx.last_error
+        if not embeddings:
+            out.append(ctx.get_logits().copy())
+        elif pooling in (None, "none"):
+            out.append(ctx.get_embeddings().copy())
+        else:
+            out.append(ctx.get_embeddings_seq(0).copy())
+    return out
+
+
+def sequences(ref) -> list[np.ndarray]:
+    return [ref[f"tokens_{k}"] for k in range(len([n for n in ref.files if n.startswith("tokens_")]))]
+
+
+def qtype(arch: str) -> str:
+    return next(p.stem.split("-")[-1] for p in FIXTURES.glob(f"{arch}-*.gguf") if not p.stem.endswith("F32"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_all_positions_match_llamacpp(arch):
+    ref = np.load(FIXTURES / f"{arch}.npz")
+    seqs = sequences(ref)
+    if "logits_0" in ref.files:
+        ours = run(FIXTURES / f"{arch}-F32.gguf", seqs, embeddings=False)
+        diff = max(float(np.abs(o - ref[f"logits_{k}"]).max()) for k, o in enumerate(ours))
+    else:   # an encoder: its per-token final hidden states
+        ours = run(FIXTURES / f"{arch}-F32.gguf", seqs, embeddings=True, pooling="none")
+        diff = max(float(np.abs(o - ref[f"embd_none_{k}"]).max()) for k, o in enumerate(ours))
+    print(f"{arch}: F32 max |diff| {diff:.3g}")
+    assert diff <= tol(arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_embeddings_match_llamacpp(arch):
+    ref = np.load(FIXTURES / f"{arch}.npz")
+    seqs = sequences(ref)
+    poolings = sorted({n.split("_")[1] for n in ref.files if n.startswith("embd_")})
+    assert "none" in poolings and "mean" in poolings
+    for pooling in poolings:
+        ours = run(FIXTURES / f"{arch}-F32.gguf", seqs, embeddings=True, pooling=pooling)
+        for k, o in enumerate(ours):
+            theirs = ref[f"embd_{pooling}_{k}"]
+            assert o.shape == theirs.shape
+            c = cosine(o, theirs).min()
+            assert c >= COS_MIN, f"{pooling} seq {k}: cosine {c:.6f}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_matches_dequantized_twin(arch):
+    ref = np.load(FIXTURES / f"{arch}.npz")
+    seqs = sequences(ref)
+    path = FIXTURES / f"{arch}-{qtype(arch)}.gguf"
+    if "twin_logits_0" in ref.files:
+        ours = run(path, seqs, embeddings=False)
+        diff = max(float(np.abs(o - ref[f"twin_logits_{k}"]).max()) for k, o in enumerate(ours))
+        agree = np.mean(np.concatenate([o.argmax(1) == ref[f"q_top1_{k}"] for k, o in enumerate(ours)]))
+        assert agree >= Q_TOP1_MIN, f"top-1 agreement with llama.cpp's quantized run {agree:.2f}"
+    else:
+        ours = run(path, seqs, embeddings=True, pooling="none")
+        diff = max(float(np.abs(o - ref[f"twin_embd_none_{k}"]).max()) for k, o in enumerate(ours))
+        c = min(cosine(o, ref[f"q_embd_none_{k}"]).min() for k, o in enumerate(ours))
+        assert c >= 0.99, f"cosine to llama.cpp's quantized run {c:.4f}"
+    print(f"{arch}: {qtype(arch)} vs dequantized twin max |diff| {diff:.3g}")
+    assert diff <= tol(arch)
+
+
+def test_generator_reproduces_the_ggufs(tmp_path):
+    mf = gen()
+    for arch in ARCHS:
+        for name, path in mf.make_arch(arch, tmp_path).items():
+            committed = FIXTURES / path.name
+            assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(committed.read_bytes()).digest(), \
+                f"{path.name} differs from the committed file ({name})"
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def rewrite(src: Path, dst: Path, *, drop_tensor: str | None = None, drop_key: str | None = None,
+            kv: dict | None = None, tensors: dict | None = None) -> Path:
+    with gguf.GGUFReader(src) as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            if k == drop_key:
+                continue
+            if kv and k in kv:
+                w.add_kv(k, kv[k])
+            else:
+                w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+        for name, ti in f.tensors.items():
+            if name == drop_tensor:
+                continue
+            if tensors and name in tensors:
+                w.add_tensor(name, tensors[name])
+            else:
+                w.add_tensor(name, np.array(ti.data), ti.type, ti.ne)
+    w.write(dst)
+    return dst
+
+
+def test_missing_tensor_names_file_and_tensor(tmp_path):
+    bad = rewrite(FIXTURES / "qwen2moe-F32.gguf", tmp_path / "bad.gguf", drop_tensor="blk.1.ffn_up_shexp.weight")
+    with pytest.raises(llm.ModelLoadError, match=r"bad\.gguf.*blk\.1\.ffn_up_shexp\.weight"):
+        llm.load_model(bad)
+
+
+def test_missing_key_names_file_and_key(tmp_path):
+    bad = rewrite(FIXTURES / "granite-F32.gguf", tmp_path / "bad.gguf", drop_key="granite.logit_scale")
+    with pytest.raises(llm.ModelLoadError, match=r"bad\.gguf.*granite\.logit_scale"):
+        llm.load_model(bad)
+    bad = rewrite(FIXTURES / "bert-F32.gguf", tmp_path / "bad2.gguf", drop_key="tokenizer.ggml.token_type_count")
+    with pytest.raises(llm.ModelLoadError, match=r"bad2\.gguf.*token_type_count"):
+        llm.load_model(bad)
+
+
+def test_wrong_shape_names_file_and_tensor(tmp_path):
+    bad = rewrite(FIXTURES / "olmo2-F32.gguf", tmp_path / "bad.gguf",
+                  tensors={"blk.0.attn_k_norm.weight": np.ones(48, np.float32)})
+    with pytest.raises(llm.ModelLoadError, match=r"bad\.gguf.*blk\.0\.attn_k_norm\.weight.*shape"):
+        llm.load_model(bad)
+
+
+def test_expert_count_disagreeing_with_tensors(tmp_path):
+    bad = rewrite(FIXTURES / "qwen3moe-F32.gguf", tmp_path / "bad.gguf", kv={"qwen3moe.expert_count": 8})
+    with pytest.raises(llm.ModelLoadError, match=r"bad\.gguf.*blk\.0\.ffn_gate_inp\.weight.*shape"):
+        llm.load_model(bad)
+    bad = rewrite(FIXTURES / "qwen3moe-F32.gguf", tmp_path / "bad2.gguf", kv={"qwen3moe.expert_count": 0,
+                                                                               "qwen3moe.expert_used_count": 0})
+    with pytest.raises(llm.ModelLoadError, match=r"bad2\.gguf.*qwen3moe\.expert_count"):
+        llm.load_model(bad)
+
+
+def test_unsupported_architecture_names_nearest_and_generator(tmp_path):
+    bad = rewrite(FIXTURES / "qwen3moe-F32.gguf", tmp_path / "bad.gguf", kv={"general.architecture": "olmoe"})
+    with pytest.raises(llm.ModelLoadError, match=r"'olmoe' is not supported.*nearest supported one is 'olmo2'"
+                                                 r".*make_fixture\.py"):
+        llm.load_model(bad)
+
+
+def test_encoder_context_needs_embeddings():
+    model = llm.load_model(FIXTURES / "bert-F32.gguf")
+    with pytest.raises(ValueError, match="no output layer.*embeddings=True"):
+        llm.Context(model, n_ctx=32)
+    with pytest.raises(ValueError, match="classifier head"):
+        llm.Context(llm.load_model(FIXTURES / "nomic-bert-F32.gguf"), n_ctx=32, embeddings=True,
+                    pooling_type="rank")
