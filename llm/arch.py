@@ -81,6 +81,7 @@ class LLMArch(enum.Enum):
     CHAMELEON = "chameleon"
     SMOLLM3 = "smollm3"
     MISTRAL3 = "mistral3"
+    OPENAI_MOE = "gpt-oss"
 
 
 def arch_from_name(name: str) -> LLMArch:

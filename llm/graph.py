@@ -270,27 +270,53 @@ class GraphBuilder:
 
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
-                      n_expert_used: int, norm_w: bool, il: int) -> Tensor:
-        """Softmax-gated mixture of experts with SiLU experts (build_moe_ffn)."""
+                      n_expert_used: int, norm_w: bool, il: int, *, gate_inp_b: Tensor | None = None,
+                      up_exps_b: Tensor | None = None, gate_exps_b: Tensor | None = None,
+                      down_exps_b: Tensor | None = None, gating: str = "softmax", act: str = "silu") -> Tensor:
+        """Mixture of experts (build_moe_ffn). gating "softmax": weights are the softmax
+        probabilities of the chosen experts (renormalized when norm_w); "softmax_weight"
+        (gpt-oss): experts chosen by raw logits, their logits softmaxed. act "silu" (SwiGLU)
+        or "swiglu_oai" (gpt-oss's clamped SwiGLU, alpha 1.702, limit 7). Router and expert
+        biases are optional (the expert biases indexed by the chosen experts: ggml_add_id)."""
         gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
         up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
         down_exps = self.need(down_exps, "ffn_down_exps", il)
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
         logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
-        probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
+        if gate_inp_b is not None:
+            logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
+        probs = logits if gating == "softmax_weight" else ops.soft_max(logits)
+        self.cb(probs, "ffn_moe_probs", il)
         selected = self.cb(ops.top_k(probs, n_expert_used), "ffn_moe_topk", il)
         w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         self.cb(w, "ffn_moe_weights", il)
+        if gating == "softmax_weight":
+            w = ops.reshape_3d(ops.soft_max(ops.reshape_2d(w, n_expert_used, n_tokens)), 1, n_expert_used, n_tokens)
+            self.cb(w, "ffn_moe_weights_softmax", il)
         if norm_w:
             w = ops.reshape_2d(w, n_expert_used, n_tokens)
             w = ops.div(w, ops.sum_rows(w))
             w = ops.reshape_3d(w, 1, n_expert_used, n_tokens)
             self.cb(w, "ffn_moe_weights_norm", il)
+        flat_selected = ops.reshape_1d(selected, n_expert_used * n_tokens)
+
+        def add_id(x: Tensor, b: Tensor | None, name: str) -> Tensor:
+            if b is None:
+                return x
+            rows = ops.reshape_3d(ops.get_rows(b, flat_selected), b.ne[0], n_expert_used, n_tokens)
+            return self.cb(ops.add(x, rows), name, il)
+
         x = ops.reshape_3d(cur, n_embd, 1, n_tokens)
         up = self.cb(ops.mul_mat_id(up_exps, x, selected), "ffn_moe_up", il)
+        up = add_id(up, up_exps_b, "ffn_moe_up_biased")
         gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
-        par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
+        gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
+        if act == "swiglu_oai":
+            par = self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), "ffn_moe_swiglu_oai", il)
+        else:
+            par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
+        experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
         experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
         moe_out = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], 0)
         for e in range(1, n_expert_used):
@@ -300,9 +326,10 @@ class GraphBuilder:
 
     def build_attn(self, inp: InpAttnKV, wo: Tensor | None, bo: Tensor | None, q_cur: Tensor,
                    k_cur: Tensor, v_cur: Tensor, kq_scale: float, il: int,
-                   softcap: float = 0.0) -> Tensor:
+                   softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         """Store this ubatch's K and V in the layer's cache cells, then attend over the first
-        n_kv cells. q_cur [D, n_head, n_tokens], k_cur/v_cur [D, n_head_kv, n_tokens]."""
+        n_kv cells. q_cur [D, n_head, n_tokens], k_cur/v_cur [D, n_head_kv, n_tokens];
+        sinks [n_head]: per-head attention sinks (gpt-oss)."""
         hp = self.hparams
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head_kv = hp.n_head_kv(il)
@@ -325,7 +352,7 @@ class GraphBuilder:
         k = ops.permute(k, 0, 2, 1, 3)
         v = ops.permute(v, 0, 2, 1, 3)
         mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
-        cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap)
+        cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap, sinks)
         self.cb(cur, "kqv_out", il)
         cur = ops.reshape_2d(cur, d_v * hp.n_head(il), self.n_tokens)
         cur = ops.mul_mat(self.need(wo, "attn_output", il), cur)

@@ -60,6 +60,10 @@ class Layer:
     ffn_gate_shexp: Tensor | None = None
     ffn_up_shexp: Tensor | None = None
     ffn_down_shexp: Tensor | None = None
+    ffn_gate_inp_b: Tensor | None = None
+    ffn_gate_exps_b: Tensor | None = None
+    ffn_up_exps_b: Tensor | None = None
+    ffn_down_exps_b: Tensor | None = None
 
 
 def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:

@@ -404,7 +404,7 @@ class ArchSpec:
     seed: int
     vocab: str = "spm"              # spm | wpm
     encoder: bool = False           # no logits, embeddings only
-    qtype: str = "Q8_0"             # type of the quantized fixture's weight matrices
+    qtype: str = "Q8_0"             # quantized fixture: matrices in this type (MXFP4: experts MXFP4, rest Q8_0)
     rank: bool = False              # has a classifier head (pooling "rank")
 
 
@@ -419,7 +419,7 @@ ARCHS: dict[str, ArchSpec] = {
     "starcoder2": ArchSpec(spec_starcoder2, 108),
     "gpt2": ArchSpec(spec_gpt2, 109),
     "phi2": ArchSpec(spec_phi2, 110),
-    "gpt-oss": ArchSpec(spec_gpt_oss, 111, qtype="Q4_0"),
+    "gpt-oss": ArchSpec(spec_gpt_oss, 111, qtype="MXFP4"),
 }
 
 
@@ -569,12 +569,30 @@ def write_gguf(path: Path, kv: dict[str, object], vocab: list, tensors: dict[str
     for name, x in tensors.items():
         quantize = (wtype != "F32" and x.ndim >= 2 and x.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
                     and "token_types" not in name and not name.endswith(".bias"))
-        if quantize:
-            t = GGMLType[wtype]
+        if quantize and wtype == "MXFP4" and "_exps." in name:
+            w.add_tensor(name, quantize_mxfp4(x), GGMLType.MXFP4, tuple(reversed(x.shape)))
+        elif quantize:
+            t = GGMLType.Q8_0 if wtype == "MXFP4" else GGMLType[wtype]
             w.add_tensor(name, quants.quantize(x, t), t, tuple(reversed(x.shape)))
         else:
             w.add_tensor(name, x)
     w.write(path)
+
+
+def quantize_mxfp4(x: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks of 32 (ggml's quantize_row_mxfp4_ref): one E8M0 exponent byte, then 16
+    bytes of 4-bit E2M1 codes (element j low nibble, j + 16 high nibble), the code nearest
+    to x / 2^(e - 128), first on ties."""
+    from ggmlx.quants.iq_tables import KVALUES_MXFP4
+    blocks = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+    d = np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+    grid = KVALUES_MXFP4.astype(np.float32)[None, None, :] * d[:, None, None]
+    codes = np.abs(grid - blocks[:, :, None]).argmin(axis=2).astype(np.uint8)
+    qs = codes[:, :16] | (codes[:, 16:] << 4)
+    return np.concatenate([e[:, None], qs], axis=1).reshape(-1)
 
 
 def dequantized_twin(path: Path, twin: Path) -> None:

@@ -15,6 +15,7 @@ from llm.models import (
     gemma2,
     gemma3,
     gpt2,
+    gpt_oss,
     granite,
     llama,
     nomic_bert,
@@ -67,6 +68,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.STARCODER2: starcoder2,
     LLMArch.GPT2: gpt2,
     LLMArch.PHI2: phi2,
+    LLMArch.OPENAI_MOE: gpt_oss,
 }
 
 
