@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,11 @@ from ggmlx import gguf
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "data" / "fixtures"
 ARCHS = sorted(p.stem for p in FIXTURES.glob("*.npz"))
-# ggml-cpu computes GELU as fp16(gelu(fp16(x))) through a table (vec.h, GGML_GELU_FP16); an
-# exact GELU differs by up to ~1e-3 relative per activation, which a few layers carry to the
-# logits. Every other op of these fixtures is exact F32 math in both engines.
-GELU_TOL = 2e-2
+# ggml-cpu computes GELU as fp16(gelu(fp16(x))) through a table (vec.h, GGML_GELU_FP16); we
+# compute the exact tanh GELU (llm's lowering explains why), which differs by up to ~1e-3
+# relative per activation; two layers carry that to 1e-3 - 3.4e-3 on these fixtures' logits.
+# Every other op of these fixtures is exact F32 math in both engines (measured <= 1e-5).
+GELU_TOL = 1e-2
 GELU_ARCHS = {"bert", "starcoder2", "gpt2", "phi2"}
 TOL = 1e-4
 COS_MIN = 0.9999
@@ -43,6 +45,7 @@ def tol(arch: str) -> float:
 def gen():
     spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "benchmarks" / "reference" / "make_fixture.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_fixture", mod)      # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -124,13 +127,21 @@ def test_quantized_matches_dequantized_twin(arch):
     assert diff <= tol(arch)
 
 
+def same_bytes(a: Path, b: Path) -> bool:
+    return hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
+
+
 def test_generator_reproduces_the_ggufs(tmp_path):
+    """The GGUFs (weights, keys, vocabularies) come out byte for byte again; the stored
+    llama.cpp outputs need llama-cpp-python to regenerate (the generator's tokenizer and
+    synthetic runs reproduced the shared reference's logits exactly)."""
     mf = gen()
     for arch in ARCHS:
         for name, path in mf.make_arch(arch, tmp_path).items():
-            committed = FIXTURES / path.name
-            assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(committed.read_bytes()).digest(), \
-                f"{path.name} differs from the committed file ({name})"
+            assert same_bytes(path, FIXTURES / path.name), f"{path.name} differs from the committed file ({name})"
+    for kind in ("wpm", "ugm"):
+        path = mf.write_tokenizer_gguf(kind, tmp_path)
+        assert same_bytes(path, FIXTURES / path.name), f"{path.name} differs from the committed file"
 
 
 # ---- bad input ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ so CI needs no llama-cpp-python; this script does (`pip install -e .[compare]`).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gzip
 import json
@@ -636,6 +637,15 @@ def make_arch(arch: str, out: Path = OUT) -> dict[str, Path]:
 # ---- llama.cpp -------------------------------------------------------------------------------
 
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+_LOG_CALLBACK = None
+
+
+def quiet_llamacpp(L) -> None:
+    """Silence llama.cpp's logging (its loader and context print hundreds of lines)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = L.llama_log_callback(lambda level, text, user_data: None)
+        L.llama_log_set(_LOG_CALLBACK, None)
 
 
 class LlamaCpp:
@@ -644,6 +654,7 @@ class LlamaCpp:
     def __init__(self, path: Path):
         import llama_cpp as L
         self.L = L
+        quiet_llamacpp(L)
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
@@ -764,6 +775,7 @@ def make_tokenizer_data(kind: str, out: Path = OUT) -> Path:
     """llama.cpp's tokenize (4 flag combinations) and detokenize of the corpus for a vocab."""
     import llama_cpp as L
     path = write_tokenizer_gguf(kind, out)
+    quiet_llamacpp(L)
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     mp.vocab_only = True
@@ -783,7 +795,7 @@ def make_tokenizer_data(kind: str, out: Path = OUT) -> Path:
                     dets = {}
                     for rm in (False, True):
                         for un in (False, True):
-                            ob = (L.c_char * (8 * len(raw) + 64))()
+                            ob = (ctypes.c_char * (8 * len(raw) + 64))()
                             m = L.llama_detokenize(vocab, arr, len(ids), ob, len(ob), rm, un)
                             dets[f"{int(rm)}{int(un)}"] = bytes(ob[:m]).hex()
                     row["detokenize_hex"] = dets

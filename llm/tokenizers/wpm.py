@@ -40,6 +40,10 @@ def is_chinese_char(cp: int) -> bool:
 
 @lru_cache(maxsize=1 << 16)
 def _category(ch: str) -> int:
+    """llama.cpp's class of a code point; unassigned ones (Cn, e.g. U+FFFF) have none there,
+    so they are not dropped as controls but kept (and become [UNK])."""
+    if unicodedata.category(ch) == "Cn":
+        return 0
     m = _CATEGORY.match(ch)
     return m.lastindex if m else 0
 
