@@ -8,6 +8,8 @@ benchmarks/reference/make_fixture.py (tests/data/fixtures/<arch>-*.gguf and <arc
 - Quantized fixture: against llama.cpp on its dequantized-F32 twin (the same exact math on
   the same weights), and top-1 agreement with llama.cpp's own quantized run, which rounds
   activations to 8 bits inside its matmuls.
+The parity tests compile two models per architecture (~10-20 s each on a loaded 2-core
+machine): they are in the slow tier.
 - Bad input: a missing tensor or key, a wrong shape, an expert count that disagrees with the
   tensors: ModelLoadError naming the file and the tensor or key.
 """
@@ -55,22 +57,6 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-def run(path: Path, seqs: list[np.ndarray], *, embeddings: bool, pooling: str | None = None) -> list:
-    model = llm.load_model(path)
-    ctx = llm.Context(model, n_ctx=64, n_ubatch=32, embeddings=embeddings, pooling_type=pooling)
-    out = []
-    for toks in seqs:
-        ctx.memory_clear()
-        assert ctx.decode(llm.Batch(toks, logits=np.ones(len(toks), bool))) == 0, ctx.last_error
-        if not embeddings:
-            out.append(ctx.get_logits().copy())
-        elif pooling in (None, "none"):
-            out.append(ctx.get_embeddings().copy())
-        else:
-            out.append(ctx.get_embeddings_seq(0).copy())
-    return out
-
-
 def sequences(ref) -> list[np.ndarray]:
     return [ref[f"tokens_{k}"] for k in range(len([n for n in ref.files if n.startswith("tokens_")]))]
 
@@ -79,49 +65,75 @@ def qtype(arch: str) -> str:
     return next(p.stem.split("-")[-1] for p in FIXTURES.glob(f"{arch}-*.gguf") if not p.stem.endswith("F32"))
 
 
+def decode_all(model: llm.Model, seqs: list[np.ndarray], pooling: str) -> list[tuple]:
+    """(logits or None, per-token embeddings, pooled embedding or None) of each sequence."""
+    ctx = llm.Context(model, n_ctx=64, n_ubatch=32, embeddings=True, pooling_type=pooling)
+    out = []
+    for toks in seqs:
+        ctx.memory_clear()
+        assert ctx.decode(llm.Batch(toks, logits=np.ones(len(toks), bool))) == 0, ctx.last_error
+        out.append((ctx.get_logits().copy() if ctx.has_logits else None, ctx.get_embeddings().copy(),
+                    None if pooling == "none" else ctx.get_embeddings_seq(0).copy()))
+    return out
+
+
+_results: dict[str, dict] = {}
+
+
+def results(arch: str) -> dict:
+    """Our outputs for one fixture, computed once: every pooling type llama.cpp gave on the
+    F32 model (one compiled graph: pooling happens on the host), and the quantized model."""
+    if arch not in _results:
+        ref = np.load(FIXTURES / f"{arch}.npz")
+        seqs = sequences(ref)
+        poolings = sorted({n.split("_")[1] for n in ref.files if n.startswith("embd_")})
+        f32 = llm.load_model(FIXTURES / f"{arch}-F32.gguf")
+        quant = llm.load_model(FIXTURES / f"{arch}-{qtype(arch)}.gguf")
+        _results[arch] = {"ref": ref, "poolings": poolings,
+                          "f32": {p: decode_all(f32, seqs, p) for p in poolings},
+                          "quant": decode_all(quant, seqs, "none")}
+    return _results[arch]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_f32_all_positions_match_llamacpp(arch):
-    ref = np.load(FIXTURES / f"{arch}.npz")
-    seqs = sequences(ref)
+    r = results(arch)
+    ref, ours = r["ref"], r["f32"]["none"]
     if "logits_0" in ref.files:
-        ours = run(FIXTURES / f"{arch}-F32.gguf", seqs, embeddings=False)
-        diff = max(float(np.abs(o - ref[f"logits_{k}"]).max()) for k, o in enumerate(ours))
+        diff = max(float(np.abs(o[0] - ref[f"logits_{k}"]).max()) for k, o in enumerate(ours))
     else:   # an encoder: its per-token final hidden states
-        ours = run(FIXTURES / f"{arch}-F32.gguf", seqs, embeddings=True, pooling="none")
-        diff = max(float(np.abs(o - ref[f"embd_none_{k}"]).max()) for k, o in enumerate(ours))
+        diff = max(float(np.abs(o[1] - ref[f"embd_none_{k}"]).max()) for k, o in enumerate(ours))
     print(f"{arch}: F32 max |diff| {diff:.3g}")
     assert diff <= tol(arch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_embeddings_match_llamacpp(arch):
-    ref = np.load(FIXTURES / f"{arch}.npz")
-    seqs = sequences(ref)
-    poolings = sorted({n.split("_")[1] for n in ref.files if n.startswith("embd_")})
-    assert "none" in poolings and "mean" in poolings
-    for pooling in poolings:
-        ours = run(FIXTURES / f"{arch}-F32.gguf", seqs, embeddings=True, pooling=pooling)
-        for k, o in enumerate(ours):
-            theirs = ref[f"embd_{pooling}_{k}"]
-            assert o.shape == theirs.shape
-            c = cosine(o, theirs).min()
+    r = results(arch)
+    assert "none" in r["poolings"] and "mean" in r["poolings"]
+    for pooling in r["poolings"]:
+        for k, o in enumerate(r["f32"][pooling]):
+            ours = o[1] if pooling == "none" else o[2]
+            theirs = r["ref"][f"embd_{pooling}_{k}"]
+            assert ours.shape == theirs.shape
+            c = cosine(ours, theirs).min()
             assert c >= COS_MIN, f"{pooling} seq {k}: cosine {c:.6f}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_matches_dequantized_twin(arch):
-    ref = np.load(FIXTURES / f"{arch}.npz")
-    seqs = sequences(ref)
-    path = FIXTURES / f"{arch}-{qtype(arch)}.gguf"
+    r = results(arch)
+    ref, ours = r["ref"], r["quant"]
     if "twin_logits_0" in ref.files:
-        ours = run(path, seqs, embeddings=False)
-        diff = max(float(np.abs(o - ref[f"twin_logits_{k}"]).max()) for k, o in enumerate(ours))
-        agree = np.mean(np.concatenate([o.argmax(1) == ref[f"q_top1_{k}"] for k, o in enumerate(ours)]))
+        diff = max(float(np.abs(o[0] - ref[f"twin_logits_{k}"]).max()) for k, o in enumerate(ours))
+        agree = np.mean(np.concatenate([o[0].argmax(1) == ref[f"q_top1_{k}"] for k, o in enumerate(ours)]))
         assert agree >= Q_TOP1_MIN, f"top-1 agreement with llama.cpp's quantized run {agree:.2f}"
     else:
-        ours = run(path, seqs, embeddings=True, pooling="none")
-        diff = max(float(np.abs(o - ref[f"twin_embd_none_{k}"]).max()) for k, o in enumerate(ours))
-        c = min(cosine(o, ref[f"q_embd_none_{k}"]).min() for k, o in enumerate(ours))
+        diff = max(float(np.abs(o[1] - ref[f"twin_embd_none_{k}"]).max()) for k, o in enumerate(ours))
+        c = min(cosine(o[1], ref[f"q_embd_none_{k}"]).min() for k, o in enumerate(ours))
         assert c >= 0.99, f"cosine to llama.cpp's quantized run {c:.4f}"
     print(f"{arch}: {qtype(arch)} vs dequantized twin max |diff| {diff:.3g}")
     assert diff <= tol(arch)

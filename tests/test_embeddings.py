@@ -94,6 +94,7 @@ def test_pooling_errors_name_what_is_missing(tiny):
 SYNTH_EMBD = sorted(p.name.removesuffix(".llamacpp.npz") for p in SYNTHETIC.glob("*.llamacpp.npz"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stem", SYNTH_EMBD)
 def test_decoder_embeddings_match_llamacpp(stem):
     """The committed synthetic models as embedders vs llama.cpp on their dequantized twins."""
