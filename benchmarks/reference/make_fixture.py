@@ -502,7 +502,7 @@ def wpm_vocab_kv() -> list[tuple[str, object, object, object]]:
 def ugm_vocab_kv() -> list[tuple[str, object, object, object]]:
     """A 512-token Unigram (T5-style) vocabulary: <pad> 0, </s> 1, <unk> 2, a user-defined
     "<extra_id_0>", then "\u2581" + word / word / character pieces from the corpus with
-    log-probability scores that favour longer pieces."""
+    log-probability scores that favour longer pieces; and a precompiled charsmap (CHARSMAP)."""
     from ggmlx.gguf import GGUFValueType as VT
     texts = corpus_texts()
     counts: dict[str, int] = {}
@@ -547,7 +547,46 @@ def ugm_vocab_kv() -> list[tuple[str, object, object, object]]:
         ("tokenizer.ggml.eos_token_id", 1, VT.UINT32, None),
         ("tokenizer.ggml.unknown_token_id", 2, VT.UINT32, None),
         ("tokenizer.ggml.padding_token_id", 0, VT.UINT32, None),
+        ("tokenizer.ggml.precompiled_charsmap", list(precompiled_charsmap(CHARSMAP)), VT.ARRAY, VT.UINT8),
     ]
+
+
+# A small normalization map in SentencePiece's precompiled form (the real ones hold NFKC):
+# accents folded, ligatures and full-width forms expanded, odd spaces to " ", and prefixes
+# that share bytes ("\u00e9" vs "\u00e9t"), so the longest match matters.
+CHARSMAP = {
+    "\u00e9": "e", "\u00e8": "e", "\u00e0": "a", "\u00fc": "u", "\u00e9t": "ET",
+    "\ufb01": "fi", "\ufb02": "fl", "\u2122": "TM", "\u2026": "...",
+    "\uff21": "A", "\uff41": "a", "\uff11": "1", "\u3000": " ", "\u00a0": " ", "\t": " ",
+    "\u2019": "'", "\u201c": '"', "\u201d": '"',
+}
+
+
+def precompiled_charsmap(mapping: dict[str, str]) -> bytes:
+    """The blob llama.cpp reads: uint32 size of the XCDA, the XCDA (uint32 entries: BASE in
+    bits 10-30, LEAF bit 8, LCHECK = the label byte in bits 0-7, bit 31 marks a value entry),
+    then the NUL-terminated replacements. Each trie node gets its own 256-entry block s, so
+    its child for byte c sits at s ^ c = s + c and its value (if it ends a key) at s."""
+    keys = {k.encode(): v.encode() for k, v in mapping.items()}
+    repl = bytearray()
+    offsets = {}
+    for k in sorted(keys):
+        offsets[k] = len(repl)
+        repl += keys[k] + b"\0"
+    prefixes = sorted({k[:i] for k in keys for i in range(len(k) + 1)})
+    block = {p: 256 * (i + 1) for i, p in enumerate(prefixes)}     # block 0 holds the root entry
+    xcda = [0] * (256 * (len(prefixes) + 1))
+    xcda[0] = block[b""] << 10
+    for p in prefixes:
+        if p:
+            idx = block[p[:-1]] + p[-1]
+            base = idx ^ block[p]
+            assert base < 1 << 21
+            xcda[idx] = (base << 10) | ((p in keys) << 8) | p[-1]
+        if p in keys:
+            xcda[block[p]] = (1 << 31) | offsets[p]
+    blob = np.asarray(xcda, "<u4").tobytes()
+    return len(blob).to_bytes(4, "little") + blob + bytes(repl)
 
 
 VOCABS = {"spm": spm_vocab_kv, "wpm": wpm_vocab_kv, "ugm": ugm_vocab_kv}
