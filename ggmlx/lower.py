@@ -397,7 +397,9 @@ def lower_flash_attn_ext(n: Tensor, env):
     s = n.src
     mask = _value(env, s[3]) if len(s) > 3 else None
     sinks = _value(env, s[4]).reshape(-1) if len(s) > 4 else None
-    return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, *n.op_params, sinks=sinks)
+    scale, max_bias, softcap = n.op_params
+    return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, scale, max_bias, softcap,
+                       sinks=sinks)
 
 
 @lowers(Op.VIEW)

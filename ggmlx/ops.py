@@ -301,7 +301,7 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     if sinks is not None:
         if mask is None or sinks.ne[0] != q.ne[2]:
             _fail("flash_attn_ext", "sinks need a mask and one value per head", sinks, q)
-        src = (q, k, v, mask, sinks)
+        src = src + (sinks,)
     return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src,
                  (float(scale), float(max_bias), float(logit_softcap)))
 

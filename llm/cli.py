@@ -231,8 +231,8 @@ def cmd_chat(a) -> int:
 def print_coverage() -> None:
     """`info --archs`: the architectures, tokenizers and pooling types this engine supports."""
     from llm import models  # noqa: F401  (registers the architecture builders)
-    from llm.arch import registered_archs
     from llm.hparams import PoolingType
+    from llm.models import registered_archs
     from llm.tokenizers.pretokenize import PRE_TOKENIZERS
     print("architectures: " + ", ".join(registered_archs()))
     print("tokenizers: SPM (tokenizer.ggml.model 'llama'), BPE ('gpt2', pre-tokenizers: "

@@ -24,8 +24,6 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from llm.arch import LLMKV
 from llm.loader import GGUFMeta
 from llm.tokenizers.bpe import BPETokenizer, parse_merges
@@ -686,10 +684,8 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
         tokenizer = WPMTokenizer(token_to_id, special.unk, lowercase, strip_accents)
         special.nl = pad_default
     elif vtype == VocabType.UGM:
-        blob = ml.kv.get(LLMKV.TOKENIZER_PRECOMPILED_CHARSMAP.value)
-        charsmap = None
-        if blob is not None and len(blob):
-            charsmap = CharsMap(np.asarray(blob).astype(np.uint8).tobytes(), ml.path)
+        blob = ml.get_arr(LLMKV.TOKENIZER_PRECOMPILED_CHARSMAP, int, [])
+        charsmap = CharsMap(bytes(b & 0xFF for b in blob), ml.path) if blob else None
         tokenizer = UGMTokenizer(texts, score_list, [bool(a & _NORMAL) for a in attrs],
                                  [bool(a & _USER_DEFINED) for a in attrs], [bool(a & _UNUSED) for a in attrs],
                                  special.unk, charsmap, add_space_prefix=flags.add_space_prefix,

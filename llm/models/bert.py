@@ -34,7 +34,7 @@ def load_input_and_head(model: Model, ml: ModelLoader, *, positions: bool) -> No
     hp = model.hparams
     if hp.n_token_types == 0:
         raise ml.error(f"{model.arch} model needs '{LLMKV.TOKENIZER_TOKEN_TYPE_COUNT.value}' (token type count)")
-    dev, dev_out = model.placement.dev_input, model.placement.dev_output
+    dev, dev_out = model.place.dev_input, model.place.dev_output
     n_embd = hp.n_embd
     model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, hp.n_vocab), dev)
     model.type_embd = ml.create_tensor(tn(T.TOKEN_TYPES, "weight"), (n_embd, hp.n_token_types), dev, OPT)
@@ -64,7 +64,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     hp = model.hparams
     load_input_and_head(model, ml, positions=True)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         load_block(layer, ml, hp, il, dev)
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)

@@ -29,10 +29,10 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     hp = model.hparams
     create_ln_output(model, ml)
     model.pos_embd = ml.create_tensor(tn(T.POS_EMBD, "weight"), (hp.n_embd, hp.n_ctx_train),
-                                      model.placement.dev_input)
+                                      model.place.dev_input)
     for il in range(hp.n_layer):
         layer = Layer()
-        create_ln_block(layer, ml, hp, il, model.placement.dev_layer[il], ffn_norm=True)
+        create_ln_block(layer, ml, hp, il, model.place.dev_layer[il], ffn_norm=True)
         model.layers.append(layer)
 
 
@@ -43,7 +43,7 @@ def build_graph(g: GraphBuilder) -> None:
     inpL = g.build_inp_embd(m.tok_embd)
     inp_pos = g.build_inp_pos()
     inp_attn = g.build_attn_inp_kv()
-    inpL = g.cb(ops.add(inpL, ops.get_rows(m.pos_embd, inp_pos)), "inpL")
+    inpL = g.cb(ops.add(inpL, ops.get_rows(g.need(m.pos_embd, "position_embd"), inp_pos)), "inpL")
     inp_out_ids = g.build_inp_out_ids()
 
     for il in range(hp.n_layer):

@@ -45,12 +45,12 @@ def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
 def load_tensors(model: Model, ml: ModelLoader) -> None:
     hp = model.hparams
     n_embd, n_exp, n_ff = hp.n_embd, hp.n_expert, hp.n_ff_exp
-    dev_out = model.placement.dev_output
-    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, hp.n_vocab), model.placement.dev_input)
+    dev_out = model.place.dev_output
+    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, hp.n_vocab), model.place.dev_input)
     model.output_norm = ml.create_tensor(tn(T.OUTPUT_NORM, "weight"), (n_embd,), dev_out)
     model.output = ml.create_tensor(tn(T.OUTPUT, "weight"), (n_embd, hp.n_vocab), dev_out)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         n_q, n_kv = hp.n_head(il) * hp.n_rot, hp.n_head_kv(il) * hp.n_rot
         layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)

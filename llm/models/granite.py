@@ -38,7 +38,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     opt = TensorFlag.NOT_REQUIRED
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         create_attn(layer, ml, hp, il, dev)
         layer.bo = ml.create_tensor(tn(T.ATTN_OUT, "bias", il), (hp.n_embd,), dev, opt)

@@ -26,7 +26,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     hp = model.hparams
     load_input_and_head(model, ml, positions=False)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         load_block(layer, ml, hp, il, dev)
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)

@@ -46,7 +46,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     n_embd = hp.n_embd
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         n_kv = hp.n_embd_k_gqa(il)
         create_qkv(layer, ml, il, dev, n_embd, n_embd, n_kv, hp.n_embd_v_gqa(il))

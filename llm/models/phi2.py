@@ -29,15 +29,15 @@ def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
 
 def load_tensors(model: Model, ml: ModelLoader) -> None:
     hp = model.hparams
-    dev_out = model.placement.dev_output
-    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab), model.placement.dev_input)
+    dev_out = model.place.dev_output
+    model.tok_embd = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (hp.n_embd, hp.n_vocab), model.place.dev_input)
     model.output_norm = ml.create_tensor(tn(T.OUTPUT_NORM, "weight"), (hp.n_embd,), dev_out)
     model.output_norm_b = ml.create_tensor(tn(T.OUTPUT_NORM, "bias"), (hp.n_embd,), dev_out)
     model.output = ml.create_tensor(tn(T.OUTPUT, "weight"), (hp.n_embd, hp.n_vocab), dev_out)
     model.output_b = ml.create_tensor(tn(T.OUTPUT, "bias"), (hp.n_vocab,), dev_out)
     for il in range(hp.n_layer):
         layer = Layer()
-        create_ln_block(layer, ml, hp, il, model.placement.dev_layer[il], ffn_norm=False)
+        create_ln_block(layer, ml, hp, il, model.place.dev_layer[il], ffn_norm=False)
         model.layers.append(layer)
 
 

@@ -33,7 +33,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     n_embd = hp.n_embd
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
         create_qkv(layer, ml, il, dev, n_embd, n_embd, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
@@ -73,7 +73,8 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
         moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
                                   layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, False, il)
-        gate_inp = g.cb(ops.mul_mat(layer.ffn_gate_inp_shexp, cur), "ffn_shexp_gate_inp", il)
+        shexp_gate_inp = g.need(layer.ffn_gate_inp_shexp, "ffn_gate_inp_shexp", il)
+        gate_inp = g.cb(ops.mul_mat(shexp_gate_inp, cur), "ffn_shexp_gate_inp", il)
         gate = g.cb(ops.div(ops.silu(gate_inp), gate_inp), "ffn_shexp_gate", il)
         shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
                                  "silu", il), "ffn_shexp", il)

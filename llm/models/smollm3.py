@@ -29,7 +29,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     hp = model.hparams
     create_embd_output(model, ml)
     for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
+        dev = model.place.dev_layer[il]
         layer = Layer()
         create_attn(layer, ml, hp, il, dev)
         create_ffn(layer, ml, hp, il, dev)

@@ -46,7 +46,7 @@ def create_ln_output(model: Model, ml: ModelLoader) -> None:
     """token_embd, output_norm with bias, output (tied to token_embd when absent)."""
     create_embd_output(model, ml)
     model.output_norm_b = ml.create_tensor(tn(T.OUTPUT_NORM, "bias"), (model.hparams.n_embd,),
-                                           model.placement.dev_output)
+                                           model.place.dev_output)
 
 
 def load_tensors(model: Model, ml: ModelLoader) -> None:
@@ -54,7 +54,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     create_ln_output(model, ml)
     for il in range(hp.n_layer):
         layer = Layer()
-        create_ln_block(layer, ml, hp, il, model.placement.dev_layer[il], ffn_norm=True)
+        create_ln_block(layer, ml, hp, il, model.place.dev_layer[il], ffn_norm=True)
         model.layers.append(layer)
 
 
