@@ -150,6 +150,7 @@ class LLMKV(enum.Enum):
     ATTENTION_SLIDING_WINDOW = "%s.attention.sliding_window"
     ATTENTION_SLIDING_WINDOW_PATTERN = "%s.attention.sliding_window_pattern"
     ATTENTION_SCALE = "%s.attention.scale"
+    ATTENTION_TEMPERATURE_SCALE = "%s.attention.temperature_scale"
 
     ROPE_DIMENSION_COUNT = "%s.rope.dimension_count"
     ROPE_DIMENSION_SECTIONS = "%s.rope.dimension_sections"

@@ -86,6 +86,23 @@ class InpPos(GraphInput):
         values[self.pos] = p
 
 
+class InpAttnScale(GraphInput):
+    """Per-token query scale of attention temperature tuning (llama4, mistral3):
+    log(floor((pos + offset) / floor_scale) + 1) * temp_scale + 1, as [1, 1, n_tokens]."""
+
+    def __init__(self, params: GraphParams, temp_scale: float, floor_scale: int, offset: float):
+        super().__init__(params)
+        self.temp_scale, self.floor_scale, self.offset = temp_scale, floor_scale, offset
+        self.scale = new_input(F32, (1, 1, params.n_tokens), "inp_attn_scale")
+
+    def set_input(self, ub, values: dict) -> None:
+        s = np.ones(self.params.n_tokens, np.float32)
+        pos = ub.pos.astype(np.float32)
+        s[:ub.n_tokens] = (np.log(np.floor((pos + np.float32(self.offset)) / np.float32(self.floor_scale)) + 1.0)
+                           * np.float32(self.temp_scale) + 1.0)
+        values[self.scale] = s.reshape(self.params.n_tokens, 1, 1)
+
+
 class InpOutIds(GraphInput):
     """Rows of the last layer that reach the output projection (padded with row 0)."""
 
@@ -183,6 +200,12 @@ class GraphBuilder:
         inp = InpPos(self.params)
         self.inputs.append(inp)
         return inp.pos
+
+    def build_inp_attn_scale(self) -> Tensor:
+        hp = self.hparams
+        inp = InpAttnScale(self.params, hp.f_attn_temp_scale, hp.n_attn_temp_floor_scale, hp.f_attn_temp_offset)
+        self.inputs.append(inp)
+        return inp.scale
 
     def build_inp_out_ids(self) -> Tensor | None:
         """None when every padded token is an output row (nothing to select)."""

@@ -140,6 +140,10 @@ class HParams:
     f_embedding_scale: float = 0.0
     f_residual_scale: float = 0.0
     f_logit_scale: float = 0.0
+    # attention temperature tuning (llama4, mistral3): 0 = off
+    f_attn_temp_scale: float = 0.0
+    f_attn_temp_offset: float = 0.0
+    n_attn_temp_floor_scale: int = 0
     causal_attn: bool = True
     pooling_type: PoolingType = PoolingType.NONE   # the model's default (%s.pooling_type)
     n_cls_out: int = 1                             # classifier outputs (rank pooling)

@@ -251,6 +251,26 @@ def spec_smollm3(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_mistral3(d: Dims, w: Weights) -> dict:
+    a = "mistral3"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 1000000.0
+    kv[f"{a}.attention.temperature_scale"] = 0.5
+    kv[f"{a}.rope.scaling.original_context_length"] = 4     # the temperature steps every 4 positions
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
 def spec_starcoder2(d: Dims, w: Weights) -> dict:
     kv = base_kv("starcoder2", d, rms=False)
     w.embd("token_embd.weight", N_VOCAB, d.n_embd)
@@ -421,6 +441,7 @@ ARCHS: dict[str, ArchSpec] = {
     "gpt2": ArchSpec(spec_gpt2, 109),
     "phi2": ArchSpec(spec_phi2, 110),
     "gpt-oss": ArchSpec(spec_gpt_oss, 111, qtype="MXFP4"),
+    "mistral3": ArchSpec(spec_mistral3, 112),
 }
 
 

@@ -18,6 +18,7 @@ from llm.models import (
     gpt_oss,
     granite,
     llama,
+    mistral3,
     nomic_bert,
     olmo2,
     phi2,
@@ -69,6 +70,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.GPT2: gpt2,
     LLMArch.PHI2: phi2,
     LLMArch.OPENAI_MOE: gpt_oss,
+    LLMArch.MISTRAL3: mistral3,
 }
 
 
