@@ -324,6 +324,8 @@ class Context:
         shift = new_input(GGMLType.I32, (self.n_ctx,), "k_shift")
         idxs = new_input(GGMLType.I32, (self.n_ctx,), "k_shift_idxs")
         for il in range(hp.n_layer):
+            if not hp.has_rope(il):
+                continue
             k = kv.k_l[il]
             cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), self.n_ctx)
             cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **rope_params(hp, il))

@@ -166,11 +166,15 @@ class HParams:
     swa_type: SWAType = SWAType.NONE
     n_swa: int = 0
     swa_layers: list[bool] = dataclasses.field(default_factory=list)
+    # layers that rotate Q and K (llama.cpp's rope_pattern); empty means all of them
+    rope_layers: list[bool] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.swa_layers:
             self.swa_layers = [False] * self.n_layer
-        for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers"):
+        if not self.rope_layers:
+            self.rope_layers = [True] * self.n_layer
+        for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers"):
             if len(getattr(self, name)) != self.n_layer:
                 raise ValueError(f"HParams.{name} has {len(getattr(self, name))} entries, "
                                  f"expected n_layer = {self.n_layer}")
@@ -201,6 +205,10 @@ class HParams:
     def n_embd_v_gqa(self, il: int = 0) -> int:
         """Width of one token's values over all KV heads of layer il."""
         return self.n_embd_head_v * self.n_head_kv(il)
+
+    def has_rope(self, il: int) -> bool:
+        """Does layer il rotate its queries and keys (and so its cached keys on a shift)?"""
+        return self.rope_type != RopeType.NONE and self.rope_layers[self._layer(il)]
 
     def is_swa(self, il: int) -> bool:
         """Does layer il use sliding-window attention?"""

@@ -227,3 +227,21 @@ def test_encoder_context_needs_embeddings():
     with pytest.raises(ValueError, match="classifier head"):
         llm.Context(llm.load_model(FIXTURES / "nomic-bert-F32.gguf"), n_ctx=32, embeddings=True,
                     pooling_type="rank")
+
+
+@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+def test_position_shift_rotates_only_rope_layers(arch):
+    """After seq_add, the cached keys of rope layers are re-rotated and those of NoPE layers
+    (smollm3's every 4th) left alone: the next token's logits equal a fresh decode of the
+    same tokens at the shifted positions."""
+    model = llm.load_model(FIXTURES / f"{arch}-F32.gguf")
+    toks = np.load(FIXTURES / f"{arch}.npz")["tokens_0"]
+    n, shift = len(toks) - 1, 5
+    ctx = llm.Context(model, n_ctx=64, n_ubatch=32)
+    assert ctx.decode(llm.Batch(toks[:n])) == 0
+    ctx.memory.seq_add(0, 0, -1, shift)
+    assert ctx.decode(llm.Batch(toks[n:], pos=np.array([n + shift], np.int32))) == 0, ctx.last_error
+    shifted = ctx.get_logits_ith(-1).copy()
+    fresh = llm.Context(model, n_ctx=64, n_ubatch=32)
+    assert fresh.decode(llm.Batch(toks, pos=np.arange(shift, shift + n + 1, dtype=np.int32))) == 0
+    np.testing.assert_allclose(shifted, fresh.get_logits_ith(-1), atol=1e-4)

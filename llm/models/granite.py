@@ -31,6 +31,7 @@ def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
     hp.f_embedding_scale = ml.get_key(LLMKV.EMBEDDING_SCALE, float, 0.0)
     hp.f_attention_scale = ml.get_key(LLMKV.ATTENTION_SCALE, float, 0.0)
     hp.rope_finetuned = ml.get_key(LLMKV.ROPE_SCALING_FINETUNED, bool, True)
+    hp.rope_layers = [hp.rope_finetuned] * hp.n_layer
 
 
 def load_tensors(model: Model, ml: ModelLoader) -> None:
@@ -60,7 +61,7 @@ def build_graph(g: GraphBuilder) -> None:
     inpL = g.build_inp_embd(m.tok_embd)
     if hp.f_embedding_scale:
         inpL = g.cb(ops.scale(inpL, hp.f_embedding_scale), "inp_scaled")
-    inp_pos = g.build_inp_pos() if hp.rope_finetuned else None
+    inp_pos = g.build_inp_pos() if hp.has_rope(0) else None
     inp_attn = g.build_attn_inp_kv()
     inp_out_ids = g.build_inp_out_ids()
 

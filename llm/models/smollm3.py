@@ -23,6 +23,9 @@ NO_ROPE_LAYER_STEP = 4
 def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
     hp.rope_type = RopeType.NORM
     hp.f_norm_rms_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_RMS_EPS, float)
+    # (llama.cpp keeps rope_pattern all-on for smollm3, so its K-shift also rotates the NoPE
+    # layers' cached keys; here a shift leaves them alone, as their attention has no positions)
+    hp.rope_layers = [(il + 1) % NO_ROPE_LAYER_STEP != 0 for il in range(hp.n_layer)]
 
 
 def load_tensors(model: Model, ml: ModelLoader) -> None:
@@ -34,10 +37,6 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
         create_attn(layer, ml, hp, il, dev)
         create_ffn(layer, ml, hp, il, dev)
         model.layers.append(layer)
-
-
-def uses_rope(il: int) -> bool:
-    return (il + 1) % NO_ROPE_LAYER_STEP != 0
 
 
 def build_graph(g: GraphBuilder) -> None:
@@ -54,7 +53,7 @@ def build_graph(g: GraphBuilder) -> None:
         inpSA = inpL
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
-        if uses_rope(il):
+        if hp.has_rope(il):
             q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
             k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
 
