@@ -67,6 +67,8 @@ class LLM:
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers,
                                        progress_callback=progress_callback, weight_format=weight_format)
         self.t_load = time.perf_counter() - t0
+        if self.model.output is None:       # an encoder gives embeddings only
+            ctx_kwargs.setdefault("embeddings", True)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order

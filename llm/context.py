@@ -372,6 +372,9 @@ class Context:
     def get_logits_ith(self, i: int) -> np.ndarray:
         """Logits of batch token i (negative i counts outputs from the end, as llama.cpp);
         ValueError for a token that produced no logits."""
+        if not self.has_logits:
+            raise ValueError(f"model {self.model.path} ({self.model.arch}) has no output layer: "
+                             f"no logits, only embeddings (get_embeddings_ith / get_embeddings_seq)")
         n_outputs = self.logits.shape[0]
         if i < 0:
             j = n_outputs + i

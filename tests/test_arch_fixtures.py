@@ -245,3 +245,18 @@ def test_position_shift_rotates_only_rope_layers(arch):
     fresh = llm.Context(model, n_ctx=64, n_ubatch=32)
     assert fresh.decode(llm.Batch(toks, pos=np.arange(shift, shift + n + 1, dtype=np.int32))) == 0
     np.testing.assert_allclose(shifted, fresh.get_logits_ith(-1), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["bert", "nomic-bert"])
+def test_llm_embed_batches_encoder_sequences(arch):
+    """LLM.embed puts the three sequences in one batch (one ubatch, non-causal attention
+    kept within each sequence) and matches llama.cpp's mean pooling, normalized."""
+    ref = np.load(FIXTURES / f"{arch}.npz")
+    m = llm.LLM(str(FIXTURES / f"{arch}-F32.gguf"), n_ctx=64, n_ubatch=32)
+    ours = m.embed([list(map(int, t)) for t in sequences(ref)])
+    theirs = np.stack([ref[f"embd_mean_{k}"] for k in range(len(ours))])
+    theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
+    assert cosine(ours, theirs).min() >= COS_MIN
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
+    with pytest.raises(ValueError, match="no output layer"):
+        m.generate([101, 200, 300], max_tokens=2)
