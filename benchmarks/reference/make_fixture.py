@@ -271,6 +271,24 @@ def spec_mistral3(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_exaone(d: Dims, w: Weights) -> dict:
+    a = "exaone"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 500000.0
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
 def spec_starcoder2(d: Dims, w: Weights) -> dict:
     kv = base_kv("starcoder2", d, rms=False)
     w.embd("token_embd.weight", N_VOCAB, d.n_embd)
@@ -442,6 +460,7 @@ ARCHS: dict[str, ArchSpec] = {
     "phi2": ArchSpec(spec_phi2, 110),
     "gpt-oss": ArchSpec(spec_gpt_oss, 111, qtype="MXFP4"),
     "mistral3": ArchSpec(spec_mistral3, 112),
+    "exaone": ArchSpec(spec_exaone, 113),
 }
 
 

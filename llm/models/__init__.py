@@ -12,6 +12,7 @@ from llm.arch import LLMArch, arch_from_name
 from llm.errors import ModelLoadError
 from llm.models import (
     bert,
+    exaone,
     gemma2,
     gemma3,
     gpt2,
@@ -71,6 +72,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.PHI2: phi2,
     LLMArch.OPENAI_MOE: gpt_oss,
     LLMArch.MISTRAL3: mistral3,
+    LLMArch.EXAONE: exaone,
 }
 
 
