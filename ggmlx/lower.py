@@ -344,6 +344,11 @@ def lower_clamp(n: Tensor, env):
     return jnp.clip(_value_f32(env, n.src[0]), lo, hi)
 
 
+@lowers(Op.SIGMOID)
+def lower_sigmoid(n: Tensor, env):
+    return jax.nn.sigmoid(_value_f32(env, n.src[0]))
+
+
 @lowers(Op.SILU)
 def lower_silu(n: Tensor, env):
     return jax.nn.silu(_value_f32(env, n.src[0]))

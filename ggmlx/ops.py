@@ -110,6 +110,11 @@ def clamp(a: Tensor, min: float, max: float) -> Tensor:
     return _unary(Op.CLAMP, a, (float(min), float(max)))
 
 
+def sigmoid(a: Tensor) -> Tensor:
+    """1 / (1 + exp(-a)). -> a.ne."""
+    return _unary(Op.SIGMOID, a)
+
+
 def silu(a: Tensor) -> Tensor:
     """a * sigmoid(a). -> a.ne."""
     return _unary(Op.SILU, a)
