@@ -129,6 +129,7 @@ class LLMKV(enum.Enum):
     EXPERT_WEIGHTS_SCALE = "%s.expert_weights_scale"
     EXPERT_WEIGHTS_NORM = "%s.expert_weights_norm"
     EXPERT_GATING_FUNC = "%s.expert_gating_func"
+    INTERLEAVE_MOE_LAYER_STEP = "%s.interleave_moe_layer_step"
     POOLING_TYPE = "%s.pooling_type"
     CLASSIFIER_OUTPUT_LABELS = "%s.classifier.output_labels"
     LOGIT_SCALE = "%s.logit_scale"

@@ -295,12 +295,15 @@ class GraphBuilder:
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
                       n_expert_used: int, norm_w: bool, il: int, *, gate_inp_b: Tensor | None = None,
                       up_exps_b: Tensor | None = None, gate_exps_b: Tensor | None = None,
-                      down_exps_b: Tensor | None = None, gating: str = "softmax", act: str = "silu") -> Tensor:
+                      down_exps_b: Tensor | None = None, gating: str = "softmax", act: str = "silu",
+                      weight_before_ffn: bool = False) -> Tensor:
         """Mixture of experts (build_moe_ffn). gating "softmax": weights are the softmax
         probabilities of the chosen experts (renormalized when norm_w); "softmax_weight"
-        (gpt-oss): experts chosen by raw logits, their logits softmaxed. act "silu" (SwiGLU)
-        or "swiglu_oai" (gpt-oss's clamped SwiGLU, alpha 1.702, limit 7). Router and expert
-        biases are optional (the expert biases indexed by the chosen experts: ggml_add_id)."""
+        (gpt-oss): experts chosen by raw logits, their logits softmaxed; "sigmoid" (llama4):
+        experts chosen by raw logits, weighted by their sigmoid. act "silu" (SwiGLU) or
+        "swiglu_oai" (gpt-oss's clamped SwiGLU, alpha 1.702, limit 7). Router and expert
+        biases are optional (the expert biases indexed by the chosen experts: ggml_add_id).
+        weight_before_ffn (llama4) scales each expert's input instead of its output."""
         gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
         up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
         down_exps = self.need(down_exps, "ffn_down_exps", il)
@@ -308,9 +311,15 @@ class GraphBuilder:
         logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
         if gate_inp_b is not None:
             logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
-        probs = logits if gating == "softmax_weight" else ops.soft_max(logits)
+        if gating == "softmax_weight":
+            probs = logits
+        elif gating == "sigmoid":
+            probs = ops.sigmoid(logits)
+        else:
+            probs = ops.soft_max(logits)
         self.cb(probs, "ffn_moe_probs", il)
-        selected = self.cb(ops.top_k(probs, n_expert_used), "ffn_moe_topk", il)
+        selection = logits if gating == "sigmoid" else probs
+        selected = self.cb(ops.top_k(selection, n_expert_used), "ffn_moe_topk", il)
         w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         self.cb(w, "ffn_moe_weights", il)
         if gating == "softmax_weight":
@@ -330,6 +339,11 @@ class GraphBuilder:
             return self.cb(ops.add(x, rows), name, il)
 
         x = ops.reshape_3d(cur, n_embd, 1, n_tokens)
+        if weight_before_ffn:
+            repeated = x
+            for _ in range(n_expert_used - 1):
+                repeated = ops.concat(repeated, x, 1)
+            x = self.cb(ops.mul(repeated, w), "ffn_moe_weighted", il)
         up = self.cb(ops.mul_mat_id(up_exps, x, selected), "ffn_moe_up", il)
         up = add_id(up, up_exps_b, "ffn_moe_up_biased")
         gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
@@ -340,7 +354,8 @@ class GraphBuilder:
             par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
         experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
-        experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
+        if not weight_before_ffn:
+            experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
         moe_out = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], 0)
         for e in range(1, n_expert_used):
             view = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], e * experts.nb[1])

@@ -128,6 +128,8 @@ class HParams:
     n_ff_shexp: int = 0               # the shared expert's FFN width (0: n_ff)
     expert_weights_scale: float = 0.0
     n_token_types: int = 0            # BERT-style token types (tokenizer.ggml.token_type_count)
+    n_moe_layer_step: int = 0         # llama4: every n-th layer is a mixture of experts
+    use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
 
     f_norm_eps: float = 0.0
     f_norm_rms_eps: float = 0.0
@@ -403,3 +405,18 @@ def _check_values(hp: HParams, ml: GGUFMeta) -> None:
     if hp.swa_type != SWAType.NONE and hp.n_swa <= 0:
         raise ml.error(f"sliding-window attention needs a positive "
                       f"'{ml.key_name(LLMKV.ATTENTION_SLIDING_WINDOW)}', got {hp.n_swa}")
+
+
+def load_swa_pattern(hp: HParams, ml, n_pattern: int) -> None:
+    """llama.cpp's load_swa_pattern: `%s.attention.sliding_window_pattern` as one bool per
+    layer, or as a period (every n-th layer dense), else the architecture's default period."""
+    from llm.arch import LLMKV
+    key = ml.key_name(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN)
+    value = ml.kv.get(key)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        pattern = ml.get_arr(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN, bool)
+        if len(pattern) != hp.n_layer:
+            raise ml.error(f"'{key}' has {len(pattern)} values, expected one per layer ({hp.n_layer})")
+        hp.swa_layers = list(pattern)
+        return
+    hp.set_swa_pattern(ml.get_key(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN, int, n_pattern))

@@ -289,6 +289,35 @@ def spec_exaone(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_llama4(d: Dims, w: Weights) -> dict:
+    d = dataclasses.replace(d, n_layer=4)      # layer 3 is NoPE; layers 1 and 3 are MoE
+    a = "llama4"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 500000.0
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = 64
+    kv[f"{a}.interleave_moe_layer_step"] = 2
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        if (il + 1) % 2 == 0:
+            moe(w, p, d, 64)
+            w.mat(p + "ffn_gate_shexp.weight", 64, d.n_embd)
+            w.mat(p + "ffn_down_shexp.weight", d.n_embd, 64)
+            w.mat(p + "ffn_up_shexp.weight", 64, d.n_embd)
+        else:
+            w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
 def spec_starcoder2(d: Dims, w: Weights) -> dict:
     kv = base_kv("starcoder2", d, rms=False)
     w.embd("token_embd.weight", N_VOCAB, d.n_embd)
@@ -461,6 +490,7 @@ ARCHS: dict[str, ArchSpec] = {
     "gpt-oss": ArchSpec(spec_gpt_oss, 111, qtype="MXFP4"),
     "mistral3": ArchSpec(spec_mistral3, 112),
     "exaone": ArchSpec(spec_exaone, 113),
+    "llama4": ArchSpec(spec_llama4, 114),
 }
 
 

@@ -19,6 +19,7 @@ from llm.models import (
     gpt_oss,
     granite,
     llama,
+    llama4,
     mistral3,
     nomic_bert,
     olmo2,
@@ -73,6 +74,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.OPENAI_MOE: gpt_oss,
     LLMArch.MISTRAL3: mistral3,
     LLMArch.EXAONE: exaone,
+    LLMArch.LLAMA4: llama4,
 }
 
 

@@ -13,7 +13,7 @@ from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
 from llm.graph import GraphBuilder
-from llm.hparams import HParams, RopeType, SWAType
+from llm.hparams import HParams, RopeType, SWAType, load_swa_pattern
 from llm.layer import Layer, create_qkv
 from llm.loader import GGUFMeta, ModelLoader
 from llm.models.qwen3moe import load_moe_hparams
@@ -30,14 +30,7 @@ def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
         raise ml.error(f"missing required key '{ml.key_name(LLMKV.EXPERT_FEED_FORWARD_LENGTH)}'")
     hp.n_swa = ml.get_key(LLMKV.ATTENTION_SLIDING_WINDOW, int)
     hp.swa_type = SWAType.STANDARD
-    pattern = ml.get_arr(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN, bool, [])
-    if pattern:
-        if len(pattern) != hp.n_layer:
-            raise ml.error(f"'{ml.key_name(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN)}' has {len(pattern)} "
-                           f"values, expected one per layer ({hp.n_layer})")
-        hp.swa_layers = list(pattern)
-    else:
-        hp.set_swa_pattern(2)
+    load_swa_pattern(hp, ml, 2)
     hp.rope_freq_base_train_swa = ml.get_key(LLMKV.ROPE_FREQ_BASE_SWA, float, hp.rope_freq_base_train)
     hp.rope_freq_scale_train_swa = hp.rope_freq_scale_train
 
