@@ -223,7 +223,7 @@ class Context:
         if self.memory.cells.has_shift:
             self._apply_k_shift()
         if not hp.causal_attn and batch.n_tokens > self.n_ubatch:
-            return self._fail(DECODE_INVALID, f"a non-causal model needs the whole batch in one ubatch: "
+            return self._fail(DecodeStatus.INVALID_BATCH, f"a non-causal model needs the whole batch in one ubatch: "
                                               f"n_tokens = {batch.n_tokens} > n_ubatch = {self.n_ubatch}")
         # pooling needs each sequence's tokens together: consecutive runs, never interleaved
         ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1 or self.pooled

@@ -369,7 +369,9 @@ def _check_values(hp: HParams, ml: GGUFMeta) -> None:
     checked against these values when the tensors are declared (ModelLoader.create_tensor)."""
     positive = "must be a finite number > 0"
     floats = [  # (key, value, ok): every float the graphs use
-        (LLMKV.ATTENTION_LAYERNORM_RMS_EPS, hp.f_norm_rms_eps, 0.0 < hp.f_norm_rms_eps < 1.0,
+        # an architecture reads one of the two epsilons; LayerNorm ones (bert, gpt2, ...) leave rms at 0
+        (LLMKV.ATTENTION_LAYERNORM_RMS_EPS, hp.f_norm_rms_eps,
+         0.0 < hp.f_norm_rms_eps < 1.0 or (hp.f_norm_rms_eps == 0.0 and 0.0 < hp.f_norm_eps < 1.0),
          "must be a finite number in (0, 1)"),
         (LLMKV.ATTENTION_LAYERNORM_EPS, hp.f_norm_eps, 0.0 <= hp.f_norm_eps < 1.0,
          "must be a finite number in [0, 1)"),
