@@ -260,3 +260,15 @@ def test_llm_embed_batches_encoder_sequences(arch):
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
     with pytest.raises(ValueError, match="no output layer"):
         m.generate([101, 200, 300], max_tokens=2)
+
+
+def test_synthetic_companions_reproduce_the_reference():
+    """The generator's runner (`--synthetic`) gives, for the committed synthetic models, the
+    same dequantized-twin logits as the shared llama.cpp reference (tests/data/synthetic)."""
+    synthetic = ROOT / "tests" / "data" / "synthetic"
+    stems = sorted(p.name.removesuffix(".llamacpp.npz") for p in synthetic.glob("*.llamacpp.npz"))
+    assert len(stems) == 6
+    for stem in stems:
+        ours, ref = np.load(synthetic / f"{stem}.llamacpp.npz"), np.load(synthetic / f"{stem}.npz")
+        np.testing.assert_array_equal(ours["tokens"], ref["tokens"])
+        np.testing.assert_array_equal(ours["twin_logits"], ref["logits_dequant_f32"], err_msg=stem)
