@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ggmlx import types, weights
-from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, ROPE_TYPE_NEOX, SORT_DESC
+from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, GLU_SWIGLU_OAI, ROPE_TYPE_NEOX, SORT_DESC
 from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, np_dtype
 from ggmlx.types import GGMLType
 
@@ -177,8 +177,9 @@ def _soft_max(a, mask, scale, max_bias):
     return jax.nn.softmax(x, axis=-1)
 
 
-def _flash_attn(q, k, v, mask, scale, max_bias, softcap):
-    """q [B, H, n_q, D], k [B, Hkv, n_kv, D], v [B, Hkv, n_kv, Dv] -> [B, n_q, H, Dv]."""
+def _flash_attn(q, k, v, mask, scale, max_bias, softcap, sinks=None):
+    """q [B, H, n_q, D], k [B, Hkv, n_kv, D], v [B, Hkv, n_kv, Dv] -> [B, n_q, H, Dv];
+    sinks [H]: an extra softmax term exp(sink - max) per head, with no value."""
     B, H, n_q, D = q.shape
     Hkv, n_kv = k.shape[1], k.shape[2]
     r = H // Hkv
@@ -190,7 +191,13 @@ def _flash_attn(q, k, v, mask, scale, max_bias, softcap):
         m = _mask_for(mask, n_q, (B, H, n_q, n_kv)).reshape(B, Hkv, r, n_q, n_kv)
         slopes = alibi_slopes(H, max_bias).reshape(1, Hkv, r, 1, 1)
         s = s + (m * slopes if max_bias > 0 else m)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sk = _f32(sinks).reshape(1, Hkv, r, 1, 1)
+        mx = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sk)
+        e = jnp.exp(s - mx)
+        p = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sk - mx))
     o = jnp.einsum("bgrqk,bgkd->bgrqd", p, _f32(v), precision=HIGHEST)
     return o.reshape(B, H, n_q, -1).transpose(0, 2, 1, 3)
 
@@ -203,9 +210,14 @@ def _gelu(x):
 
 
 def _glu(n: Tensor, env):
-    op, swapped = n.op_params
-    act = {GLU_SWIGLU: jax.nn.silu, GLU_GEGLU: _gelu, GLU_REGLU: jax.nn.relu}[op]
+    op, swapped = n.op_params[:2]
     a = _value_f32(env, n.src[0])
+    if op == GLU_SWIGLU_OAI:
+        alpha, limit = n.op_params[2:]
+        x = jnp.minimum(a, limit)
+        y = jnp.clip(_value_f32(env, n.src[1]), -limit, limit)
+        return x / (1.0 + jnp.exp(alpha * -x)) * (y + 1.0)
+    act = {GLU_SWIGLU: jax.nn.silu, GLU_GEGLU: _gelu, GLU_REGLU: jax.nn.relu}[op]
     if len(n.src) == 2:
         x, g = a, _value_f32(env, n.src[1])
     else:
@@ -332,6 +344,11 @@ def lower_clamp(n: Tensor, env):
     return jnp.clip(_value_f32(env, n.src[0]), lo, hi)
 
 
+@lowers(Op.SIGMOID)
+def lower_sigmoid(n: Tensor, env):
+    return jax.nn.sigmoid(_value_f32(env, n.src[0]))
+
+
 @lowers(Op.SILU)
 def lower_silu(n: Tensor, env):
     return jax.nn.silu(_value_f32(env, n.src[0]))
@@ -384,7 +401,10 @@ def lower_soft_max(n: Tensor, env):
 def lower_flash_attn_ext(n: Tensor, env):
     s = n.src
     mask = _value(env, s[3]) if len(s) > 3 else None
-    return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, *n.op_params)
+    sinks = _value(env, s[4]).reshape(-1) if len(s) > 4 else None
+    scale, max_bias, softcap = n.op_params
+    return _flash_attn(_value(env, s[0]), _value(env, s[1]), _value(env, s[2]), mask, scale, max_bias, softcap,
+                       sinks=sinks)
 
 
 @lowers(Op.VIEW)

@@ -20,7 +20,7 @@ ROPE_TYPE_NORMAL = 0
 ROPE_TYPE_NEOX = 2
 
 # glu ops (ggml_glu_op)
-GLU_REGLU, GLU_GEGLU, GLU_SWIGLU = "reglu", "geglu", "swiglu"
+GLU_REGLU, GLU_GEGLU, GLU_SWIGLU, GLU_SWIGLU_OAI = "reglu", "geglu", "swiglu", "swiglu_oai"
 
 SORT_ASC, SORT_DESC = "asc", "desc"
 
@@ -110,6 +110,11 @@ def clamp(a: Tensor, min: float, max: float) -> Tensor:
     return _unary(Op.CLAMP, a, (float(min), float(max)))
 
 
+def sigmoid(a: Tensor) -> Tensor:
+    """1 / (1 + exp(-a)). -> a.ne."""
+    return _unary(Op.SIGMOID, a)
+
+
 def silu(a: Tensor) -> Tensor:
     """a * sigmoid(a). -> a.ne."""
     return _unary(Op.SILU, a)
@@ -139,6 +144,15 @@ def glu(a: Tensor, b: Tensor | None, op: str, swapped: bool = False) -> Tensor:
     if a.ne != b.ne:
         _fail("glu", "split glu needs equal shapes", a, b)
     return _node(Op.GLU, F32, a.ne, (a, b), (op, bool(swapped)))
+
+
+def swiglu_oai(a: Tensor, b: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's clamped SwiGLU: x = min(a, limit), y = clamp(b, -limit, limit),
+    x * sigmoid(alpha * x) * (y + 1). a.ne == b.ne -> a.ne."""
+    _float("swiglu_oai", a, b)
+    if a.ne != b.ne:
+        _fail("swiglu_oai", "needs equal shapes", a, b)
+    return _node(Op.GLU, F32, a.ne, (a, b), (GLU_SWIGLU_OAI, False, float(alpha), float(limit)))
 
 
 def swiglu(a: Tensor) -> Tensor:
@@ -274,11 +288,12 @@ def soft_max(a: Tensor) -> Tensor:
 
 
 def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                   max_bias: float, logit_softcap: float) -> Tensor:
+                   max_bias: float, logit_softcap: float, sinks: Tensor | None = None) -> Tensor:
     """Fused attention. q [D, n_q, n_head, B], k [D, n_kv, n_head_kv, B], v [Dv, n_kv,
     n_head_kv, B] with n_head % n_head_kv == 0; mask [n_kv, >= n_q, ...]. Scores are
-    q.k*scale, soft-capped when logit_softcap > 0, plus mask. -> F32 [Dv, n_head, n_q, B]
-    (note the permuted result, as in ggml)."""
+    q.k*scale, soft-capped when logit_softcap > 0, plus mask. `sinks` [n_head] (F32, like
+    ggml_flash_attn_ext_add_sinks) adds one virtual key per head with that score and no value
+    to the softmax. -> F32 [Dv, n_head, n_q, B] (note the permuted result, as in ggml)."""
     if q.ne[0] != k.ne[0] or k.ne[1] != v.ne[1] or k.ne[2] != v.ne[2]:
         _fail("flash_attn_ext", "q/k head dims or k/v lengths differ", q, k, v)
     if k.ne[2] == 0 or q.ne[2] % k.ne[2] or q.ne[3] != k.ne[3]:
@@ -288,6 +303,10 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
         if mask.ne[0] != k.ne[1] or mask.ne[1] < q.ne[1] or q.ne[2] % mask.ne[2] or q.ne[3] % mask.ne[3]:
             _fail("flash_attn_ext", "mask must be [n_kv, >= n_q] and broadcast over dims 2, 3", mask, q, k)
         src = (q, k, v, mask)
+    if sinks is not None:
+        if mask is None or sinks.ne[0] != q.ne[2]:
+            _fail("flash_attn_ext", "sinks need a mask and one value per head", sinks, q)
+        src = src + (sinks,)
     return _node(Op.FLASH_ATTN_EXT, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src,
                  (float(scale), float(max_bias), float(logit_softcap)))
 

@@ -18,6 +18,7 @@ from llm import hub
 from llm import tools as tools_mod
 from llm.batch import Batch
 from llm.context import Context, DecodeStatus
+from llm.hparams import PoolingType
 from llm.model import Model, load_model
 from llm.prompt_cache import PromptCache
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
@@ -73,6 +74,8 @@ class LLM:
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers,
                                        progress_callback=progress_callback, weight_format=weight_format)
         self.t_load = time.perf_counter() - t0
+        if self.model.output is None:       # an encoder gives embeddings only
+            ctx_kwargs.setdefault("embeddings", True)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
@@ -82,6 +85,8 @@ class LLM:
                              if prompt_cache is not None else None)
         self._busy = threading.Lock()    # held while a generation is live
         self._warned_template = False
+        self._n_ctx, self._n_ubatch = n_ctx, min(n_ubatch, n_batch)
+        self._embd_ctx: dict[PoolingType, Context] = {}
 
     def reset(self) -> None:
         """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).
@@ -101,6 +106,56 @@ class LLM:
 
     def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
         return self.vocab.detokenize(tokens, remove_special, unparse_special)
+
+    # ---- embeddings ------------------------------------------------------------------
+
+    def embed(self, texts: str | list[str] | list[list[int]], normalize: bool = True,
+              pooling_type: str | int | None = None, max_seqs: int = 8) -> np.ndarray:
+        """One embedding per text, [n, n_embd] float32 (rank pooling: [n, n_cls_out] scores).
+
+        Texts are tokenized with the model's special tokens and decoded several sequences
+        per batch (up to `max_seqs`, as many as fit in n_ubatch tokens), each pooled over
+        its own tokens. `pooling_type` defaults to the model's; a model whose default is
+        "none" (decoders) is pooled with "mean". `normalize` scales each vector to unit L2
+        norm (not applied to rank scores). A text longer than n_ubatch tokens: ValueError.
+        """
+        single = isinstance(texts, str)
+        items = [texts] if single else list(texts)
+        pooling = self.model.hparams.pooling_type if pooling_type is None else PoolingType.parse(pooling_type)
+        if pooling == PoolingType.NONE:
+            pooling = PoolingType.MEAN
+        if pooling not in self._embd_ctx:
+            self._embd_ctx[pooling] = Context(self.model, n_ctx=self._n_ctx, n_batch=self._n_ubatch,
+                                              n_ubatch=self._n_ubatch, n_seq_max=max_seqs, embeddings=True,
+                                              pooling_type=pooling)
+        ctx = self._embd_ctx[pooling]
+        seqs = [list(t) if not isinstance(t, str) else self.vocab.tokenize(t, True, True) for t in items]
+        for i, toks in enumerate(seqs):
+            if not toks:
+                raise ValueError(f"embed: text {i} has no tokens")
+            if len(toks) > ctx.n_ubatch:
+                raise ValueError(f"embed: text {i} has {len(toks)} tokens, more than n_ubatch = {ctx.n_ubatch} "
+                                 f"(a sequence must be pooled in one ubatch)")
+        out: list[np.ndarray] = []
+        i = 0
+        while i < len(seqs):
+            group = [seqs[i]]
+            while (i + len(group) < len(seqs) and len(group) < ctx.n_seq_max
+                   and sum(map(len, group)) + len(seqs[i + len(group)]) <= ctx.n_ubatch):
+                group.append(seqs[i + len(group)])
+            ctx.memory_clear()
+            tokens = np.concatenate([np.asarray(t, np.int32) for t in group])
+            pos = np.concatenate([np.arange(len(t), dtype=np.int32) for t in group])
+            seq_id = [(k,) for k, t in enumerate(group) for _ in t]
+            if ctx.decode(Batch(tokens, pos=pos, seq_id=seq_id)) != 0:
+                raise GenerationError(f"embed: decode failed: {ctx.last_error}")
+            out += [ctx.get_embeddings_seq(k).copy() for k in range(len(group))]
+            i += len(group)
+        res = np.stack(out).astype(np.float32)
+        if normalize and pooling != PoolingType.RANK:
+            norm = np.linalg.norm(res, axis=1, keepdims=True)
+            res = res / np.maximum(norm, np.float32(1e-12))
+        return res
 
     # ---- generation ------------------------------------------------------------------
 

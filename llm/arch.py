@@ -81,6 +81,7 @@ class LLMArch(enum.Enum):
     CHAMELEON = "chameleon"
     SMOLLM3 = "smollm3"
     MISTRAL3 = "mistral3"
+    OPENAI_MOE = "gpt-oss"
 
 
 def arch_from_name(name: str) -> LLMArch:
@@ -128,7 +129,9 @@ class LLMKV(enum.Enum):
     EXPERT_WEIGHTS_SCALE = "%s.expert_weights_scale"
     EXPERT_WEIGHTS_NORM = "%s.expert_weights_norm"
     EXPERT_GATING_FUNC = "%s.expert_gating_func"
+    INTERLEAVE_MOE_LAYER_STEP = "%s.interleave_moe_layer_step"
     POOLING_TYPE = "%s.pooling_type"
+    CLASSIFIER_OUTPUT_LABELS = "%s.classifier.output_labels"
     LOGIT_SCALE = "%s.logit_scale"
     DECODER_START_TOKEN_ID = "%s.decoder_start_token_id"
     ATTN_LOGIT_SOFTCAPPING = "%s.attn_logit_softcapping"
@@ -148,6 +151,7 @@ class LLMKV(enum.Enum):
     ATTENTION_SLIDING_WINDOW = "%s.attention.sliding_window"
     ATTENTION_SLIDING_WINDOW_PATTERN = "%s.attention.sliding_window_pattern"
     ATTENTION_SCALE = "%s.attention.scale"
+    ATTENTION_TEMPERATURE_SCALE = "%s.attention.temperature_scale"
 
     ROPE_DIMENSION_COUNT = "%s.rope.dimension_count"
     ROPE_DIMENSION_SECTIONS = "%s.rope.dimension_sections"
@@ -191,6 +195,8 @@ class LLMKV(enum.Enum):
     TOKENIZER_ADD_PREFIX = "tokenizer.ggml.add_space_prefix"
     TOKENIZER_REMOVE_EXTRA_WS = "tokenizer.ggml.remove_extra_whitespaces"
     TOKENIZER_PRECOMPILED_CHARSMAP = "tokenizer.ggml.precompiled_charsmap"
+    TOKENIZER_NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
+    TOKENIZER_NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
     TOKENIZER_HF_JSON = "tokenizer.huggingface.json"
     TOKENIZER_RWKV = "tokenizer.rwkv.world"
     TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
@@ -258,6 +264,8 @@ class LLMTensor(enum.Enum):
     FFN_DOWN_SHEXP = "blk.%d.ffn_down_shexp"
     FFN_EXP_PROBS_B = "blk.%d.exp_probs_b"
     LAYER_OUT_NORM = "blk.%d.layer_output_norm"
+    CLS = "cls"
+    CLS_OUT = "cls.output"
 
 
 def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,

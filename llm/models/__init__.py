@@ -5,11 +5,33 @@ and the graph it builds. Each module is an `ArchBuilder`; `ARCHS` maps the
 """
 from __future__ import annotations
 
+import difflib
 from typing import TYPE_CHECKING, Protocol
 
 from llm.arch import LLMArch, arch_from_name
 from llm.errors import ModelLoadError
-from llm.models import gemma2, gemma3, llama, phi3, qwen2, qwen3
+from llm.models import (
+    bert,
+    exaone,
+    gemma2,
+    gemma3,
+    gpt2,
+    gpt_oss,
+    granite,
+    llama,
+    llama4,
+    mistral3,
+    nomic_bert,
+    olmo2,
+    phi2,
+    phi3,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+    smollm3,
+    starcoder2,
+)
 
 if TYPE_CHECKING:
     from llm.graph import GraphBuilder
@@ -39,6 +61,20 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.PHI3: phi3,
     LLMArch.GEMMA2: gemma2,
     LLMArch.GEMMA3: gemma3,
+    LLMArch.BERT: bert,
+    LLMArch.NOMIC_BERT: nomic_bert,
+    LLMArch.QWEN3MOE: qwen3moe,
+    LLMArch.QWEN2MOE: qwen2moe,
+    LLMArch.OLMO2: olmo2,
+    LLMArch.GRANITE: granite,
+    LLMArch.SMOLLM3: smollm3,
+    LLMArch.STARCODER2: starcoder2,
+    LLMArch.GPT2: gpt2,
+    LLMArch.PHI2: phi2,
+    LLMArch.OPENAI_MOE: gpt_oss,
+    LLMArch.MISTRAL3: mistral3,
+    LLMArch.EXAONE: exaone,
+    LLMArch.LLAMA4: llama4,
 }
 
 
@@ -47,8 +83,11 @@ def get_arch(name: str) -> ArchBuilder:
     unsupported architecture, listing the supported ones."""
     arch = arch_from_name(name)
     if arch not in ARCHS:
-        raise ModelLoadError(f"model architecture '{name}' is not supported "
-                             f"(supported: {', '.join(registered_archs())})")
+        near = difflib.get_close_matches(name, registered_archs(), n=1, cutoff=0.0)
+        raise ModelLoadError(f"model architecture '{name}' is not supported (supported: "
+                             f"{', '.join(registered_archs())}); the nearest supported one is '{near[0]}'. "
+                             f"To add it, see docs/adding-an-architecture.md and make a llama.cpp parity "
+                             f"fixture with benchmarks/reference/make_fixture.py")
     return ARCHS[arch]
 
 

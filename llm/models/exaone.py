@@ -1,0 +1,65 @@
+"""EXAONE 3: llama.cpp's src/models/exaone.cpp.
+
+The llama block (RMS pre-norms, GQA, SiLU-gated FFN, optional rope_freqs) with NEOX rope."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ggmlx import ops
+from llm.arch import LLMKV, tn
+from llm.arch import LLMTensor as T
+from llm.graph import GraphBuilder
+from llm.hparams import HParams, RopeType
+from llm.layer import Layer, create_attn, create_embd_output, create_ffn
+from llm.loader import GGUFMeta, ModelLoader, TensorFlag
+
+if TYPE_CHECKING:
+    from llm.model import Model
+
+
+def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
+    hp.rope_type = RopeType.NEOX
+    hp.f_norm_rms_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_RMS_EPS, float)
+
+
+def load_tensors(model: Model, ml: ModelLoader) -> None:
+    hp = model.hparams
+    create_embd_output(model, ml)
+    for il in range(hp.n_layer):
+        dev = model.place.dev_layer[il]
+        layer = Layer()
+        create_attn(layer, ml, hp, il, dev)
+        create_ffn(layer, ml, hp, il, dev)
+        flags = TensorFlag.NOT_REQUIRED | (TensorFlag.DUPLICATED if il else TensorFlag.NONE)
+        layer.rope_freqs = ml.create_tensor(tn(T.ROPE_FREQS, "weight"), (hp.n_rot // 2,), dev, flags)
+        model.layers.append(layer)
+
+
+def build_graph(g: GraphBuilder) -> None:
+    m, hp = g.model, g.hparams
+    kq_scale = 1.0 / math.sqrt(hp.n_embd_head_v)
+
+    inpL = g.build_inp_embd(m.tok_embd)
+    inp_pos = g.build_inp_pos()
+    inp_attn = g.build_attn_inp_kv()
+    inp_out_ids = g.build_inp_out_ids()
+
+    for il in range(hp.n_layer):
+        layer = m.layers[il]
+        inpSA = inpL
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        q, k, v = g.build_qkv(layer, cur, il)
+        q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+        cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
+        if il == hp.n_layer - 1 and inp_out_ids is not None:
+            cur = ops.get_rows(cur, inp_out_ids)
+            inpSA = ops.get_rows(inpSA, inp_out_ids)
+        ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
+
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+        cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il), "ffn_out", il)
+        inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+
+    g.build_output(inpL)
