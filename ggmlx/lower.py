@@ -457,6 +457,18 @@ def lower_top_k(n: Tensor, env):
     return jax.lax.top_k(_value_f32(env, n.src[0]), n.op_params[0])[1].astype(jnp.int32)
 
 
+@lowers(Op.MAP_CUSTOM1)
+def lower_map_custom1(n: Tensor, env):
+    """The user function of a MAP_CUSTOM1 node; a result of another shape or dtype is an
+    error naming the node, as no consumer could read it."""
+    x = _value_f32(env, n.src[0])
+    y = jnp.asarray(n.op_params[0](x))
+    if y.shape != x.shape or y.dtype != x.dtype:
+        raise ValueError(f"map_custom1 {n.name!r}: fn returned {y.dtype}{list(y.shape)}, "
+                         f"the node is {x.dtype}{list(x.shape)}")
+    return y
+
+
 def eval_node(n: Tensor, env):
     """The value of one node given the values of its sources in env."""
     fn = LOWERINGS.get(n.op)

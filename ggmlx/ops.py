@@ -311,6 +311,17 @@ def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
                  (float(scale), float(max_bias), float(logit_softcap)))
 
 
+def map_custom1(a: Tensor, fn) -> Tensor:
+    """fn applied to a's value (ggml_map_custom1): fn takes and returns an f32 array of
+    a's numpy shape and must be JAX-traceable; its result must keep that shape. fn is part
+    of the compiled-graph key (by identity, through its repr), so the same object reuses
+    one executable. -> a.ne, F32."""
+    _float("map_custom1", a)
+    if not callable(fn):
+        raise ValueError(f"map_custom1: fn must be callable, got {type(fn).__name__}")
+    return _node(Op.MAP_CUSTOM1, F32, a.ne, (a,), (fn,))
+
+
 # ---- shape ops and views ---------------------------------------------------------------
 
 def _check_view_type(op: str, a: Tensor) -> None:

@@ -62,6 +62,7 @@ class Op(enum.Enum):
     ARGSORT = "ARGSORT"
     TOP_K = "TOP_K"
     FLASH_ATTN_EXT = "FLASH_ATTN_EXT"
+    MAP_CUSTOM1 = "MAP_CUSTOM1"
 
 
 # ops whose result is a window onto their source's memory (ggml's view ops)

@@ -11,6 +11,7 @@ _EXPORTS = {
     "GrammarError": "llm.errors", "LoadCancelled": "llm.errors", "ModelLoadError": "llm.errors",
     "StateError": "llm.errors",
     "Model": "llm.model", "load_model": "llm.model",
+    "LogitLens": "llm.trace", "Trace": "llm.trace",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,18 +6,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from llm import chat as chat_mod
+from llm import cvec, hub
 from llm import grammar as grammar_mod
-from llm import hub
 from llm import tools as tools_mod
+from llm import trace as trace_mod
 from llm.batch import Batch
-from llm.context import Context, DecodeStatus
+from llm.context import Context, DecodeStatus, bucket
 from llm.hparams import PoolingType
 from llm.model import Model, load_model
 from llm.prompt_cache import PromptCache
@@ -87,6 +88,10 @@ class LLM:
         self._warned_template = False
         self._n_ctx, self._n_ubatch = n_ctx, min(n_ubatch, n_batch)
         self._embd_ctx: dict[PoolingType, Context] = {}
+        self._cached_edits: tuple = ()     # the interventions the cached K/V were computed under
+        self._tables: dict[bool, dict] = {}      # flash_attn -> named nodes (llm.trace.probe_nodes)
+        self._trace_ctx: Context | None = None
+        self.grad_programs: dict = {}            # compiled gradient functions (llm.trace)
 
     def reset(self) -> None:
         """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).
@@ -196,7 +201,8 @@ class LLM:
             n_keep += 1
         self.ctx.memory.seq_rm(0, n_keep, -1)
         self._cached = self._cached[:n_keep]
-        if self.prompt_cache is not None and n_keep < len(tokens) - 1 - self.prompt_cache.min_tokens:
+        if (self.prompt_cache is not None and self.ctx.edits is None
+                and n_keep < len(tokens) - 1 - self.prompt_cache.min_tokens):
             n_restored = self.prompt_cache.restore(self.ctx, tokens[:-1], better_than=n_keep)
             if n_restored:
                 n_keep, self._cached = n_restored, list(tokens[:n_restored])
@@ -213,7 +219,8 @@ class LLM:
             self._cached += chunk
         # worth a new cache entry when this request evaluated a long new stretch; saved once the
         # request is done (save_prompt_cache), so saving does not delay the first token
-        self._save_pending = self.prompt_cache is not None and len(rest) >= self.prompt_cache.min_tokens
+        self._save_pending = (self.prompt_cache is not None and self.ctx.edits is None
+                              and len(rest) >= self.prompt_cache.min_tokens)
 
     def save_prompt_cache(self) -> None:
         """Save what the KV cache holds now (prompt and generated tokens) as a prompt-cache entry."""
@@ -234,7 +241,22 @@ class LLM:
         return True
 
     def _chunks(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
-                stop: list[str]) -> Iterator[GenerationChunk]:
+                stop: list[str], edits: trace_mod.GraphEdits | None) -> Iterator[GenerationChunk]:
+        """The generation under `edits` (interventions compiled into the graphs; none: None).
+        K/V cached under other interventions are dropped, and the prompt cache is not used."""
+        key = tuple((label, id(iv.fn)) for label, iv in edits.fns.items()) if edits else ()
+        if key != self._cached_edits:
+            self.ctx.memory_clear()
+            self._cached = []
+            self._cached_edits = key
+        self.ctx.edits = edits
+        try:
+            yield from self._generate(tokens, max_tokens, sampler, stop)
+        finally:
+            self.ctx.edits = None
+
+    def _generate(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
+                  stop: list[str]) -> Iterator[GenerationChunk]:
         """Evaluate the prompt, then sample; one chunk per sampled token, then the final one."""
         perf0 = self.ctx.perf()
         rest = self._keep_prefix(tokens)
@@ -289,19 +311,20 @@ class LLM:
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
-                 json_schema=None) -> Completion:
+                 json_schema=None, interventions: trace_mod.Interventions | None = None) -> Completion:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens. `grammar` (GBNF text or an llm.sampling
-        grammar/json_schema/json_object) or `json_schema` (dict) constrain the output."""
+        grammar/json_schema/json_object) or `json_schema` (dict) constrain the output;
+        `interventions` ({node pattern: fn}) edit activations inside the graph, as for `trace`."""
         *_, last = self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop,
-                               grammar=grammar, json_schema=json_schema)
+                               grammar=grammar, json_schema=json_schema, interventions=interventions)
         assert last.completion is not None
         return last.completion
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
-               json_schema=None) -> Iterator[GenerationChunk]:
+               json_schema=None, interventions: trace_mod.Interventions | None = None) -> Iterator[GenerationChunk]:
         """GenerationChunks as tokens are generated: their texts join to the completion's text,
         never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
         and the Completion. Arguments are checked at once, before the first chunk is asked for."""
@@ -313,7 +336,11 @@ class LLM:
         stop = _stop_strings(stop)
         constraint = self.constraint(grammar, json_schema)
         sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed, constraint)
-        return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop))
+        edits = None
+        if interventions:
+            edits = trace_mod.GraphEdits(self.node_table(self.ctx.flash_attn), interventions)
+            edits.check(sorted({1, bucket(min(len(tokens), self.ctx.n_ubatch), self.ctx.n_ubatch)}))
+        return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop, edits))
 
     def _one_at_a_time(self, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
         """The chunks, while holding the LLM: a second generation started while this one is
@@ -406,6 +433,56 @@ class LLM:
                     done.tool_calls = calls
                     done.finish_reason = chunk.finish_reason = FINISH_TOOL_CALLS
             yield chunk
+
+    # ---- research: traces, interventions, gradients -------------------------------------
+
+    def node_table(self, flash_attn: bool) -> dict[str, trace_mod.NodeInfo]:
+        """The named nodes of this model's graph with their ranks (see llm.trace)."""
+        if flash_attn not in self._tables:
+            self._tables[flash_attn] = trace_mod.probe_nodes(self.model, self.trace_context(1).memory, flash_attn)
+        return self._tables[flash_attn]
+
+    def trace_context(self, n_tokens: int) -> Context:
+        """The context traces and gradients run in: its own KV cache, so they leave this
+        LLM's cache (the cached conversation) as it was."""
+        if self._trace_ctx is None:
+            self._trace_ctx = Context(self.model, n_ctx=self.ctx.n_ctx, n_batch=self.ctx.n_batch,
+                                      n_ubatch=self.ctx.n_ubatch)
+        if n_tokens > self._trace_ctx.n_ctx:
+            raise ValueError(f"the prompt has {n_tokens} tokens; the context holds {self._trace_ctx.n_ctx}")
+        return self._trace_ctx
+
+    def trace(self, prompt: str | list[int], capture: str | Sequence[str] = ("l_out-*",),
+              interventions: trace_mod.Interventions | None = None,
+              flash_attn: bool | None = None) -> trace_mod.Trace:
+        """Run `prompt` from an empty cache and return the nodes matched by the fnmatch
+        patterns in `capture` (an `llm.Trace`), under `interventions` ({pattern: fn(x) or
+        fn(x, il)}, inserted after each matched node). flash_attn None: the unfused
+        attention path when a pattern asks for kq / kq_soft_max / kqv nodes."""
+        return trace_mod.run_trace(self, prompt, capture, interventions, flash_attn)
+
+    def gradient(self, prompt: str | list[int], target, wrt: str | Sequence[str] = ("inp_embd",),
+                 interventions: trace_mod.Interventions | None = None) -> dict[str, np.ndarray]:
+        """d target / d node for every node matched by `wrt`, shaped like its trace.
+        target: (position, token_id) for one logit, or a JAX function of the logits
+        [n_tokens, n_vocab] returning a scalar."""
+        return trace_mod.run_gradient(self, prompt, target, wrt, interventions)[0]
+
+    def control_vector(self, files: list[tuple[str | os.PathLike, float]] | str | os.PathLike,
+                       layer_start: int = -1, layer_end: int = -1) -> trace_mod.Interventions:
+        """llama.cpp control vectors as interventions for generate / stream / chat / trace:
+        `files` is a path or (path, strength) pairs (--control-vector-scaled), the layer range
+        as --control-vector-layer-range (bounds <= 0: the first / last layer)."""
+        pairs = [(files, 1.0)] if isinstance(files, (str, os.PathLike)) else list(files)
+        hp = self.model.hparams
+        return cvec.load(pairs, hp.n_embd, hp.n_layer).interventions(layer_start, layer_end)
+
+    def saliency(self, prompt: str | list[int], target, node: str = "inp_embd",
+                 interventions: trace_mod.Interventions | None = None) -> np.ndarray:
+        """Gradient x input at `node`, summed over the embedding: one score per prompt token."""
+        grads, vals, _ = trace_mod.run_gradient(self, prompt, target, [node], interventions)
+        g, v = grads[node], vals[node]
+        return (g * v).reshape(g.shape[0], -1).sum(axis=1)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

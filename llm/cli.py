@@ -15,7 +15,7 @@ import time
 from collections import Counter
 
 from ggmlx.weights import WEIGHT_FORMATS
-from llm import bench, hub
+from llm import bench, diff_llamacpp, hub
 from llm.errors import UsageError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -101,6 +101,12 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1.0 = off)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed; -1 = a random seed")
     p.add_argument("--perf", action="store_true", help="print timings to stderr")
+    p.add_argument("--control-vector", action="append", default=[], metavar="FNAME",
+                   help="add a control vector (GGUF of direction.N tensors); repeatable")
+    p.add_argument("--control-vector-scaled", action="append", nargs=2, default=[], metavar=("FNAME", "SCALE"),
+                   help="add a control vector with a strength; repeatable")
+    p.add_argument("--control-vector-layer-range", nargs=2, type=int, default=(-1, -1), metavar=("START", "END"),
+                   help="layers the control vectors apply to (inclusive)")
 
 
 def _check_args(a) -> None:
@@ -121,6 +127,14 @@ def _sampling_kwargs(a, n_prompt: int) -> dict:
     return dict(max_tokens=a.ctx_size - n_prompt if a.n_predict == -1 else a.n_predict, temperature=a.temp,
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
                 seed=LLAMA_DEFAULT_SEED if a.seed == -1 else a.seed)
+
+
+def _interventions(a, llm) -> dict | None:
+    """The control vectors of the command line as interventions (None without any)."""
+    files = [(f, 1.0) for f in a.control_vector] + [(f, float(s)) for f, s in a.control_vector_scaled]
+    if not files:
+        return None
+    return llm.control_vector(files, *a.control_vector_layer_range)
 
 
 def _open(a):
@@ -170,7 +184,8 @@ def cmd_generate(a) -> int:
     if len(tokens) >= a.ctx_size:
         raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.ctx_size} holds at most {a.ctx_size - 1}")
     t0 = time.perf_counter()
-    completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
+    completion = _write_stream(a, llm.stream(tokens, interventions=_interventions(a, llm),
+                                             **_sampling_kwargs(a, len(tokens))), t0)
     if a.perf:
         _print_perf(completion)
     return 0
@@ -178,6 +193,7 @@ def cmd_generate(a) -> int:
 
 def cmd_chat(a) -> int:
     llm = _open(a)
+    interventions = _interventions(a, llm)
     messages = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
@@ -200,7 +216,8 @@ def cmd_chat(a) -> int:
         messages.append({"role": "user", "content": line})
         tokens = llm.chat_tokens(messages)
         t0 = time.perf_counter()     # the stream compiles what this turn needs first, with a status line
-        completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
+        completion = _write_stream(a, llm.stream(tokens, interventions=interventions,
+                                                 **_sampling_kwargs(a, len(tokens))), t0)
         if a.perf:
             _print_perf(completion)
         messages.append({"role": "assistant", "content": completion.text})
@@ -361,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")
     p.set_defaults(fn=cmd_pull)
     bench.add_parser(sub)
+    diff_llamacpp.add_parser(sub)
     p = add("dump-graph", "print the compute graph of one decode")
     _add_model(p)
     p.add_argument("--n-tokens", type=int, default=1, help="tokens in the decoded batch")

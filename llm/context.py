@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from llm.graph import GraphBuilder, GraphParams, rope_params
 from llm.hparams import PoolingType
 from llm.kv_cache import KVCache, locked
 from llm.model import Model
+
+if TYPE_CHECKING:
+    from llm.trace import GraphEdits
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ class Context:
                  kv_bucket: int = 256, cb_eval: Callable | None = None,
                  abort_callback: Callable[[], bool] | None = None,
                  reserve: tuple[int, ...] = (), embeddings: bool = False,
-                 pooling_type: PoolingType | int | str | None = None):
+                 pooling_type: PoolingType | int | str | None = None, flash_attn: bool = True):
         """`embeddings` also keeps each output token's final hidden state and, with a
         pooling type other than none (default: the model's `%s.pooling_type`), one pooled
         vector per sequence (get_embeddings_ith / get_embeddings_seq)."""
@@ -128,6 +132,9 @@ class Context:
         self.n_ubatch = min(n_ubatch, n_batch)
         self.n_seq_max = n_seq_max
         self.abort_callback = abort_callback
+        self.flash_attn = flash_attn       # False: the unfused attention path (kq_soft_max nodes)
+        # interventions / captures (llm.trace.GraphEdits) for the graphs of the next decodes
+        self.edits: GraphEdits | None = None
         self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket)
         # one lock for the cache and the context: a decode and a sequence operation from
         # another thread take turns (each is short); outputs belong to the last decode
@@ -192,7 +199,7 @@ class Context:
     def _reserve_params(self, n_tokens: int, n_kv: int) -> GraphParams:
         """The shape of a ubatch of n_tokens that outputs the last token's logits."""
         return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False,
-                           embeddings=self.embeddings)
+                           embeddings=self.embeddings, flash_attn=self.flash_attn, edits=self.edits)
 
     def _reserve(self, shapes: list[GraphParams]) -> int:
         stats = self.sched.cache.stats
@@ -290,12 +297,15 @@ class Context:
         n_out = ub.n_outputs
         n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, 1), n_tokens)
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
-                           embd_input=ub.embd is not None, embeddings=self.embeddings)
+                           embd_input=ub.embd is not None, embeddings=self.embeddings,
+                           flash_attn=self.flash_attn, edits=self.edits)
 
     def _build(self, params: GraphParams) -> tuple[GraphBuilder, Plan]:
         """Build and plan the graph of one shape, and keep it (the last GRAPHS_KEPT shapes)."""
         g = GraphBuilder(self.model, self.memory, params)
         self.model.builder.build_graph(g)
+        if params.edits is not None:
+            params.edits.apply(g)
         plan = self.sched.alloc_graph(g.gf)
         self._perf.n_graph_builds += 1
         self._graphs[params] = (g, plan)
@@ -330,6 +340,8 @@ class Context:
         if ub.n_outputs and self.has_logits:
             rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[:ub.n_outputs]
             self.logits[self.balloc.output_rows(ub)] = rows
+        if params.edits is not None:
+            params.edits.collect(g, ub, outs)
         if ub.n_outputs and self.embeddings:
             embd = np.asarray(outs[g.res_embd]).reshape(params.n_outputs, -1)[:ub.n_outputs]
             self.embd[self.balloc.output_rows(ub)] = embd

@@ -20,6 +20,7 @@ from llm.layer import Layer
 if TYPE_CHECKING:
     from llm.kv_cache import KVCache
     from llm.model import Model
+    from llm.trace import GraphEdits
 
 F32, I32 = GGMLType.F32, GGMLType.I32
 
@@ -33,6 +34,10 @@ class GraphParams:
     n_kv: int              # KV cells the attention reads, padded to a bucket
     embd_input: bool       # embeddings instead of token ids
     embeddings: bool = False  # also output the final hidden state (result_norm / result_embd)
+    flash_attn: bool = True   # fused attention; False: kq -> kq_soft_max -> kqv nodes
+    # interventions and captures (llm.trace.GraphEdits, compared by identity) applied to the
+    # built graph, so a graph is reused only under the same edits
+    edits: GraphEdits | None = None
 
 
 class GraphInput:
@@ -226,7 +231,7 @@ class GraphBuilder:
     def build_norm(self, cur: Tensor, w: Tensor | None, b: Tensor | None, kind: str, il: int) -> Tensor:
         """rms_norm or norm over ne0, then the optional weight and bias (LLM_NORM_*)."""
         eps = self.hparams.f_norm_rms_eps if kind == "rms" else self.hparams.f_norm_eps
-        cur = ops.rms_norm(cur, eps) if kind == "rms" else ops.norm(cur, eps)
+        cur = self.cb(ops.rms_norm(cur, eps) if kind == "rms" else ops.norm(cur, eps), "norm", il)
         if w is not None:
             cur = ops.mul(cur, w)
         if b is not None:
@@ -255,11 +260,10 @@ class GraphBuilder:
         for name, w, b, d, n in (("Qcur", layer.wq, layer.bq, d_k, n_head),
                                  ("Kcur", layer.wk, layer.bk, d_k, n_head_kv),
                                  ("Vcur", layer.wv, layer.bv, d_v, n_head_kv)):
-            t = ops.mul_mat(self.need(w, name, il), cur)
+            t = self.cb(ops.mul_mat(self.need(w, name, il), cur), name, il)
             if b is not None:
-                t = ops.add(t, b)
-            self.cb(t, name, il)
-            out.append(ops.reshape_3d(t, d, n, self.n_tokens))
+                t = self.cb(ops.add(t, b), name, il)
+            out.append(self.cb(ops.reshape_3d(t, d, n, self.n_tokens), name, il))
         return out[0], out[1], out[2]
 
     def build_ffn(self, cur: Tensor, up: Tensor | None, gate: Tensor | None, down: Tensor | None,
@@ -279,13 +283,13 @@ class GraphBuilder:
                 g = ops.add(g, gate_b)
             g = self.cb(g, "ffn_gate", il)
             cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
-            self.cb(cur, "ffn_gate_par", il)
+            self.cb(cur, "ffn_swiglu" if act == "silu" else "ffn_geglu", il)
         elif tmp.ne[0] == 2 * down.ne[0]:
             cur = ops.swiglu(tmp) if act == "silu" else ops.geglu(tmp)
-            self.cb(cur, "ffn_gate_par", il)
+            self.cb(cur, "ffn_swiglu" if act == "silu" else "ffn_geglu", il)
         else:
             cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
-            self.cb(cur, "ffn_act", il)
+            self.cb(cur, "ffn_silu" if act == "silu" else "ffn_gelu", il)
         cur = ops.mul_mat(down, cur)
         if down_b is not None:
             cur = ops.add(cur, down_b)
@@ -327,7 +331,9 @@ class GraphBuilder:
             self.cb(w, "ffn_moe_weights_softmax", il)
         if norm_w:
             w = ops.reshape_2d(w, n_expert_used, n_tokens)
-            w = ops.div(w, ops.sum_rows(w))
+            w_sum = self.cb(ops.sum_rows(w), "ffn_moe_weights_sum", il)
+            w_sum = self.cb(ops.clamp(w_sum, 6.103515625e-5, float("inf")), "ffn_moe_weights_sum_clamped", il)
+            w = ops.div(w, w_sum)
             w = ops.reshape_3d(w, 1, n_expert_used, n_tokens)
             self.cb(w, "ffn_moe_weights_norm", il)
         flat_selected = ops.reshape_1d(selected, n_expert_used * n_tokens)
@@ -351,7 +357,7 @@ class GraphBuilder:
         if act == "swiglu_oai":
             par = self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), "ffn_moe_swiglu_oai", il)
         else:
-            par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_gate_par", il)
+            par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_swiglu", il)
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
         experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
         if not weight_before_ffn:
@@ -373,6 +379,10 @@ class GraphBuilder:
         n_head_kv = hp.n_head_kv(il)
         gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
+        # as llama.cpp: q, v, k enter the graph together, in this order (also fixes the order
+        # of same-named nodes that llm.trace and the llama.cpp diff match by)
+        for t in (q_cur, v_cur, k_cur):
+            self.gf.build_forward_expand(t)
         if not k_cur.is_contiguous():
             k_cur = ops.cont(k_cur)
         if not v_cur.is_contiguous():
@@ -390,13 +400,33 @@ class GraphBuilder:
         k = ops.permute(k, 0, 2, 1, 3)
         v = ops.permute(v, 0, 2, 1, 3)
         mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
-        cur = ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap, sinks)
+        if self.params.flash_attn or sinks is not None:    # the unfused path has no attention sinks
+            cur = self.cb(ops.flash_attn_ext(q, k, v, mask, kq_scale, 0.0, softcap, sinks), "__fattn__", il)
+            cur = ops.reshape_2d(cur, d_v * hp.n_head(il), self.n_tokens)
+        else:
+            cur = self.build_attn_mha(q, k, v, mask, kq_scale, softcap, il)
         self.cb(cur, "kqv_out", il)
-        cur = ops.reshape_2d(cur, d_v * hp.n_head(il), self.n_tokens)
         cur = ops.mul_mat(self.need(wo, "attn_output", il), cur)
         if bo is not None:
             cur = ops.add(cur, bo)
         return self.cb(cur, "attn_out", il)
+
+    def build_attn_mha(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kq_scale: float,
+                       softcap: float, il: int) -> Tensor:
+        """Attention as separate nodes, so the probabilities can be read (`kq_soft_max-il`,
+        [n_kv, n_tokens, n_head]); q [D, n_tokens, n_head], k [D, n_kv, n_head_kv], v
+        [Dv, n_kv, n_head_kv] -> [Dv * n_head, n_tokens]."""
+        kq = self.cb(ops.mul_mat(k, q), "kq", il)
+        if softcap > 0.0:
+            kq = self.cb(ops.scale(kq, kq_scale / softcap), "kq_scaled_1", il)
+            kq = self.cb(ops.tanh(kq), "kq_tanh", il)
+            kq = self.cb(ops.scale(kq, softcap), "kq_scaled_2", il)
+            kq_scale = 1.0
+        kq = self.cb(ops.soft_max_ext(kq, mask, kq_scale, 0.0), "kq_soft_max", il)
+        vt = ops.cont(ops.permute(v, 1, 0, 2, 3))                 # [n_kv, Dv, n_head_kv]
+        kqv = self.cb(ops.mul_mat(vt, kq), "kqv", il)               # [Dv, n_tokens, n_head]
+        cur = ops.permute(kqv, 0, 2, 1, 3)
+        return ops.cont_2d(cur, kqv.ne[0] * kqv.ne[2], self.n_tokens)
 
     def build_embd_output(self, cur: Tensor, name: str = "result_norm") -> Tensor:
         """The final hidden state [n_embd, n_outputs] (llama.cpp's t_embd), an output of the

@@ -61,6 +61,7 @@ TESTED_OPS: dict[Op, str] = {
     Op.SUM_ROWS: "test_sum_rows",
     Op.ARGSORT: "test_argsort_and_top_k",
     Op.TOP_K: "test_argsort_and_top_k",
+    Op.MAP_CUSTOM1: "test_map_custom1",
 }
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
@@ -772,6 +773,23 @@ def test_sum_rows():
     s, st = run([ops.sum_rows(x), ops.sum_rows(ops.transpose(x))], {x: xv})
     check("sum_rows", s, xv.sum(-1, keepdims=True))
     check("sum_rows transposed", st, xv.swapaxes(2, 3).sum(-1, keepdims=True))
+
+
+def test_map_custom1():
+    """A user function on the node's value (numpy order); consumers read its result; a
+    result of another shape or dtype is a ValueError naming the node and both shapes."""
+    rng = np.random.default_rng(23)
+    x = new_input(T.F32, (6, 4), "x")
+    xv = rand(rng, (6, 4))
+    y = ops.map_custom1(x, lambda v: v * 2.0 + 1.0).set_name("y")
+    out, after = run([y, ops.scale(y, 0.5)], {x: xv})
+    check("map_custom1", out, xv * 2.0 + 1.0)
+    check("map_custom1 consumer", after, (xv * 2.0 + 1.0) * 0.5)
+    bad = ops.map_custom1(x, lambda v: v[..., :3]).set_name("bad")
+    with pytest.raises(ValueError, match=r"'bad'.*float32\[1, 1, 4, 3\].*float32\[1, 1, 4, 6\]"):
+        run([bad], {x: xv})
+    with pytest.raises(ValueError, match="callable"):
+        ops.map_custom1(x, 3.0)
 
 
 def test_argsort_and_top_k():

@@ -98,8 +98,8 @@ def build_encoder(g: GraphBuilder, *, rope: bool) -> None:
         layer = m.layers[il]
         q, k, v = g.build_qkv(layer, inpL, il)
         if rope:
-            q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
-            k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+            q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
+            k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
         cur = g.build_attn(inp_attn, layer.wo, layer.bo, q, k, v, 1.0 / math.sqrt(d), il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:
             cur = ops.get_rows(cur, inp_out_ids)

@@ -70,8 +70,8 @@ def build_graph(g: GraphBuilder) -> None:
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(g.build_norm(q, layer.attn_q_norm, None, "rms", il), "Qcur_normed", il)
         k = g.cb(g.build_norm(k, layer.attn_k_norm, None, "rms", il), "Kcur_normed", il)
-        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
         q = g.cb(ops.scale(q, hp.f_attention_scale), "Qcur_scaled", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0, il)
@@ -82,9 +82,9 @@ def build_graph(g: GraphBuilder) -> None:
         sa_out = g.cb(ops.add(cur, inpL), "sa_out", il)
 
         cur = g.cb(g.build_norm(sa_out, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
-        cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "gelu", il)
-        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", il), "ffn_post_norm", il)
-        g.cb(cur, "ffn_out", il)
+        cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "gelu", il), "ffn_out", il)
+        # llama.cpp norms this with il = -1, so its inner node is named "norm" (kept for the diff)
+        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", -1), "ffn_post_norm", il)
         inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
 
     g.build_output(inpL, final_softcap=hp.f_final_logit_softcapping)

@@ -66,8 +66,8 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
 
         q, k, v = g.build_qkv(layer, cur, il)
-        q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:
@@ -77,11 +77,10 @@ def build_graph(g: GraphBuilder) -> None:
 
         cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
         if layer.ffn_gate_inp is None:
-            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
-        else:
+            cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il), "ffn_out", il)
+        else:       # named ffn_moe_out, not ffn_out, as in llama.cpp
             cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
                                   layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
-        g.cb(cur, "ffn_out", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL)

@@ -98,8 +98,8 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         if hp.has_rope(il):
-            q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
-            k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+            q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur", il)
+            k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur", il)
             if hp.use_kq_norm:
                 q = g.cb(ops.rms_norm(q, hp.f_norm_rms_eps), "Qcur_normed", il)
                 k = g.cb(ops.rms_norm(k, hp.f_norm_rms_eps), "Kcur_normed", il)

@@ -79,8 +79,8 @@ def build_graph(g: GraphBuilder) -> None:
         rope = g.rope_params(il)
         if hp.is_swa(il):
             rope.update(ext_factor=0.0, attn_factor=1.0)
-        q = g.cb(ops.rope_ext(q, inp_pos, None, **rope), "Qcur_rope", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, None, **rope), "Kcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, None, **rope), "Qcur", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, None, **rope), "Kcur", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0 / math.sqrt(d), il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:

@@ -54,8 +54,8 @@ def build_graph(g: GraphBuilder) -> None:
         layer = m.layers[il]
         attn_norm_out = g.cb(g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, "norm", il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, attn_norm_out, il)
-        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
         # Q scaled ahead of attention (llama.cpp does so to avoid fp16 overflow)
         q = g.cb(ops.scale(q, 1.0 / math.sqrt(d)), "Qcur_scaled", il)
         cur = g.build_attn(inp_attn, layer.wo, layer.bo, q, k, v, 1.0, il)

@@ -62,9 +62,9 @@ def build_graph(g: GraphBuilder) -> None:
         residual = inpL
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
-        q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur_rope", il)
-        q = g.cb(ops.scale(q, 1.0 / math.sqrt(hp.n_embd_head_k)), "Qcur_scaled", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur", il)
+        q = g.cb(ops.scale(q, 1.0 / math.sqrt(hp.n_embd_head_k)), "Qcur", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Kcur", il)
 
         cur = g.build_attn(inp_attn, layer.wo, layer.bo, q, k, v, 1.0, il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:

@@ -61,8 +61,8 @@ def build_graph(g: GraphBuilder) -> None:
         inpSA = inpL
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
-        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:

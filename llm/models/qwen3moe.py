@@ -76,9 +76,9 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(g.build_norm(q, layer.attn_q_norm, None, "rms", il), "Qcur_normed", il)
-        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur_rope", il)
+        q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(g.build_norm(k, layer.attn_k_norm, None, "rms", il), "Kcur_normed", il)
-        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur_rope", il)
+        k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:
