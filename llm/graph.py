@@ -234,6 +234,8 @@ class GraphBuilder:
         cur = self.cb(ops.rms_norm(cur, eps) if kind == "rms" else ops.norm(cur, eps), "norm", il)
         if w is not None:
             cur = ops.mul(cur, w)
+            if b is not None:
+                self.cb(cur, "norm_w", il)
         if b is not None:
             cur = ops.add(cur, b)
         return cur
@@ -245,10 +247,9 @@ class GraphBuilder:
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if layer.wqkv is not None:
-            qkv = ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur)
+            qkv = self.cb(ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
             if layer.bqkv is not None:
-                qkv = ops.add(qkv, layer.bqkv)
-            qkv = self.cb(qkv, "wqkv", il)
+                qkv = self.cb(ops.add(qkv, layer.bqkv), "wqkv_b", il)
             row = qkv.nb[1]
             esz = qkv.nb[0]
             q = ops.view_3d(qkv, d_k, n_head, self.n_tokens, d_k * esz, row, 0)
@@ -273,15 +274,13 @@ class GraphBuilder:
         gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u);
         otherwise it is sequential: down(act(up x)). Each projection may have a bias."""
         up, down = self.need(up, "ffn_up", il), self.need(down, "ffn_down", il)
-        tmp = ops.mul_mat(up, cur)
+        tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
         if up_b is not None:
-            tmp = ops.add(tmp, up_b)
-        tmp = self.cb(tmp, "ffn_up", il)
+            tmp = self.cb(ops.add(tmp, up_b), "ffn_up_b", il)
         if gate is not None:
-            g = ops.mul_mat(gate, cur)
+            g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
             if gate_b is not None:
-                g = ops.add(g, gate_b)
-            g = self.cb(g, "ffn_gate", il)
+                g = self.cb(ops.add(g, gate_b), "ffn_gate_b", il)
             cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
             self.cb(cur, "ffn_swiglu" if act == "silu" else "ffn_geglu", il)
         elif tmp.ne[0] == 2 * down.ne[0]:
@@ -290,10 +289,10 @@ class GraphBuilder:
         else:
             cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
             self.cb(cur, "ffn_silu" if act == "silu" else "ffn_gelu", il)
-        cur = ops.mul_mat(down, cur)
-        if down_b is not None:
+        cur = self.cb(ops.mul_mat(down, cur), "ffn_down", il)
+        if down_b is not None:       # as llama.cpp: the biased result is the caller's to name
             cur = ops.add(cur, down_b)
-        return self.cb(cur, "ffn_down", il)
+        return cur
 
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,

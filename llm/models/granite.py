@@ -84,9 +84,9 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
         cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il,
                           up_b=layer.ffn_up_b, gate_b=layer.ffn_gate_b, down_b=layer.ffn_down_b)
+        g.cb(cur, "ffn_out", il)        # as llama.cpp: before the residual scale
         if res_scale:
             cur = ops.scale(cur, res_scale)
-        g.cb(cur, "ffn_out", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL, logit_scale=1.0 / hp.f_logit_scale)

@@ -69,6 +69,9 @@ def build_graph(g: GraphBuilder) -> None:
         layer = m.layers[il]
         inpSA = inpL
         q, k, v = g.build_qkv(layer, inpL, il)
+        # llama.cpp's olmo2 norms the 2-D projections and leaves their reshapes unnamed
+        q.set_name("")
+        k.set_name("")
         # Q/K norms span all heads: normalize [n_embd_head * n_head] rows, then split heads
         q = ops.reshape_2d(q, d * hp.n_head(il), n_tokens)
         k = ops.reshape_2d(k, d * hp.n_head_kv(il), n_tokens)
@@ -89,8 +92,9 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, "rms", il), "attn_post_norm", il)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.build_ffn(ffn_inp, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
-        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", il), "ffn_post_norm", il)
+        cur = g.cb(g.build_ffn(ffn_inp, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il), "ffn_out", il)
+        # llama.cpp names these with il = -1: "norm" and "ffn_post_norm" (kept for the diff)
+        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", -1), "ffn_post_norm")
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL)
