@@ -66,13 +66,15 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
                  n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
+                 split_mode: str = "layer", tensor_split: list[float] | None = None,
                  weight_format: str = "auto", progress_callback: Callable[[float], bool] | None = None,
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  **ctx_kwargs):
         path = hub.resolve(model)
         t0 = time.perf_counter()
-        self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers,
-                                       progress_callback=progress_callback, weight_format=weight_format)
+        self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
+                                       progress_callback=progress_callback, weight_format=weight_format,
+                                       split_mode=split_mode)
         self.t_load = time.perf_counter() - t0
         if self.model.output is None:       # an encoder gives embeddings only
             ctx_kwargs.setdefault("embeddings", True)

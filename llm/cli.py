@@ -89,6 +89,10 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (n_ubatch)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
+    p.add_argument("-sm", "--split-mode", choices=("layer", "row"), default="layer",
+                   help="layer: whole layers per device (default); row: every layer divided over all devices")
+    p.add_argument("-ts", "--tensor-split", default=None,
+                   help="layer split shares per device, e.g. 3,1 (split-mode layer only)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -127,10 +131,17 @@ def _open(a):
     """Resolve, load and make the context, one status line per phase."""
     from llm.api import LLM
     path = hub.model_file(a.model)
+    tensor_split = None
+    if a.tensor_split:
+        try:
+            tensor_split = [float(x) for x in a.tensor_split.split(",")]
+        except ValueError:
+            raise UsageError(f"--tensor-split must be comma-separated numbers, got {a.tensor_split!r}") from None
     a.interrupt.check()
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     llm = LLM(path, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
-              weight_format=a.weight_format, progress_callback=_progress(a), abort_callback=a.interrupt.abort)
+              weight_format=a.weight_format, split_mode=a.split_mode, tensor_split=tensor_split,
+              progress_callback=_progress(a), abort_callback=a.interrupt.abort)
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
     if n_train and a.ctx_size > n_train:
