@@ -88,8 +88,8 @@ class Plan:
             for n in s.nodes:
                 for x in n.src:
                     if x.is_leaf and x.id not in labels:
-                        labels[x.id] = sharding_label(x, labels)
-                labels[n.id] = sharding_label(n, labels)
+                        labels[x.id] = sharding_label(x, labels, s.backend.mesh.devices.size)
+                labels[n.id] = sharding_label(n, labels, s.backend.mesh.devices.size)
         return labels
 
     def dump(self) -> str:
@@ -122,31 +122,50 @@ def _buffer_backend(t: Tensor) -> Backend | None:
     return None
 
 
-def sharding_label(t: Tensor, labels: dict[int, str]) -> str:
-    """How a node of a mesh split is laid out over the mesh, for the dump: "R" replicated,
-    "S(d)" its ggml dim d divided over the devices, a weight's split ("rows", "rows+gather",
-    "cols+reduce"), or "auto" where XLA's sharding propagation (GSPMD) decides."""
+def sharding_label(t: Tensor, labels: dict[int, str], n_dev: int) -> str:
+    """How a node of a mesh split is laid out over the mesh's n_dev devices, for the dump:
+    "R" replicated, "S(d)" its ggml dim d divided over the devices, a weight's split
+    ("rows", "rows+gather", "cols+reduce"), or "auto" where the rules below cannot tell and
+    XLA's sharding propagation (GSPMD) decides. Weights, state and the products of split
+    weights are laid out so by construction; the rest is what propagation is expected to do."""
     if t.flags & Flag.WEIGHT and isinstance(t.data, weights.DeviceWeight):
         return str(t.data.spec.split) if t.data.spec.split is not None else "R"
     if t.is_leaf and t.flags & Flag.STATE and t.data is not None:
         return _array_label(t.data)
     if t.is_leaf:
         return "R"
-    w = t.src[0] if t.src else None
-    if t.op in (Op.MUL_MAT, Op.GET_ROWS) and w is not None and w.flags & Flag.WEIGHT \
+    w = t.src[0]
+    if t.op in (Op.MUL_MAT, Op.GET_ROWS) and w.flags & Flag.WEIGHT \
             and isinstance(w.data, weights.DeviceWeight) and w.data.spec.split is not None:
         split = w.data.spec.split
         return "S(0)" if t.op is Op.MUL_MAT and split.dim == 1 and not split.gather else "R"
-    src = labels.get(w.id, "auto") if w is not None else "auto"
-    if t.op is Op.PERMUTE and src.startswith("S("):
-        return f"S({t.op_params[int(src[2])]})"
-    if t.op in VIEW_OPS or t.op is Op.FLASH_ATTN_EXT:
-        return "R" if src == "R" and all(labels.get(x.id) == "R" for x in t.src) else "auto"
-    if t.op is Op.SET_ROWS:
-        return src
-    if all(labels.get(x.id) == "R" for x in t.src):
+    srcs = [labels.get(x.id, "auto") for x in t.src]
+    if all(x == "R" for x in srcs):
         return "R"
-    return src if t.op not in (Op.MUL_MAT, Op.SUM_ROWS, Op.SOFT_MAX) else "auto"
+    src = srcs[0]
+    if not src.startswith("S("):
+        return "auto"
+    d = int(src[2])
+    if t.op is Op.PERMUTE:
+        return f"S({t.op_params[d]})"
+    if t.op in (Op.RESHAPE, Op.VIEW):
+        # the divided dim's element strides [lo, hi) land on the outermost result dim inside
+        # that range whose size still divides by the device count (n_head of [d, n_head, T]),
+        lo = int(np.prod(w.ne[:d]))
+        hi = lo * w.ne[d]
+        # ...or on the result dim that merges it as its outermost part (the inverse)
+        for e in range(3, -1, -1):
+            below = int(np.prod(t.ne[:e]))
+            if lo <= below and below * t.ne[e] <= hi and t.ne[e] % n_dev == 0 and t.ne[e] > 1:
+                return f"S({e})"
+            if below <= lo and below * t.ne[e] == hi and t.ne[e] > 1:
+                return f"S({e})"
+        return "auto"
+    if t.op is Op.FLASH_ATTN_EXT:      # q [D, n_q, H] -> [D, H, n_q]: divided by heads
+        return "S(1)" if d == 2 else "auto"
+    if t.op in (Op.MUL_MAT, Op.SUM_ROWS, Op.SOFT_MAX, Op.CONCAT, Op.ARGSORT, Op.TOP_K):
+        return "auto"
+    return src
 
 
 def _array_label(x: jax.Array) -> str:
