@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from llm import chat as chat_mod
+from llm import distributed, hub
 from llm import grammar as grammar_mod
-from llm import hub
 from llm import tools as tools_mod
 from llm.batch import Batch
 from llm.context import Context, DecodeStatus
@@ -79,6 +80,9 @@ class LLM:
         if self.model.output is None:       # an encoder gives embeddings only
             ctx_kwargs.setdefault("embeddings", True)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            # multi-host: process 0 generates; its decodes and cache ops are sent to the others
+            self.ctx = distributed.LeaderContext(self.ctx)
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
         self._gvocab: grammar_mod.GrammarVocab | None = None     # built on the first constrained request
@@ -89,6 +93,18 @@ class LLM:
         self._warned_template = False
         self._n_ctx, self._n_ubatch = n_ctx, min(n_ubatch, n_batch)
         self._embd_ctx: dict[PoolingType, Context] = {}
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-host run: run process 0's batches until it
+        calls close(); returns the number of batches decoded."""
+        if jax.process_index() == 0:
+            raise RuntimeError("follow() runs on the processes other than 0; process 0 generates")
+        return distributed.follow(self.ctx)
+
+    def close(self) -> None:
+        """On process 0 of a multi-host run: let the following processes return from follow()."""
+        if isinstance(self.ctx, distributed.LeaderContext):
+            self.ctx.stop_followers()
 
     def reset(self) -> None:
         """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).
