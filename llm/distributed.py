@@ -101,13 +101,31 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise DistributedError(f"process {process_id} of {num_processes} could not join the run at "
                                f"{coordinator} within {timeout_s} s (do all processes give the same "
                                f"num_processes, and is every process started?): {e}") from e
-    if jax.process_count() != num_processes:
-        raise DistributedError(f"process {process_id}: the run has {jax.process_count()} processes, "
-                               f"this one was told {num_processes}")
+    _handshake(process_id, num_processes, timeout_s)
     info = ProcessInfo(process_id, num_processes, coordinator)
     log.info("process %d of %d joined %s: %d local, %d global devices", process_id, num_processes,
              coordinator, jax.local_device_count(), jax.device_count())
     return info
+
+
+def _handshake(process_id: int, num_processes: int, timeout_s: int) -> None:
+    """Every process publishes the process count it was given in the coordination service's
+    key-value store and reads everyone else's, so a mismatch is an error naming the process
+    on every side at once (a collective would wait for a gloo timeout instead)."""
+    from jax._src import distributed as jax_distributed  # the coordination client has no public handle
+    client = jax_distributed.global_state.client
+    client.key_value_set(f"ggmlx/num_processes/{process_id}", str(num_processes))
+    for j in range(jax.process_count()):
+        try:
+            theirs = int(client.blocking_key_value_get(f"ggmlx/num_processes/{j}", timeout_s * 1000))
+        except Exception as e:
+            raise DistributedError(f"process {process_id}: process {j} did not report within {timeout_s} s: {e}") from e
+        if theirs != num_processes:
+            raise DistributedError(f"process {process_id} was started with num_processes={num_processes}, "
+                                   f"process {j} with num_processes={theirs}")
+    if jax.process_count() != num_processes:
+        raise DistributedError(f"process {process_id}: the run has {jax.process_count()} processes, "
+                               f"this one was told {num_processes}")
 
 
 def is_leader() -> bool:

@@ -5,6 +5,7 @@ joins the run with 2 simulated CPU devices (gloo collectives), loads MODEL with
 split_mode="row" over every process's devices, and then process 0 generates N_GEN greedy
 tokens from a fixed prompt, twice (the second prompt shares a prefix, so the KV-cache
 sequence ops travel too), and writes them to OUT as JSON; the others follow its batches.
+N_GEN < 0: process 0 generates until it fails (the test kills a process).
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def main(coordinator: str, num_processes: int, process_id: int, model: str, out:
     from llm import distributed
     distributed.initialize(coordinator, num_processes, process_id, timeout_s=60, heartbeat_timeout_s=5)
     m = llm.LLM(model, n_ctx=64, n_batch=16, n_ubatch=16, split_mode="row", devices=jax.devices())
+    if process_id == 0 and n_gen < 0:       # until a process is lost
+        print("generating", file=sys.stderr, flush=True)
+        while True:
+            m.generate(PROMPT, max_tokens=16, temperature=0.0)
     if process_id == 0:
         first = m.generate(PROMPT, max_tokens=n_gen, temperature=0.0).tokens
         second = m.generate(PROMPT[:5] + [5, 6], max_tokens=n_gen, temperature=0.0).tokens
@@ -32,6 +37,7 @@ def main(coordinator: str, num_processes: int, process_id: int, model: str, out:
             json.dump({"first": first, "second": second, "n_devices": jax.device_count(),
                        "local": jax.local_device_count()}, f)
     else:
+        print("following", file=sys.stderr, flush=True)
         n = m.follow()
         print(f"process {process_id} followed {n} batches", file=sys.stderr)
 
