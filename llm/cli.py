@@ -15,7 +15,7 @@ import time
 from collections import Counter
 
 from ggmlx.weights import WEIGHT_FORMATS
-from llm import bench, hub
+from llm import bench, distributed, hub
 from llm.errors import UsageError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -93,6 +93,11 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
                    help="layer: whole layers per device (default); row: every layer divided over all devices")
     p.add_argument("-ts", "--tensor-split", default=None,
                    help="layer split shares per device, e.g. 3,1 (split-mode layer only)")
+    p.add_argument("--coordinator", default=None,
+                   help="multi-host run: host:port of process 0 (or JAX_COORDINATOR_ADDRESS); "
+                        "process 0 prints, the others follow (docs/distributed.md)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host run: processes (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host run: this process (or JAX_PROCESS_ID)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -131,6 +136,8 @@ def _open(a):
     """Resolve, load and make the context, one status line per phase."""
     from llm.api import LLM
     path = hub.model_file(a.model)
+    if a.coordinator or os.environ.get(distributed.ENV_COORDINATOR):
+        distributed.initialize(a.coordinator, a.num_processes, a.process_id)
     tensor_split = None
     if a.tensor_split:
         try:
@@ -177,11 +184,18 @@ def _print_perf(result) -> None:
 
 def cmd_generate(a) -> int:
     llm = _open(a)
+    if not distributed.is_leader():
+        llm.follow()
+        return 0
     tokens = llm.tokenize(a.prompt)
     if len(tokens) >= a.ctx_size:
+        llm.close()
         raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.ctx_size} holds at most {a.ctx_size - 1}")
-    t0 = time.perf_counter()
-    completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
+    try:
+        t0 = time.perf_counter()
+        completion = _write_stream(a, llm.stream(tokens, **_sampling_kwargs(a, len(tokens))), t0)
+    finally:
+        llm.close()
     if a.perf:
         _print_perf(completion)
     return 0
@@ -189,6 +203,16 @@ def cmd_generate(a) -> int:
 
 def cmd_chat(a) -> int:
     llm = _open(a)
+    if not distributed.is_leader():
+        llm.follow()
+        return 0
+    try:
+        return _chat_loop(llm, a)
+    finally:
+        llm.close()
+
+
+def _chat_loop(llm, a) -> int:
     messages = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
