@@ -173,14 +173,21 @@ def test_unsplittable_shape_is_a_clear_error(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["smollm2_path", "gemma3_path"])
-def test_real_model_row_split_gives_one_device_logits(request, tmp_path, fixture):
+@pytest.mark.parametrize("fixture,atol", [
+    ("smollm2_path", 1e-4),
+    # Gemma3's residual stream is ~25x larger (embeddings scaled by sqrt(n_embd)) and its
+    # logits reach ~25: the all-reduced partial sums differ from one device's dot in the
+    # last f32 bits, measured up to 4.1e-4 absolute, 1.6e-5 of the largest logit
+    ("gemma3_path", 1e-3),
+])
+def test_real_model_row_split_gives_one_device_logits(request, tmp_path, fixture, atol):
     path = request.getfixturevalue(fixture)
     info, arrays = run_check(tmp_path, [str(path)])
     stem = Path(path).stem
     one = arrays[f"{stem}/1"]
     for n in (2, 4):
-        assert np.abs(arrays[f"{stem}/{n}"] - one).max() <= 1e-4, n
+        assert np.abs(arrays[f"{stem}/{n}"] - one).max() <= atol, n
+        assert (arrays[f"{stem}/{n}"].argmax(-1) == one.argmax(-1)).all(), n
         case = info["cases"][f"{stem}/{n}"]
         assert case["step_compiles"][1:] == [0] * (len(case["step_compiles"]) - 1)
         for tname, s in case["splits"].items():
