@@ -91,6 +91,7 @@ def mesh_backend(mesh: jax.sharding.Mesh) -> Backend:
 def backend_of_array(x: jax.Array) -> Backend:
     """The backend an array lives on: its device, or the mesh it is laid out over."""
     sh = x.sharding
-    if isinstance(sh, jax.sharding.NamedSharding) and sh.mesh.devices.size > 1:
+    if isinstance(sh, jax.sharding.NamedSharding) and isinstance(sh.mesh, jax.sharding.Mesh) \
+            and sh.mesh.devices.size > 1:
         return mesh_backend(sh.mesh)
     return _backend(next(iter(x.devices())))

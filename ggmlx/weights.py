@@ -160,7 +160,9 @@ def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str
         raise ValueError(f"to_device: {t.name} tensor of ne={tuple(ne)} needs {types.nbytes(t, ne4)} bytes, "
                          f"got {raw.size}")
     spec, arrs = _held(raw, t, ne4, resolve_format(weight_format, t))
-    return DeviceWeight(spec, *[None if a is None else jax.device_put(a, device) for a in arrs])
+    q, scale, offset = (arrs + [None, None])[:3]
+    return DeviceWeight(spec, jax.device_put(q, device), None if scale is None else jax.device_put(scale, device),
+                        None if offset is None else jax.device_put(offset, device))
 
 
 # ---- weights divided over a mesh (split_mode "row") -----------------------------------------
@@ -229,7 +231,7 @@ def to_mesh(data: np.ndarray, t: GGMLType, ne, mesh: jax.sharding.Mesh, split: W
             raw, ne_k = _shard_raw(np.asarray(data), t, ne4, split, k, n)
             converted[key] = _held(raw, t, ne_k, fmt)
     local_spec, first = next(iter(converted.values()))
-    leaves = []
+    leaves: list[jax.Array | None] = []
     for j, a in enumerate(first):
         if a is None:
             leaves.append(None)
@@ -241,16 +243,25 @@ def to_mesh(data: np.ndarray, t: GGMLType, ne, mesh: jax.sharding.Mesh, split: W
         parts = [jax.device_put(converted[k if split is not None else 0][1][j], d) for k, d in mine]
         leaves.append(jax.make_array_from_single_device_arrays(tuple(shape), sharding, parts))
     spec = WeightSpec(local_spec.format, t, ne4, local_spec.sub_block, split, mesh if split is not None else None)
-    return DeviceWeight(spec, *leaves)
+    q, scale, offset = (leaves + [None, None])[:3]
+    assert q is not None   # every format holds its values
+    return DeviceWeight(spec, q, scale, offset)
+
+
+def _split_of(w: DeviceWeight) -> tuple[WeightSplit, jax.sharding.Mesh]:
+    """The split and mesh of a weight divided over a mesh."""
+    if w.spec.split is None or w.spec.mesh is None:
+        raise ValueError(f"a weight of ne={list(w.spec.ne)} is not split over a mesh")
+    return w.spec.split, w.spec.mesh
 
 
 def _local(w: DeviceWeight) -> DeviceWeight:
     """Inside shard_map: the weight as this device's shard (its own shape, no split)."""
     spec = w.spec
-    n = spec.mesh.devices.size
+    split, mesh = _split_of(w)
     ne = list(spec.ne)
-    ne[spec.split.dim] //= n
-    local = WeightSpec(spec.format, spec.type, tuple(ne), spec.sub_block)
+    ne[split.dim] //= mesh.devices.size
+    local = WeightSpec(spec.format, spec.type, (ne[0], ne[1], ne[2], ne[3]), spec.sub_block)
     return DeviceWeight(local, w.array, w.scale, w.offset)
 
 
@@ -259,7 +270,7 @@ def _mul_mat_split(w: DeviceWeight, x: jax.Array) -> jax.Array:
     the result split along its features or all-gathered, or (columns) all-reduced."""
     from jax import shard_map
     P = jax.sharding.PartitionSpec
-    split = w.spec.split
+    split, mesh = _split_of(w)
     lead = (None,) * (x.ndim - 1)
     w_spec = _leaf_pspec(split, w.array.ndim)
     x_spec = P(*lead, MESH_AXIS) if split.dim == 0 else P()
@@ -274,7 +285,7 @@ def _mul_mat_split(w: DeviceWeight, x: jax.Array) -> jax.Array:
             return jax.lax.all_gather(y, MESH_AXIS, axis=y.ndim - 1, tiled=True)
         return y
 
-    return shard_map(local, mesh=w.spec.mesh, in_specs=(w_spec, x_spec), out_specs=out_spec,
+    return shard_map(local, mesh=mesh, in_specs=(w_spec, x_spec), out_specs=out_spec,
                      check_vma=False)(w, x)
 
 
@@ -283,9 +294,10 @@ def _get_rows_split(w: DeviceWeight, idx: jax.Array) -> jax.Array:
     ids that fall in its rows, zeros for the others, and the results are summed."""
     from jax import shard_map
     P = jax.sharding.PartitionSpec
-    if w.spec.split.dim != 1:
+    split, mesh = _split_of(w)
+    if split.dim != 1:
         raise ValueError("get_rows reads a table split by rows only")
-    n_local = w.spec.ne[1] // w.spec.mesh.devices.size
+    n_local = w.spec.ne[1] // mesh.devices.size
 
     def local(wl, il):
         li = il - jax.lax.axis_index(MESH_AXIS) * n_local
@@ -293,7 +305,7 @@ def _get_rows_split(w: DeviceWeight, idx: jax.Array) -> jax.Array:
         rows = get_rows(_local(wl), jnp.where(ok, li, 0))
         return jax.lax.psum(jnp.where(ok[:, None], rows, 0.0), MESH_AXIS)
 
-    return shard_map(local, mesh=w.spec.mesh, in_specs=(_leaf_pspec(w.spec.split, w.array.ndim), P()),
+    return shard_map(local, mesh=mesh, in_specs=(_leaf_pspec(split, w.array.ndim), P()),
                      out_specs=P(), check_vma=False)(w, idx)
 
 

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -80,9 +80,12 @@ class LLM:
         if self.model.output is None:       # an encoder gives embeddings only
             ctx_kwargs.setdefault("embeddings", True)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
+        if jax.process_count() > 1 and prompt_cache is not None:
+            raise ValueError("prompt_cache restores KV state on process 0 only: not available in a multi-host run")
         if jax.process_count() > 1 and jax.process_index() == 0:
             # multi-host: process 0 generates; its decodes and cache ops are sent to the others
-            self.ctx = distributed.LeaderContext(self.ctx)
+            # (a proxy with the Context interface: every other attribute reads the wrapped one)
+            self.ctx = cast(Context, distributed.LeaderContext(self.ctx))
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
         self._gvocab: grammar_mod.GrammarVocab | None = None     # built on the first constrained request

@@ -114,6 +114,8 @@ def _handshake(process_id: int, num_processes: int, timeout_s: int) -> None:
     on every side at once (a collective would wait for a gloo timeout instead)."""
     from jax._src import distributed as jax_distributed  # the coordination client has no public handle
     client = jax_distributed.global_state.client
+    if client is None:
+        raise DistributedError(f"process {process_id}: jax.distributed has no coordination client")
     client.key_value_set(f"ggmlx/num_processes/{process_id}", str(num_processes))
     for j in range(jax.process_count()):
         try:
@@ -169,6 +171,7 @@ def _payload(batch: Batch, n_pad: int) -> np.ndarray:
     """tokens, positions, sequence ids and output flags of a batch as int32 [n_pad, 4]."""
     n = batch.n_tokens
     p = np.zeros((n_pad, 4), np.int32)
+    assert batch.token is not None   # _send checked it
     p[:n, 0] = batch.token
     if batch.pos is not None:
         p[:n, 1] = batch.pos

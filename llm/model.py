@@ -204,8 +204,10 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
             return model
         if split_mode == "row":
             model.placement = place_row(devices, n_gpu_layers, tensor_split, hp)
-            ml.mesh = model.placement.mesh
-            ml.split_of = row_split_plan(hp, ml.mesh.devices.size)
+            mesh = model.placement.mesh
+            assert mesh is not None   # place_row made it
+            ml.mesh = mesh
+            ml.split_of = row_split_plan(hp, mesh.devices.size)
         else:
             model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
         builder.load_tensors(model, ml)
