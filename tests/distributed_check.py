@@ -33,9 +33,13 @@ def main(coordinator: str, num_processes: int, process_id: int, model: str, out:
         first = m.generate(PROMPT, max_tokens=n_gen, temperature=0.0).tokens
         second = m.generate(PROMPT[:5] + [5, 6], max_tokens=n_gen, temperature=0.0).tokens
         m.close()
+        # what this process holds of each split weight: its devices' shards only
+        held = {t.name: [sum(s.data.nbytes for a in t.data.arrays() for s in a.addressable_shards),
+                         sum(a.nbytes for a in t.data.arrays())]
+                for t in m.model.weight_tensors() if t.data.spec.split is not None}
         with open(out, "w") as f:
             json.dump({"first": first, "second": second, "n_devices": jax.device_count(),
-                       "local": jax.local_device_count()}, f)
+                       "local": jax.local_device_count(), "held": held}, f)
     else:
         print("following", file=sys.stderr, flush=True)
         n = m.follow()

@@ -84,6 +84,9 @@ def test_two_processes_generate_the_one_process_tokens(model, tmp_path):
         assert p.returncode == 0, err[-4000:]
     got = json.loads(out.read_text())
     assert got["n_devices"] == 4 and got["local"] == 2
+    assert len(got["held"]) == 2 + 7 * SPEC.n_layer
+    for name, (local, total) in got["held"].items():
+        assert local * 2 == total, name          # process 0 loaded only its 2 of 4 shards
     one = llm.LLM(model, n_ctx=64, n_batch=16, n_ubatch=16, devices=[])
     assert got["first"] == one.generate(PROMPT, max_tokens=8, temperature=0.0).tokens
     assert got["second"] == one.generate(PROMPT[:5] + [5, 6], max_tokens=8, temperature=0.0).tokens
