@@ -3,23 +3,49 @@
 A backend's buffers are device arrays placed with `jax.device_put`. Every op lowers to
 portable JAX, so every backend runs every op. Accelerators come first in the registry (the
 order llama.cpp offloads to), the CPU last.
+
+A mesh backend (`mesh_backend`) is several devices acting as one (split_mode "row", tensor
+parallelism): its buffers are global arrays with a NamedSharding over a 1-d
+`jax.sharding.Mesh`, and a split placed on it compiles to one SPMD program for all of them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 
 @dataclass(frozen=True)
 class Backend:
-    name: str            # e.g. "CPU0", "CUDA0"
+    name: str            # e.g. "CPU0", "CUDA0", "TP[CPU0,CPU1]"
     kind: str            # "cpu", "gpu" or "tpu"
-    device: jax.Device
+    device: jax.Device   # a mesh backend: its first device
+    mesh: jax.sharding.Mesh | None = None
 
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def devices(self) -> set[jax.Device]:
+        return set(self.mesh.devices.flat) if self.mesh is not None else {self.device}
+
+    @property
+    def target(self) -> jax.Device | jax.sharding.Sharding:
+        """Where jax.device_put puts an input: the device, or replicated over the mesh."""
+        if self.mesh is None:
+            return self.device
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+    def put(self, x) -> jax.Array:
+        """A host value (the same in every process) as an array on this backend."""
+        if self.mesh is None:
+            return jax.device_put(x, self.device)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, self.target, lambda idx: x[idx])
+
+
+MESH_AXIS = "tp"   # the one axis of a mesh backend (tensor parallelism)
 
 _PREFIX = {"cpu": "CPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM", "tpu": "TPU"}
 
@@ -47,3 +73,25 @@ def cpu_backend() -> Backend:
 
 def backend_of(device: jax.Device) -> Backend:
     return _backend(device)
+
+
+def make_mesh(devices: list[jax.Device], axis: str = MESH_AXIS) -> jax.sharding.Mesh:
+    """A 1-d mesh of devices (in the order given) along one named axis."""
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object), (axis,))
+
+
+def mesh_backend(mesh: jax.sharding.Mesh) -> Backend:
+    """The backend that is all devices of mesh as one."""
+    devs = list(mesh.devices.flat)
+    first = _backend(devs[0])
+    name = "TP[" + ",".join(_backend(d).name for d in devs) + "]"
+    return Backend(name, first.kind, devs[0], mesh)
+
+
+def backend_of_array(x: jax.Array) -> Backend:
+    """The backend an array lives on: its device, or the mesh it is laid out over."""
+    sh = x.sharding
+    if isinstance(sh, jax.sharding.NamedSharding) and isinstance(sh.mesh, jax.sharding.Mesh) \
+            and sh.mesh.devices.size > 1:
+        return mesh_backend(sh.mesh)
+    return _backend(next(iter(x.devices())))

@@ -67,9 +67,11 @@ class Program:
     outputs: list[Tensor]
     device: jax.Device | None = None
     state_writes: dict[int, Tensor] = field(default_factory=dict)   # state leaf id -> last writer
+    mesh: jax.sharding.Mesh | None = None   # one SPMD program over a mesh (split_mode "row")
 
     @classmethod
-    def from_nodes(cls, nodes: list[Tensor], outputs: list[Tensor], device=None) -> Program:
+    def from_nodes(cls, nodes: list[Tensor], outputs: list[Tensor], device=None,
+                   mesh: jax.sharding.Mesh | None = None) -> Program:
         inside = {n.id for n in nodes}
         ext: dict[int, Tensor] = {}
         for n in nodes:
@@ -89,7 +91,7 @@ class Program:
                 root = _state_root(n)
                 if root.flags & Flag.STATE:
                     writes[root.id] = n
-        return cls(nodes, w, inp, st, list(outputs), device, writes)
+        return cls(nodes, w, inp, st, list(outputs), device, writes, mesh)
 
     @classmethod
     def from_graph(cls, graph: Graph, extra_outputs: Sequence[Tensor] = (), device=None) -> Program:
@@ -103,6 +105,8 @@ class Program:
         """Everything that decides the compiled code, one readable entry per item."""
         ref: dict[int, str] = {}
         sig: list[tuple] = [("device", str(self.device))]
+        if self.mesh is not None:
+            sig.append(("mesh", tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         for role, ts in (("weight", self.weights), ("input", self.inputs), ("state", self.states)):
             for j, t in enumerate(ts):
                 ref[t.id] = f"{role}{j}"
@@ -142,6 +146,15 @@ class Program:
 def _abstract(x, device):
     sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _abstract_on_mesh(x, mesh):
+    """An argument of a mesh program: weights and state keep their own layout over the mesh,
+    anything else (inputs) is replicated."""
+    sh = getattr(x, "sharding", None)
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
 
 
 class CompiledProgram:
@@ -213,12 +226,21 @@ class GraphCache:
             return hit
         self.stats.misses += 1
         self.last_miss_reason = self._explain_miss(sig)
-        dev = program.device
+        dev, mesh = program.device, program.mesh
         w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
-        abstract = jax.tree.map(lambda x: _abstract(x, dev), (tuple(w_leaves), tuple(in_vals), tuple(st_vals)))
+        args = (tuple(w_leaves), tuple(in_vals), tuple(st_vals))
+        out_shardings = None
+        if mesh is None:
+            abstract = jax.tree.map(lambda x: _abstract(x, dev), args)
+        else:
+            # outputs replicated (every process can read them), state back in its own layout
+            abstract = jax.tree.map(lambda x: _abstract_on_mesh(x, mesh), args)
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            out_shardings = (tuple(replicated for _ in program.outputs), tuple(a.sharding for a in abstract[2]))
         t0 = time.perf_counter()
         fn = program.make_fn(w_treedef)
-        executable = self._compile(lambda: jax.jit(fn, donate_argnums=(2,)).lower(*abstract))
+        executable = self._compile(
+            lambda: jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract))
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
         entry = CompiledProgram(executable, key, dt)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from ggmlx import flags, lower, weights
-from ggmlx.backend import Backend, backend_of, backends
+from ggmlx.backend import Backend, backend_of_array, backends
 from ggmlx.compile import CompiledProgram, GraphCache, Program, get_default_cache
 from ggmlx.graph import Graph
 from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor
@@ -79,8 +79,27 @@ class Plan:
         b = self.placement.get(t.id)
         return b.name if b else "host"
 
+    def shardings(self) -> dict[int, str]:
+        """sharding_label of every node and leaf of the splits on a mesh backend."""
+        labels: dict[int, str] = {}
+        for s in self.splits:
+            if s.backend.mesh is None:
+                continue
+            for n in s.nodes:
+                for x in n.src:
+                    if x.is_leaf and x.id not in labels:
+                        labels[x.id] = sharding_label(x, labels, s.backend.mesh.devices.size)
+                labels[n.id] = sharding_label(n, labels, s.backend.mesh.devices.size)
+        return labels
+
     def dump(self) -> str:
-        """Each split with its backend, nodes and the copies it needs (GGML_SCHED_DEBUG)."""
+        """Each split with its backend, nodes and the copies it needs (GGML_SCHED_DEBUG);
+        on a mesh backend, each node's and source's sharding in braces."""
+        labels = self.shardings()
+
+        def sh(t: Tensor) -> str:
+            return f"{{{labels[t.id]}}}" if t.id in labels else ""
+
         lines = [f"## SPLIT GRAPH: {len(self.splits)} splits, {self.n_copies} copies"]
         for i, s in enumerate(self.splits):
             copies = ", ".join(f"{c.name or c.op.value} ({self.backend_name(c)}->{s.backend.name})"
@@ -88,18 +107,74 @@ class Plan:
             lines.append(f"## SPLIT #{i}: {s.backend.name} # {len(s.nodes)} nodes, "
                          f"{len(s.copies)} inputs copied: {copies or '-'}")
             for n in s.nodes:
-                srcs = " ".join(f"{x.name or x.op.value}[{self.backend_name(x)}]" for x in n.src)
-                lines.append(f"node #{n.id:5d} ({n.op.value:>14}): {n.name:28} [{s.backend.name}] <- {srcs}")
+                srcs = " ".join(f"{x.name or x.op.value}[{self.backend_name(x)}]{sh(x)}" for x in n.src)
+                lines.append(f"node #{n.id:5d} ({n.op.value:>14}): {n.name:28} [{s.backend.name}]{sh(n)} <- {srcs}")
         return "\n".join(lines)
 
 
 def _buffer_backend(t: Tensor) -> Backend | None:
-    """Where a weight's or state's buffer lives, if it is bound to one."""
+    """Where a weight's or state's buffer lives, if it is bound to one (a device, or the
+    mesh it is laid out over)."""
     if t.flags & Flag.WEIGHT and isinstance(t.data, weights.DeviceWeight):
-        return backend_of(next(iter(t.data.array.devices())))
+        return backend_of_array(t.data.array)
     if t.flags & Flag.STATE and t.data is not None:
-        return backend_of(next(iter(t.data.devices())))
+        return backend_of_array(t.data)
     return None
+
+
+def sharding_label(t: Tensor, labels: dict[int, str], n_dev: int) -> str:
+    """How a node of a mesh split is laid out over the mesh's n_dev devices, for the dump:
+    "R" replicated, "S(d)" its ggml dim d divided over the devices, a weight's split
+    ("rows", "rows+gather", "cols+reduce"), or "auto" where the rules below cannot tell and
+    XLA's sharding propagation (GSPMD) decides. Weights, state and the products of split
+    weights are laid out so by construction; the rest is what propagation is expected to do."""
+    if t.flags & Flag.WEIGHT and isinstance(t.data, weights.DeviceWeight):
+        return str(t.data.spec.split) if t.data.spec.split is not None else "R"
+    if t.is_leaf and t.flags & Flag.STATE and t.data is not None:
+        return _array_label(t.data)
+    if t.is_leaf:
+        return "R"
+    w = t.src[0]
+    if t.op in (Op.MUL_MAT, Op.GET_ROWS) and w.flags & Flag.WEIGHT \
+            and isinstance(w.data, weights.DeviceWeight) and w.data.spec.split is not None:
+        split = w.data.spec.split
+        return "S(0)" if t.op is Op.MUL_MAT and split.dim == 1 and not split.gather else "R"
+    srcs = [labels.get(x.id, "auto") for x in t.src]
+    if all(x == "R" for x in srcs):
+        return "R"
+    src = srcs[0]
+    if not src.startswith("S("):
+        return "auto"
+    d = int(src[2])
+    if t.op is Op.PERMUTE:
+        return f"S({t.op_params[d]})"
+    if t.op in (Op.RESHAPE, Op.VIEW):
+        # the divided dim's element strides [lo, hi) land on the outermost result dim inside
+        # that range whose size still divides by the device count (n_head of [d, n_head, T]),
+        lo = int(np.prod(w.ne[:d]))
+        hi = lo * w.ne[d]
+        # ...or on the result dim that merges it as its outermost part (the inverse)
+        for e in range(3, -1, -1):
+            below = int(np.prod(t.ne[:e]))
+            if lo <= below and below * t.ne[e] <= hi and t.ne[e] % n_dev == 0 and t.ne[e] > 1:
+                return f"S({e})"
+            if below <= lo and below * t.ne[e] == hi and t.ne[e] > 1:
+                return f"S({e})"
+        return "auto"
+    if t.op is Op.FLASH_ATTN_EXT:      # q [D, n_q, H] -> [D, H, n_q]: divided by heads
+        return "S(1)" if d == 2 else "auto"
+    if t.op in (Op.MUL_MAT, Op.SUM_ROWS, Op.SOFT_MAX, Op.CONCAT, Op.ARGSORT, Op.TOP_K):
+        return "auto"
+    return src
+
+
+def _array_label(x: jax.Array) -> str:
+    spec = getattr(x.sharding, "spec", None)
+    if spec is None:
+        return "R"
+    axes = list(spec) + [None] * (x.ndim - len(spec))
+    split = [x.ndim - 1 - i for i, a in enumerate(axes) if a is not None]
+    return f"S({split[0]})" if split else "R"
 
 
 def _state_buffer(t: Tensor, state: dict[Tensor, jax.Array]) -> jax.Array:
@@ -115,11 +190,11 @@ def _state_buffer(t: Tensor, state: dict[Tensor, jax.Array]) -> jax.Array:
     return buf
 
 
-def _on_device(x, device: jax.Device):
-    """x (an array or a DeviceWeight) on device, copied only when it lives elsewhere: a
+def _on_device(x, backend: Backend):
+    """x (an array or a DeviceWeight) on backend, copied only when it lives elsewhere: a
     state already there must be passed as is, so that donating it updates it in place."""
     arr = x.array if isinstance(x, weights.DeviceWeight) else x
-    return x if arr.devices() == {device} else jax.device_put(x, device)
+    return x if arr.devices() == backend.devices else jax.device_put(x, backend.target)
 
 
 class Scheduler:
@@ -191,7 +266,7 @@ class Scheduler:
                         seen.add(src.id)
         for i, s in enumerate(splits):
             outs = [n for n in s.nodes if n.id in wanted or n.id in needed_later.get(i, ())]
-            s.program = Program.from_nodes(s.nodes, outs, s.backend.device)
+            s.program = Program.from_nodes(s.nodes, outs, s.backend.device, s.backend.mesh)
         plan = Plan(graph, splits, place, observed, graph.outputs())
         if self.debug:
             # WARNING, so that the dump asked for with the flag shows without any logging setup
@@ -204,25 +279,25 @@ class Scheduler:
               state: dict[Tensor, jax.Array]):
         prog = split.program
         assert prog is not None   # alloc_graph built it
-        dev = split.backend.device
+        be = split.backend
         if split.w_leaves is None:
             w_vals = []
             for t in prog.weights:
                 if not isinstance(t.data, weights.DeviceWeight):
                     raise ValueError(f"weight {t.name!r} has no device data")
-                w_vals.append(_on_device(t.data, dev))
+                w_vals.append(_on_device(t.data, be))
             split.w_leaves = CompiledProgram.weight_leaves(w_vals)
             split.w_vals = w_vals
         in_vals = []
         for t in prog.inputs:
             if t.id in values:
-                in_vals.append(jax.device_put(values[t.id], dev))
+                in_vals.append(jax.device_put(values[t.id], be.target))
             elif t in host_inputs:
                 v = np.asarray(host_inputs[t]).reshape(t.shape).astype(lower.jnp_dtype(t.type))
-                in_vals.append(jax.device_put(v, dev))
+                in_vals.append(be.put(v))
             else:
                 raise ValueError(f"no value for input {t.name!r}")
-        st_vals = [_on_device(_state_buffer(t, state), dev) for t in prog.states]
+        st_vals = [_on_device(_state_buffer(t, state), be) for t in prog.states]
         return split.w_vals, in_vals, st_vals
 
     def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]) -> None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ggmlx import types
+from ggmlx.backend import MESH_AXIS
 from ggmlx.quants.int8 import INT8_CONVERTERS, to_int8
 from ggmlx.tensor import np_dtype, pad_ne
 from ggmlx.types import GGMLType
@@ -40,15 +41,38 @@ HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK_ELEMENTS = 1 << 22
 
 
+@dataclass(frozen=True)
+class WeightSplit:
+    """How a 2-d weight is divided over the devices of a mesh (split_mode "row").
+
+    dim 1 splits the rows (output features): each device computes its slice of the product,
+    which stays split over the mesh, or is all-gathered when `gather` is set. dim 0 splits
+    the columns (input features): each device multiplies its slice of x and the partial
+    products are summed (all-reduce). `get_rows` of a row-split table (embeddings by vocab)
+    gathers the local rows and sums."""
+    dim: int
+    gather: bool = False
+
+    def __post_init__(self):
+        if self.dim not in (0, 1):
+            raise ValueError(f"a weight is split by rows (dim 1) or columns (dim 0), not dim {self.dim}")
+
+    def __str__(self) -> str:
+        return ("rows" + ("+gather" if self.gather else "")) if self.dim == 1 else "cols+reduce"
+
+
 @jax.tree_util.register_static
 @dataclass(frozen=True)
 class WeightSpec:
-    """The static half of a weight: its format, ggml type, shape and, for int8, the
-    sub-block length (part of cache keys)."""
+    """The static half of a weight: its format, ggml type, shape (global) and, for int8, the
+    sub-block length; for a weight divided over a mesh, the split and the mesh (part of
+    cache keys)."""
     format: str
     type: GGMLType
     ne: tuple[int, int, int, int]
     sub_block: int = 0
+    split: WeightSplit | None = None
+    mesh: jax.sharding.Mesh | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -107,33 +131,182 @@ def check_format(weight_format: str) -> None:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
 
 
+def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str) -> tuple[WeightSpec, list]:
+    """The spec and the numpy arrays that hold a tensor (or one block-aligned shard of it)
+    of shape ne4 given its GGUF bytes (uint8) or typed values, in format fmt."""
+    from ggmlx import quants
+    rows = ne4[1] * ne4[2] * ne4[3]
+    if fmt == FORMAT_PLAIN and types.traits(t).is_quantized:
+        arr = quants.dequantize(raw.view(np.uint8).reshape(-1), t, ne4).reshape(tuple(reversed(ne4)))
+        return WeightSpec(FORMAT_PLAIN, t, ne4), [arr]
+    if fmt == FORMAT_PLAIN:
+        dt = np_dtype(t)
+        arr = raw.view(dt) if raw.dtype == np.uint8 else raw.astype(dt, copy=False)
+        return WeightSpec(FORMAT_PLAIN, t, ne4), [arr.reshape(tuple(reversed(ne4)))]
+    blocks = raw.view(np.uint8).reshape(rows, types.row_size(t, ne4[0]))
+    if fmt == FORMAT_INT8:
+        q, scale, offset = to_int8(blocks, t, rows)
+        return WeightSpec(FORMAT_INT8, t, ne4, INT8_CONVERTERS[t][0]), [q, scale, offset]
+    return WeightSpec(FORMAT_BLOCKS, t, ne4), [blocks]
+
+
 def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str = "native") -> DeviceWeight:
     """Put a tensor's GGUF bytes (uint8, or typed values) on a device in the format that
     weight_format selects for its type (see resolve_format)."""
-    from ggmlx import quants
     t = GGMLType(t)
     ne4 = pad_ne(ne)
-    rows = ne4[1] * ne4[2] * ne4[3]
     raw = np.ascontiguousarray(data)
     if raw.dtype == np.uint8 and raw.size != types.nbytes(t, ne4):
         raise ValueError(f"to_device: {t.name} tensor of ne={tuple(ne)} needs {types.nbytes(t, ne4)} bytes, "
                          f"got {raw.size}")
+    spec, arrs = _held(raw, t, ne4, resolve_format(weight_format, t))
+    q, scale, offset = (arrs + [None, None])[:3]
+    return DeviceWeight(spec, jax.device_put(q, device), None if scale is None else jax.device_put(scale, device),
+                        None if offset is None else jax.device_put(offset, device))
+
+
+# ---- weights divided over a mesh (split_mode "row") -----------------------------------------
+
+def check_split(name: str, t: GGMLType, ne, n: int, split: WeightSplit | None) -> None:
+    """ValueError naming the tensor when it cannot be divided into n equal shards of whole
+    quant blocks: a row split needs a 2-d tensor with rows divisible by n, a column split
+    columns divisible into n runs of whole blocks."""
+    if split is None or n == 1:
+        return
+    ne4 = pad_ne(ne)
+    what = f"tensor {name!r} ({GGMLType(t).name}, ne={list(ne4[:2])})"
+    if ne4[2] != 1 or ne4[3] != 1:
+        raise ValueError(f"{what} has more than 2 dims and cannot be split over {n} devices")
+    if split.dim == 1 and ne4[1] % n:
+        raise ValueError(f"{what}: its {ne4[1]} rows do not split evenly over {n} devices")
+    bs = types.block_size(t)
+    if split.dim == 0 and (ne4[0] % n or (ne4[0] // n) % bs):
+        raise ValueError(f"{what}: its {ne4[0]} columns do not split over {n} devices in whole "
+                         f"{GGMLType(t).name} blocks of {bs}")
+
+
+def _shard_raw(raw: np.ndarray, t: GGMLType, ne4, split: WeightSplit | None, k: int, n: int):
+    """Shard k of n of a 2-d tensor's bytes (a row range or a block-aligned column range),
+    read from the mmap only where the shard lies, and the shard's ne."""
+    if split is None:
+        return raw, ne4
+    K, M = ne4[0], ne4[1]
+    by_row = raw.view(np.uint8).reshape(M, types.row_size(t, K))
+    if split.dim == 1:
+        m = M // n
+        return np.ascontiguousarray(by_row[k * m:(k + 1) * m]), (K, m, 1, 1)
+    c = K // n
+    b0, b1 = types.row_size(t, k * c), types.row_size(t, (k + 1) * c)
+    return np.ascontiguousarray(by_row[:, b0:b1]), (c, M, 1, 1)
+
+
+def _leaf_pspec(split: WeightSplit | None, ndim: int) -> jax.sharding.PartitionSpec:
+    """The PartitionSpec of a held array: plain arrays are 4-d numpy order (ggml dim d is
+    axis 3 - d), blocks and int8 arrays 2-d [rows, cols]."""
+    P = jax.sharding.PartitionSpec
+    if split is None:
+        return P()
+    axes: list[str | None] = [None] * ndim
+    axes[ndim - 1 - split.dim] = MESH_AXIS
+    return P(*axes)
+
+
+def to_mesh(data: np.ndarray, t: GGMLType, ne, mesh: jax.sharding.Mesh, split: WeightSplit | None,
+            weight_format: str = "native", name: str = "") -> DeviceWeight:
+    """Put a tensor on every device of a 1-d mesh: divided by `split` (each device holds 1/n
+    of the bytes) or replicated (split None). Only the shards of this process's devices are
+    read from `data` (an mmap view) and converted, so every process of a multi-host run
+    loads only what its devices hold."""
+    t = GGMLType(t)
+    ne4 = pad_ne(ne)
+    devices = list(mesh.devices.flat)
+    n = len(devices)
+    check_split(name or "?", t, ne4, n, split)
     fmt = resolve_format(weight_format, t)
-    if fmt == FORMAT_PLAIN and types.traits(t).is_quantized:
-        arr = quants.dequantize(raw.view(np.uint8).reshape(-1), t, ne4).reshape(tuple(reversed(ne4)))
-        return DeviceWeight(WeightSpec(FORMAT_PLAIN, t, ne4), jax.device_put(arr, device))
-    if fmt == FORMAT_PLAIN:
-        dt = np_dtype(t)
-        arr = raw.view(dt) if raw.dtype == np.uint8 else raw.astype(dt, copy=False)
-        arr = arr.reshape(tuple(reversed(ne4)))
-        return DeviceWeight(WeightSpec(FORMAT_PLAIN, t, ne4), jax.device_put(arr, device))
-    blocks = raw.view(np.uint8).reshape(rows, types.row_size(t, ne4[0]))
-    if fmt == FORMAT_INT8:
-        q, scale, offset = to_int8(blocks, t, rows)
-        spec = WeightSpec(FORMAT_INT8, t, ne4, INT8_CONVERTERS[t][0])
-        return DeviceWeight(spec, jax.device_put(q, device), jax.device_put(scale, device),
-                            None if offset is None else jax.device_put(offset, device))
-    return DeviceWeight(WeightSpec(FORMAT_BLOCKS, t, ne4), jax.device_put(blocks, device))
+    mine = [(k, d) for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    converted: dict[int, tuple[WeightSpec, list]] = {}
+    for k, _ in mine:
+        key = k if split is not None else 0
+        if key not in converted:
+            raw, ne_k = _shard_raw(np.asarray(data), t, ne4, split, k, n)
+            converted[key] = _held(raw, t, ne_k, fmt)
+    local_spec, first = next(iter(converted.values()))
+    leaves: list[jax.Array | None] = []
+    for j, a in enumerate(first):
+        if a is None:
+            leaves.append(None)
+            continue
+        shape = list(a.shape)
+        if split is not None:
+            shape[a.ndim - 1 - split.dim] *= n
+        sharding = jax.sharding.NamedSharding(mesh, _leaf_pspec(split, a.ndim))
+        parts = [jax.device_put(converted[k if split is not None else 0][1][j], d) for k, d in mine]
+        leaves.append(jax.make_array_from_single_device_arrays(tuple(shape), sharding, parts))
+    spec = WeightSpec(local_spec.format, t, ne4, local_spec.sub_block, split, mesh if split is not None else None)
+    q, scale, offset = (leaves + [None, None])[:3]
+    assert q is not None   # every format holds its values
+    return DeviceWeight(spec, q, scale, offset)
+
+
+def _split_of(w: DeviceWeight) -> tuple[WeightSplit, jax.sharding.Mesh]:
+    """The split and mesh of a weight divided over a mesh."""
+    if w.spec.split is None or w.spec.mesh is None:
+        raise ValueError(f"a weight of ne={list(w.spec.ne)} is not split over a mesh")
+    return w.spec.split, w.spec.mesh
+
+
+def _local(w: DeviceWeight) -> DeviceWeight:
+    """Inside shard_map: the weight as this device's shard (its own shape, no split)."""
+    spec = w.spec
+    split, mesh = _split_of(w)
+    ne = list(spec.ne)
+    ne[split.dim] //= mesh.devices.size
+    local = WeightSpec(spec.format, spec.type, (ne[0], ne[1], ne[2], ne[3]), spec.sub_block)
+    return DeviceWeight(local, w.array, w.scale, w.offset)
+
+
+def _mul_mat_split(w: DeviceWeight, x: jax.Array) -> jax.Array:
+    """mul_mat of a weight split over a mesh: shard_map of the local product, then (rows)
+    the result split along its features or all-gathered, or (columns) all-reduced."""
+    from jax import shard_map
+    P = jax.sharding.PartitionSpec
+    split, mesh = _split_of(w)
+    lead = (None,) * (x.ndim - 1)
+    w_spec = _leaf_pspec(split, w.array.ndim)
+    x_spec = P(*lead, MESH_AXIS) if split.dim == 0 else P()
+    split_out = split.dim == 1 and not split.gather
+    out_spec = P(*lead, MESH_AXIS) if split_out else P()
+
+    def local(wl, xl):
+        y = mul_mat(_local(wl), xl)
+        if split.dim == 0:
+            return jax.lax.psum(y, MESH_AXIS)
+        if split.gather:
+            return jax.lax.all_gather(y, MESH_AXIS, axis=y.ndim - 1, tiled=True)
+        return y
+
+    return shard_map(local, mesh=mesh, in_specs=(w_spec, x_spec), out_specs=out_spec,
+                     check_vma=False)(w, x)
+
+
+def _get_rows_split(w: DeviceWeight, idx: jax.Array) -> jax.Array:
+    """get_rows of a table split by rows (embeddings by vocabulary): each device takes the
+    ids that fall in its rows, zeros for the others, and the results are summed."""
+    from jax import shard_map
+    P = jax.sharding.PartitionSpec
+    split, mesh = _split_of(w)
+    if split.dim != 1:
+        raise ValueError("get_rows reads a table split by rows only")
+    n_local = w.spec.ne[1] // mesh.devices.size
+
+    def local(wl, il):
+        li = il - jax.lax.axis_index(MESH_AXIS) * n_local
+        ok = (li >= 0) & (li < n_local)
+        rows = get_rows(_local(wl), jnp.where(ok, li, 0))
+        return jax.lax.psum(jnp.where(ok[:, None], rows, 0.0), MESH_AXIS)
+
+    return shard_map(local, mesh=mesh, in_specs=(_leaf_pspec(split, w.array.ndim), P()),
+                     out_specs=P(), check_vma=False)(w, idx)
 
 
 # ---- reading a weight inside a traced function ---------------------------------------------
@@ -170,6 +343,8 @@ def materialize(w: DeviceWeight) -> jax.Array:
 
 def get_rows(w: DeviceWeight, idx: jax.Array) -> jax.Array:
     """Rows idx of a 2-d weight as f32 [len(idx), ne0]; only the gathered rows are dequantized."""
+    if w.spec.split is not None:
+        return _get_rows_split(w, idx)
     q, scale, offset = _row_arrays(w)
     return _rows_f32(w, jnp.take(q, idx, axis=0),
                      None if scale is None else jnp.take(scale, idx, axis=0),
@@ -192,6 +367,8 @@ def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
     whole-matrix f32 temporary is several times slower (fresh pages every call). The last
     chunk starts early enough to end at row M (it recomputes a few rows: same values)."""
     spec = w.spec
+    if spec.split is not None:
+        return _mul_mat_split(w, x)
     K, M = spec.ne[0], spec.ne[1]
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)

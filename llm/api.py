@@ -8,12 +8,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import jax
 import numpy as np
 
 from llm import chat as chat_mod
-from llm import cvec, hub
+from llm import cvec, distributed, hub
 from llm import grammar as grammar_mod
 from llm import tools as tools_mod
 from llm import trace as trace_mod
@@ -67,17 +68,25 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
                  n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
+                 split_mode: str = "layer", tensor_split: list[float] | None = None,
                  weight_format: str = "auto", progress_callback: Callable[[float], bool] | None = None,
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  **ctx_kwargs):
         path = hub.resolve(model)
         t0 = time.perf_counter()
-        self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers,
-                                       progress_callback=progress_callback, weight_format=weight_format)
+        self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
+                                       progress_callback=progress_callback, weight_format=weight_format,
+                                       split_mode=split_mode)
         self.t_load = time.perf_counter() - t0
         if self.model.output is None:       # an encoder gives embeddings only
             ctx_kwargs.setdefault("embeddings", True)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
+        if jax.process_count() > 1 and prompt_cache is not None:
+            raise ValueError("prompt_cache restores KV state on process 0 only: not available in a multi-host run")
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            # multi-host: process 0 generates; its decodes and cache ops are sent to the others
+            # (a proxy with the Context interface: every other attribute reads the wrapped one)
+            self.ctx = cast(Context, distributed.LeaderContext(self.ctx))
         self.vocab = self.model.vocab
         self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
         self._gvocab: grammar_mod.GrammarVocab | None = None     # built on the first constrained request
@@ -92,6 +101,18 @@ class LLM:
         self._tables: dict[bool, dict] = {}      # flash_attn -> named nodes (llm.trace.probe_nodes)
         self._trace_ctx: Context | None = None
         self.grad_programs: dict = {}            # compiled gradient functions (llm.trace)
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-host run: run process 0's batches until it
+        calls close(); returns the number of batches decoded."""
+        if jax.process_index() == 0:
+            raise RuntimeError("follow() runs on the processes other than 0; process 0 generates")
+        return distributed.follow(self.ctx)
+
+    def close(self) -> None:
+        """On process 0 of a multi-host run: let the following processes return from follow()."""
+        if isinstance(self.ctx, distributed.LeaderContext):
+            self.ctx.stop_followers()
 
     def reset(self) -> None:
         """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 
 from ggmlx.weights import WEIGHT_FORMATS
-from llm import bench, diff_llamacpp, hub
+from llm import bench, diff_llamacpp, distributed, hub
 from llm.errors import UsageError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -89,6 +89,15 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (n_ubatch)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
+    p.add_argument("-sm", "--split-mode", choices=("layer", "row"), default="layer",
+                   help="layer: whole layers per device (default); row: every layer divided over all devices")
+    p.add_argument("-ts", "--tensor-split", default=None,
+                   help="layer split shares per device, e.g. 3,1 (split-mode layer only)")
+    p.add_argument("--coordinator", default=None,
+                   help="multi-host run: host:port of process 0 (or JAX_COORDINATOR_ADDRESS); "
+                        "process 0 prints, the others follow (docs/distributed.md)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host run: processes (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host run: this process (or JAX_PROCESS_ID)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -141,10 +150,19 @@ def _open(a):
     """Resolve, load and make the context, one status line per phase."""
     from llm.api import LLM
     path = hub.model_file(a.model)
+    if a.coordinator or os.environ.get(distributed.ENV_COORDINATOR):
+        distributed.initialize(a.coordinator, a.num_processes, a.process_id)
+    tensor_split = None
+    if a.tensor_split:
+        try:
+            tensor_split = [float(x) for x in a.tensor_split.split(",")]
+        except ValueError:
+            raise UsageError(f"--tensor-split must be comma-separated numbers, got {a.tensor_split!r}") from None
     a.interrupt.check()
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     llm = LLM(path, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
-              weight_format=a.weight_format, progress_callback=_progress(a), abort_callback=a.interrupt.abort)
+              weight_format=a.weight_format, split_mode=a.split_mode, tensor_split=tensor_split,
+              progress_callback=_progress(a), abort_callback=a.interrupt.abort)
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
     if n_train and a.ctx_size > n_train:
@@ -180,12 +198,19 @@ def _print_perf(result) -> None:
 
 def cmd_generate(a) -> int:
     llm = _open(a)
+    if not distributed.is_leader():
+        llm.follow()
+        return 0
     tokens = llm.tokenize(a.prompt)
     if len(tokens) >= a.ctx_size:
+        llm.close()
         raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.ctx_size} holds at most {a.ctx_size - 1}")
-    t0 = time.perf_counter()
-    completion = _write_stream(a, llm.stream(tokens, interventions=_interventions(a, llm),
-                                             **_sampling_kwargs(a, len(tokens))), t0)
+    try:
+        t0 = time.perf_counter()
+        completion = _write_stream(a, llm.stream(tokens, interventions=_interventions(a, llm),
+                                                 **_sampling_kwargs(a, len(tokens))), t0)
+    finally:
+        llm.close()
     if a.perf:
         _print_perf(completion)
     return 0
@@ -193,6 +218,16 @@ def cmd_generate(a) -> int:
 
 def cmd_chat(a) -> int:
     llm = _open(a)
+    if not distributed.is_leader():
+        llm.follow()
+        return 0
+    try:
+        return _chat_loop(llm, a)
+    finally:
+        llm.close()
+
+
+def _chat_loop(llm, a) -> int:
     interventions = _interventions(a, llm)
     messages = []
     if a.system:

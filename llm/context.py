@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggmlx import ops
-from ggmlx.backend import backend_of
+from ggmlx.backend import backend_of, mesh_backend
 from ggmlx.compile import get_default_cache
 from ggmlx.graph import Graph
 from ggmlx.sched import Plan, Scheduler
@@ -140,11 +140,16 @@ class Context:
         # another thread take turns (each is short); outputs belong to the last decode
         self.lock = self.memory.lock
         self.balloc = BatchAllocator()
-        devices = []
-        for d in [model.place.dev_input, *model.place.dev_layer, model.place.dev_output]:
-            if d not in devices:
-                devices.append(d)
-        self.sched = Scheduler([backend_of(d) for d in devices], get_default_cache(), cb_eval)
+        pl = model.place
+        if pl.mesh is not None:
+            backend_list = [mesh_backend(pl.mesh)]
+        else:
+            devices = []
+            for d in [pl.dev_input, *pl.dev_layer, pl.dev_output]:
+                if d not in devices:
+                    devices.append(d)
+            backend_list = [backend_of(d) for d in devices]
+        self.sched = Scheduler(backend_list, get_default_cache(), cb_eval)
         self.logits = np.zeros((0, model.n_vocab), np.float32)
         self.embd = np.zeros((0, hp.n_embd), np.float32)
         self.embd_seq: dict[int, np.ndarray] = {}

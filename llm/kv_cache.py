@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ggmlx.backend import MESH_AXIS
 from ggmlx.tensor import Tensor, new_state, np_dtype
 from ggmlx.types import GGMLType
 from llm.batch import UBatch
@@ -77,6 +78,17 @@ def check_fits(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -> None:
                             f"(the model was trained with a context of {hp.n_ctx_train})")
 
 
+def _zeros_on_mesh(t: Tensor, pl) -> jax.Array:
+    """A zero cache buffer over the mesh: divided by KV heads (its ggml dim 0, the heads'
+    features) when they divide, else replicated; every process makes only its shards."""
+    P = jax.sharding.PartitionSpec
+    spec = P(None, None, None, MESH_AXIS) if pl.kv_split else P()
+    sharding = jax.sharding.NamedSharding(pl.mesh, spec)
+    dt = np_dtype(t.type)
+    return jax.make_array_from_callback(t.shape, sharding,
+                                        lambda idx: np.zeros(sharding.shard_shape(t.shape), dt))
+
+
 class KVCache:
     def __init__(self, model: Model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256):
@@ -96,17 +108,19 @@ class KVCache:
         self.k_l: list[Tensor] = []
         self.v_l: list[Tensor] = []
         self._device: dict[Tensor, jax.Device] = {}
+        self._place = model.place
         for il in range(hp.n_layer):
-            dev = model.place.dev_layer[il]
             k = new_state(tk, (hp.n_embd_k_gqa(il), n_ctx), f"cache_k_l{il}")
             v = new_state(tv, (hp.n_embd_v_gqa(il), n_ctx), f"cache_v_l{il}")
             for buf in (k, v):
-                self._device[buf] = dev
+                self._device[buf] = self._place.dev_layer[il]
                 buf.data = self._zeros(buf)
             self.k_l.append(k)
             self.v_l.append(v)
 
     def _zeros(self, t: Tensor) -> jax.Array:
+        if self._place.mesh is not None:
+            return _zeros_on_mesh(t, self._place)
         return jax.device_put(jnp.zeros(t.shape, np_dtype(t.type)), self._device[t])
 
     def lost(self) -> bool:

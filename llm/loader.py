@@ -166,9 +166,12 @@ class ModelLoader(GGUFMeta):
             raise ModelLoadError(f"failed to read model file: {e}") from e
         super().__init__(self.reader.kv, str(path))
         self.weights_map = {name: WeightEntry(info) for name, info in self.reader.tensors.items()}
-        self.created: list[tuple[Tensor, WeightEntry, jax.Device]] = []
+        self.created: list[tuple[Tensor, WeightEntry, jax.Device, weights.WeightSplit | None]] = []
         self._used: set[str] = set()
         self.weight_format = ""
+        # split_mode "row": every tensor goes on this mesh, divided as split_of(name) says
+        self.mesh: jax.sharding.Mesh | None = None
+        self.split_of: Callable[[str], weights.WeightSplit | None] = lambda name: None
 
     def close(self) -> None:
         self.reader.close()
@@ -187,8 +190,16 @@ class ModelLoader(GGUFMeta):
         if got != want:
             raise ModelLoadError(f"{self.path}: tensor '{name}' has wrong shape; expected "
                                  f"{list(want)}, got {list(got)}")
+        split = None
+        if self.mesh is not None:
+            split = self.split_of(name)
+            try:
+                weights.check_split(name, entry.info.type, want, self.mesh.devices.size, split)
+            except ValueError as e:
+                raise ModelLoadError(f"{self.path}: split_mode 'row' over {self.mesh.devices.size} devices: "
+                                     f"{e}") from None
         t = new_weight(entry.info.type, want, name)
-        self.created.append((t, entry, device))
+        self.created.append((t, entry, device, split))
         if not flags & TensorFlag.DUPLICATED:
             self._used.add(name)
         return t
@@ -211,16 +222,20 @@ class ModelLoader(GGUFMeta):
         if weight_format == "auto":
             weight_format = weights.AUTO_FORMAT
         self.weight_format = weight_format
-        total = sum(e.info.nbytes for _, e, _ in self.created) or 1
+        total = sum(e.info.nbytes for _, e, _, _ in self.created) or 1
         done = 0
         placed: list[Tensor] = []
         try:
-            for t, entry, device in self.created:
+            for t, entry, device, split in self.created:
                 if progress_callback is not None and progress_callback(done / total) is False:
                     raise LoadCancelled(f"{self.path}: loading cancelled by the progress callback "
                                         f"at {100 * done / total:.0f}%")
-                t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
-                                           weight_format)
+                if self.mesh is not None:
+                    t.data = weights.to_mesh(entry.info.data, GGMLType(entry.info.type), t.ne, self.mesh, split,
+                                             weight_format, t.name)
+                else:
+                    t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
+                                               weight_format)
                 placed.append(t)
                 done += entry.info.nbytes
             if progress_callback is not None and progress_callback(1.0) is False:

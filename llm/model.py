@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from ggmlx.backend import make_mesh
 from ggmlx.tensor import Tensor
+from ggmlx.weights import WeightSplit
 from llm.errors import ModelLoadError
 from llm.hparams import HParams, load_hparams
 from llm.layer import Layer
@@ -22,10 +24,73 @@ from llm.vocab import Vocab, load_vocab
 @dataclass
 class Placement:
     """Where each part of the model lives: the input layer on the CPU (as llama.cpp keeps
-    it), each repeating layer and the output layer on the device chosen for it."""
+    it), each repeating layer and the output layer on the device chosen for it. With
+    split_mode "row" every weight and the KV cache live on `mesh` instead (the dev_* fields
+    name its first device), divided as `row_split_plan` says; `kv_split` tells whether the
+    KV cache is divided by KV heads (else replicated)."""
     dev_input: jax.Device
     dev_layer: list[jax.Device]
     dev_output: jax.Device
+    mesh: jax.sharding.Mesh | None = None
+    kv_split: bool = False
+
+
+SPLIT_MODES = ("layer", "row")
+
+# split_mode "row": how each 2-d weight is divided (Megatron-style tensor parallelism).
+_ROWS, _ROWS_GATHER, _COLS = WeightSplit(1), WeightSplit(1, gather=True), WeightSplit(0)
+# attention by heads (every layer's head and KV-head counts divide by the device count):
+# Q/K/V by output rows = whole heads, the output projection by input columns + all-reduce
+_SPLIT_BY_HEADS = {"attn_q": _ROWS, "attn_k": _ROWS, "attn_v": _ROWS, "attn_output": _COLS}
+# otherwise llama.cpp's row split: each projection by output rows, the result all-gathered
+_SPLIT_GATHERED = {"attn_q": _ROWS_GATHER, "attn_k": _ROWS_GATHER, "attn_v": _ROWS_GATHER,
+                   "attn_output": _ROWS_GATHER}
+_SPLIT_COMMON = {
+    "attn_qkv": _ROWS_GATHER,                            # fused [Q; K; V] rows: not head-aligned
+    "ffn_gate": _ROWS, "ffn_up": _ROWS, "ffn_down": _COLS,  # FFN: gate/up by features, down + reduce
+    "token_embd": _ROWS_GATHER, "output": _ROWS_GATHER,     # embeddings / lm_head by vocabulary
+}
+
+
+def heads_divide(hp: HParams, n: int) -> bool:
+    """Whether every layer's query and KV head counts divide by n (attention split by heads)."""
+    return all(hp.n_head(il) % n == 0 and hp.n_head_kv(il) % n == 0 for il in range(hp.n_layer))
+
+
+def row_split_plan(hp: HParams, n: int) -> Callable[[str], WeightSplit | None]:
+    """tensor name -> its split over n devices (None: replicated: norms, biases, rope
+    factors, MoE experts)."""
+    table = {**(_SPLIT_BY_HEADS if heads_divide(hp, n) else _SPLIT_GATHERED), **_SPLIT_COMMON}
+
+    def split_of(name: str) -> WeightSplit | None:
+        parts = name.split(".")
+        if parts[-1] != "weight" or n == 1:
+            return None
+        base = parts[2] if parts[0] == "blk" else parts[0]
+        return table.get(base) if len(parts) == (4 if parts[0] == "blk" else 2) else None
+
+    return split_of
+
+
+def place_row(devices: list[jax.Device] | None, n_gpu_layers: int, tensor_split: list[float] | None,
+              hp: HParams) -> Placement:
+    """split_mode "row": every layer on a mesh of `devices` (default: the accelerators, else
+    every CPU device). It cannot be mixed with a layer split in this version."""
+    if tensor_split is not None:
+        raise ValueError("tensor_split divides layers between devices (split_mode 'layer'); "
+                         "split_mode 'row' divides every layer evenly: drop tensor_split")
+    if 0 <= n_gpu_layers < hp.n_layer + 1:
+        raise ValueError(f"n_gpu_layers={n_gpu_layers} keeps layers off the devices, a layer split; "
+                         "split_mode 'row' cannot be mixed with a layer split: use n_gpu_layers=-1")
+    if devices is None:
+        devices = [d for d in jax.devices() if d.platform != "cpu"] or jax.devices("cpu")
+    devices = list(devices)
+    if not devices:
+        raise ValueError("split_mode 'row' needs at least one device")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"split_mode 'row': devices must be distinct, got {devices}")
+    return Placement(devices[0], [devices[0]] * hp.n_layer, devices[0], make_mesh(devices),
+                     kv_split=len(devices) > 1 and heads_divide(hp, len(devices)))
 
 
 def place_layers(n_layer: int, devices: list[jax.Device] | None, n_gpu_layers: int,
@@ -113,12 +178,16 @@ class Model:
 def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None, n_gpu_layers: int = -1,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
                progress_callback: Callable[[float], bool] | None = None,
-               weight_format: str = "auto") -> Model:
+               weight_format: str = "auto", split_mode: str = "layer") -> Model:
     """Load a GGUF model (see docs/design.md). `devices` hold the repeating layers (default: the
-    accelerators; pass CPU devices to split over simulated devices). `weight_format` is how
+    accelerators; pass CPU devices to split over simulated devices). split_mode "layer"
+    (default) gives each device whole layers, "row" divides every layer over all of them
+    (tensor parallelism on a jax.sharding.Mesh; see docs/distributed.md). `weight_format` is how
     quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "f32"
     (dequantized at load) or "auto" (int8, the fastest measured on XLA:CPU);
     model.weight_format tells which was used."""
+    if split_mode not in SPLIT_MODES:
+        raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
     ml = ModelLoader(path)
     try:
         arch = ml.arch_name
@@ -133,7 +202,14 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
                       weight_format=weight_format)
         if vocab_only:
             return model
-        model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
+        if split_mode == "row":
+            model.placement = place_row(devices, n_gpu_layers, tensor_split, hp)
+            mesh = model.placement.mesh
+            assert mesh is not None   # place_row made it
+            ml.mesh = mesh
+            ml.split_of = row_split_plan(hp, mesh.devices.size)
+        else:
+            model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
         builder.load_tensors(model, ml)
         ml.check_all_used()
         model.n_bytes = ml.load_all_data(progress_callback, weight_format)
