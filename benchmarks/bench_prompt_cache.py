@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import llm  # noqa: E402
+from llm import hub  # noqa: E402
 
 DOC = ("The river town kept its records in a stone archive by the old bridge. Every spring the clerks "
        "copied the ledgers of grain, salt and timber, and every autumn they counted the boats that "
@@ -62,7 +63,7 @@ def main() -> None:
     if args.child:
         child(args.child[0], args.child[1], args.prefix_tokens)
         return
-    model = str(llm.hub.resolve(args.model))
+    model = str(hub.resolve(args.model))
     cache = tempfile.mkdtemp(prefix="prompt-cache-")
     rows = []
 
