@@ -234,6 +234,31 @@ def spec_granite(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_granitemoe(d: Dims, w: Weights) -> dict:
+    a = "granitemoe"
+    kv = base_kv(a, d)
+    kv[f"{a}.logit_scale"] = 0.5
+    kv[f"{a}.residual_scale"] = 0.7
+    kv[f"{a}.embedding_scale"] = 3.0
+    kv[f"{a}.attention.scale"] = 0.2
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_shared_feed_forward_length"] = 64
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd, scale=0.3)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        moe(w, p, d, d.n_ff)
+        w.mat(p + "ffn_gate_shexp.weight", 64, d.n_embd)
+        w.mat(p + "ffn_up_shexp.weight", 64, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, 64)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -491,6 +516,7 @@ ARCHS: dict[str, ArchSpec] = {
     "mistral3": ArchSpec(spec_mistral3, 112),
     "exaone": ArchSpec(spec_exaone, 113),
     "llama4": ArchSpec(spec_llama4, 114),
+    "granitemoe": ArchSpec(spec_granitemoe, 115),
 }
 
 

@@ -18,6 +18,7 @@ from llm.models import (
     gpt2,
     gpt_oss,
     granite,
+    granitemoe,
     llama,
     llama4,
     mistral3,
@@ -75,6 +76,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.MISTRAL3: mistral3,
     LLMArch.EXAONE: exaone,
     LLMArch.LLAMA4: llama4,
+    LLMArch.GRANITE_MOE: granitemoe,
 }
 
 

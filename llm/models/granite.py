@@ -3,7 +3,9 @@
 The llama block with IBM's multipliers: input embeddings times `embedding_scale`, attention
 logits scaled by `attention.scale`, each block's attention and FFN outputs times
 `residual_scale` before they join the residual, and logits divided by `logit_scale`.
-`rope.scaling.finetuned` = false turns rope off (llama.cpp's rope switch for Granite)."""
+`rope.scaling.finetuned` = false turns rope off (llama.cpp's rope switch for Granite).
+Granite MoE (llm/models/granitemoe.py) shares this graph: softmax-routed experts (weights
+renormalized) and an optional shared expert instead of the dense FFN."""
 from __future__ import annotations
 
 import math
@@ -43,11 +45,24 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
         layer = Layer()
         create_attn(layer, ml, hp, il, dev)
         layer.bo = ml.create_tensor(tn(T.ATTN_OUT, "bias", il), (hp.n_embd,), dev, opt)
-        create_ffn(layer, ml, hp, il, dev)
-        n_ff = hp.n_ff(il)
-        layer.ffn_gate_b = ml.create_tensor(tn(T.FFN_GATE, "bias", il), (n_ff,), dev, opt)
-        layer.ffn_down_b = ml.create_tensor(tn(T.FFN_DOWN, "bias", il), (hp.n_embd,), dev, opt)
-        layer.ffn_up_b = ml.create_tensor(tn(T.FFN_UP, "bias", il), (n_ff,), dev, opt)
+        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+        if hp.n_expert == 0:
+            create_ffn(layer, ml, hp, il, dev)
+            layer.ffn_gate_b = ml.create_tensor(tn(T.FFN_GATE, "bias", il), (n_ff,), dev, opt)
+            layer.ffn_down_b = ml.create_tensor(tn(T.FFN_DOWN, "bias", il), (n_embd,), dev, opt)
+            layer.ffn_up_b = ml.create_tensor(tn(T.FFN_UP, "bias", il), (n_ff,), dev, opt)
+        else:       # granitemoe: experts of width n_ff, optionally a shared expert
+            n_exp = hp.n_expert
+            layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+            layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
+            layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+            layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
+            layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+            if hp.n_ff_shexp > 0:
+                n_sh = hp.n_ff_shexp
+                layer.ffn_gate_shexp = ml.create_tensor(tn(T.FFN_GATE_SHEXP, "weight", il), (n_embd, n_sh), dev)
+                layer.ffn_up_shexp = ml.create_tensor(tn(T.FFN_UP_SHEXP, "weight", il), (n_embd, n_sh), dev)
+                layer.ffn_down_shexp = ml.create_tensor(tn(T.FFN_DOWN_SHEXP, "weight", il), (n_sh, n_embd), dev)
         flags = opt | (TensorFlag.DUPLICATED if il else TensorFlag.NONE)
         layer.rope_freqs = ml.create_tensor(tn(T.ROPE_FREQS, "weight"), (hp.n_rot // 2,), dev, flags)
         model.layers.append(layer)
@@ -82,8 +97,17 @@ def build_graph(g: GraphBuilder) -> None:
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
         cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
-        cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il,
-                          up_b=layer.ffn_up_b, gate_b=layer.ffn_gate_b, down_b=layer.ffn_down_b)
+        if layer.ffn_gate_inp is None:
+            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il,
+                              up_b=layer.ffn_up_b, gate_b=layer.ffn_gate_b, down_b=layer.ffn_down_b)
+        else:
+            moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
+                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
+            if layer.ffn_up_shexp is not None:
+                shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
+                                         "silu", il), "ffn_shexp", il)
+                moe_out = ops.add(moe_out, shexp)
+            cur = moe_out
         g.cb(cur, "ffn_out", il)        # as llama.cpp: before the residual scale
         if res_scale:
             cur = ops.scale(cur, res_scale)
