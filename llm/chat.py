@@ -39,7 +39,7 @@ BUILTIN_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}
 
 @dataclass(frozen=True)
 class RenderLimits:
-    seconds: float = 2.0
+    seconds: float = 1.5         # the deadline; with its checks' granularity, renders end within 2 s
     max_output_chars: int = 1 << 20
     max_product: int = 1 << 20      # longest string/list any one operation may build
     max_built_bytes: int = 128 << 20    # all strings, lists and integers built during one render

@@ -136,6 +136,6 @@ def test_template_bombs_in_a_gguf_stay_under_256mb_and_2s(tmp_path):
                        timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert r.returncode == 0, r.stderr[-2000:]
     for template, (err, seconds) in zip(BOMBS, json.loads(r.stdout), strict=True):
-        assert err is not None and ("limit" in err or "unsafe" in err), (template, err)
+        assert err is not None and ("limit" in err or "unsafe" in err or "longer than" in err), (template, err)
         assert "MemoryError" not in err, (template, err)
         assert seconds < 2.0, (template, seconds)

@@ -142,8 +142,8 @@ def test_dump_graph_layers_and_name_filters(capsys, tiny):
 # ---- Ctrl-C ---------------------------------------------------------------------------
 
 def _interrupt_at(tiny: Path, moment: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run generate in a child and send SIGINT when `moment` comes: "start" (0.1 s after
-    launch, while importing JAX), a stderr status line ("loading", "compiling", "first
+    """Run generate in a child and send SIGINT when `moment` comes: "importing" (once jaxlib
+    is mapped into the process: JAX is being imported), a stderr status line ("loading", "compiling", "first
     token"), "compiling+X" (X s after the compile line: compiling or prefill), or
     "generating" (after 40 characters of output)."""
     argv = [sys.executable, "-m", "llm", "generate", "-m", str(tiny), "-p", "hello " * 150, "-n", "-1",
@@ -169,8 +169,11 @@ def _interrupt_at(tiny: Path, moment: str, tmp_path: Path) -> subprocess.Complet
     threads = [threading.Thread(target=read_err, daemon=True), threading.Thread(target=read_out, daemon=True)]
     for t in threads:
         t.start()
-    if moment == "start":
-        time.sleep(0.1)
+    if moment == "importing":
+        maps = Path(f"/proc/{proc.pid}/maps")
+        deadline = time.monotonic() + 120
+        while "jaxlib" not in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.005)
     else:
         assert seen.wait(240), f"never reached {moment!r}: {b''.join(err_lines).decode()}"
         if "+" in moment:
@@ -184,7 +187,7 @@ def _interrupt_at(tiny: Path, moment: str, tmp_path: Path) -> subprocess.Complet
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["start", "loading", "compiling", "compiling+1.0", "compiling+3.0",
+@pytest.mark.parametrize("moment", ["importing", "loading", "compiling", "compiling+1.0", "compiling+3.0",
                                     "first token", "generating"])
 def test_ctrl_c_exits_130_with_one_line(tiny, tmp_path, moment):
     r = _interrupt_at(tiny, moment, tmp_path)
