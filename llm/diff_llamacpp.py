@@ -206,7 +206,7 @@ def run_llamacpp(model_path: str, tokens: list[int], patterns: list[str], flash_
                  ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """llama.cpp's named tensors matching patterns ({name or name#k: values}) and its logits
     [n_tokens, n_vocab], for one decode of all tokens (F32 KV cache, all logits).
-    control_vector: [n_layer, n_embd] rows added to l_out-il (llama_apply_adapter_cvec)."""
+    control_vector: [n_layer, n_embd] rows added to l_out-il (llama_set_adapter_cvec)."""
     import llama_cpp as lc
 
     seen: dict[str, int] = {}
@@ -253,10 +253,10 @@ def run_llamacpp(model_path: str, tokens: list[int], patterns: list[str], flash_
             if control_vector is not None:
                 n_layer, n_embd = control_vector.shape
                 data = np.ascontiguousarray(control_vector[1:], np.float32)   # llama.cpp's buffer starts at layer 1
-                ret = lc.llama_apply_adapter_cvec(ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                ret = lc.llama_set_adapter_cvec(ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                                                   data.size, n_embd, 1, n_layer - 1)
                 if ret != 0:
-                    raise RuntimeError(f"llama_apply_adapter_cvec returned {ret}")
+                    raise RuntimeError(f"llama_set_adapter_cvec returned {ret}")
             batch = lc.llama_batch_init(len(tokens), 0, 1)
             try:
                 batch.n_tokens = len(tokens)
