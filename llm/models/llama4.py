@@ -113,15 +113,14 @@ def build_graph(g: GraphBuilder) -> None:
 
         cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
         if layer.ffn_gate_inp is None:
-            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
-        else:
+            cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il), "ffn_out", il)
+        else:       # names as llama.cpp's MoE branch (which has no ffn_out)
             moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
                                       layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, False, il,
                                       gating="sigmoid", weight_before_ffn=True)
             shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
-                                     "silu", il), "ffn_shexp", il)
-            cur = ops.add(moe_out, shexp)
-        g.cb(cur, "ffn_out", il)
+                                     "silu", il), "ffn_moe_shexp", il)
+            cur = g.cb(ops.add(moe_out, shexp), "ffn_moe_out_merged", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL)
