@@ -162,7 +162,8 @@ def test_dump_shows_each_nodes_sharding(tiny):
     # attention by heads: every node's layout is known, the attention runs divided by heads
     dump = tiny[0]["cases"]["llama_mha/4"]["dump"]
     assert "{auto}" not in dump
-    assert re.search(r"kqv_out-0 +\[TP\[CPU0,CPU1,CPU2,CPU3\]\]\{S\(1\)\}", dump)
+    assert re.search(r"__fattn__-0 +\[TP\[CPU0,CPU1,CPU2,CPU3\]\]\{S\(1\)\}", dump)     # by heads
+    assert re.search(r"kqv_out-0 +\[TP\[CPU0,CPU1,CPU2,CPU3\]\]\{S\(0\)\}", dump)       # heads merged
 
 
 @pytest.mark.slow
