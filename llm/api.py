@@ -164,19 +164,20 @@ class LLM:
                                  f"(a sequence must be pooled in one ubatch)")
         out: list[np.ndarray] = []
         i = 0
-        while i < len(seqs):
-            group = [seqs[i]]
-            while (i + len(group) < len(seqs) and len(group) < ctx.n_seq_max
-                   and sum(map(len, group)) + len(seqs[i + len(group)]) <= ctx.n_ubatch):
-                group.append(seqs[i + len(group)])
-            ctx.memory_clear()
-            tokens = np.concatenate([np.asarray(t, np.int32) for t in group])
-            pos = np.concatenate([np.arange(len(t), dtype=np.int32) for t in group])
-            seq_id = [(k,) for k, t in enumerate(group) for _ in t]
-            if ctx.decode(Batch(tokens, pos=pos, seq_id=seq_id)) != 0:
-                raise GenerationError(f"embed: decode failed: {ctx.last_error}")
-            out += [ctx.get_embeddings_seq(k).copy() for k in range(len(group))]
-            i += len(group)
+        with ctx.lock:      # one embed at a time on this context: each group clears it first
+            while i < len(seqs):
+                group = [seqs[i]]
+                while (i + len(group) < len(seqs) and len(group) < ctx.n_seq_max
+                       and sum(map(len, group)) + len(seqs[i + len(group)]) <= ctx.n_ubatch):
+                    group.append(seqs[i + len(group)])
+                ctx.memory_clear()
+                tokens = np.concatenate([np.asarray(t, np.int32) for t in group])
+                pos = np.concatenate([np.arange(len(t), dtype=np.int32) for t in group])
+                seq_id = [(k,) for k, t in enumerate(group) for _ in t]
+                if ctx.decode(Batch(tokens, pos=pos, seq_id=seq_id)) != 0:
+                    raise GenerationError(f"embed: decode failed: {ctx.last_error}")
+                out += [ctx.get_embeddings_seq(k).copy() for k in range(len(group))]
+                i += len(group)
         res = np.stack(out).astype(np.float32)
         if normalize and pooling != PoolingType.RANK:
             norm = np.linalg.norm(res, axis=1, keepdims=True)

@@ -170,3 +170,29 @@ def test_chat_without_a_template_warns_once_and_chat_defaults_to_an_instruct_mod
     assert hub.DEFAULT_CHAT_MODEL == "smollm2-135m"
     assert cli.build_parser().parse_args(["chat"]).model == "smollm2-135m"
     assert cli.build_parser().parse_args(["generate", "-p", "x"]).model == hub.DEFAULT_MODEL
+
+
+def test_two_threads_embedding_on_one_llm(m):
+    """LLM.embed clears its context before each group: calls from several threads take turns."""
+    import numpy as np
+    texts = [PROMPTS[i % len(PROMPTS)] + " again" * (i % 3) for i in range(12)]
+    ref = m.embed(texts, max_seqs=2)
+    results: list = []
+    start = threading.Barrier(3)
+
+    def run() -> None:
+        start.wait()
+        try:
+            results.append(m.embed(texts, max_seqs=2))
+        except Exception as e:  # noqa: BLE001 - the test reports any failure below
+            results.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3
+    for r in results:
+        assert isinstance(r, np.ndarray), r
+        np.testing.assert_allclose(r, ref, atol=1e-5)

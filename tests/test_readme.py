@@ -4,6 +4,7 @@ order (one script, as a reader would paste them), and every `python -m llm ...` 
 (venv, pip, the test suite itself) are not run. Real models: slow."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -50,12 +51,28 @@ def test_readme_examples_are_found():
     assert any(c.startswith("python -m ggmlx.gguf") for c in cmds)
 
 
+# runs the blocks in order in one namespace, as a reader pasting them would; a failing block is
+# reported (with its first line) and the next ones still run, so one run lists every broken block
+_RUN_BLOCKS = """
+import json, sys, traceback
+ns = {"__name__": "__main__"}
+failed = []
+for i, code in enumerate(json.loads(sys.stdin.read())):
+    try:
+        exec(compile(code, f"README.md python block {i}", "exec"), ns)
+    except Exception:
+        failed.append(f"block {i} ({code.splitlines()[0]!r}): " + traceback.format_exc(limit=1).splitlines()[-1])
+print("\\n".join(failed), file=sys.stderr)
+sys.exit(1 if failed else 0)
+"""
+
+
 @pytest.mark.slow
 def test_readme_python_examples_run(tmp_path, gemma3_path, smollm2_path):
-    script = "\n".join(python_blocks(README.read_text()))
-    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_env(), capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    blocks = python_blocks(README.read_text())
+    r = subprocess.run([sys.executable, "-c", _RUN_BLOCKS], input=json.dumps(blocks), cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"README python blocks that fail:\n{r.stderr[-3000:]}"
     assert r.stdout.strip()
 
 
