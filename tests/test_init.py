@@ -76,3 +76,14 @@ def test_init_keeps_a_users_own_setting(tmp_path):
     r = _run("late", tmp_path, xla_flags=mine)
     assert r["after_import"][0] == mine
     assert r["warnings"] == []
+
+
+def test_llm_contract_modules_are_attributes_after_import():
+    """`import llm` then llm.sampling.grammar / llm.distributed.initialize / llm.hub.pull, as
+    the API contract writes them, although llm's names load lazily."""
+    code = ("import llm; print(llm.sampling.grammar.__name__, llm.distributed.initialize.__name__, "
+            "llm.hub.pull.__name__, llm.LLM.__name__)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["grammar", "initialize", "pull", "LLM"]
