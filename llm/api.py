@@ -24,6 +24,7 @@ from llm.hparams import PoolingType
 from llm.model import Model, load_model
 from llm.prompt_cache import PromptCache
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
+from llm.serving import Batcher, Delta, Done, Event, GenParams, Job, TokenLogprob, logprobs_of
 
 FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
 FINISH_TOOL_CALLS = "tool_calls"
@@ -49,6 +50,30 @@ class Completion:
     finish_reason: str
     timings: dict = field(default_factory=dict)
     tool_calls: list[dict] | None = None    # OpenAI-shaped calls parsed from a chat reply with tools
+    logprobs: list[TokenLogprob] | None = None    # per generated token, when asked for
+
+
+class _Collect:
+    """Gathers the events of one batched job with n samples."""
+
+    def __init__(self, n: int):
+        self.text = [""] * n
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.done: Done | None = None
+        self.failed: str | None = None
+
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, Delta):
+            self.text[ev.index] += ev.text
+            self.tokens[ev.index] += ev.tokens
+            self.logprobs[ev.index] += ev.logprobs
+            self.finish[ev.index] = ev.finish_reason
+        elif isinstance(ev, Done):
+            self.done = ev
+        else:
+            self.failed = ev.message
 
 
 @dataclass
@@ -330,16 +355,37 @@ class LLM:
                      "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load})
         yield GenerationChunk(text[emitted:], None, finish, completion)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
-                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
-                 json_schema=None, interventions: trace_mod.Interventions | None = None) -> Completion:
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], max_tokens: int = 128,
+                 temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 repeat_penalty: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
+                 grammar=None, json_schema=None, interventions: trace_mod.Interventions | None = None,
+                 n: int = 1, logprobs: bool = False, top_logprobs: int = 0) -> Completion | list[Completion]:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens. `grammar` (GBNF text or an llm.sampling
         grammar/json_schema/json_object) or `json_schema` (dict) constrain the output;
-        `interventions` ({node pattern: fn}) edit activations inside the graph, as for `trace`."""
-        *_, last = self.stream(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop,
-                               grammar=grammar, json_schema=json_schema, interventions=interventions)
+        `interventions` ({node pattern: fn}) edit activations inside the graph, as for `trace`.
+
+        A list of prompts gives a list of Completions, generated together by the
+        continuous-batching core (llm.serving): every active sequence advances in the same batch
+        each step, up to the context's n_seq_max at once (LLM(..., n_seq_max=8); each sequence
+        gets n_ctx // n_seq_max cells), the others wait for a free slot. n > 1 gives n samples per
+        prompt (a list, prompt after prompt) sharing the prompt's cells; with a seed, sample i
+        uses seed + i. logprobs: Completion.logprobs holds each generated token's log-probability
+        under the model's distribution before sampling, with the top_logprobs (<= 20) best.
+        These run on the batching core and forget the cached conversation."""
+        batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        if batched or n != 1 or logprobs or top_logprobs:
+            for name, v in (("grammar", grammar), ("json_schema", json_schema), ("interventions", interventions)):
+                if v is not None:
+                    raise ValueError(f"{name} works on one prompt with n = 1 and no logprobs; "
+                                     "batched generation does not take it")
+            items = cast(list, prompt if batched else [prompt])
+            out = self._generate_batch([self._prompt_tokens(p) for p in items], max_tokens, temperature, top_k,
+                                       top_p, min_p, repeat_penalty, seed, stop, n, logprobs, top_logprobs)
+            return out if batched or n > 1 else out[0]
+        *_, last = self.stream(cast(str | list[int], prompt), max_tokens, temperature, top_k, top_p, min_p,
+                               repeat_penalty, seed, stop, grammar=grammar, json_schema=json_schema,
+                               interventions=interventions)
         assert last.completion is not None
         return last.completion
 
@@ -363,6 +409,83 @@ class LLM:
             edits = trace_mod.GraphEdits(self.node_table(self.ctx.flash_attn), interventions)
             edits.check(sorted({1, bucket(min(len(tokens), self.ctx.n_ubatch), self.ctx.n_ubatch)}))
         return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop, edits))
+
+    def _generate_batch(self, prompts: list[list[int]], max_tokens, temperature, top_k, top_p, min_p,
+                        repeat_penalty, seed, stop, n, logprobs, top_logprobs) -> list[Completion]:
+        """The prompts as jobs of a Batcher on this context, stepped until all are done."""
+        batcher = Batcher(self.ctx, self.vocab)
+        sampling = SamplingParams(seed=LLAMA_DEFAULT_SEED if seed is None else seed, temp=temperature,
+                                  top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
+        SamplerChain.from_params(sampling, n_vocab=self.model.n_vocab, n_ctx=batcher.n_ctx_slot)   # checks values
+        params = GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop_strings(stop), n=n,
+                           logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
+        for toks in prompts:
+            batcher.check(toks, params)
+        if not self._busy.acquire(blocking=False):
+            raise LLMBusyError("another generation on this LLM is live: finish it or close() it first")
+        try:
+            self.ctx.memory_clear()
+            self._cached = []
+            perf0 = self.ctx.perf()
+            sinks = [_Collect(n) for _ in prompts]
+            jobs = [Job(toks, params, sink) for toks, sink in zip(prompts, sinks, strict=True)]
+            for job in jobs:
+                batcher.submit(job)
+            try:
+                while not all(job.finished for job in jobs):
+                    batcher.step()
+            finally:
+                for job in jobs:
+                    batcher.cancel(job)
+        finally:
+            self._busy.release()
+        perf = self.ctx.perf()
+        out = []
+        for toks, sink in zip(prompts, sinks, strict=True):
+            if sink.failed is not None:
+                raise GenerationError(sink.failed)
+            assert sink.done is not None
+            timings = {**sink.done.timings, "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
+                       "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load}
+            out += [Completion(text=sink.text[i], tokens=sink.tokens[i], n_prompt_tokens=len(toks),
+                               n_completion_tokens=len(sink.tokens[i]), finish_reason=sink.finish[i] or FINISH_LENGTH,
+                               timings=timings, logprobs=sink.logprobs[i] if params.logprobs else None)
+                    for i in range(n)]
+        return out
+
+    def score(self, prompt: str | list[int], continuation: str | list[int]) -> np.ndarray:
+        """Log-likelihood of each token of `continuation` after `prompt` (lm-eval's
+        loglikelihood; the sum is the continuation's log-probability). Text prompts get BOS as
+        in tokenize(); a text continuation is tokenized without special tokens. Forgets the
+        cached conversation."""
+        ptoks = self._prompt_tokens(prompt)
+        ctoks = self.tokenize(continuation, add_special=False) if isinstance(continuation, str) \
+            else self._prompt_tokens(continuation)
+        if not ctoks:
+            raise ValueError("score: the continuation is empty (no tokens)")
+        tokens = ptoks + ctoks
+        if len(tokens) > self.ctx.n_ctx:
+            raise ValueError(f"score: {len(tokens)} tokens do not fit the context of {self.ctx.n_ctx}")
+        first = len(ptoks) - 1           # the logits at positions first .. len - 2 predict the continuation
+        rows = []
+        if not self._busy.acquire(blocking=False):
+            raise LLMBusyError("another generation on this LLM is live: finish it or close() it first")
+        try:
+            self.ctx.memory_clear()
+            self._cached = []
+            for start in range(0, len(tokens), self.ctx.n_batch):
+                chunk = tokens[start:start + self.ctx.n_batch]
+                pos = np.arange(start, start + len(chunk))
+                want = (pos >= first) & (pos < len(tokens) - 1)
+                status = self.ctx.decode(Batch(chunk, pos=pos.astype(np.int32), logits=want))
+                if status != DecodeStatus.OK:
+                    raise GenerationError(f"decode returned {status.name}: {self.ctx.last_error}") \
+                        from self.ctx.last_exception
+                rows += list(self.ctx.get_logits()[:int(want.sum())])
+        finally:
+            self.ctx.memory_clear()
+            self._busy.release()
+        return np.array([logprobs_of(row, t, 0)[0] for row, t in zip(rows, ctoks, strict=True)])
 
     def _one_at_a_time(self, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
         """The chunks, while holding the LLM: a second generation started while this one is

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import logging
+import math
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ import sys
 import threading
 import time
 from collections import Counter
+
+import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
 from llm import bench, diff_llamacpp, distributed, hub
@@ -384,6 +387,87 @@ def cmd_dump_graph(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    import logging
+
+    import uvicorn
+
+    from llm.api import LLM
+    from llm.server import create_app, model_name_of
+    from llm.serving import Engine
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.parallel < 1:
+        raise ValueError(f"-np must be >= 1, got {a.parallel}")
+    llm = LLM(a.model, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
+              weight_format=a.weight_format, n_seq_max=a.parallel, progress_callback=_progress(a),
+              kv_bucket=a.kv_bucket or max(256, a.ctx_size // 4), n_outputs_min=a.parallel)
+    engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size)
+    if a.warmup:
+        t0 = time.perf_counter()
+        n = engine.batcher.warmup()
+        print(f"llm server: warmup compiled {n} graphs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    engine.start()
+    name = model_name_of(llm.model.path)
+    app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key)
+    print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
+          f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+    return 0
+
+
+def cmd_perplexity(a) -> int:
+    from llm import perplexity as ppl
+    from llm.context import Context
+    from llm.model import load_model
+    c, b = a.ctx_size, a.batch_size
+    if b >= c and b % c:
+        raise ValueError(f"-b {b} must be below -c {c} or a multiple of it (each batch holds b / c chunks)")
+    n_seq = max(1, b // c)
+    model = load_model(hub.resolve(a.model), weight_format=a.weight_format, progress_callback=_progress(a))
+    ctx = Context(model, n_ctx=n_seq * c, n_batch=min(b, n_seq * c), n_ubatch=min(a.ubatch_size, b), n_seq_max=n_seq,
+                  kv_bucket=n_seq * c)
+    vocab = model.vocab
+    bos = vocab.bos if vocab.add_bos else None
+    if a.kl_divergence:
+        if not a.kl_divergence_base:
+            raise ValueError("--kl-divergence needs --kl-divergence-base FILE (the base model's log-probabilities)")
+        with open(a.kl_divergence_base, "rb") as f:
+            print("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+                  "              Same top p", flush=True)
+
+            def show(i, st):
+                nll, nll_b = np.concatenate(st.nll), np.concatenate(st.nll_base)
+                kld = np.concatenate(st.kld)
+                print(f"{i + 1:4d}    {math.exp(nll.mean()):9.4f}    {nll.mean() - nll_b.mean():10.5f}"
+                      f"    {kld.mean():10.5f}    {100 * st.same_top / st.count:6.3f} %", flush=True)
+
+            st = ppl.kl_divergence(ctx, f, bos, min(b, n_seq * c), show)
+        print("\n".join(ppl.kl_report(st)))
+        return 0
+    if not a.file:
+        raise ValueError("perplexity needs -f FILE (the text to score)")
+    with open(a.file, encoding="utf-8", errors="replace") as tf:
+        text = tf.read()
+    print("perplexity: tokenizing the input ..", file=sys.stderr)
+    tokens = vocab.tokenize(text, True, False)
+    chunks = ppl.chunk_tokens(tokens, c, a.chunks)
+    print(f"perplexity: calculating perplexity over {len(chunks)} chunks, n_ctx={c}, batch_size={b}, n_seq={n_seq}",
+          file=sys.stderr)
+    out = open(a.kl_divergence_base, "wb") if a.kl_divergence_base else None
+    try:
+        res = ppl.perplexity(ctx, chunks, bos, min(b, n_seq * c),
+                             lambda i, v: print(f"[{i + 1}]{v:.4f},", end="", flush=True), base_out=out)
+    finally:
+        if out is not None:
+            out.close()
+    print()
+    print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.uncertainty:.5f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m llm", description="ggmlx LLM inference")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -425,6 +509,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="context size (n_ctx)")
     p.set_defaults(fn=cmd_dump_graph)
+    p = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
+    _add_model(p)
+    p.add_argument("-f", "--file", help="the text to score")
+    p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks")
+    p.add_argument("--kl-divergence-base", default=None,
+                   help="write the log-probabilities here (or, with --kl-divergence, read them)")
+    p.add_argument("--kl-divergence", action="store_true", help="compare with --kl-divergence-base")
+    _add_ctx(p)
+    p.set_defaults(fn=cmd_perplexity, ctx_size=512, batch_size=2048)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-np", "--parallel", type=int, default=4, help="slots: requests decoded together")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for a slot; more get 503")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip compiling the step graphs before serving")
+    p.add_argument("--kv-bucket", type=int, default=0,
+                   help="KV length graphs are padded to (default n_ctx / 4: few shapes to compile)")
+    _add_ctx(p)
+    p.set_defaults(fn=cmd_serve, ctx_size=4096, ubatch_size=128)
     return ap
 
 

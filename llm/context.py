@@ -101,7 +101,8 @@ class Context:
                  kv_bucket: int = 256, cb_eval: Callable | None = None,
                  abort_callback: Callable[[], bool] | None = None,
                  reserve: tuple[int, ...] = (), embeddings: bool = False,
-                 pooling_type: PoolingType | int | str | None = None, flash_attn: bool = True):
+                 pooling_type: PoolingType | int | str | None = None, flash_attn: bool = True,
+                 n_outputs_min: int = 1):
         """`embeddings` also keeps each output token's final hidden state and, with a
         pooling type other than none (default: the model's `%s.pooling_type`), one pooled
         vector per sequence (get_embeddings_ith / get_embeddings_seq)."""
@@ -131,6 +132,9 @@ class Context:
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
         self.n_seq_max = n_seq_max
+        # graphs output at least this many rows (when the ubatch has that many tokens): a server
+        # that samples up to n_seq_max rows per step then compiles one output size, not five
+        self.n_outputs_min = n_outputs_min
         self.abort_callback = abort_callback
         self.flash_attn = flash_attn       # False: the unfused attention path (kq_soft_max nodes)
         # interventions / captures (llm.trace.GraphEdits) for the graphs of the next decodes
@@ -255,9 +259,10 @@ class Context:
         if not hp.causal_attn and batch.n_tokens > self.n_ubatch:
             return self._fail(DecodeStatus.INVALID_BATCH, f"a non-causal model needs the whole batch in one ubatch: "
                                               f"n_tokens = {batch.n_tokens} > n_ubatch = {self.n_ubatch}")
-        # pooling needs each sequence's tokens together: consecutive runs, never interleaved
-        ubatches = (self.balloc.split_simple(self.n_ubatch) if self.n_seq_max == 1 or self.pooled
-                    else self.balloc.split_equal(self.n_ubatch))
+        # one unified cache for all sequences: llama.cpp splits simply (any sequences mixed in a
+        # ubatch, each sequence's tokens kept in order, as pooling needs), so decoding tokens and
+        # a prompt chunk of other sequences run as one graph
+        ubatches = self.balloc.split_simple(self.n_ubatch)
         slots = self.memory.cells.prepare(ubatches)
         if slots is None:
             return self._fail(DecodeStatus.NO_KV_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
@@ -300,7 +305,8 @@ class Context:
     def _params(self, ub: UBatch) -> GraphParams:
         n_tokens = bucket(ub.n_tokens, self.n_ubatch)
         n_out = ub.n_outputs
-        n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, 1), n_tokens)
+        n_min = min(self.n_outputs_min, n_tokens)
+        n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, n_min, 1), n_tokens)
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
                            embd_input=ub.embd is not None, embeddings=self.embeddings,
                            flash_attn=self.flash_attn, edits=self.edits)

@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import llm
@@ -142,3 +143,73 @@ def test_cli_dump_graph_text_and_dot(smollm2_path, tmp_path):
                         "-c", "256"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Qcur-29" in r.stdout and "FLASH_ATTN_EXT" in r.stdout and "[CPU0]" in r.stdout
+
+
+# ---- batched generation, logprobs, score (one continuous-batching core) ------------------
+
+BATCH_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "The largest planet is"]
+
+
+@pytest.fixture(scope="module")
+def smol4(smollm2_path):
+    return llm.LLM(smollm2_path, n_ctx=1024, n_seq_max=4)
+
+
+def test_batched_greedy_equals_single_prompts(smol, smol4):
+    singles = [smol.generate(p, max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=2)
+               for p in BATCH_PROMPTS]
+    batch = smol4.generate(BATCH_PROMPTS, max_tokens=10, temperature=0.0, logprobs=True, top_logprobs=2)
+    assert [c.text for c in batch] == [c.text for c in singles]
+    assert [c.tokens for c in batch] == [c.tokens for c in singles]
+    # the batch changes the arithmetic (other matmul shapes) by float32 noise only
+    diff = max(abs(a.logprob - b.logprob) for x, y in zip(singles, batch, strict=True)
+               for a, b in zip(x.logprobs, y.logprobs, strict=True))
+    assert diff < 1e-3
+    # each greedy choice wins by a margin far above that noise, so the noise cannot flip it
+    margin = min(lp.top[0][1] - lp.top[1][1] for c in singles for lp in c.logprobs)
+    assert margin > 10 * diff, (margin, diff)
+    assert smol4.ctx.memory.cells.get_used() == 0     # finished batched sequences free their cells
+
+
+def test_more_prompts_than_slots_wait_for_a_free_one(smol, smol4):
+    prompts = BATCH_PROMPTS + ["Water boils at", "The sun is a"]
+    batch = smol4.generate(prompts, max_tokens=4, temperature=0.0, stop=["\n"])
+    assert [c.text for c in batch] == [smol.generate(p, max_tokens=4, temperature=0.0, stop=["\n"]).text
+                                       for p in prompts]
+
+
+def test_n_samples_share_the_prompt(smol4):
+    a = smol4.generate("Once upon a time", n=3, max_tokens=8, temperature=1.0, seed=11)
+    b = smol4.generate("Once upon a time", n=3, max_tokens=8, temperature=1.0, seed=11)
+    assert len(a) == 3 and [c.tokens for c in a] == [c.tokens for c in b]
+    assert len({tuple(c.tokens) for c in a}) > 1
+    with pytest.raises(ValueError, match="n = 5"):
+        smol4.generate("x", n=5)
+
+
+def test_logprobs_are_log_softmax_before_sampling(smol):
+    r = smol.generate("The capital of France is", max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=20)
+    assert len(r.logprobs) == 3 and all(len(lp.top) == 20 for lp in r.logprobs)
+    for tok, lp in zip(r.tokens, r.logprobs, strict=True):
+        assert lp.token == tok and lp.top[0] == (tok, lp.logprob) and lp.logprob < 0
+    assert smol.generate("x", max_tokens=1).logprobs is None
+    with pytest.raises(ValueError, match="top_logprobs"):
+        smol.generate("x", logprobs=True, top_logprobs=21)
+
+
+def test_score_matches_the_generation_logprobs(smol):
+    r = smol.generate("The capital of France is", max_tokens=4, temperature=0.0, logprobs=True)
+    scores = smol.score("The capital of France is", r.tokens)
+    assert np.allclose(scores, [lp.logprob for lp in r.logprobs], atol=1e-3)
+    paris, london = smol.score("The capital of France is", " Paris"), smol.score("The capital of France is", " London")
+    assert paris.sum() > london.sum()
+    assert smol.ctx.memory.cells.get_used() == 0
+
+
+def test_stream_reuses_the_cached_prompt(smol):
+    smol.reset()
+    smol.generate("The capital of France is", max_tokens=2, temperature=0.0)
+    before = smol.ctx.perf()["n_p_eval"]
+    smol.generate("The capital of France is Paris. The capital of Italy is", max_tokens=2, temperature=0.0)
+    n_prompt = len(smol.tokenize("The capital of France is Paris. The capital of Italy is"))
+    assert smol.ctx.perf()["n_p_eval"] - before < n_prompt - 4

@@ -393,7 +393,7 @@ def test_seq_cp_then_two_sequences_decode_independently(llama, ref):
 
 
 def test_two_sequences_in_one_batch(llama, ref):
-    """Interleaved tokens of two sequences (split_equal groups them) see only their own cells."""
+    """Interleaved tokens of two sequences in one ubatch see only their own cells."""
     other = prompt_tokens(20, seed=9)
     ctx_u = new_ctx(llama)
     decode_ok(ctx_u, all_logits(other))

@@ -1,0 +1,258 @@
+"""Load test of `python -m llm serve`: N concurrent streaming clients for a fixed time.
+
+Usage:
+  python benchmarks/bench_serve.py -m smollm2-135m -np 8 [--clients 1,4,8,16] [--duration 30]
+  python benchmarks/bench_serve.py --url http://127.0.0.1:8080 ...     (a server already running)
+  python benchmarks/bench_serve.py -m smollm2-135m -np 8 --soak 600 --clients 8
+
+Each client sends /v1/completions requests one after the other (a prompt of exactly
+--prompt-tokens tokens, distinct per request, --max-tokens generated, stream=true) and
+records the time to the first token and the gaps between tokens. Per N: aggregate generated
+tokens per second over the window, TTFT p50/p95, inter-token latency p50/p95, errors. Each N
+first runs --warmup seconds unmeasured, so compiles of new batch shapes stay out of the
+numbers. Targets (issue 13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8
+clients < 2 s with 64-token prompts.
+
+--soak S runs the clients for S seconds once and reports errors, the server's RSS growth
+(first minute -> end) and the KV cells in use once idle (must be 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+WORDS = ("the river ran past old mills and quiet farms where people told stories of winter storms "
+         "harvest feasts lost sheep bright lanterns and ships that sailed north").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(a) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "llm", "serve", "-m", a.model, "--port", str(port), "-np", str(a.parallel),
+           "-c", str(a.ctx_size), "-b", str(a.batch_size), "--queue-size", str(a.queue_size)]
+    log = open(a.server_log, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited; see {a.server_log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.tokens = 0
+        self.requests = 0
+        self.errors: list[str] = []
+
+
+def prompt_of(tokenize_url: str, k: int, n_tokens: int) -> list[int]:
+    rng = np.random.default_rng(k)
+    text = " ".join(rng.choice(WORDS, n_tokens * 2))
+    toks = httpx.post(tokenize_url, json={"content": text, "add_special": True}, timeout=60).json()["tokens"]
+    return toks[:n_tokens]
+
+
+def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counter: list[int]) -> None:
+    # clients start spread over --stagger seconds, as real users do (all at the same instant,
+    # every prompt lands in one step and the clients stay in lockstep)
+    time.sleep(a.stagger * cid / max(a.n_clients, 1))
+    with httpx.Client(timeout=300) as c:
+        while time.perf_counter() < t_end:
+            with stats.lock:
+                counter[0] += 1
+                k = counter[0]
+            prompt = prompt_of(url + "/tokenize", k, a.prompt_tokens)
+            body = {"model": model, "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0.8, "seed": k,
+                    "stream": True}
+            t0 = time.perf_counter()
+            last = None
+            ttft = None
+            gaps = []
+            n = 0
+            try:
+                with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise RuntimeError(chunk["error"]["message"])
+                        now = time.perf_counter()
+                        if now > t_end:
+                            break
+                        n += 1
+                        if ttft is None:
+                            ttft = now - t0
+                        else:
+                            gaps.append(now - last)
+                        last = now
+            except Exception as e:  # an error is a result here: count it and go on
+                with stats.lock:
+                    stats.errors.append(f"client {cid}: {e}")
+                time.sleep(0.5)
+                continue
+            with stats.lock:
+                stats.tokens += n
+                stats.requests += 1
+                if ttft is not None:
+                    stats.ttft.append(ttft)
+                stats.itl += gaps
+
+
+def run(url: str, model: str, a, n_clients: int, seconds: float, counter: list[int]) -> Stats:
+    stats = Stats()
+    a.n_clients = n_clients
+    t_end = time.perf_counter() + seconds
+    threads = [threading.Thread(target=client, args=(url, model, a, stats, t_end, i, counter))
+               for i in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return stats
+
+
+def pct(x: list[float], q: float) -> float:
+    return float(np.percentile(x, q)) if x else float("nan")
+
+
+def wait_idle(url: str, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        h = httpx.get(url + "/health", timeout=10).json()
+        if (h["slots_processing"] == 0 and h["queue"] == 0) or time.time() > deadline:
+            return h
+        time.sleep(0.2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default="smollm2-135m")
+    ap.add_argument("--url", default=None, help="use this running server instead of starting one")
+    ap.add_argument("-np", "--parallel", type=int, default=8)
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096)
+    ap.add_argument("-b", "--batch-size", type=int, default=512)
+    ap.add_argument("--queue-size", type=int, default=32)
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=15.0)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--stagger", type=float, default=2.0, help="clients start spread over this many seconds")
+    ap.add_argument("--soak", type=float, default=0.0, help="seconds of one soak run at --clients")
+    ap.add_argument("--server-log", default="/tmp/bench_serve_server.log")
+    a = ap.parse_args()
+    proc = None
+    if a.url:
+        url = a.url.rstrip("/")
+    else:
+        proc, url = start_server(a)
+    try:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        counter = [0]
+        ns = [int(x) for x in a.clients.split(",")]
+        if a.soak:
+            return soak(url, model, a, ns[0], proc, counter)
+        print(f"model {model}, -np {a.parallel}, prompts of {a.prompt_tokens} tokens, {a.max_tokens} generated, "
+              f"{a.duration:g} s per run after {a.warmup:g} s warmup")
+        print(f"{'N':>3} {'reqs':>5} {'err':>4} {'tok/s':>7} {'x1':>5} {'TTFT p50':>9} {'TTFT p95':>9} "
+              f"{'ITL p50':>8} {'ITL p95':>8}")
+        base = None
+        for n in ns:
+            if a.warmup:
+                run(url, model, a, n, a.warmup, counter)
+                wait_idle(url)
+            s = run(url, model, a, n, a.duration, counter)
+            wait_idle(url)
+            tps = s.tokens / a.duration
+            base = base or tps
+            print(f"{n:>3} {s.requests:>5} {len(s.errors):>4} {tps:>7.1f} {tps / base:>5.2f} "
+                  f"{pct(s.ttft, 50):>8.3f}s {pct(s.ttft, 95):>8.3f}s {pct(s.itl, 50) * 1e3:>6.0f}ms "
+                  f"{pct(s.itl, 95) * 1e3:>6.0f}ms", flush=True)
+            for e in s.errors[:3]:
+                print("   error:", e)
+        h = wait_idle(url)
+        print(f"idle: kv_cells_used {h['kv_cells_used']}, slots_processing {h['slots_processing']}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    return 0
+
+
+def soak(url: str, model: str, a, n: int, proc, counter) -> int:
+    pid = proc.pid if proc is not None else None
+    if a.warmup:
+        run(url, model, a, n, a.warmup, counter)
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample_rss():
+        t0 = time.perf_counter()
+        while not stop.wait(5.0):
+            if pid is not None:
+                samples.append((time.perf_counter() - t0, rss_mib(pid)))
+
+    th = threading.Thread(target=sample_rss)
+    th.start()
+    s = run(url, model, a, n, a.soak, counter)
+    stop.set()
+    th.join()
+    h = wait_idle(url)
+    print(f"soak: {n} clients for {a.soak:g} s: {s.requests} requests, {s.tokens} tokens "
+          f"({s.tokens / a.soak:.1f} tok/s), {len(s.errors)} errors")
+    for e in s.errors[:5]:
+        print("   error:", e)
+    if samples:
+        first = [r for t, r in samples if t <= 60] or [samples[0][1]]
+        r0, r1 = float(np.mean(first)), samples[-1][1]
+        print(f"server RSS: {r0:.0f} MiB (first minute) -> {r1:.0f} MiB at the end ({(r1 / r0 - 1) * 100:+.1f}%), "
+              f"max {max(r for _, r in samples):.0f} MiB")
+    print(f"TTFT p50 {pct(s.ttft, 50):.3f}s p95 {pct(s.ttft, 95):.3f}s; ITL p50 {pct(s.itl, 50) * 1e3:.0f}ms "
+          f"p95 {pct(s.itl, 95) * 1e3:.0f}ms")
+    print(f"idle after the soak: kv_cells_used {h['kv_cells_used']}, slots_processing {h['slots_processing']}, "
+          f"queue {h['queue']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
