@@ -244,7 +244,11 @@ def test_full_queue_gets_503_with_retry_after(small):
     with httpx.Client(timeout=120, headers=headers) as c:
         with c.stream("POST", small.url + "/v1/chat/completions", json=body) as running:
             assert running.status_code == 200
-            next(running.iter_lines())        # the only slot is busy
+            lines = running.iter_lines()
+            n_data = 0
+            while n_data < 3:                  # the only slot is busy and its step graphs are compiled
+                if next(lines).startswith("data: "):
+                    n_data += 1
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(c.post, small.url + "/v1/chat/completions",
                                       json={**body, "stream": False, "max_tokens": 2})
