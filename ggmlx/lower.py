@@ -477,9 +477,22 @@ def eval_node(n: Tensor, env):
     return fn(n, env)
 
 
+def scope_name(n: Tensor) -> str:
+    """The named scope a node's HLO carries: its name, or for an unnamed node (a view, a
+    permute, a cont) its op and the first named tensor it reads from, so that profiles and
+    HLO dumps can tell which layer's K view a transpose belongs to."""
+    if n.name:
+        return n.name
+    src = n.src[0] if n.src else None
+    while src is not None and not src.name and src.src:
+        src = src.src[0]
+    op = n.op.value.lower()
+    return f"{op}<{src.name}" if src is not None and src.name else op
+
+
 def run_nodes(nodes: list[Tensor], env: dict) -> dict:
     """Evaluate nodes in order into env (tensor -> value); returns env."""
-    for i, n in enumerate(nodes):
-        with jax.named_scope(n.name or f"node_{i}"):
+    for n in nodes:
+        with jax.named_scope(scope_name(n)):
             env[n] = eval_node(n, env)
     return env

@@ -65,6 +65,8 @@ class Perf:
     t_p_eval: float = 0.0
     t_eval: float = 0.0
     t_compile: float = 0.0
+    t_wait: float = 0.0        # from dispatching a ubatch until its logits are on the host
+    t_inputs: float = 0.0      # device_put of graph inputs (part of neither of the above)
     n_p_eval: int = 0
     n_eval: int = 0
     n_reused: int = 0
@@ -338,6 +340,8 @@ class Context:
             inp.set_input(ub, values)
         stats = self.sched.cache.stats
         misses, t_comp = stats.misses, stats.compile_seconds
+        t_in = self.sched.t_inputs
+        t_dispatch = time.perf_counter()
         outs, new_state, ok = self.sched.compute(plan, values, self.memory.state())
         self.memory.update(new_state)
         self._perf.n_compiles += stats.misses - misses
@@ -352,6 +356,9 @@ class Context:
             self.embd[self.balloc.output_rows(ub)] = embd
             if self.pooled:
                 self._pool(ub, embd)
+        t_in = self.sched.t_inputs - t_in
+        self._perf.t_inputs += t_in
+        self._perf.t_wait += time.perf_counter() - t_dispatch - t_in
         dt = time.perf_counter() - t0
         if ub.n_tokens > 1:
             self._perf.t_p_eval += dt
@@ -488,6 +495,7 @@ class Context:
             "t_p_eval_ms": p.t_p_eval * 1e3, "n_p_eval": p.n_p_eval,
             "t_eval_ms": p.t_eval * 1e3, "n_eval": p.n_eval,
             "t_compile_ms": p.t_compile * 1e3,
+            "t_wait_ms": p.t_wait * 1e3, "t_inputs_ms": p.t_inputs * 1e3,
             "n_reused": p.n_reused, "n_graph_builds": p.n_graph_builds, "n_compiles": p.n_compiles,
         }
 
