@@ -58,6 +58,10 @@ class StepProfile:
     wait_ms: float                # dispatch until the logits are back on the host
     n_kernels: float              # HLO op executions per step
     op_ms: float                  # summed op time per step (all threads)
+    weight_bytes: float = 0.0     # per step: held weight bytes read (token_embd: one row per token)
+    kv_bytes: float = 0.0         # per step: KV-cache bytes the attention reads (n_kv cells)
+    flops: float = 0.0            # per token: 2 x weight elements (matmuls) + attention
+    n_tokens: int = 1             # tokens per step
     ops: list[OpRow] = field(default_factory=list)          # every HLO op, largest first
     by_label: list[OpRow] = field(default_factory=list)     # the same, summed per ggml node label
 
@@ -66,7 +70,7 @@ class StepProfile:
                  f"host: Python {self.python_ms:.2f} ms, input transfer {self.input_ms:.2f} ms, "
                  f"device wait {self.wait_ms:.2f} ms; {self.n_kernels:.0f} kernels per step, "
                  f"op time {self.op_ms:.2f} ms per step (summed over threads)",
-                 "", f"top {top} HLO ops", "| # | HLO op | node | calls | us/step | share |",
+                 self.cost_model(), "", f"top {top} HLO ops", "| # | HLO op | node | calls | us/step | share |",
                  "|---:|---|---|---:|---:|---:|"]
         for i, r in enumerate(self.ops[:top]):
             lines.append(f"| {i + 1} | {r.hlo_op} | {r.label} | {r.calls:.0f} | {r.us:.1f} | {100 * r.share:.1f}% |")
@@ -75,6 +79,39 @@ class StepProfile:
         for i, r in enumerate(self.by_label[:top]):
             lines.append(f"| {i + 1} | {r.label} | {r.calls:.0f} | {r.us:.1f} | {100 * r.share:.1f}% |")
         return "\n".join(lines)
+
+
+    def cost_model(self) -> str:
+        """Bytes and flops per token against the measured time per token."""
+        t = self.wall_ms / 1e3 / self.n_tokens
+        mb = (self.weight_bytes + self.kv_bytes) / self.n_tokens / 1e6
+        gf = self.flops / 1e9
+        return (f"cost model per token: weights {self.weight_bytes / self.n_tokens / 1e6:.1f} MB + KV "
+                f"{self.kv_bytes / self.n_tokens / 1e6:.1f} MB read, {gf:.3f} GFLOP; measured {t * 1e3:.2f} ms/token = "
+                f"{mb / 1e3 / t:.1f} GB/s, {gf / t:.1f} GFLOP/s")
+
+
+def token_costs(model: Model, n_kv: int) -> tuple[float, float, float]:
+    """(weight bytes read per step, KV bytes read per token, flops per token) of one step:
+    every 2-d weight is read once per step in its held format (token_embd: one row per
+    token, unless it is also the output matrix); the attention reads n_kv cells per layer."""
+    hp = model.hparams
+    w_bytes = 0.0
+    flops = 0.0
+    for t in model.weight_tensors():
+        n_el = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
+        nbytes = t.data.nbytes if t.data is not None else 0
+        if t is model.tok_embd and model.output is not model.tok_embd:
+            w_bytes += nbytes / t.ne[1]
+            continue
+        w_bytes += nbytes
+        if t.ne[1] > 1:
+            flops += 2.0 * n_el
+    kv = 0.0
+    for il in range(hp.n_layer):
+        kv += n_kv * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) * 4
+        flops += 2.0 * n_kv * hp.n_head(il) * (hp.n_embd_head_k + hp.n_embd_head_v)
+    return w_bytes, kv, flops
 
 
 def hlo_labels(hlo_text: str) -> tuple[dict[str, str], set[str]]:
@@ -161,7 +198,7 @@ def _decode_ok(ctx: Context, batch: Batch) -> None:
         raise RuntimeError(f"profile: decode failed with {rc}: {ctx.last_error}")
 
 
-def _measure(ctx: Context, steps, label: str, n_steps: int) -> StepProfile:
+def _measure(ctx: Context, steps, label: str, n_steps: int, n_tokens: int) -> StepProfile:
     """Time `steps()` (n_steps ubatches) with the host timers, then again under the profiler."""
     ctx.perf_reset()
     t0 = time.perf_counter()
@@ -171,8 +208,11 @@ def _measure(ctx: Context, steps, label: str, n_steps: int) -> StepProfile:
     wait_ms, input_ms = p["t_wait_ms"] / n_steps, p["t_inputs_ms"] / n_steps
     labels, containers = _labels_of(ctx)
     ops, by_label, n_kernels, op_ms = _trace_ops(steps, n_steps, labels, containers)
+    w_bytes, kv_bytes, flops = token_costs(ctx.model, ctx.memory.n_kv())
     return StepProfile(label, n_steps, wall * 1e3, python_ms=wall * 1e3 - wait_ms - input_ms, input_ms=input_ms,
-                       wait_ms=wait_ms, n_kernels=n_kernels, op_ms=op_ms, ops=ops, by_label=by_label)
+                       wait_ms=wait_ms, n_kernels=n_kernels, op_ms=op_ms, weight_bytes=w_bytes,
+                       kv_bytes=kv_bytes * ctx.memory.k_l[0].data.dtype.itemsize / 4, flops=flops,
+                       n_tokens=n_tokens, ops=ops, by_label=by_label)
 
 
 def profile(model: Model | str, n_ctx: int = 2048, n_prompt: int = 512, n_decode: int = 32,
@@ -197,7 +237,7 @@ def profile(model: Model | str, n_ctx: int = 2048, n_prompt: int = 512, n_decode
     prefill()                                       # warm-up: compiles
     if n_prompt > 1:
         out.append(_measure(ctx, lambda: [prefill() for _ in range(n_prefill)],
-                            f"prefill ubatch ({n_prompt} tokens)", n_prefill))
+                            f"prefill ubatch ({n_prompt} tokens)", n_prefill, n_prompt))
     n0 = len(prompt)
 
     def decode():
@@ -206,5 +246,5 @@ def profile(model: Model | str, n_ctx: int = 2048, n_prompt: int = 512, n_decode
             _decode_ok(ctx, Batch(tokens=[lo + (i * 31) % (n_vocab - lo)], pos=[n0 + i], logits=[True]))
 
     decode()                                        # warm-up
-    out.append(_measure(ctx, decode, f"decode (1 token, n_kv {ctx.memory.n_kv()})", n_decode))
+    out.append(_measure(ctx, decode, f"decode (1 token, n_kv {ctx.memory.n_kv()})", n_decode, 1))
     return out
