@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ggmlx import lower, weights
+from ggmlx import flags, lower, weights
 from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor
 
@@ -104,7 +104,7 @@ class Program:
     def signature(self) -> list[tuple]:
         """Everything that decides the compiled code, one readable entry per item."""
         ref: dict[int, str] = {}
-        sig: list[tuple] = [("device", str(self.device))]
+        sig: list[tuple] = [("device", str(self.device)), ("matmul_precision", flags.matmul_precision())]
         if self.mesh is not None:
             sig.append(("mesh", tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         for role, ts in (("weight", self.weights), ("input", self.inputs), ("state", self.states)):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ggmlx import types
+from ggmlx import flags, types
 from ggmlx.backend import MESH_AXIS
 from ggmlx.quants.int8 import INT8_CONVERTERS, to_int8
 from ggmlx.tensor import np_dtype, pad_ne
@@ -34,7 +34,12 @@ FORMAT_INT8 = "int8"
 
 WEIGHT_FORMATS = ("auto", "native", "int8", "f32")
 
-HIGHEST = jax.lax.Precision.HIGHEST
+
+def matmul_precision() -> jax.lax.Precision:
+    """The precision of every f32 matmul (GGMLX_MATMUL_PRECISION, default HIGHEST: f32 stays
+    f32 on GPUs, no TF32 unless asked), read at trace time."""
+    return jax.lax.Precision[flags.matmul_precision()]
+
 
 # Most elements of one dequantized chunk of rows inside mul_mat (f32: 16 MiB): large enough
 # for an efficient dot, small enough to reuse one buffer (measured best: 4096 rows of 640).
@@ -374,17 +379,17 @@ def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
-        out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=HIGHEST)
+        out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=matmul_precision())
         return out.reshape(*lead, M)
     R = _chunk_rows(M, K)
     if R == M:
-        out = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *arrs), precision=HIGHEST)
+        out = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *arrs), precision=matmul_precision())
         return out.reshape(*lead, M)
 
     def body(i, out):
         start = jnp.minimum(i * R, M - R)
         part = [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, R, axis=0) for a in arrs]
-        y = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *part), precision=HIGHEST)
+        y = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *part), precision=matmul_precision())
         return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=1)
 
     out = jax.lax.fori_loop(0, -(-M // R), body, jnp.zeros((xt.shape[0], M), jnp.float32))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from tiny_model import TinySpec, write_model
 
 import llm
+from ggmlx import ops, weights
 from llm.profile import hlo_labels
 
 
@@ -41,3 +43,36 @@ def test_hlo_labels_follow_dots_and_skip_loops():
     labels, containers = hlo_labels(hlo)
     assert labels == {"w": "ffn_up-*", "dot.1": "ffn_up-*", "while.2": "result_output"}
     assert containers == {"while.2"}
+
+
+def _dot_precisions(monkeypatch, value: str | None) -> set[str]:
+    import re as _re
+
+    from ggmlx.compile import GraphCache, compute
+    from ggmlx.graph import Graph
+    from ggmlx.tensor import new_input, new_weight
+    from ggmlx.types import GGMLType
+    from ggmlx.weights import to_device
+
+    if value is None:
+        monkeypatch.delenv("GGMLX_MATMUL_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("GGMLX_MATMUL_PRECISION", value)
+    rng = np.random.default_rng(0)
+    w = new_weight(GGMLType.F32, (32, 8), "w")
+    w.data = to_device(rng.standard_normal((8, 32), np.float32), GGMLType.F32, (32, 8))
+    x = new_input(GGMLType.F32, (32, 2), "x")
+    gf = Graph()
+    gf.build_forward_expand(ops.mul_mat(w, x).set_output())
+    cache = GraphCache()
+    compute(gf, {x: rng.standard_normal((2, 32), np.float32)}, cache=cache)
+    (entry,) = cache._entries.values()
+    return set(_re.findall(r"operand_precision=\{(\w+),", entry.executable.as_text()))
+
+
+def test_matmuls_run_at_highest_precision_unless_asked(monkeypatch):
+    assert _dot_precisions(monkeypatch, None) == {"highest"}
+    assert _dot_precisions(monkeypatch, "default") <= {"default"}
+    monkeypatch.setenv("GGMLX_MATMUL_PRECISION", "tf32")
+    with pytest.raises(ValueError, match="GGMLX_MATMUL_PRECISION"):
+        weights.matmul_precision()
