@@ -221,6 +221,8 @@ class LLM:
             if a != b:
                 break
             n_keep += 1
+        if not self.ctx.memory.can_keep(0, n_keep):
+            n_keep = 0      # the sliding-window cache no longer holds what the next token needs
         self.ctx.memory.seq_rm(0, n_keep, -1)
         self._cached = self._cached[:n_keep]
         if (self.prompt_cache is not None and self.ctx.edits is None
