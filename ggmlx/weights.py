@@ -314,6 +314,32 @@ def _get_rows_split(w: DeviceWeight, idx: jax.Array) -> jax.Array:
                      out_specs=P(), check_vma=False)(w, idx)
 
 
+def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
+    """One weight whose rows are those of ws in order (ggml: concatenated along ne1), for a
+    single dot where a graph had several over the same input (fused QKV, gate+up). None when
+    the weights cannot share one array: not 2-d, different ne0, format, type, sub-block,
+    dtype or device."""
+    first = ws[0].spec
+    same = all(w.spec.ne[0] == first.ne[0] and w.spec.ne[2] == w.spec.ne[3] == 1 and w.spec.format == first.format
+               and w.spec.type == first.type and w.spec.sub_block == first.sub_block
+               and w.array.dtype == ws[0].array.dtype and w.array.devices() == ws[0].array.devices()
+               and (w.scale is None) == (ws[0].scale is None) and (w.offset is None) == (ws[0].offset is None)
+               for w in ws)
+    if not same or first.ne[2] != 1 or first.ne[3] != 1:
+        return None
+    rows = sum(w.spec.ne[1] for w in ws)
+    ne = (first.ne[0], rows, 1, 1)
+
+    def cat(parts: list[jax.Array]) -> jax.Array:
+        out = jnp.concatenate([p.reshape(p.shape[-2] if p.ndim == 4 else p.shape[0], -1) for p in parts])
+        return out.reshape(1, 1, rows, -1) if parts[0].ndim == 4 else out
+
+    scale = None if ws[0].scale is None else cat([w.scale for w in ws if w.scale is not None])
+    offset = None if ws[0].offset is None else cat([w.offset for w in ws if w.offset is not None])
+    return DeviceWeight(WeightSpec(first.format, first.type, ne, first.sub_block), cat([w.array for w in ws]),
+                        scale, offset)
+
+
 # ---- reading a weight inside a traced function ---------------------------------------------
 
 def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: jax.Array | None) -> jax.Array:
