@@ -44,13 +44,18 @@ REFERENCE = EnvFlag(
     "llama.cpp reference outputs for the parity tests and benchmarks/parity_report.py; "
     "default ../shared/reference beside the repository")
 
+EXE_CACHE = EnvFlag(
+    "GGMLX_EXE_CACHE", "",
+    "1: also keep serialized executables in cache_root()/exe, keyed by graph signature, ggmlx sources, "
+    "JAX versions, XLA_FLAGS and device kind: a warm process skips tracing and lowering (faster "
+    "first token); off by default")
 MATMUL_PRECISION = EnvFlag(
     "GGMLX_MATMUL_PRECISION", "highest",
     "precision of every f32 matmul the lowering emits: highest (default: full f32 on every backend, "
     "no TF32 on GPUs), high (bf16x3 / TF32-class on GPUs) or default (the backend's fastest, TF32 or "
     "bf16); part of compiled-graph cache keys")
 
-ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, MATMUL_PRECISION)
+ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION)
 
 _PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "default": "DEFAULT"}
 
