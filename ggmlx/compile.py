@@ -188,7 +188,7 @@ class CacheStats:
     compile_seconds: float = 0.0
     evictions: int = 0
     rewritten: int = 0      # damaged persistent-cache entries found and written again
-    disk_hits: int = 0      # misses served by the on-disk executable cache (GGMLX_EXE_CACHE=1)
+    disk_hits: int = 0      # misses served by the on-disk executable cache (GGMLX_EXE_CACHE)
 
 
 DEFAULT_MAX_ENTRIES = 64
@@ -211,11 +211,14 @@ def _code_version() -> str:
 def _disk_path(key: str, device) -> str | None:
     """Where the serialized executable of signature key lives: under cache_root()/exe, named
     by the key plus everything else that decides the machine code (ggmlx's sources, JAX and
-    jaxlib versions, XLA_FLAGS, the device kind). None unless GGMLX_EXE_CACHE=1 (and
-    persistent caching is on)."""
+    jaxlib versions, XLA_FLAGS, the device kind). None when GGMLX_EXE_CACHE or persistent
+    caching is off."""
     if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
         return None
     dev = device or jax.devices()[0]
+    if dev != jax.devices()[0]:
+        return None      # a loaded executable runs on the default device: splits elsewhere compile
+
     tag = "|".join([key, _code_version(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
                     dev.platform, dev.device_kind])
     return os.path.join(flags.cache_root(), "exe", hashlib.sha256(tag.encode()).hexdigest() + ".bin")

@@ -12,7 +12,7 @@ _EXPORTS = {
     "StateError": "llm.errors",
     "Model": "llm.model", "load_model": "llm.model",
     "LogitLens": "llm.trace", "Trace": "llm.trace",
-    "StepProfile": "llm.profile", "profile": "llm.profile",
+    "StepProfile": "llm.profiler", "profile": "llm.profiler",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             bound = ">= 0" if name in ("n_prompt", "n_gen") else ">= 1"
             raise UsageError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
     if args.profile:
-        from llm.profile import profile
+        from llm.profiler import profile
         steps = profile(str(hub.model_file(args.model)), n_ctx=args.ctx_size, n_prompt=args.n_prompt,
                         n_decode=max(args.n_gen, 1), n_ubatch=args.ubatch, weight_format=args.weight_format)
         print("\n\n".join(s.format(args.top) for s in steps))

@@ -166,7 +166,10 @@ PERSIST_SCRIPT = textwrap.dedent("""
 
 
 def _run_persist(env_extra: dict, with_stderr: bool = False) -> dict:
+    # XLA's compilation cache on its own: ggmlx's executable cache (tested below) would serve
+    # the second process before XLA's cache is asked
     env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env["GGMLX_EXE_CACHE"] = "0"
     env.update(env_extra)
     res = subprocess.run([sys.executable, "-c", PERSIST_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).parent.parent)
@@ -260,7 +263,7 @@ EXE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_exe_cache_second_process_loads_the_executable(tmp_path):
-    """GGMLX_EXE_CACHE=1: the second process deserializes the executable (no tracing, no XLA
+    """GGMLX_EXE_CACHE (on by default): the second process deserializes the executable (no tracing, no XLA
     compile), with the same result; a damaged entry is compiled again."""
     env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
     env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")

@@ -10,7 +10,7 @@ from tiny_model import TinySpec, write_model
 
 import llm
 from ggmlx import ops, weights
-from llm.profile import hlo_labels
+from llm.profiler import hlo_labels
 
 
 @pytest.fixture(scope="module")
