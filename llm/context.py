@@ -340,7 +340,7 @@ class Context:
         else:
             g, plan = self._prev = self._build(params)
         assert g.inp_attn is not None   # every architecture builds its attention input
-        g.inp_attn.slot = slot
+        g.inp_attn.slot, g.inp_attn.slot_swa = slot
         values: dict = {}
         for inp in g.inputs:
             inp.set_input(ub, values)

@@ -138,13 +138,13 @@ class InpAttnKV(GraphInput):
         self.k_idxs_swa = new_input(I32, (params.n_tokens,), "inp_k_idxs_swa") if own else None
         n_kv_swa = params.n_kv_swa if own else params.n_kv
         self.kq_mask_swa = new_input(F32, (n_kv_swa, params.n_tokens), "kq_mask_swa") if with_swa else None
-        # (slot in the full cells, slot in the window cells or None), set before set_input
-        self.slot: tuple[SlotInfo, SlotInfo | None] | None = None
+        self.slot: SlotInfo | None = None          # the ubatch's cells, set before set_input
+        self.slot_swa: SlotInfo | None = None      # ... in the window cache, when there is one
 
     def set_input(self, ub, values: dict) -> None:
         n, n_kv = self.params.n_tokens, self.params.n_kv
         assert self.slot is not None    # the context sets it before set_input
-        slot, slot_swa = self.slot
+        slot, slot_swa = self.slot, self.slot_swa
         values[self.k_idxs] = self.kv.write_indices(slot, n)
         values[self.kq_mask] = self.kv.mask(ub, n, n_kv, swa=False)
         if self.k_idxs_swa is not None:

@@ -219,7 +219,7 @@ def fuse_weights(model: Model) -> int:
 def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None, n_gpu_layers: int = -1,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
                progress_callback: Callable[[float], bool] | None = None,
-               weight_format: str = "auto", split_mode: str = "layer", fuse: bool = True) -> Model:
+               weight_format: str = "auto", split_mode: str = "layer", fuse: bool = False) -> Model:
     """Load a GGUF model (see docs/design.md). `devices` hold the repeating layers (default: the
     accelerators; pass CPU devices to split over simulated devices). split_mode "layer"
     (default) gives each device whole layers, "row" divides every layer over all of them
@@ -228,7 +228,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     (dequantized at load) or "auto" (int8, the fastest measured on XLA:CPU);
     model.weight_format tells which was used. `fuse` concatenates wq/wk/wv into one wqkv and
     ffn_gate/ffn_up into one [gate; up] ffn_up per layer where they can share an array
-    (fuse_weights; split_mode "layer" only)."""
+    (fuse_weights; split_mode "layer" only). Off by default: captured Qcur/Kcur/Vcur and
+    ffn_gate/ffn_up then keep the shapes and names of the unfused graph (llm.trace)."""
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
     ml = ModelLoader(path)

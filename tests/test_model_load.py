@@ -97,7 +97,6 @@ def test_errors_leave_no_device_arrays(tmp_path):
 
 def test_progress_callback_sees_fractions_up_to_one(tmp_path):
     seen = []
-    # fuse=False: one progress step per GGUF tensor, each still its own weight afterwards
     model = llm.load_model(write(tmp_path), progress_callback=lambda f: seen.append(f) or True, fuse=False)
     assert seen[0] == 0.0 and seen[-1] == 1.0
     assert all(b >= a for a, b in zip(seen, seen[1:], strict=False))
@@ -146,7 +145,7 @@ def test_quantized_weights_keep_their_type(tmp_path):
     assert model.layers[0].wq.type == GGMLType.Q8_0
     assert model.layers[0].attn_norm.type == GGMLType.F32
     assert model.n_bytes > 0
-    fused = llm.load_model(path)      # wq/wk/wv -> wqkv, gate/up -> ffn_up: the type is kept
+    fused = llm.load_model(path, fuse=True)   # wq/wk/wv -> wqkv, gate/up -> ffn_up: the type is kept
     assert fused.layers[0].wq is None and fused.layers[0].wqkv.type == GGMLType.Q8_0
     assert fused.layers[0].ffn_gate is None and fused.layers[0].ffn_up.ne[1] == 2 * model.layers[0].ffn_up.ne[1]
 
