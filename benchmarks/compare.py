@@ -2,6 +2,7 @@
 length and thread count, runs alternating in one process tree; prints tok/s and ratios.
 
     .venv/bin/python benchmarks/compare.py [-m MODEL] [-p 512] [-n 128] [-r 3] [-t 2] [--hf HF_ID]
+        [--ggmlx-dir DIR] [--no-transformers]
 
 Peers are optional: `pip install llama-cpp-python` (builds from source, ~10 min on 2 cores);
 `pip install torch transformers accelerate` for the transformers column (it loads the same
@@ -84,6 +85,9 @@ def _child(engine: str, target: str, n_prompt: int, n_gen: int, threads: int) ->
 
 def _run_child(engine: str, target: str, a) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    if engine.startswith("ggmlx@"):        # another checkout of ggmlx (before/after side by side)
+        env["PYTHONPATH"] = engine.split("@", 1)[1]
+        engine = "ggmlx"
     cmd = [sys.executable, __file__, "--child", engine, target, str(a.n_prompt), str(a.n_gen), str(a.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
@@ -100,10 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--ggmlx-dir", action="append", default=[],
+                    help="also run the ggmlx of this checkout (e.g. an export of main), as engine ggmlx@DIR")
+    ap.add_argument("--no-transformers", action="store_true", help="leave transformers out even if installed")
     a = ap.parse_args(argv)
     a.model = str(hub.resolve(a.model))
     engines = {"ggmlx": a.model}
+    engines.update({f"ggmlx@{os.path.abspath(d)}": a.model for d in a.ggmlx_dir})
     for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf or a.model)):
+        if engine == "transformers" and a.no_transformers:
+            continue
         if importlib.util.find_spec(mod) is None:
             print(f"{engine}: not installed ({PEER_INSTALL[mod]})")
         else:
@@ -114,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[engine].append(_run_child(engine, target, a))
     med = {e: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")} for e, rs in runs.items()}
     print(f"model {a.model}  pp{a.n_prompt} / tg{a.n_gen}  threads {a.threads}  reps {a.reps}")
+    for e, rs in runs.items():
+        print(f"  {e}: pp {[round(r['pp'], 1) for r in rs]}  tg {[round(r['tg'], 1) for r in rs]}")
     print("| engine | pp t/s | tg t/s | ggmlx pp ratio | ggmlx tg ratio |")
     print("|---|---:|---:|---:|---:|")
     for e, m in med.items():

@@ -9,9 +9,11 @@ executable, like llama.cpp reusing a graph when `can_reuse` holds.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import pickle
 import time
 import warnings
 from collections import OrderedDict
@@ -19,9 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
+import jaxlib
 import numpy as np
+from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from ggmlx import lower, weights
+from ggmlx import flags, lower, weights
 from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor
 
@@ -104,7 +108,7 @@ class Program:
     def signature(self) -> list[tuple]:
         """Everything that decides the compiled code, one readable entry per item."""
         ref: dict[int, str] = {}
-        sig: list[tuple] = [("device", str(self.device))]
+        sig: list[tuple] = [("device", str(self.device)), ("matmul_precision", flags.matmul_precision())]
         if self.mesh is not None:
             sig.append(("mesh", tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         for role, ts in (("weight", self.weights), ("input", self.inputs), ("state", self.states)):
@@ -174,6 +178,9 @@ class CompiledProgram:
         return self.executable(tuple(w_leaves), tuple(in_vals), tuple(st_vals))
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -181,9 +188,66 @@ class CacheStats:
     compile_seconds: float = 0.0
     evictions: int = 0
     rewritten: int = 0      # damaged persistent-cache entries found and written again
+    disk_hits: int = 0      # misses served by the on-disk executable cache (GGMLX_EXE_CACHE)
 
 
 DEFAULT_MAX_ENTRIES = 64
+
+
+@functools.cache
+def _code_version() -> str:
+    """A hash of ggmlx's own sources: a signature means the same program only under the same
+    lowering code, so an upgraded (or edited) ggmlx never loads an older executable."""
+    root = os.path.dirname(__file__)
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(d, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def _disk_path(key: str, device) -> str | None:
+    """Where the serialized executable of signature key lives: under cache_root()/exe, named
+    by the key plus everything else that decides the machine code (ggmlx's sources, JAX and
+    jaxlib versions, XLA_FLAGS, the device kind). None when GGMLX_EXE_CACHE or persistent
+    caching is off."""
+    if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
+        return None
+    dev = device or jax.devices()[0]
+    if dev != jax.devices()[0]:
+        return None      # a loaded executable runs on the default device: splits elsewhere compile
+
+    tag = "|".join([key, _code_version(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
+                    dev.platform, dev.device_kind])
+    return os.path.join(flags.cache_root(), "exe", hashlib.sha256(tag.encode()).hexdigest() + ".bin")
+
+
+def _load_executable(path: str | None):
+    """The executable stored at path, or None (absent, or unreadable: then it is recompiled)."""
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            blob, in_tree, out_tree = pickle.load(f)
+        return deserialize_and_load(blob, in_tree, out_tree)
+    except Exception as e:  # a stale or truncated entry must never stop a run
+        log.warning("ignoring unreadable cached executable %s: %s", path, e)
+        return None
+
+
+def _store_executable(path: str | None, executable) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(serialize(executable), f)
+        os.replace(tmp, path)          # atomic: a concurrent reader sees all or nothing
+    except Exception as e:  # a full disk or an unserializable executable only costs the next start
+        log.warning("could not store the executable in %s: %s", path, e)
 
 
 class GraphCache:
@@ -227,20 +291,26 @@ class GraphCache:
         self.stats.misses += 1
         self.last_miss_reason = self._explain_miss(sig)
         dev, mesh = program.device, program.mesh
-        w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
-        args = (tuple(w_leaves), tuple(in_vals), tuple(st_vals))
-        out_shardings = None
-        if mesh is None:
-            abstract = jax.tree.map(lambda x: _abstract(x, dev), args)
-        else:
-            # outputs replicated (every process can read them), state back in its own layout
-            abstract = jax.tree.map(lambda x: _abstract_on_mesh(x, mesh), args)
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            out_shardings = (tuple(replicated for _ in program.outputs), tuple(a.sharding for a in abstract[2]))
         t0 = time.perf_counter()
-        fn = program.make_fn(w_treedef)
-        executable = self._compile(
-            lambda: jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract))
+        path = _disk_path(key, dev) if mesh is None else None     # mesh programs: XLA's cache only
+        executable = _load_executable(path)
+        if executable is not None:
+            self.stats.disk_hits += 1
+        else:
+            w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
+            args = (tuple(w_leaves), tuple(in_vals), tuple(st_vals))
+            out_shardings = None
+            if mesh is None:
+                abstract = jax.tree.map(lambda x: _abstract(x, dev), args)
+            else:
+                # outputs replicated (every process can read them), state back in its own layout
+                abstract = jax.tree.map(lambda x: _abstract_on_mesh(x, mesh), args)
+                replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                out_shardings = (tuple(replicated for _ in program.outputs), tuple(a.sharding for a in abstract[2]))
+            fn = program.make_fn(w_treedef)
+            executable = self._compile(
+                lambda: jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract))
+            _store_executable(path, executable)
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
         entry = CompiledProgram(executable, key, dt)

@@ -44,7 +44,31 @@ REFERENCE = EnvFlag(
     "llama.cpp reference outputs for the parity tests and benchmarks/parity_report.py; "
     "default ../shared/reference beside the repository")
 
-ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE)
+EXE_CACHE = EnvFlag(
+    "GGMLX_EXE_CACHE", "0",
+    "opt-in until it has run more widely: 1 keeps serialized executables in cache_root()/exe, "
+    "keyed by graph signature, "
+    "ggmlx sources, JAX versions, XLA_FLAGS and device kind, so a warm process skips tracing and "
+    "lowering (SmolLM2 8-token prefill graph: 4-5 s vs 16-21 s through XLA's cache on a loaded "
+    "machine); 0 (default): only XLA's compilation cache")
+MATMUL_PRECISION = EnvFlag(
+    "GGMLX_MATMUL_PRECISION", "highest",
+    "precision of every f32 matmul the lowering emits: highest (default: full f32 on every backend, "
+    "no TF32 on GPUs), high (bf16x3 / TF32-class on GPUs) or default (the backend's fastest, TF32 or "
+    "bf16); part of compiled-graph cache keys")
+
+ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION)
+
+_PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "default": "DEFAULT"}
+
+
+def matmul_precision() -> str:
+    """GGMLX_MATMUL_PRECISION as a jax.lax.Precision name; ValueError naming the variable
+    for any other value."""
+    v = MATMUL_PRECISION.get().lower()
+    if v not in _PRECISIONS:
+        raise ValueError(f"{MATMUL_PRECISION.name} must be one of {', '.join(_PRECISIONS)}, got {v!r}")
+    return _PRECISIONS[v]
 
 
 def cache_root() -> str:

@@ -20,8 +20,6 @@ from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, GLU_SWIGLU_OAI, ROPE_TYP
 from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, np_dtype
 from ggmlx.types import GGMLType
 
-HIGHEST = jax.lax.Precision.HIGHEST
-
 
 def jnp_dtype(t: GGMLType):
     return jnp.dtype(np_dtype(t))
@@ -108,9 +106,9 @@ def _mul_mat(a, b):
     B3, B2, N, _ = b.shape
     r3, r2 = B3 // A3, B2 // A2
     if r2 == 1 and r3 == 1:
-        return jnp.einsum("xymk,xynk->xynm", a, b, precision=HIGHEST)
+        return jnp.einsum("xymk,xynk->xynm", a, b, precision=weights.matmul_precision())
     bb = b.reshape(A3, r3, A2, r2, N, K)
-    out = jnp.einsum("xzmk,xyzwnk->xyzwnm", a, bb, precision=HIGHEST)
+    out = jnp.einsum("xzmk,xyzwnk->xyzwnm", a, bb, precision=weights.matmul_precision())
     return out.reshape(B3, B2, N, M)
 
 
@@ -184,7 +182,7 @@ def _flash_attn(q, k, v, mask, scale, max_bias, softcap, sinks=None):
     Hkv, n_kv = k.shape[1], k.shape[2]
     r = H // Hkv
     qq = _f32(q).reshape(B, Hkv, r, n_q, D)
-    s = jnp.einsum("bgrqd,bgkd->bgrqk", qq, _f32(k), precision=HIGHEST) * scale
+    s = jnp.einsum("bgrqd,bgkd->bgrqk", qq, _f32(k), precision=weights.matmul_precision()) * scale
     if softcap > 0:
         s = softcap * jnp.tanh(s / softcap)
     if mask is not None:
@@ -198,7 +196,7 @@ def _flash_attn(q, k, v, mask, scale, max_bias, softcap, sinks=None):
         mx = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sk)
         e = jnp.exp(s - mx)
         p = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sk - mx))
-    o = jnp.einsum("bgrqk,bgkd->bgrqd", p, _f32(v), precision=HIGHEST)
+    o = jnp.einsum("bgrqk,bgkd->bgrqd", p, _f32(v), precision=weights.matmul_precision())
     return o.reshape(B, H, n_q, -1).transpose(0, 2, 1, 3)
 
 
@@ -234,7 +232,7 @@ def _mul_mat_id(as_, b, ids):
     idx = ids[0, 0]                                            # [T, n_used]
     bb = jnp.broadcast_to(b[0], (idx.shape[0], idx.shape[1], b.shape[-1]))
     picked = jnp.take(w, idx, axis=0)                          # [T, n_used, M, K]
-    return jnp.einsum("tumk,tuk->tum", picked, bb, precision=HIGHEST)[None]
+    return jnp.einsum("tumk,tuk->tum", picked, bb, precision=weights.matmul_precision())[None]
 
 
 def _get_rows(env, n: Tensor):
@@ -477,9 +475,22 @@ def eval_node(n: Tensor, env):
     return fn(n, env)
 
 
+def scope_name(n: Tensor) -> str:
+    """The named scope a node's HLO carries: its name, or for an unnamed node (a view, a
+    permute, a cont) its op and the first named tensor it reads from, so that profiles and
+    HLO dumps can tell which layer's K view a transpose belongs to."""
+    if n.name:
+        return n.name
+    src = n.src[0] if n.src else None
+    while src is not None and not src.name and src.src:
+        src = src.src[0]
+    op = n.op.value.lower()
+    return f"{op}<{src.name}" if src is not None and src.name else op
+
+
 def run_nodes(nodes: list[Tensor], env: dict) -> dict:
     """Evaluate nodes in order into env (tensor -> value); returns env."""
-    for i, n in enumerate(nodes):
-        with jax.named_scope(n.name or f"node_{i}"):
+    for n in nodes:
+        with jax.named_scope(scope_name(n)):
             env[n] = eval_node(n, env)
     return env

@@ -15,6 +15,7 @@ False there stops the computation (returns False from `compute`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -206,6 +207,7 @@ class Scheduler:
         self.cache = cache or get_default_cache()
         self.cb_eval = cb_eval
         self.debug = flags.SCHED_DEBUG.on()
+        self.t_inputs = 0.0     # seconds spent putting graph inputs on devices (for profiles)
 
     # ---- placement -------------------------------------------------------------------
 
@@ -288,6 +290,7 @@ class Scheduler:
                 w_vals.append(_on_device(t.data, be))
             split.w_leaves = CompiledProgram.weight_leaves(w_vals)
             split.w_vals = w_vals
+        t0 = time.perf_counter()
         in_vals = []
         for t in prog.inputs:
             if t.id in values:
@@ -297,6 +300,7 @@ class Scheduler:
                 in_vals.append(be.put(v))
             else:
                 raise ValueError(f"no value for input {t.name!r}")
+        self.t_inputs += time.perf_counter() - t0
         st_vals = [_on_device(_state_buffer(t, state), be) for t in prog.states]
         return split.w_vals, in_vals, st_vals
 

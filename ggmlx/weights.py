@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ggmlx import types
+from ggmlx import flags, types
 from ggmlx.backend import MESH_AXIS
 from ggmlx.quants.int8 import INT8_CONVERTERS, to_int8
 from ggmlx.tensor import np_dtype, pad_ne
@@ -34,7 +34,12 @@ FORMAT_INT8 = "int8"
 
 WEIGHT_FORMATS = ("auto", "native", "int8", "f32")
 
-HIGHEST = jax.lax.Precision.HIGHEST
+
+def matmul_precision() -> jax.lax.Precision:
+    """The precision of every f32 matmul (GGMLX_MATMUL_PRECISION, default HIGHEST: f32 stays
+    f32 on GPUs, no TF32 unless asked), read at trace time."""
+    return jax.lax.Precision[flags.matmul_precision()]
+
 
 # Most elements of one dequantized chunk of rows inside mul_mat (f32: 16 MiB): large enough
 # for an efficient dot, small enough to reuse one buffer (measured best: 4096 rows of 640).
@@ -309,6 +314,32 @@ def _get_rows_split(w: DeviceWeight, idx: jax.Array) -> jax.Array:
                      out_specs=P(), check_vma=False)(w, idx)
 
 
+def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
+    """One weight whose rows are those of ws in order (ggml: concatenated along ne1), for a
+    single dot where a graph had several over the same input (fused QKV, gate+up). None when
+    the weights cannot share one array: not 2-d, different ne0, format, type, sub-block,
+    dtype or device."""
+    first = ws[0].spec
+    same = all(w.spec.ne[0] == first.ne[0] and w.spec.ne[2] == w.spec.ne[3] == 1 and w.spec.format == first.format
+               and w.spec.type == first.type and w.spec.sub_block == first.sub_block
+               and w.array.dtype == ws[0].array.dtype and w.array.devices() == ws[0].array.devices()
+               and (w.scale is None) == (ws[0].scale is None) and (w.offset is None) == (ws[0].offset is None)
+               for w in ws)
+    if not same or first.ne[2] != 1 or first.ne[3] != 1:
+        return None
+    rows = sum(w.spec.ne[1] for w in ws)
+    ne = (first.ne[0], rows, 1, 1)
+
+    def cat(parts: list[jax.Array]) -> jax.Array:
+        out = jnp.concatenate([p.reshape(p.shape[-2] if p.ndim == 4 else p.shape[0], -1) for p in parts])
+        return out.reshape(1, 1, rows, -1) if parts[0].ndim == 4 else out
+
+    scale = None if ws[0].scale is None else cat([w.scale for w in ws if w.scale is not None])
+    offset = None if ws[0].offset is None else cat([w.offset for w in ws if w.offset is not None])
+    return DeviceWeight(WeightSpec(first.format, first.type, ne, first.sub_block), cat([w.array for w in ws]),
+                        scale, offset)
+
+
 # ---- reading a weight inside a traced function ---------------------------------------------
 
 def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: jax.Array | None) -> jax.Array:
@@ -374,17 +405,17 @@ def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
-        out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=HIGHEST)
+        out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=matmul_precision())
         return out.reshape(*lead, M)
     R = _chunk_rows(M, K)
     if R == M:
-        out = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *arrs), precision=HIGHEST)
+        out = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *arrs), precision=matmul_precision())
         return out.reshape(*lead, M)
 
     def body(i, out):
         start = jnp.minimum(i * R, M - R)
         part = [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, R, axis=0) for a in arrs]
-        y = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *part), precision=HIGHEST)
+        y = jnp.einsum("nk,mk->nm", xt, _rows_f32(w, *part), precision=matmul_precision())
         return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=1)
 
     out = jax.lax.fori_loop(0, -(-M // R), body, jnp.zeros((xt.shape[0], M), jnp.float32))

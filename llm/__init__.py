@@ -13,6 +13,7 @@ _EXPORTS = {
     "StateError": "llm.errors",
     "Model": "llm.model", "load_model": "llm.model",
     "LogitLens": "llm.trace", "Trace": "llm.trace",
+    "StepProfile": "llm.profiler", "profile": "llm.profiler",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,6 +25,7 @@ from llm.model import Model, load_model
 from llm.prompt_cache import PromptCache
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
 from llm.serving import Batcher, Delta, Done, Event, GenParams, Job, TokenLogprob, logprobs_of
+from llm.speculative import Drafter, DraftModel, PromptLookup, Speculative
 
 FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
 FINISH_TOOL_CALLS = "tool_calls"
@@ -246,6 +247,8 @@ class LLM:
             if a != b:
                 break
             n_keep += 1
+        if not self.ctx.memory.can_keep(0, n_keep):
+            n_keep = 0      # the sliding-window cache no longer holds what the next token needs
         self.ctx.memory.seq_rm(0, n_keep, -1)
         self._cached = self._cached[:n_keep]
         if (self.prompt_cache is not None and self.ctx.edits is None
@@ -287,8 +290,35 @@ class LLM:
                 from self.ctx.last_exception
         return True
 
+    def _plain_tokens(self, sampler: SamplerChain) -> Iterator[int]:
+        """Sample, decode the token when the consumer asks for the next one, repeat."""
+        while True:
+            tok = sampler.sample(self.ctx, -1)
+            yield tok
+            if not self._decode(Batch.get_one([tok])):
+                return
+            self._cached.append(tok)
+
+    def _drafter(self, speculative) -> Drafter:
+        if isinstance(speculative, str):
+            if speculative != "prompt-lookup":
+                raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup, a DraftModel or an "
+                                 f"LLM, got {speculative!r}")
+            return PromptLookup()
+        if isinstance(speculative, LLM):
+            if speculative.model.n_vocab != self.model.n_vocab:
+                raise ValueError(f"speculative: the draft model has {speculative.model.n_vocab} tokens, "
+                                 f"the target {self.model.n_vocab}; they must share the vocabulary")
+            speculative._cached = []       # its context is now the drafter's
+            return DraftModel(speculative.ctx)
+        if isinstance(speculative, (PromptLookup, DraftModel)):
+            return speculative
+        raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup, a DraftModel or an LLM, "
+                         f"got {type(speculative).__name__}")
+
     def _chunks(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
-                stop: list[str], edits: trace_mod.GraphEdits | None) -> Iterator[GenerationChunk]:
+                stop: list[str], edits: trace_mod.GraphEdits | None,
+                drafter: Drafter | None = None) -> Iterator[GenerationChunk]:
         """The generation under `edits` (interventions compiled into the graphs; none: None).
         K/V cached under other interventions are dropped, and the prompt cache is not used."""
         key = tuple((label, id(iv.fn)) for label, iv in edits.fns.items()) if edits else ()
@@ -298,12 +328,12 @@ class LLM:
             self._cached_edits = key
         self.ctx.edits = edits
         try:
-            yield from self._generate(tokens, max_tokens, sampler, stop)
+            yield from self._generate(tokens, max_tokens, sampler, stop, drafter)
         finally:
             self.ctx.edits = None
 
     def _generate(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
-                  stop: list[str]) -> Iterator[GenerationChunk]:
+                  stop: list[str], drafter: Drafter | None = None) -> Iterator[GenerationChunk]:
         """Evaluate the prompt, then sample; one chunk per sampled token, then the final one."""
         perf0 = self.ctx.perf()
         rest = self._keep_prefix(tokens)
@@ -319,8 +349,15 @@ class LLM:
         finish = FINISH_LENGTH
         hold = max((len(s) for s in stop), default=0)
         t1 = time.perf_counter()
-        while len(out_tokens) < max_tokens:
-            tok = sampler.sample(self.ctx, -1)
+        spec = None
+        if drafter is not None:
+            spec = Speculative(self.ctx, sampler, drafter, is_eog=self.vocab.is_eog)
+            source = spec.tokens(tokens)
+        else:
+            source = self._plain_tokens(sampler)
+        for tok in source:
+            if len(out_tokens) >= max_tokens:
+                break
             if self.vocab.is_eog(tok):
                 finish = FINISH_EOG
                 break
@@ -336,9 +373,9 @@ class LLM:
             emitted = safe
             if len(out_tokens) == max_tokens:
                 break
-            if not self._decode(Batch.get_one([tok])):
-                break
-            self._cached.append(tok)
+        if spec is not None:   # the cache may hold accepted tokens the consumer never took
+            self._cached = (tokens + out_tokens)[:min(spec.n_past, len(tokens) + len(out_tokens))]
+            self.ctx.memory.seq_rm(0, len(self._cached), -1)
         if self._save_pending:
             self.save_prompt_cache()
         if finish != FINISH_STOP:
@@ -352,14 +389,17 @@ class LLM:
             timings={"prompt_s": t_prompt, "prompt_tok_s": len(tokens) / t_prompt if t_prompt else 0.0,
                      "gen_s": t_gen, "gen_tok_s": n_gen / t_gen if t_gen and n_gen else 0.0,
                      "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
-                     "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load})
+                     "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load,
+                     **({} if spec is None else {"spec_steps": spec.stats.n_steps, "spec_drafted": spec.stats.n_drafted,
+                                                 "spec_accepted": spec.stats.n_accepted})})
         yield GenerationChunk(text[emitted:], None, finish, completion)
 
     def generate(self, prompt: str | list[int] | list[str] | list[list[int]], max_tokens: int = 128,
                  temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
                  grammar=None, json_schema=None, interventions: trace_mod.Interventions | None = None,
-                 n: int = 1, logprobs: bool = False, top_logprobs: int = 0) -> Completion | list[Completion]:
+                 n: int = 1, logprobs: bool = False, top_logprobs: int = 0,
+                 speculative=None) -> Completion | list[Completion]:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens. `grammar` (GBNF text or an llm.sampling
         grammar/json_schema/json_object) or `json_schema` (dict) constrain the output;
@@ -372,10 +412,13 @@ class LLM:
         prompt (a list, prompt after prompt) sharing the prompt's cells; with a seed, sample i
         uses seed + i. logprobs: Completion.logprobs holds each generated token's log-probability
         under the model's distribution before sampling, with the top_logprobs (<= 20) best.
-        These run on the batching core and forget the cached conversation."""
+        These run on the batching core and forget the cached conversation.
+        speculative: "prompt-lookup", an llm.speculative.PromptLookup or DraftModel, or a draft
+        LLM sharing the vocabulary (llm/speculative.py); one prompt, n = 1."""
         batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         if batched or n != 1 or logprobs or top_logprobs:
-            for name, v in (("grammar", grammar), ("json_schema", json_schema), ("interventions", interventions)):
+            for name, v in (("grammar", grammar), ("json_schema", json_schema), ("interventions", interventions),
+                            ("speculative", speculative)):
                 if v is not None:
                     raise ValueError(f"{name} works on one prompt with n = 1 and no logprobs; "
                                      "batched generation does not take it")
@@ -385,14 +428,15 @@ class LLM:
             return out if batched or n > 1 else out[0]
         *_, last = self.stream(cast(str | list[int], prompt), max_tokens, temperature, top_k, top_p, min_p,
                                repeat_penalty, seed, stop, grammar=grammar, json_schema=json_schema,
-                               interventions=interventions)
+                               interventions=interventions, speculative=speculative)
         assert last.completion is not None
         return last.completion
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
-               json_schema=None, interventions: trace_mod.Interventions | None = None) -> Iterator[GenerationChunk]:
+               json_schema=None, interventions: trace_mod.Interventions | None = None,
+               speculative=None) -> Iterator[GenerationChunk]:
         """GenerationChunks as tokens are generated: their texts join to the completion's text,
         never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
         and the Completion. Arguments are checked at once, before the first chunk is asked for."""
@@ -408,7 +452,8 @@ class LLM:
         if interventions:
             edits = trace_mod.GraphEdits(self.node_table(self.ctx.flash_attn), interventions)
             edits.check(sorted({1, bucket(min(len(tokens), self.ctx.n_ubatch), self.ctx.n_ubatch)}))
-        return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop, edits))
+        drafter = self._drafter(speculative) if speculative is not None else None
+        return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop, edits, drafter))
 
     def _generate_batch(self, prompts: list[list[int]], max_tokens, temperature, top_k, top_p, min_p,
                         repeat_penalty, seed, stop, n, logprobs, top_logprobs) -> list[Completion]:

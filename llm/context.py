@@ -65,6 +65,8 @@ class Perf:
     t_p_eval: float = 0.0
     t_eval: float = 0.0
     t_compile: float = 0.0
+    t_wait: float = 0.0        # from dispatching a ubatch until its logits are on the host
+    t_inputs: float = 0.0      # device_put of graph inputs (part of neither of the above)
     n_p_eval: int = 0
     n_eval: int = 0
     n_reused: int = 0
@@ -98,7 +100,7 @@ class Context:
 
     def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512,
                  n_seq_max: int = 1, *, type_k: str = "f32", type_v: str = "f32",
-                 kv_bucket: int = 256, cb_eval: Callable | None = None,
+                 kv_bucket: int = 256, swa_full: bool = True, cb_eval: Callable | None = None,
                  abort_callback: Callable[[], bool] | None = None,
                  reserve: tuple[int, ...] = (), embeddings: bool = False,
                  pooling_type: PoolingType | int | str | None = None, flash_attn: bool = True,
@@ -139,7 +141,8 @@ class Context:
         self.flash_attn = flash_attn       # False: the unfused attention path (kq_soft_max nodes)
         # interventions / captures (llm.trace.GraphEdits) for the graphs of the next decodes
         self.edits: GraphEdits | None = None
-        self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket)
+        self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket, n_ubatch=self.n_ubatch,
+                              swa_full=swa_full)
         # one lock for the cache and the context: a decode and a sequence operation from
         # another thread take turns (each is short); outputs belong to the last decode
         self.lock = self.memory.lock
@@ -208,7 +211,8 @@ class Context:
     def _reserve_params(self, n_tokens: int, n_kv: int) -> GraphParams:
         """The shape of a ubatch of n_tokens that outputs the last token's logits."""
         return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False,
-                           embeddings=self.embeddings, flash_attn=self.flash_attn, edits=self.edits)
+                           embeddings=self.embeddings, flash_attn=self.flash_attn, edits=self.edits,
+                           n_kv_swa=self._n_kv_swa())
 
     def _reserve(self, shapes: list[GraphParams]) -> int:
         stats = self.sched.cache.stats
@@ -254,7 +258,7 @@ class Context:
                              memory=self.memory, output_all=self.pooled)
         except BatchError as e:
             return self._fail(DecodeStatus.INVALID_BATCH, str(e))
-        if self.memory.cells.has_shift:
+        if self.memory.has_shift:
             self._apply_k_shift()
         if not hp.causal_attn and batch.n_tokens > self.n_ubatch:
             return self._fail(DecodeStatus.INVALID_BATCH, f"a non-causal model needs the whole batch in one ubatch: "
@@ -263,7 +267,7 @@ class Context:
         # ubatch, each sequence's tokens kept in order, as pooling needs), so decoding tokens and
         # a prompt chunk of other sequences run as one graph
         ubatches = self.balloc.split_simple(self.n_ubatch)
-        slots = self.memory.cells.prepare(ubatches)
+        slots = self.memory.prepare(ubatches)
         if slots is None:
             return self._fail(DecodeStatus.NO_KV_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
                                               f"(n_ctx = {self.n_ctx}, used = {self.memory.cells.get_used()})")
@@ -309,7 +313,11 @@ class Context:
         n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, n_min, 1), n_tokens)
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
                            embd_input=ub.embd is not None, embeddings=self.embeddings,
-                           flash_attn=self.flash_attn, edits=self.edits)
+                           flash_attn=self.flash_attn, edits=self.edits,
+                           n_kv_swa=self._n_kv_swa())
+
+    def _n_kv_swa(self) -> int:
+        return self.memory.n_kv_swa() if self.memory.cells_swa is not None else 0
 
     def _build(self, params: GraphParams) -> tuple[GraphBuilder, Plan]:
         """Build and plan the graph of one shape, and keep it (the last GRAPHS_KEPT shapes)."""
@@ -326,7 +334,7 @@ class Context:
 
     def _process_ubatch(self, ub: UBatch, slot) -> bool:
         t0 = time.perf_counter()
-        self.memory.cells.apply(slot, ub)
+        self.memory.apply(slot, ub)
         params = self._params(ub)
         if self._prev is not None and all(i.can_reuse(params) for i in self._prev[0].inputs):
             g, plan = self._prev
@@ -338,12 +346,14 @@ class Context:
         else:
             g, plan = self._prev = self._build(params)
         assert g.inp_attn is not None   # every architecture builds its attention input
-        g.inp_attn.slot = slot
+        g.inp_attn.slot, g.inp_attn.slot_swa = slot
         values: dict = {}
         for inp in g.inputs:
             inp.set_input(ub, values)
         stats = self.sched.cache.stats
         misses, t_comp = stats.misses, stats.compile_seconds
+        t_in = self.sched.t_inputs
+        t_dispatch = time.perf_counter()
         outs, new_state, ok = self.sched.compute(plan, values, self.memory.state())
         self.memory.update(new_state)
         self._perf.n_compiles += stats.misses - misses
@@ -358,6 +368,9 @@ class Context:
             self.embd[self.balloc.output_rows(ub)] = embd
             if self.pooled:
                 self._pool(ub, embd)
+        t_in = self.sched.t_inputs - t_in
+        self._perf.t_inputs += t_in
+        self._perf.t_wait += time.perf_counter() - t_dispatch - t_in
         dt = time.perf_counter() - t0
         if ub.n_tokens > 1:
             self._perf.t_p_eval += dt
@@ -369,25 +382,34 @@ class Context:
 
     def _apply_k_shift(self) -> None:
         """Re-rotate every cached K row by its cell's pending position shift (llama.cpp's
-        build_graph_shift), one small graph over all layers."""
+        build_graph_shift), one small graph over all layers (each layer with its cells)."""
         hp = self.model.hparams
         kv = self.memory
         gf = Graph()
-        shift = new_input(GGMLType.I32, (self.n_ctx,), "k_shift")
-        idxs = new_input(GGMLType.I32, (self.n_ctx,), "k_shift_idxs")
+        values: dict[Tensor, object] = {}
+        inputs: dict[int, tuple[Tensor, Tensor]] = {}
+        for cells in kv.all_cells():
+            n = cells.n_ctx
+            shift = new_input(GGMLType.I32, (n,), "k_shift" if cells is kv.cells else "k_shift_swa")
+            idxs = new_input(GGMLType.I32, (n,), "k_shift_idxs" if cells is kv.cells else "k_shift_idxs_swa")
+            inputs[id(cells)] = (shift, idxs)
+            values[shift] = cells.k_shift()
+            values[idxs] = np.arange(n, dtype=np.int32)
         for il in range(hp.n_layer):
             if not hp.has_rope(il):
                 continue
             k = kv.k_l[il]
-            cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), self.n_ctx)
+            cells = kv.cells_swa if kv.is_swa(il) and kv.cells_swa is not None else kv.cells
+            shift, idxs = inputs[id(cells)]
+            cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), cells.n_ctx)
             cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **rope_params(hp, il))
-            cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), self.n_ctx), idxs)
+            cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), cells.n_ctx), idxs)
             gf.build_forward_expand(cur.set_name(f"k_shifted-{il}"))
         plan = self.sched.alloc_graph(gf)
-        values: dict[Tensor, object] = {shift: kv.cells.k_shift(), idxs: np.arange(self.n_ctx, dtype=np.int32)}
         _, new_state, _ = self.sched.compute(plan, values, kv.state())
         kv.update(new_state)
-        kv.cells.reset_shift()
+        for cells in kv.all_cells():
+            cells.reset_shift()
 
     @property
     def pooled(self) -> bool:
@@ -494,6 +516,7 @@ class Context:
             "t_p_eval_ms": p.t_p_eval * 1e3, "n_p_eval": p.n_p_eval,
             "t_eval_ms": p.t_eval * 1e3, "n_eval": p.n_eval,
             "t_compile_ms": p.t_compile * 1e3,
+            "t_wait_ms": p.t_wait * 1e3, "t_inputs_ms": p.t_inputs * 1e3,
             "n_reused": p.n_reused, "n_graph_builds": p.n_graph_builds, "n_compiles": p.n_compiles,
         }
 

@@ -19,6 +19,7 @@ from llm.layer import Layer
 
 if TYPE_CHECKING:
     from llm.kv_cache import KVCache
+    from llm.kv_cells import SlotInfo
     from llm.model import Model
     from llm.trace import GraphEdits
 
@@ -38,6 +39,7 @@ class GraphParams:
     # interventions and captures (llm.trace.GraphEdits, compared by identity) applied to the
     # built graph, so a graph is reused only under the same edits
     edits: GraphEdits | None = None
+    n_kv_swa: int = 0      # cells the sliding-window layers read from their own cache (0: none)
 
 
 class GraphInput:
@@ -124,22 +126,33 @@ class InpOutIds(GraphInput):
 
 class InpAttnKV(GraphInput):
     """The KV-cache attention inputs: the cells this ubatch writes (k_idxs) and the masks
-    (one for full-attention layers, one for sliding-window layers when the model has them)."""
+    (one for full-attention layers, one for sliding-window layers when the model has them;
+    with a separate window cache, its own write indices and a mask over its n_kv_swa cells)."""
 
     def __init__(self, params: GraphParams, kv, with_swa: bool):
         super().__init__(params)
         self.kv = kv
         self.k_idxs = new_input(I32, (params.n_tokens,), "inp_k_idxs")
         self.kq_mask = new_input(F32, (params.n_kv, params.n_tokens), "kq_mask")
-        self.kq_mask_swa = new_input(F32, (params.n_kv, params.n_tokens), "kq_mask_swa") if with_swa else None
-        self.slot = None
+        own = kv.cells_swa is not None
+        self.k_idxs_swa = new_input(I32, (params.n_tokens,), "inp_k_idxs_swa") if own else None
+        n_kv_swa = params.n_kv_swa if own else params.n_kv
+        self.kq_mask_swa = new_input(F32, (n_kv_swa, params.n_tokens), "kq_mask_swa") if with_swa else None
+        self.slot: SlotInfo | None = None          # the ubatch's cells, set before set_input
+        self.slot_swa: SlotInfo | None = None      # ... in the window cache, when there is one
 
     def set_input(self, ub, values: dict) -> None:
         n, n_kv = self.params.n_tokens, self.params.n_kv
-        values[self.k_idxs] = self.kv.write_indices(self.slot, n)
+        assert self.slot is not None    # the context sets it before set_input
+        slot, slot_swa = self.slot, self.slot_swa
+        values[self.k_idxs] = self.kv.write_indices(slot, n)
         values[self.kq_mask] = self.kv.mask(ub, n, n_kv, swa=False)
+        if self.k_idxs_swa is not None:
+            assert slot_swa is not None     # a window cache gives every ubatch a slot there too
+            values[self.k_idxs_swa] = self.kv.write_indices(slot_swa, n, swa=True)
         if self.kq_mask_swa is not None:
-            values[self.kq_mask_swa] = self.kv.mask(ub, n, n_kv, swa=True)
+            n_kv_swa = self.params.n_kv_swa if self.k_idxs_swa is not None else n_kv
+            values[self.kq_mask_swa] = self.kv.mask(ub, n, n_kv_swa, swa=True)
 
 
 def rope_params(hp: HParams, il: int) -> dict:
@@ -386,15 +399,16 @@ class GraphBuilder:
             k_cur = ops.cont(k_cur)
         if not v_cur.is_contiguous():
             v_cur = ops.cont(v_cur)
-        k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), inp.k_idxs)
-        v_upd = ops.set_rows(v_cache, ops.reshape_2d(v_cur, gqa_v, self.n_tokens), inp.k_idxs)
+        own_swa = self.kv.is_swa(il)
+        k_idxs = inp.k_idxs_swa if own_swa and inp.k_idxs_swa is not None else inp.k_idxs
+        n_kv = self.params.n_kv_swa if own_swa else self.n_kv
+        k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), k_idxs)
+        v_upd = ops.set_rows(v_cache, ops.reshape_2d(v_cur, gqa_v, self.n_tokens), k_idxs)
         self.cb(k_upd, "k_cache_upd", il)
         self.cb(v_upd, "v_cache_upd", il)
         rs_k, rs_v = types.row_size(k_cache.type, d_k), types.row_size(v_cache.type, d_v)
-        k = ops.view_4d(k_upd, d_k, n_head_kv, self.n_kv, 1, rs_k, rs_k * n_head_kv,
-                        rs_k * n_head_kv * self.n_kv, 0)
-        v = ops.view_4d(v_upd, d_v, n_head_kv, self.n_kv, 1, rs_v, rs_v * n_head_kv,
-                        rs_v * n_head_kv * self.n_kv, 0)
+        k = ops.view_4d(k_upd, d_k, n_head_kv, n_kv, 1, rs_k, rs_k * n_head_kv, rs_k * n_head_kv * n_kv, 0)
+        v = ops.view_4d(v_upd, d_v, n_head_kv, n_kv, 1, rs_v, rs_v * n_head_kv, rs_v * n_head_kv * n_kv, 0)
         q = ops.permute(q_cur, 0, 2, 1, 3)
         k = ops.permute(k, 0, 2, 1, 3)
         v = ops.permute(v, 0, 2, 1, 3)

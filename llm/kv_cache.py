@@ -3,8 +3,15 @@ of `llm.kv_cells`. Buffers are ggmlx STATE leaves [n_embd_{k,v}_gqa, n_ctx] on t
 layer's device; a compiled graph takes them in and returns them updated (donated, so the
 set_rows write happens in place).
 
-Sliding-window layers share the cells with the global ones and get their own mask (the
-cache is sized for full attention; llama.cpp's separate SWA cache only saves memory)."""
+Sliding-window layers get a cache of their own, as llama.cpp's `llama_kv_cache_iswa`: n_swa
+(per sequence) plus one ubatch of cells, padded to the KV bucket, with their own `KVCells`
+that reuse a cell once its position has left the window of its sequence; full-attention
+layers keep n_ctx cells. It is opt-in here (`Context(swa_full=False)`; llama.cpp's cparam
+defaults to it): state save/load does not handle two sets of cells yet. With swa_full=True,
+or when the window cache would not be smaller, the SWA layers share the full cells and only
+get their mask.
+The two sets of cells see the same ubatches and sequence operations, so they agree on every
+position the window still holds."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +28,7 @@ from ggmlx.tensor import Tensor, new_state, np_dtype
 from ggmlx.types import GGMLType
 from llm.batch import UBatch
 from llm.errors import SizeError
-from llm.hparams import SWAType
+from llm.hparams import HParams, SWAType
 from llm.kv_cells import KVCells, SlotInfo
 
 if TYPE_CHECKING:
@@ -89,9 +96,29 @@ def _zeros_on_mesh(t: Tensor, pl) -> jax.Array:
                                         lambda idx: np.zeros(sharding.shard_shape(t.shape), dt))
 
 
+def swa_cache_size(hp: HParams, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, kv_bucket: int = 256,
+                   swa_full: bool = False) -> int | None:
+    """Cells of the sliding-window layers' own cache: n_swa per sequence plus one ubatch,
+    padded to the KV bucket (llama_kv_cache_iswa's size_swa); None when they keep the full
+    cache (no SWA layers, swa_full, or a window cache that would not be smaller)."""
+    if not any(hp.swa_layers) or hp.swa_type == SWAType.NONE or swa_full:
+        return None
+    size = -(-(hp.n_swa * n_seq_max + n_ubatch) // kv_bucket) * kv_bucket
+    return size if size < n_ctx else None
+
+
+def estimate_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "f32", **swa) -> int:
+    """Bytes of the K and V buffers a KVCache(n_ctx, ...) allocates; swa: the keyword
+    arguments of swa_cache_size (n_seq_max, n_ubatch, kv_bucket, swa_full)."""
+    n_swa_cells = swa_cache_size(hp, n_ctx, **swa) or n_ctx
+    esz_k, esz_v = (np.dtype(np_dtype(KV_TYPES[t])).itemsize for t in (type_k, type_v))
+    return sum((n_swa_cells if hp.is_swa(il) else n_ctx) * (hp.n_embd_k_gqa(il) * esz_k + hp.n_embd_v_gqa(il) * esz_v)
+               for il in range(hp.n_layer))
+
+
 class KVCache:
     def __init__(self, model: Model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
-                 kv_bucket: int = 256):
+                 kv_bucket: int = 256, *, n_ubatch: int = 512, swa_full: bool = True):
         hp = model.hparams
         for name, t in (("type_k", type_k), ("type_v", type_v)):
             if t not in KV_TYPES:
@@ -105,13 +132,18 @@ class KVCache:
         self.kv_bucket = kv_bucket
         self.lock = threading.RLock()     # one decode or sequence operation at a time
         self.cells = KVCells(n_ctx, n_seq_max)
+        self.cells_swa: KVCells | None = None     # the sliding-window layers' own cells, if any
+        self.n_ctx_swa = swa_cache_size(hp, n_ctx, n_seq_max, n_ubatch, kv_bucket, swa_full) or n_ctx
+        if self.n_ctx_swa < n_ctx:
+            self.cells_swa = KVCells(self.n_ctx_swa, n_seq_max, swa_type=hp.swa_type, n_swa=hp.n_swa)
         self.k_l: list[Tensor] = []
         self.v_l: list[Tensor] = []
         self._device: dict[Tensor, jax.Device] = {}
         self._place = model.place
         for il in range(hp.n_layer):
-            k = new_state(tk, (hp.n_embd_k_gqa(il), n_ctx), f"cache_k_l{il}")
-            v = new_state(tv, (hp.n_embd_v_gqa(il), n_ctx), f"cache_v_l{il}")
+            size = self.n_ctx_of(il)
+            k = new_state(tk, (hp.n_embd_k_gqa(il), size), f"cache_k_l{il}")
+            v = new_state(tv, (hp.n_embd_v_gqa(il), size), f"cache_v_l{il}")
             for buf in (k, v):
                 self._device[buf] = self._place.dev_layer[il]
                 buf.data = self._zeros(buf)
@@ -146,6 +178,46 @@ class KVCache:
         for t, v in new_state.items():
             t.data = v
 
+    def is_swa(self, il: int) -> bool:
+        """Whether layer il has the sliding-window cache (not the full one)."""
+        return self.cells_swa is not None and self.hparams.is_swa(il)
+
+    def n_ctx_of(self, il: int) -> int:
+        """Cells of layer il's buffers."""
+        return self.n_ctx_swa if self.is_swa(il) else self.n_ctx
+
+    def all_cells(self) -> list[KVCells]:
+        return [self.cells] if self.cells_swa is None else [self.cells, self.cells_swa]
+
+    # ---- slots -----------------------------------------------------------------------
+
+    def prepare(self, ubatches: list[UBatch]) -> list[tuple[SlotInfo, SlotInfo | None]] | None:
+        """Slots for all ubatches in the full cells and, if any, in the window cells (None
+        when either has no room; nothing changes either way)."""
+        slots = self.cells.prepare(ubatches)
+        if slots is None:
+            return None
+        if self.cells_swa is None:
+            return [(s, None) for s in slots]
+        slots_swa = self.cells_swa.prepare(ubatches)
+        if slots_swa is None:
+            return None
+        return list(zip(slots, slots_swa, strict=True))
+
+    def apply(self, slot: tuple[SlotInfo, SlotInfo | None], ub: UBatch) -> None:
+        self.cells.apply(slot[0], ub)
+        if self.cells_swa is not None and slot[1] is not None:
+            self.cells_swa.apply(slot[1], ub)
+
+    def can_keep(self, seq_id: int, n_keep: int) -> bool:
+        """Whether decoding seq_id on from position n_keep (after seq_rm(seq_id, n_keep, -1))
+        sees everything it should: the window cells must still hold the positions the next
+        token's window needs (llama.cpp's server forces a full re-processing otherwise)."""
+        if n_keep == 0 or self.cells_swa is None:
+            return True
+        p_min = self.cells_swa.seq_pos_min(seq_id)
+        return 0 <= p_min <= max(0, n_keep - self.hparams.n_swa)
+
     # ---- graph inputs ----------------------------------------------------------------
 
     def n_kv(self) -> int:
@@ -155,11 +227,20 @@ class KVCache:
         """n_kv once the cells up to used_max_p1 are filled."""
         return self.cells.n_kv_of(used_max_p1, self.kv_bucket)
 
-    def write_indices(self, slot: SlotInfo, n_tokens_pad: int) -> np.ndarray:
-        return self.cells.write_indices(slot, n_tokens_pad)
+    def n_kv_swa(self) -> int:
+        """KV length the sliding-window layers read (n_kv() when they share the full cells)."""
+        if self.cells_swa is None:
+            return self.n_kv()
+        return self.cells_swa.n_kv(min(self.kv_bucket, self.n_ctx_swa))
+
+    def write_indices(self, slot: SlotInfo, n_tokens_pad: int, swa: bool = False) -> np.ndarray:
+        cells = self.cells_swa if swa and self.cells_swa is not None else self.cells
+        return cells.write_indices(slot, n_tokens_pad)
 
     def mask(self, ub: UBatch, n_tokens_pad: int, n_kv: int, swa: bool) -> np.ndarray:
         hp = self.hparams
+        if swa and self.cells_swa is not None:
+            return self.cells_swa.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad)
         if swa:
             return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=hp.causal_attn,
                                          swa_type=hp.swa_type, n_swa=hp.n_swa)
@@ -169,27 +250,37 @@ class KVCache:
     # ---- sequence ops (llama_memory_seq_*) ---------------------------------------------
 
     def seq_pos_min(self, seq_id: int) -> int:
-        return self.cells.seq_pos_min(seq_id)
+        """The smallest position every layer still holds (the window cache's, when there is one)."""
+        return (self.cells_swa or self.cells).seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.cells.seq_pos_max(seq_id)
 
     @locked
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        return self.cells.seq_rm(seq_id, p0, p1)
+        for c in self.all_cells():
+            c.seq_rm(seq_id, p0, p1)
+        return True
 
     @locked
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        self.cells.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+        for c in self.all_cells():
+            c.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
     @locked
     def seq_keep(self, seq_id: int) -> None:
-        self.cells.seq_keep(seq_id)
+        for c in self.all_cells():
+            c.seq_keep(seq_id)
 
     @locked
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """Shift positions; the cached K rows are re-rotated before the next decode."""
-        self.cells.seq_add(seq_id, p0, p1, shift)
+        for c in self.all_cells():
+            c.seq_add(seq_id, p0, p1, shift)
+
+    @property
+    def has_shift(self) -> bool:
+        return any(c.has_shift for c in self.all_cells())
 
     @locked
     def clear(self) -> None:
@@ -197,4 +288,5 @@ class KVCache:
         for t in self.k_l + self.v_l:
             if t.data.is_deleted():
                 t.data = self._zeros(t)
-        self.cells.clear()
+        for c in self.all_cells():
+            c.clear()

@@ -102,8 +102,17 @@ def _rows(t, cells: np.ndarray) -> np.ndarray:
     return np.asarray(rows).reshape(len(cells), t.data.shape[-1])
 
 
+def _check_single_cache(ctx, where: str) -> None:
+    """State files hold one set of cells: a context with a separate sliding-window cache
+    (Context(swa_full=False)) cannot be saved or restored yet."""
+    if ctx.memory.cells_swa is not None:
+        raise StateError(f"{where}: the context has a separate sliding-window KV cache (swa_full=False); "
+                         "state save/load needs swa_full=True")
+
+
 def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None = None, sampler=None) -> bytes:
     """The whole state of ctx (seq_id None) or one sequence's, as bytes (header + body)."""
+    _check_single_cache(ctx, "state")
     mem = ctx.memory
     cells_meta = mem.cells
     ids = np.asarray(list(tokens), dtype=np.int64)
@@ -212,6 +221,7 @@ class _Reader:
 
 def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sampler=None) -> _Saved:
     """Parse and validate a state against ctx without changing anything."""
+    _check_single_cache(ctx, where)
     if len(data) < _HEADER.size:
         raise StateError(f"{where}: truncated: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
     magic, version, got_kind, n_body, crc = _HEADER.unpack_from(data)

@@ -166,7 +166,10 @@ PERSIST_SCRIPT = textwrap.dedent("""
 
 
 def _run_persist(env_extra: dict, with_stderr: bool = False) -> dict:
+    # XLA's compilation cache on its own: ggmlx's executable cache (tested below) would serve
+    # the second process before XLA's cache is asked
     env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env["GGMLX_EXE_CACHE"] = "0"
     env.update(env_extra)
     res = subprocess.run([sys.executable, "-c", PERSIST_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).parent.parent)
@@ -239,3 +242,43 @@ def test_graph_cache_is_lru_bounded_and_counts_evictions():
     g, x, out = mlp(w_up, w_down, 1)                 # least recent: was evicted
     compute(g, {x: np.ones((1, N_EMBD), np.float32)}, cache=cache)
     assert cache.stats.misses == 4 and cache.stats.evictions == 2 and len(cache) == 2
+
+
+EXE_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import ggmlx
+    ggmlx.init()
+    from ggmlx import ops, compile as C
+    from ggmlx.graph import Graph
+    from ggmlx.tensor import new_input
+    from ggmlx.types import GGMLType as T
+    cache = C.GraphCache()
+    x = new_input(T.F32, (16, 4), "x")
+    y = ops.rms_norm(ops.silu(x).set_name("a"), 1e-5).set_name("b")
+    out, _ = C.compute(Graph().build_forward_expand(y), {x: np.arange(64.0).reshape(4, 16)}, cache=cache)
+    print(json.dumps({"disk_hits": cache.stats.disk_hits, "out": np.asarray(out[y]).tolist()}))
+""")
+
+
+@pytest.mark.slow
+def test_exe_cache_second_process_loads_the_executable(tmp_path):
+    """GGMLX_EXE_CACHE=1 (opt-in): the second process deserializes the executable (no tracing, no XLA
+    compile), with the same result; a damaged entry is compiled again."""
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
+
+    def run() -> dict:
+        res = subprocess.run([sys.executable, "-c", EXE_SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=120, cwd=Path(__file__).parent.parent)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = run()
+    entries = list((tmp_path / "c" / "exe").glob("*.bin"))
+    assert first["disk_hits"] == 0 and len(entries) == 1
+    second = run()
+    assert second["disk_hits"] == 1 and second["out"] == first["out"]
+    entries[0].write_bytes(b"not a pickle")
+    third = run()
+    assert third["disk_hits"] == 0 and third["out"] == first["out"]

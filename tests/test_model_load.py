@@ -97,7 +97,7 @@ def test_errors_leave_no_device_arrays(tmp_path):
 
 def test_progress_callback_sees_fractions_up_to_one(tmp_path):
     seen = []
-    model = llm.load_model(write(tmp_path), progress_callback=lambda f: seen.append(f) or True)
+    model = llm.load_model(write(tmp_path), progress_callback=lambda f: seen.append(f) or True, fuse=False)
     assert seen[0] == 0.0 and seen[-1] == 1.0
     assert all(b >= a for a, b in zip(seen, seen[1:], strict=False))
     assert len(seen) == len(model.weight_tensors()) + 1
@@ -140,10 +140,14 @@ def test_tied_output_reuses_token_embd(tmp_path):
 
 
 def test_quantized_weights_keep_their_type(tmp_path):
-    model = llm.load_model(write_model(tmp_path / "q.gguf", TinySpec(n_layer=2, wtype="Q8_0")))
+    path = write_model(tmp_path / "q.gguf", TinySpec(n_layer=2, wtype="Q8_0"))
+    model = llm.load_model(path, fuse=False)
     assert model.layers[0].wq.type == GGMLType.Q8_0
     assert model.layers[0].attn_norm.type == GGMLType.F32
     assert model.n_bytes > 0
+    fused = llm.load_model(path, fuse=True)   # wq/wk/wv -> wqkv, gate/up -> ffn_up: the type is kept
+    assert fused.layers[0].wq is None and fused.layers[0].wqkv.type == GGMLType.Q8_0
+    assert fused.layers[0].ffn_gate is None and fused.layers[0].ffn_up.ne[1] == 2 * model.layers[0].ffn_up.ne[1]
 
 
 def test_real_models_load(smollm2_path, gemma3_path):
