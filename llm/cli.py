@@ -417,7 +417,8 @@ def cmd_serve(a) -> int:
         print(f"llm server: warmup compiled {n} graphs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     engine.start()
     name = model_name_of(llm.model.path)
-    app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key)
+    app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
+                     slot_save_path=a.slot_save_path)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
           f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
     try:
@@ -536,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "--parallel", type=int, default=4, help="slots: requests decoded together")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for a slot; more get 503")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="directory for POST /slots/{id}?action=save|restore (off without it)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling the step graphs before serving")
     p.add_argument("--kv-bucket", type=int, default=0,

@@ -1,30 +1,37 @@
 """An OpenAI-compatible HTTP server (`python -m llm serve`) on FastAPI + uvicorn.
 
-Routes: POST /v1/chat/completions and /v1/completions (SSE with `stream: true`), GET
-/v1/models, GET /health, GET /slots, POST /tokenize and /detokenize (as llama-server has
-them). Requests go to an `llm.serving.Engine`, which batches all running requests in one
-thread; the handlers wait on an asyncio queue fed from that thread.
+Routes: POST /v1/chat/completions and /v1/completions (SSE with `stream: true`; a
+`response_format` constrains the output to JSON or a JSON schema), POST /v1/embeddings, GET
+/v1/models, GET /health, GET /slots, POST /slots/{id}?action=save|restore (with
+--slot-save-path), POST /tokenize and /detokenize (as llama-server has them). Requests go to
+an `llm.serving.Engine`, which batches all running requests in one thread; the handlers wait
+on an asyncio queue fed from that thread. Slot save/restore runs on that thread too.
 
 Bad input gets an OpenAI-style error object {"error": {"message", "type", "param", "code"}}:
-400 for malformed or invalid fields, 401 without the API key, 413 for a body over 8 MiB,
-503 with Retry-After when the queue is full, 500 when the engine fails inside a request
-(only that request; the engine keeps serving the others).
+400 for malformed or invalid fields, 401 without the API key, 404 for an unknown slot, 409
+for a busy one, 413 for a body over 8 MiB, 503 with Retry-After when the queue is full, 500
+when the engine fails inside a request (only that request; the engine keeps serving the others).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from llm import grammar as grammar_mod
 from llm.chat import ChatTemplateError
+from llm.errors import GrammarError, StateError
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplingParams
 from llm.serving import (
     FINISH_EOG,
@@ -36,7 +43,10 @@ from llm.serving import (
     GenParams,
     Job,
     QueueFull,
+    SlotBusy,
+    SlotNotFound,
 )
+from llm.state import slot_path
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +166,35 @@ def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenPara
         penalty_freq=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         penalty_present=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body, n_vocab))
+    try:
+        constraint = grammar_mod.spec_response_format(body.get("response_format"))
+    except GrammarError as e:
+        raise _bad("response_format", f"'response_format' is invalid: {e}") from None
     return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
-                     top_logprobs=top)
+                     top_logprobs=top, constraint=constraint)
+
+
+def embedding_inputs(body: dict, tokenize, n_vocab: int) -> list[list[int]]:
+    """`input` as a string, a list of token ids, or a list of strings / token lists."""
+    v = body.get("input")
+    err = _bad("input", "'input' must be a non-empty string, a list of token ids, or a list of those")
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise err
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        v = [v]
+    out = []
+    for x in v:
+        if isinstance(x, str) and x:
+            out.append(tokenize(x))
+        elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+            if not all(0 <= t < n_vocab for t in x):
+                raise _bad("input", f"'input' token ids must be in [0, {n_vocab})")
+            out.append(list(x))
+        else:
+            raise err
+    return out
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -230,11 +267,11 @@ async def read_json(request: Request) -> dict:
 class Run:
     """The jobs of one HTTP request (one per prompt), their events merged into one queue."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], params: GenParams):
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: GenParams, cache_prompt: bool = False):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.jobs = [Job(toks, params, self._sink(k)) for k, toks in enumerate(prompts)]
+        self.jobs = [Job(toks, params, self._sink(k), cache_prompt=cache_prompt) for k, toks in enumerate(prompts)]
         self.n = params.n
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
@@ -312,9 +349,10 @@ def text_logprobs(lps, vocab, offset0: int) -> dict:
 # ---- the app ------------------------------------------------------------------------------
 
 def create_app(llm, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
-               api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `llm` (an llm.LLM, for the vocab and chat template) through
-    `engine` (running on llm.ctx)."""
+               api_key: str | None = None, slot_save_path: str | Path | None = None) -> FastAPI:
+    """The FastAPI app serving `llm` (an llm.LLM, for the vocab, chat template and embeddings)
+    through `engine` (running on llm.ctx). Slots are saved to and restored from files in
+    `slot_save_path`."""
     app = FastAPI(title="ggmlx llm server")
     names = {model_name, *aliases}
     vocab = llm.vocab
@@ -358,6 +396,66 @@ def create_app(llm, engine: Engine, *, model_name: str, aliases: tuple[str, ...]
     async def slots():
         return engine.snapshot["slots"]
 
+    @app.post("/slots/{slot}")
+    async def slot_action(slot: str, request: Request, action: str = ""):
+        if not slot.isdigit():
+            raise APIError(404, f"slot {slot!r} does not exist", param="id_slot", code="slot_not_found")
+        slot_id = int(slot)
+        if action not in ("save", "restore"):
+            raise _bad("action", f"'action' must be 'save' or 'restore', got {action!r}")
+        if slot_save_path is None:
+            raise APIError(400, "slot save/restore is off: start the server with --slot-save-path DIR",
+                           code="not_supported")
+        body = await read_json(request)
+        filename = body.get("filename")
+        try:
+            path = slot_path(slot_save_path, filename)      # type: ignore[arg-type]
+        except StateError as e:
+            raise _bad("filename", str(e)) from None
+        t0 = time.perf_counter()
+        try:
+            if action == "save":
+                n = await run_in_threadpool(engine.call, lambda b: b.save_slot(slot_id, path))
+            else:
+                n = await run_in_threadpool(engine.call, lambda b: b.restore_slot(slot_id, path))
+        except SlotNotFound as e:
+            raise APIError(404, str(e), param="id_slot", code="slot_not_found") from None
+        except SlotBusy as e:
+            raise APIError(409, str(e), param="id_slot", code="slot_busy") from None
+        except (StateError, OSError) as e:
+            raise _bad("filename", f"{action} failed: {e}") from None
+        ms = (time.perf_counter() - t0) * 1000
+        key = "n_saved" if action == "save" else "n_restored"
+        return {"id_slot": slot_id, "filename": filename, key: n,
+                "timings": {("save_ms" if action == "save" else "restore_ms"): ms}}
+
+    embed_lock = threading.Lock()     # LLM.embed builds its context on first use
+
+    def embed(tokens: list[list[int]]) -> np.ndarray:
+        with embed_lock:
+            return llm.embed(tokens, normalize=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await read_json(request)
+        check_model(body)
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise _bad("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {json.dumps(fmt)[:50]}")
+        inputs = await run_in_threadpool(embedding_inputs, body, lambda s: vocab.tokenize(s, True, True),
+                                         vocab.n_tokens)
+        try:
+            vecs = await run_in_threadpool(embed, inputs)
+        except ValueError as e:
+            raise _bad("input", str(e)) from None
+        data = []
+        for i, v in enumerate(vecs):
+            emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n_tok = sum(map(len, inputs))
+        return {"object": "list", "data": data, "model": model_name,
+                "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -384,10 +482,11 @@ def create_app(llm, engine: Engine, *, model_name: str, aliases: tuple[str, ...]
             raise _bad("tokens", f"'tokens' must be a list of token ids in [0, {vocab.n_tokens})")
         return {"content": vocab.detokenize(toks)}
 
-    async def start(request: Request, prompts: list[list[int]], params: GenParams) -> tuple[Run, list]:
+    async def start(request: Request, prompts: list[list[int]], params: GenParams,
+                    cache_prompt: bool) -> tuple[Run, list]:
         """Submit the jobs and wait for the first event, so failures before the first token
         still get a proper status."""
-        run = Run(engine, prompts, params)
+        run = Run(engine, prompts, params, cache_prompt)
         run.submit()
         first = await run.next(request)
         if isinstance(first[1], Failed):
@@ -403,9 +502,9 @@ def create_app(llm, engine: Engine, *, model_name: str, aliases: tuple[str, ...]
                  ",".join(reasons))
 
     async def generate(request: Request, prompts: list[list[int]], params: GenParams, *, chat: bool,
-                       stream: bool, include_usage: bool):
+                       stream: bool, include_usage: bool, cache_prompt: bool):
         n_choices = len(prompts) * params.n
-        run, pending = await start(request, prompts, params)
+        run, pending = await start(request, prompts, params, cache_prompt)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name}
@@ -518,7 +617,8 @@ def create_app(llm, engine: Engine, *, model_name: str, aliases: tuple[str, ...]
         if len(tokens) >= engine.batcher.n_ctx_slot:
             raise APIError(400, f"the prompt has {len(tokens)} tokens; a slot holds {engine.batcher.n_ctx_slot}",
                            param="messages", code="context_length_exceeded")
-        return await generate(request, [tokens], params, chat=True, stream=stream, include_usage=include_usage)
+        return await generate(request, [tokens], params, chat=True, stream=stream, include_usage=include_usage,
+                              cache_prompt=_bool(body, "cache_prompt", False))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -531,7 +631,8 @@ def create_app(llm, engine: Engine, *, model_name: str, aliases: tuple[str, ...]
             if len(p) >= engine.batcher.n_ctx_slot:
                 raise APIError(400, f"the prompt has {len(p)} tokens; a slot holds {engine.batcher.n_ctx_slot}",
                                param="prompt", code="context_length_exceeded")
-        return await generate(request, prompts, params, chat=False, stream=stream, include_usage=include_usage)
+        return await generate(request, prompts, params, chat=False, stream=stream, include_usage=include_usage,
+                              cache_prompt=_bool(body, "cache_prompt", False))
 
     return app
 

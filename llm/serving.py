@@ -21,6 +21,7 @@ and generation stops with finish reason "length" when its slot is full.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -31,8 +32,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from llm import grammar as grammar_mod
 from llm.batch import Batch
 from llm.context import DecodeStatus
+from llm.errors import StateError
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams, TokenDataArray
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,14 @@ MAX_TOP_LOGPROBS = 20
 
 class QueueFull(RuntimeError):
     """The engine's queue of waiting requests is full; try again later."""
+
+
+class SlotNotFound(LookupError):
+    """No slot has this id."""
+
+
+class SlotBusy(RuntimeError):
+    """The slot is running a request."""
 
 
 class EngineError(RuntimeError):
@@ -59,6 +70,7 @@ class GenParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: grammar_mod.GrammarSpec | None = None   # a checked grammar, first in each sample's chain
 
     def check(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
@@ -186,6 +198,13 @@ class Batcher:
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.n_steps = 0
+        self._gvocab: grammar_mod.GrammarVocab | None = None   # built on the first constrained job
+
+    def grammar_vocab(self) -> grammar_mod.GrammarVocab:
+        """The vocabulary as llguidance wants it (built once: about a second for 262144 tokens)."""
+        if self._gvocab is None:
+            self._gvocab = grammar_mod.GrammarVocab(self.vocab)
+        return self._gvocab
 
     def warmup(self) -> int:
         """Compile ahead the graphs the steps will need (decode steps of 1, 2, 4, .. n_slots
@@ -269,6 +288,32 @@ class Batcher:
             self.cached.pop(s.seq_id, None)
         self.free.append(s.seq_id)
 
+    def _idle_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
+            raise SlotNotFound(f"slot {slot!r} does not exist (slots 0..{self.n_slots - 1})")
+        if slot not in self.free:
+            raise SlotBusy(f"slot {slot} is processing a request")
+
+    def save_slot(self, slot: int, path) -> int:
+        """Write an idle slot's cells and the tokens they hold (llama-server's slot save);
+        returns the number of tokens saved. The cells are there after a cache_prompt job."""
+        self._idle_slot(slot)
+        tokens = self.cached.get(slot, [])
+        self.ctx.state_seq_save_file(path, slot, tokens)
+        return len(tokens)
+
+    def restore_slot(self, slot: int, path) -> int:
+        """Load a saved slot into an idle slot, whose cells it replaces; the next cache_prompt job
+        with that prefix reuses them. StateError for a bad file or one larger than a slot."""
+        self._idle_slot(slot)
+        tokens = self.ctx.state_seq_load_file(path, slot)
+        self.cached.pop(slot, None)
+        if len(tokens) >= self.n_ctx_slot:
+            self.ctx.memory.seq_rm(slot, -1, -1)
+            raise StateError(f"{path}: {len(tokens)} tokens do not fit a slot of {self.n_ctx_slot}")
+        self.cached[slot] = [int(t) for t in tokens]
+        return len(tokens)
+
     def forget(self) -> None:
         """Drop the prompt cache's bookkeeping (after the cache itself was cleared)."""
         self.cached.clear()
@@ -301,6 +346,8 @@ class Batcher:
                 sp = p.sampling if seed == LLAMA_DEFAULT_SEED or i == 0 else \
                     dataclasses.replace(p.sampling, seed=(seed + i) & 0xFFFFFFFF)
                 sampler = SamplerChain.from_params(sp, n_vocab=self.ctx.n_vocab)
+                if p.constraint is not None:    # the grammar goes first, as in llama.cpp
+                    sampler.samplers.insert(0, p.constraint.sampler(self.grammar_vocab()))
                 seq_id, n_keep = self._take_slot(job)
                 job.seqs.append(_Seq(job, i, seq_id, sampler, self.vocab.stream_decoder()))
                 if i == 0:
@@ -522,10 +569,24 @@ class Engine:
     def cancel(self, job: Job) -> None:
         self._inbox.put(("cancel", job))
 
-    def _handle(self, kind: str, job: Job | None) -> None:
+    def call(self, fn: Callable[[Batcher], object], timeout: float = 300.0):
+        """Run fn(batcher) on the engine thread, which alone touches the Context, between two
+        steps; returns its result or raises its exception here."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut.result(timeout)
+
+    def _handle(self, kind: str, job) -> None:
         if job is None:        # a wake-up
             return
-        if kind == "submit":
+        if kind == "call":
+            fn, fut = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.batcher))
+                except Exception as e:
+                    fut.set_exception(e)
+        elif kind == "submit":
             self.batcher.submit(job)
         elif kind == "cancel":
             self.batcher.cancel(job)

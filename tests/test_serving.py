@@ -267,3 +267,23 @@ def test_logprobs_of_matches_log_softmax():
     ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
     assert lp == pytest.approx(ref[0])
     assert [t for t, _ in top] == [1, 2, 0] and top[0][1] == pytest.approx(ref[1])
+
+
+def test_save_restore_slot_refuses_busy_and_unknown_slots(model, tmp_path):
+    from llm.serving import SlotBusy, SlotNotFound
+    b = new_batcher(model, n_slots=2)
+    job = Job(prompt_tokens(6), GenParams(max_tokens=20, sampling=GREEDY), Sink(), cache_prompt=True)
+    b.submit(job)
+    b.step()
+    slot = job.seqs[0].seq_id
+    with pytest.raises(SlotBusy, match=f"slot {slot} is processing"):
+        b.save_slot(slot, tmp_path / "a.bin")
+    with pytest.raises(SlotNotFound, match="does not exist"):
+        b.restore_slot(2, tmp_path / "a.bin")
+    while not job.finished:
+        b.step()
+    n = b.save_slot(slot, tmp_path / "a.bin")
+    assert n == len(b.cached[slot]) > 6
+    assert b.restore_slot(1 - slot, tmp_path / "a.bin") == n
+    assert b.cached[1 - slot] == b.cached[slot]
+    assert b.ctx.memory.seq_pos_max(1 - slot) == n - 1
