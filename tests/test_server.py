@@ -2,6 +2,7 @@
 SmolLM2, driven by the official openai client (and httpx for what the client hides)."""
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import math
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
+import numpy as np
 import openai
 import pytest
 
@@ -66,8 +69,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
+    slots = tmp_path_factory.mktemp("slots")
     s = Server(smollm2_path, tmp_path_factory.mktemp("srv") / "server.log", "-np", "4", "-c", "2048", "--no-warmup",
-               "--queue-size", "8")
+               "--queue-size", "8", "--slot-save-path", str(slots))
+    s.slots_dir = slots
     yield s
     s.stop()
 
@@ -262,3 +267,64 @@ def test_full_queue_gets_503_with_retry_after(small):
                 assert refused.json()["error"]["code"] == "queue_full"
         # the running stream was dropped (slot freed), so the waiting request completes
         assert waiting.result().status_code == 200
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 20}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_validates(server, model_id):
+    msgs = [{"role": "user", "content": "Describe a person who lives in Paris as JSON."}]
+    for seed in (0, 1):
+        r = chat(server, model_id, messages=msgs, temperature=0.8, seed=seed, max_tokens=120,
+                 response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = chat(server, model_id, messages=msgs, max_tokens=120, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, model_id, response_format={"type": "json_schema", "json_schema": {"schema": 3}})
+    assert e.value.body["param"] == "response_format"
+
+
+def test_embeddings_through_the_openai_client(server, model_id):
+    texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock prices fell sharply today."]
+    r = server.client().embeddings.create(model=model_id, input=texts)
+    v = np.array([d.embedding for d in r.data])
+    assert [d.index for d in r.data] == [0, 1, 2] and v.shape[0] == 3
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, rtol=1e-5)
+    sim = v @ v.T
+    assert sim[0, 1] > sim[0, 2]          # the paraphrase is nearer than the unrelated sentence
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 0
+    b64 = server.client().embeddings.create(model=model_id, input=texts[0], encoding_format="base64")
+    raw = b64.data[0].embedding        # the client hands base64 back as it came when asked for it
+    got = np.frombuffer(base64.b64decode(raw), "<f4") if isinstance(raw, str) else np.asarray(raw)
+    np.testing.assert_allclose(got, v[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(openai.BadRequestError):
+        server.client().embeddings.create(model=model_id, input=[""])
+
+
+def test_slot_save_restore(server, model_id):
+    prompt = "Once upon a time, in a land far away, there lived"
+    r = server.client().completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"cache_prompt": True})
+    idle = [s["id"] for s in httpx.get(server.url + "/slots").json()]
+    saved = None
+    for slot in idle:      # the slot that served the request holds its cells
+        x = httpx.post(server.url + f"/slots/{slot}?action=save", json={"filename": f"s{slot}.bin"}).json()
+        if x["n_saved"]:
+            saved = x
+    assert saved is not None and saved["n_saved"] >= r.usage.prompt_tokens
+    other = (saved["id_slot"] + 1) % len(idle)
+    x = httpx.post(server.url + f"/slots/{other}?action=restore", json={"filename": saved["filename"]})
+    assert x.status_code == 200 and x.json()["n_restored"] == saved["n_saved"], x.text
+    again = server.client().completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
+                                               extra_body={"cache_prompt": True})
+    assert again.choices[0].text == r.choices[0].text
+    bad = httpx.post(server.url + "/slots/99?action=save", json={"filename": "x.bin"})
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "id_slot"
+    bad = httpx.post(server.url + "/slots/0?action=save", json={"filename": "../x.bin"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "filename"
