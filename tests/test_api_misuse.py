@@ -47,6 +47,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     ([-1], ValueError, r"prompt\[0\] = -1"),
     ([], ValueError, "the prompt is empty"),
 ])
+@pytest.mark.slow
 def test_bad_prompts_are_typed_errors(m, refs, prompt, error, match):
     with pytest.raises(error, match=match) as e:
         m.stream(prompt)
@@ -118,6 +119,7 @@ def test_two_threads_on_one_llm_never_corrupt_it(m, refs):
         assert m.generate(p, **GREEDY).tokens == refs[p].tokens
 
 
+@pytest.mark.slow
 def test_a_decode_failing_mid_generation_leaves_the_llm_usable(tiny_path):
     """A failure inside the engine after the KV buffers were donated: GenerationError, then the
     next request runs as on a fresh LLM (the cache was rebuilt and the LLM forgot its prefix)."""
@@ -134,6 +136,7 @@ def test_a_decode_failing_mid_generation_leaves_the_llm_usable(tiny_path):
     assert m2.generate(PROMPTS[2], **GREEDY).tokens == ref.tokens
 
 
+@pytest.mark.slow
 def test_no_compile_after_the_first_token(tiny_path):
     """Issue 19 item 11: the KV buckets a generation crosses compile before its first token
     (a 60-token generation crosses n_kv 32 and 64 here), and compile time stays out of the
@@ -156,6 +159,7 @@ def test_no_compile_after_the_first_token(tiny_path):
     assert c.timings["compile_s"] + c.timings["prompt_s"] <= t_first
 
 
+@pytest.mark.slow
 def test_chat_without_a_template_warns_once_and_chat_defaults_to_an_instruct_model(tiny_path, caplog):
     """Issue 19 item 12: chat on a base model warns in one line naming a model with a
     template; the CLI's chat defaults to that instruction-tuned model."""
@@ -172,6 +176,7 @@ def test_chat_without_a_template_warns_once_and_chat_defaults_to_an_instruct_mod
     assert cli.build_parser().parse_args(["generate", "-p", "x"]).model == hub.DEFAULT_MODEL
 
 
+@pytest.mark.slow
 def test_two_threads_embedding_on_one_llm(m):
     """LLM.embed clears its context before each group: calls from several threads take turns."""
     import numpy as np

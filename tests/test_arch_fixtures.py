@@ -230,6 +230,7 @@ def test_encoder_context_needs_embeddings():
 
 
 @pytest.mark.parametrize("arch", ["smollm3", "granite"])
+@pytest.mark.slow
 def test_position_shift_rotates_only_rope_layers(arch):
     """After seq_add, the cached keys of rope layers are re-rotated and those of NoPE layers
     (smollm3's every 4th) left alone: the next token's logits equal a fresh decode of the
@@ -248,6 +249,7 @@ def test_position_shift_rotates_only_rope_layers(arch):
 
 
 @pytest.mark.parametrize("arch", ["bert", "nomic-bert"])
+@pytest.mark.slow
 def test_llm_embed_batches_encoder_sequences(arch):
     """LLM.embed puts the three sequences in one batch (one ubatch, non-causal attention
     kept within each sequence) and matches llama.cpp's mean pooling, normalized."""

@@ -53,6 +53,7 @@ def test_strftime_and_raise_exception():
     ("{% for i in range(1000000) %}{{ 'x' * 1000 }}{% endfor %}", "exceeds|longer than"),
     ("{{ messages[5]['content'] + 1 }}", "failed|error"),
 ])
+@pytest.mark.slow
 def test_hostile_templates_fail_fast_with_clear_error(template, match):
     t0 = time.monotonic()
     with pytest.raises(chat.ChatTemplateError, match=match):
@@ -116,6 +117,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_template_bombs_in_a_gguf_stay_under_256mb_and_2s(tmp_path):
     """Each bomb, read from a model file, fails with a limit error under an address-space
     limit of 256 MB above the interpreter's own, in under 2 s (main folded `center` at

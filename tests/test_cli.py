@@ -78,6 +78,7 @@ def test_bad_values_are_usage_errors(capsys, tiny, argv, match):
     assert rc == 2 and match in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_seed_minus_one_is_random_and_n_minus_one_fills_the_context(capsys, tiny):
     rc, out, err = run(capsys, "generate", "-m", str(tiny), "-p", "hello", "-s", "-1", "-n", "-1", "-c", "40",
                        "--temp", "1.0", "--top-k", "0", "--min-p", "0", "--perf")
@@ -107,6 +108,7 @@ def test_help_shows_defaults(capsys):
             assert s in text, (command, s)
 
 
+@pytest.mark.slow
 def test_one_status_line_per_phase_when_not_a_terminal(capsys, tiny):
     rc, out, err = run(capsys, "generate", "-m", str(tiny), "-p", "hello world", "-n", "3", "-c", "256")
     assert rc == 0, err

@@ -79,6 +79,7 @@ def assert_same_cache(a: list[np.ndarray], b: list[np.ndarray]) -> None:
 # ---- ubatches --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", list(SPECS))
+@pytest.mark.slow
 def test_prefill_ubatch7_and_token_by_token_agree(models, refs, arch: str):
     model, ref = models[arch], refs[arch]
     ctx7 = new_ctx(model, n_ubatch=7)
@@ -109,6 +110,7 @@ def test_outputs_only_for_requested_rows(llama, ref):
 
 
 @pytest.mark.parametrize("arch", list(SPECS))
+@pytest.mark.slow
 def test_embeddings_input_matches_tokens(models, refs, arch: str):
     """A batch of embeddings skips the token lookup and, as in llama.cpp, gemma3's
     sqrt(n_embd) input scale (raw embeddings are taken as they are)."""
@@ -139,6 +141,7 @@ def decode_64_steps(model, ref) -> tuple[llm.Context, list[dict], list[int]]:
     return ctx, perfs, n_kv
 
 
+@pytest.mark.slow
 def test_decode_64_steps_reuses_the_graph(llama, ref):
     ctx, perfs, n_kv = decode_64_steps(llama, ref)
     assert n_kv == [32] * 32 + [64] * 32 + [96]
@@ -154,6 +157,9 @@ def test_decode_64_steps_reuses_the_graph(llama, ref):
             assert (built, reused, compiled) == (0, 1, 0), f"step {i}: no compile in steady state"
     p = ctx.perf()
     assert (p["n_graph_builds"], p["n_reused"], p["n_eval"]) == (3, 62, 65)
+
+
+@pytest.mark.slow
 
 
 def test_second_context_compiles_nothing(llama, ref):
@@ -176,6 +182,7 @@ def test_reserve_compiles_decode_and_prefill_ahead(llama):
         ctx.reserve((17,))
 
 
+@pytest.mark.slow
 def test_reserve_generation_compiles_every_bucket_before_the_first_token(llama):
     """Issue 19 item 11: the KV buckets a generation crosses compile ahead, not mid-stream."""
     from ggmlx.compile import GraphCache
@@ -250,6 +257,7 @@ class FailingEval:
         return t.name == "inp_embd" if ask else True
 
 
+@pytest.mark.slow
 def test_failure_before_compute_removes_the_ubatch(llama, ref):
     """A ubatch that fails leaves no cells claiming K/V that were never written (llama_decode's
     rule); the context goes on as if it had not been sent."""
@@ -265,6 +273,7 @@ def test_failure_before_compute_removes_the_ubatch(llama, ref):
     assert np.abs(ctx.get_logits() - ref[20:]).max() <= TOL
 
 
+@pytest.mark.slow
 def test_failure_after_the_cache_was_donated_rebuilds_it(llama, ref):
     """Issue 19 item 3: a computation that fails after taking the donated KV buffers used to
     leave them deleted for good ("Array has been deleted" on every later decode, even after

@@ -23,6 +23,7 @@ def setup(tmp_path_factory):
     return llm.LLM(str(path), n_ctx=64), d, dirs, path
 
 
+@pytest.mark.slow
 def test_direction_is_added_to_l_out(setup):
     m, d, dirs, _ = setup
     toks = prompt_tokens(6)
@@ -61,6 +62,7 @@ def test_bad_control_vector_files(setup, tmp_path):
         m.control_vector(tmp_path / "zero.gguf")
 
 
+@pytest.mark.slow
 def test_cli_control_vector_matches_api(setup, capsys):
     m, d, _, path = setup
     prompt = "hello world"

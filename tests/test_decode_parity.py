@@ -192,6 +192,7 @@ def synthetic_runs() -> dict[tuple[str, str], np.ndarray]:
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 @pytest.mark.parametrize("stem", list(SYNTHETIC))
+@pytest.mark.slow
 def test_synthetic_logits_match_twin(synthetic_runs, stem: str, fmt: str):
     ref = np.load(DATA / "synthetic" / f"{stem}.npz")
     logits = synthetic_runs[stem, fmt][:len(ref["tokens"])]
@@ -204,6 +205,7 @@ def test_synthetic_logits_match_twin(synthetic_runs, stem: str, fmt: str):
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 @pytest.mark.parametrize("stem", list(SYNTHETIC))
+@pytest.mark.slow
 def test_synthetic_teacher_forced_greedy(synthetic_runs, stem: str, fmt: str):
     ref = np.load(DATA / "synthetic" / f"{stem}.npz")
     ours = synthetic_runs[stem, fmt][len(ref["tokens"]) - 1:].argmax(1)

@@ -106,6 +106,7 @@ def _ours(path: Path | str, tokens: list[int], names: list[str]) -> tuple[llm.Tr
 
 
 @pytest.mark.parametrize("name", SYNTH)
+@pytest.mark.slow
 def test_stored_synthetic_nodes_sit_where_llamacpp_has_them(name):
     """Every F32 node llama.cpp names on a committed synthetic model exists here under the same
     name (llama.cpp's `embd` is our `inp_embd`) with the same shape and close values."""
@@ -149,6 +150,7 @@ def test_stored_real_model_activations(name, request):
 
 @needs_llamacpp
 @pytest.mark.parametrize("stem", ["synth-llama-Q4_0", "synth-gemma3-Q4_K_M"])
+@pytest.mark.slow
 def test_live_diff_on_synthetic_models(stem):
     rows, only_ours, only_theirs, extra = D.diff(str(DATA / "synthetic" / f"{stem}.gguf"), [1, 45, 80, 120, 7],
                                                  ["*"])
@@ -158,6 +160,7 @@ def test_live_diff_on_synthetic_models(stem):
 
 
 @needs_llamacpp
+@pytest.mark.slow
 def test_control_vector_matches_llamacpp_cvec(tmp_path):
     from llm import cvec
     path = DATA / "synthetic" / "synth-llama-Q4_0.gguf"

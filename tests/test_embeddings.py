@@ -27,6 +27,7 @@ def per_token(model: llm.Model, toks: list[int]) -> np.ndarray:
     return ctx.get_embeddings().copy()
 
 
+@pytest.mark.slow
 def test_pooling_types_pool_the_per_token_states(tiny):
     a, b = prompt_tokens(11, seed=2), prompt_tokens(6, seed=3)
     ea, eb = per_token(tiny, a), per_token(tiny, b)
@@ -71,6 +72,7 @@ def test_embed_batches_over_sequences(tiny, tmp_path):
         m.embed([prompt_tokens(40)])
 
 
+@pytest.mark.slow
 def test_pooling_errors_name_what_is_missing(tiny):
     ctx = llm.Context(tiny, n_ctx=32)
     with pytest.raises(ValueError, match="without embeddings=True"):

@@ -50,6 +50,7 @@ def mutate(rng: random.Random, data: bytes, head: int) -> bytes:
     return bytes(b)
 
 
+@pytest.mark.slow
 def test_gguf_mutants_fail_only_with_typed_errors(tmp_path):
     src = write_model(tmp_path / "tiny.gguf", TinySpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=32))
     data = src.read_bytes()

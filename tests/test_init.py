@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 SCRIPT = textwrap.dedent("""
@@ -70,6 +72,7 @@ def test_init_after_jax_started_without_the_flag_warns_once_and_works(tmp_path):
     assert r["sum"] == 3.0
 
 
+@pytest.mark.slow
 def test_init_keeps_a_users_own_setting(tmp_path):
     """A user who set the scheduler flag either way keeps it, even after JAX started."""
     mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
@@ -78,6 +81,7 @@ def test_init_keeps_a_users_own_setting(tmp_path):
     assert r["warnings"] == []
 
 
+@pytest.mark.slow
 def test_llm_contract_modules_are_attributes_after_import():
     """`import llm` then llm.sampling.grammar / llm.distributed.initialize / llm.hub.pull, as
     the API contract writes them, although llm's names load lazily."""

@@ -105,6 +105,7 @@ def test_progress_callback_sees_fractions_up_to_one(tmp_path):
 
 
 @pytest.mark.parametrize("stop_at", [0, 7, "end"])
+@pytest.mark.slow
 def test_cancel_raises_and_frees_weights(tmp_path, stop_at):
     path = write(tmp_path)
     calls = []

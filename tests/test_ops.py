@@ -454,6 +454,7 @@ def test_rope_ext():
     check("rope permuted source", vals[-1], ref)
 
 
+@pytest.mark.slow
 def test_rope_ext_head_dim_128():
     """A real head size at positions up to 4096; theta is an f32 power series as in ggml's
     rope cache, whose error against float64 grows with the position (NMSE ~4e-7 at 32k, the
@@ -837,6 +838,7 @@ def dequant_ref(blocks: np.ndarray, t: T, ne) -> np.ndarray:
 
 
 @pytest.mark.parametrize("t", list(F16_FIELDS), ids=type_name)
+@pytest.mark.slow
 def test_quantized_weight_ops(t):
     """mul_mat (with channel broadcast), get_rows (2-d fast path and 3-d) and mul_mat_id on a
     block-quantized src0, against float64 math on the dequantized weights."""

@@ -56,6 +56,7 @@ def test_chunking_rule():
         ppl.chunk_tokens(tokens[:63], N_CTX)
 
 
+@pytest.mark.slow
 def test_scores_the_second_half_of_each_chunk(model):
     tokens = prompt_tokens(5 * N_CTX + 7, seed=3)
     chunks = ppl.chunk_tokens(tokens, N_CTX)
@@ -75,6 +76,7 @@ def test_scores_the_second_half_of_each_chunk(model):
     assert np.abs(split.nll - res.nll).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_kl_base_file_round_trip(model):
     chunks = ppl.chunk_tokens(prompt_tokens(3 * N_CTX, seed=4), N_CTX)
     buf = io.BytesIO()

@@ -19,6 +19,7 @@ def tiny(tmp_path_factory) -> llm.Model:
     return llm.load_model(write_model(tmp_path_factory.mktemp("prof") / "tiny.gguf", spec))
 
 
+@pytest.mark.slow
 def test_profile_tables_name_nodes_and_add_up(tiny):
     steps = llm.profile(tiny, n_ctx=64, n_prompt=16, n_decode=4, n_prefill=1, n_ubatch=16)
     assert [s.label.split(" ")[0] for s in steps] == ["prefill", "decode"]

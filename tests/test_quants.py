@@ -196,6 +196,7 @@ def test_jax_dequantizes_gathered_rows():
     assert np.array_equal(bits(np.asarray(got)), bits(quants.dequantize(data, t, ne)[rows]))
 
 
+@pytest.mark.slow
 def test_jax_accepts_rows_of_bytes():
     t = GGMLType.Q5_0
     data, ne = random_tensor(t, seed=8)
@@ -258,6 +259,7 @@ def test_quantize_float_types_match_gguf_py(t):
 
 
 @pytest.mark.parametrize("t", LEGACY_QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.slow
 def test_quantize_jax_matches_numpy_inside_jit(t):
     x = quantizer_input(seed=100 + int(t))
     got = jax.jit(functools.partial(quants.quantize_jax, type=t))(x)

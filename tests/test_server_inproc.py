@@ -45,6 +45,7 @@ def error(r, status: int, param: str | None) -> str:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.slow
 def test_response_format_json_schema(app, seed):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     r = app.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 200,
@@ -55,6 +56,7 @@ def test_response_format_json_schema(app, seed):
     jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
 
+@pytest.mark.slow
 def test_response_format_json_object_on_completions(app):
     r = app.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "temperature": 1.0, "seed": 3,
                                           "n": 2, "response_format": {"type": "json_object"}})
@@ -114,6 +116,7 @@ def test_slot_errors(app):
                                      400, "filename")
 
 
+@pytest.mark.slow
 def test_embeddings(app, tiny):
     texts = ["hello world", "a b c"]
     r = app.post("/v1/embeddings", json={"input": texts, "model": "tiny"})

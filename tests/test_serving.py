@@ -76,6 +76,7 @@ def greedy_job(tokens, sink, max_tokens=10, **kw) -> Job:
     return Job(tokens, GenParams(max_tokens=max_tokens, sampling=GREEDY, logprobs=True, top_logprobs=2, **kw), sink)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_one_at_a_time(model):
     b = new_batcher(model)
     alone = []
@@ -132,6 +133,7 @@ def test_n_samples_share_the_prompt_cells(model):
     assert [again.tokens(i) for i in range(3)] == samples
 
 
+@pytest.mark.slow
 def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model):
     b = new_batcher(model, n_slots=2, n_batch=8)
     first, second = Sink(), Sink()
@@ -151,6 +153,7 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model):
     assert alone.tokens() == second.tokens()
 
 
+@pytest.mark.slow
 def test_stop_strings_and_limits_per_sequence(model):
     b = new_batcher(model)
     ref = Sink()

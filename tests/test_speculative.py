@@ -38,6 +38,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
         PromptLookup(max_ngram_size=0)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_greedy_is_identical_and_accepts(target):
     prompt = repetitive_prompt()
     plain = target.generate(prompt, max_tokens=40, temperature=0.0)
@@ -49,6 +50,7 @@ def test_prompt_lookup_greedy_is_identical_and_accepts(target):
     assert target.ctx.memory.seq_pos_max(0) + 1 == len(target._cached)
 
 
+@pytest.mark.slow
 def test_draft_model_greedy_is_identical(path, target):
     draft = llm.LLM(str(path), n_ctx=N_CTX)     # the same weights: every draft is accepted
     prompt = prompt_tokens(20, seed=9)

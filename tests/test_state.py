@@ -70,6 +70,7 @@ def assert_same(a, b) -> None:
 
 
 @pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.slow
 def test_file_round_trip_is_exact(model, tmp_path, cache):
     ctx = new_ctx(model, type_k=cache, type_v=cache)
     prefill(ctx, TOKENS)
@@ -101,6 +102,7 @@ def test_get_set_data_and_sampler_rng(model):
 
 
 @pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.slow
 def test_seq_round_trip_several_sequences(model, tmp_path, cache):
     ctx = new_ctx(model, n_seq_max=3, type_k=cache, type_v=cache)
     a, b = TOKENS[:12], prompt_tokens(10, seed=5)

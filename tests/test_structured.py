@@ -83,6 +83,7 @@ WEATHER = [{"type": "function", "function": {
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.slow
 def test_tool_call_is_parsed_and_matches_schema(tiny, choice):
     out = tiny.chat([{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER, tool_choice=choice,
                     max_tokens=120, temperature=0.7, seed=2)
@@ -108,6 +109,7 @@ def test_tools_bad_input():
     assert history[0]["role"] == "system" and '"get_time"' in history[1]["content"]
 
 
+@pytest.mark.slow
 def test_prompt_cache_reuses_prefix_across_instances(tmp_path):
     path = write_model(tmp_path / "tiny.gguf", TinySpec(seed=6))
     prompt = list(range(3, 3 + 120))

@@ -56,6 +56,7 @@ def test_window_cache_is_small(gemma):
     pytest.param([1] * 40, id="token", marks=pytest.mark.slow),          # many KV-length shapes to compile
     pytest.param([3, 8, 1, 8, 7, 5, 8], id="mixed", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_logits_equal_full_cache_beyond_the_window(gemma, ref, steps):
     ctx = ctx_of(gemma, swa_full=False)
     out = run(ctx, steps)
@@ -65,6 +66,7 @@ def test_logits_equal_full_cache_beyond_the_window(gemma, ref, steps):
     assert ctx.memory.seq_pos_min(0) > 39 - 16
 
 
+@pytest.mark.slow
 def test_rewind_inside_the_window_and_can_keep(gemma, ref):
     ctx = ctx_of(gemma, swa_full=False)
     run(ctx, [8] * 5)
@@ -75,6 +77,7 @@ def test_rewind_inside_the_window_and_can_keep(gemma, ref):
     np.testing.assert_allclose(ctx.get_logits(), ref[38:40], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_seq_add_shifts_both_caches(gemma):
     """A shifted sequence decodes like one decoded at the shifted positions, with the window
     cache re-roped too."""

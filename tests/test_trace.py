@@ -36,6 +36,7 @@ def plain_logits(m: llm.LLM, tokens, flash_attn=True) -> np.ndarray:
         m.ctx.memory_clear()
 
 
+@pytest.mark.slow
 def test_trace_shapes_names_and_logits(tiny, toks):
     tr = tiny.trace(toks, capture=["l_out-*", "attn_norm-1", "Vcur-0", "result_output"])
     hp = tiny.model.hparams
@@ -61,6 +62,7 @@ def test_result_output_equals_get_logits_ith(tiny, toks):
     m.ctx.memory_clear()
 
 
+@pytest.mark.slow
 def test_trace_over_several_ubatches_concatenates_rows(tmp_path, toks):
     path = write_model(tmp_path / "tiny.gguf", TinySpec(arch="llama", n_layer=2, seed=5))
     one = llm.LLM(str(path), n_ctx=64).trace(toks, capture=["l_out-1", "kq_soft_max-1"])
@@ -71,6 +73,7 @@ def test_trace_over_several_ubatches_concatenates_rows(tmp_path, toks):
     assert np.abs(split["kq_soft_max-1"] - one["kq_soft_max-1"]).max() < 1e-5
 
 
+@pytest.mark.slow
 def test_attention_probabilities_are_causal_rows(tiny, toks):
     tr = tiny.trace(toks, capture=["kq_soft_max-*"])
     assert tr.flash_attn is False
@@ -89,6 +92,7 @@ def test_unknown_node_lists_close_names(tiny, toks):
         tiny.trace(toks, interventions={"attn_out-99": lambda x: x})
 
 
+@pytest.mark.slow
 def test_identity_and_steering_interventions(tiny, toks):
     base = tiny.trace(toks, capture=["l_out-*"], flash_attn=True)
     same = tiny.trace(toks, capture=["l_out-*"], interventions={"l_out-0": lambda x: x}, flash_attn=True)
@@ -101,6 +105,7 @@ def test_identity_and_steering_interventions(tiny, toks):
     assert np.abs(steered["l_out-1"] - base["l_out-1"]).max() > 1e-2               # consumers see x'
 
 
+@pytest.mark.slow
 def test_layer_pattern_fn_gets_layer_index(tiny, toks):
     seen = []
 
@@ -113,6 +118,7 @@ def test_layer_pattern_fn_gets_layer_index(tiny, toks):
     assert np.allclose(tr["l_out-0"], base["l_out-0"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_head_ablation_zeroes_its_slice(tiny, toks):
     hp = tiny.model.hparams
     d = hp.n_embd_head_v
@@ -124,6 +130,7 @@ def test_head_ablation_zeroes_its_slice(tiny, toks):
     assert np.abs(tr.logits - base.logits).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_activation_patching_all_positions_gives_the_source_run(tiny, toks):
     other = prompt_tokens(N, seed=9)
     src = tiny.trace(other, capture=["l_out-0"])
@@ -135,6 +142,7 @@ def test_activation_patching_all_positions_gives_the_source_run(tiny, toks):
     assert np.array_equal(one["l_out-0"][:3], base["l_out-0"][:3])
 
 
+@pytest.mark.slow
 def test_bad_interventions_raise_and_change_nothing(tiny, toks):
     m = tiny
     m.generate(toks, max_tokens=2, temperature=0.0)
@@ -152,6 +160,7 @@ def test_bad_interventions_raise_and_change_nothing(tiny, toks):
     assert m._cached == cached and m.ctx.memory.cells.get_used() == used
 
 
+@pytest.mark.slow
 def test_steady_state_compiles_nothing(tiny, toks):
     cache = get_default_cache()
     fn = lambda x: x + 0.5  # noqa: E731
@@ -168,6 +177,7 @@ def test_steady_state_compiles_nothing(tiny, toks):
     assert cache.stats.misses > misses
 
 
+@pytest.mark.slow
 def test_generation_with_interventions_differs_and_resets_cache(tiny, toks):
     plain = tiny.generate(toks, max_tokens=4, temperature=0.0)
     v = np.full(tiny.model.hparams.n_embd, 3.0, np.float32)
@@ -178,6 +188,7 @@ def test_generation_with_interventions_differs_and_resets_cache(tiny, toks):
     assert steer.tokens[0] == int(np.argmax(tr.logits[-1]))
 
 
+@pytest.mark.slow
 def test_dump_shows_inserted_nodes(tiny, toks):
     m = tiny
     edits_fn = lambda x: x * 2.0  # noqa: E731
@@ -187,6 +198,7 @@ def test_dump_shows_inserted_nodes(tiny, toks):
     assert "MAP_CUSTOM1" in text and "attn_norm-1 (intervention)" in text
 
 
+@pytest.mark.slow
 def test_gradient_matches_central_differences(tiny, toks):
     m = tiny
     target = (N - 1, 17)
@@ -210,6 +222,7 @@ def test_gradient_matches_central_differences(tiny, toks):
         assert rel < 1e-2
 
 
+@pytest.mark.slow
 def test_gradient_of_a_function_target_and_saliency(tiny, toks):
     m = tiny
     lp = lambda logits: jax_log_softmax(logits)[N - 1, 17]  # noqa: E731
@@ -236,6 +249,7 @@ def test_bad_gradient_targets(tiny, toks):
         tiny.gradient(toks, (0, 1), wrt=["nope-1"])
 
 
+@pytest.mark.slow
 def test_logit_lens(tiny, toks):
     tr = tiny.trace(toks, capture=["l_out-*"])
     lens = tr.logit_lens(top_k=3, token=17)
