@@ -127,6 +127,18 @@ def attn_qkv(w: Weights, p: str, d: Dims, *, bias: bool = False, n_q: int | None
         w.bias(p + "attn_v.bias", n_kv)
 
 
+def llama_block(w: Weights, p: str, d: Dims) -> None:
+    """The tensors of a llama-style layer: RMS norms, q/k/v/o, gated FFN (in a fixed order, so
+    the seeded weights stay the same)."""
+    w.norm(p + "attn_norm.weight", d.n_embd)
+    attn_qkv(w, p, d)
+    w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+    w.norm(p + "ffn_norm.weight", d.n_embd)
+    w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+    w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+    w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+
+
 def output(w: Weights, d: Dims, *, norm_bias: bool = False, tied: bool = False, out_bias: bool = False) -> None:
     w.norm("output_norm.weight", d.n_embd)
     if norm_bias:
@@ -224,13 +236,7 @@ def spec_granite(d: Dims, w: Weights) -> dict:
     output(w, d)
     for il in range(d.n_layer):
         p = f"blk.{il}."
-        w.norm(p + "attn_norm.weight", d.n_embd)
-        attn_qkv(w, p, d)
-        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
-        w.norm(p + "ffn_norm.weight", d.n_embd)
-        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
-        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
-        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        llama_block(w, p, d)
     return kv
 
 
@@ -266,13 +272,7 @@ def spec_smollm3(d: Dims, w: Weights) -> dict:
     output(w, d)
     for il in range(d.n_layer):
         p = f"blk.{il}."
-        w.norm(p + "attn_norm.weight", d.n_embd)
-        attn_qkv(w, p, d)
-        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
-        w.norm(p + "ffn_norm.weight", d.n_embd)
-        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
-        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
-        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        llama_block(w, p, d)
     return kv
 
 
@@ -286,13 +286,7 @@ def spec_mistral3(d: Dims, w: Weights) -> dict:
     output(w, d)
     for il in range(d.n_layer):
         p = f"blk.{il}."
-        w.norm(p + "attn_norm.weight", d.n_embd)
-        attn_qkv(w, p, d)
-        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
-        w.norm(p + "ffn_norm.weight", d.n_embd)
-        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
-        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
-        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        llama_block(w, p, d)
     return kv
 
 
@@ -304,13 +298,7 @@ def spec_exaone(d: Dims, w: Weights) -> dict:
     output(w, d)
     for il in range(d.n_layer):
         p = f"blk.{il}."
-        w.norm(p + "attn_norm.weight", d.n_embd)
-        attn_qkv(w, p, d)
-        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
-        w.norm(p + "ffn_norm.weight", d.n_embd)
-        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
-        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
-        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        llama_block(w, p, d)
     return kv
 
 
