@@ -51,12 +51,12 @@ class DecodeStatus(IntEnum):
     FATAL = -3          # the engine failed while computing (see Context.last_exception)
 
 
-def bucket(n: int, cap: int) -> int:
+def bucket(n: int, cap: int | None = None) -> int:
     """The padded size of n: the next power of two, at most cap (and never below n)."""
     p = 1
     while p < n:
         p *= 2
-    return max(min(p, cap), n)
+    return p if cap is None else max(min(p, cap), n)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from llm.batch import Batch
+from llm.context import bucket
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +137,6 @@ def is_leader() -> bool:
 
 # ---- the command channel -----------------------------------------------------------------------
 
-def _bucket(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def _broadcast(x: np.ndarray, what: str) -> np.ndarray:
     """x from process 0 to every process (a collective: every process must call it with the
     same shape). A lost process turns the collective into an error naming it."""
@@ -161,7 +155,7 @@ def _send(op: int, batch: Batch | None = None, a: int = 0, b: int = 0) -> None:
         if batch.token is None:
             raise ValueError("a multi-process run decodes token batches only (no embeddings input)")
         n = batch.n_tokens
-        header[1:6] = [_bucket(n), n, batch.pos is not None, batch.seq_id is not None, batch.logits is not None]
+        header[1:6] = [bucket(n), n, batch.pos is not None, batch.seq_id is not None, batch.logits is not None]
     _broadcast(header, "a command")
     if batch is not None:
         _broadcast(_payload(batch, int(header[1])), "a batch")
