@@ -53,17 +53,35 @@ class WeightSplit:
     dim 1 splits the rows (output features): each device computes its slice of the product,
     which stays split over the mesh, or is all-gathered when `gather` is set. dim 0 splits
     the columns (input features): each device multiplies its slice of x and the partial
-    products are summed (all-reduce). `get_rows` of a row-split table (embeddings by vocab)
-    gathers the local rows and sums."""
+    products are summed (all-reduce). `get_rows` of a row-split table (embeddings by
+    vocabulary) gathers the local rows and sums; of a column-split table, takes the local
+    columns of every row and all-gathers them.
+
+    `heads`, when set, rearranges the split dimension before dividing it, in runs of `unit`
+    (a head's features): run i of the held weight is run heads[i] of the file's, or zeros
+    for -1. It pads attention to whole heads per device (and copies KV heads when there are
+    fewer than devices)."""
     dim: int
     gather: bool = False
+    heads: tuple[int, ...] | None = None
+    unit: int = 0
 
     def __post_init__(self):
         if self.dim not in (0, 1):
             raise ValueError(f"a weight is split by rows (dim 1) or columns (dim 0), not dim {self.dim}")
+        if self.heads is not None and self.unit <= 0:
+            raise ValueError("a WeightSplit with heads needs the unit (features per head)")
+
+    def padded_ne(self, ne) -> tuple[int, int, int, int]:
+        """The held (global) shape of a file tensor of shape ne under this split."""
+        ne4 = list(pad_ne(ne))
+        if self.heads is not None:
+            ne4[self.dim] = len(self.heads) * self.unit
+        return (ne4[0], ne4[1], ne4[2], ne4[3])
 
     def __str__(self) -> str:
-        return ("rows" + ("+gather" if self.gather else "")) if self.dim == 1 else "cols+reduce"
+        s = ("rows" + ("+gather" if self.gather else "")) if self.dim == 1 else "cols+reduce"
+        return s if self.heads is None else s + f"+heads{len(self.heads)}"
 
 
 @jax.tree_util.register_static
@@ -182,12 +200,40 @@ def check_split(name: str, t: GGMLType, ne, n: int, split: WeightSplit | None) -
     what = f"tensor {name!r} ({GGMLType(t).name}, ne={list(ne4[:2])})"
     if ne4[2] != 1 or ne4[3] != 1:
         raise ValueError(f"{what} has more than 2 dims and cannot be split over {n} devices")
+    bs = types.block_size(t)
+    if split.heads is not None:
+        if ne4[split.dim] % split.unit or (split.dim == 0 and split.unit % bs):
+            raise ValueError(f"{what}: its heads of {split.unit} features are not whole "
+                             f"{GGMLType(t).name} blocks of {bs}")
+        if max(split.heads) >= ne4[split.dim] // split.unit:
+            raise ValueError(f"{what} has {ne4[split.dim] // split.unit} heads, fewer than the layout "
+                             f"{list(split.heads)} reads")
+        ne4 = split.padded_ne(ne4)
     if split.dim == 1 and ne4[1] % n:
         raise ValueError(f"{what}: its {ne4[1]} rows do not split evenly over {n} devices")
-    bs = types.block_size(t)
     if split.dim == 0 and (ne4[0] % n or (ne4[0] // n) % bs):
         raise ValueError(f"{what}: its {ne4[0]} columns do not split over {n} devices in whole "
                          f"{GGMLType(t).name} blocks of {bs}")
+
+
+def _pad_heads(raw: np.ndarray, t: GGMLType, ne4, split: WeightSplit):
+    """The file tensor's bytes rearranged as split.heads says (zero bytes, which every ggml
+    type dequantizes to 0, for padded heads) and the held ne."""
+    assert split.heads is not None
+    heads = np.asarray(split.heads)
+    real = heads >= 0
+    K, M = ne4[0], ne4[1]
+    by_row = raw.view(np.uint8).reshape(M, types.row_size(t, K))
+    if split.dim == 1:
+        src = by_row.reshape(M // split.unit, split.unit, by_row.shape[1])
+        out = np.zeros((len(heads), split.unit, by_row.shape[1]), np.uint8)
+        out[real] = src[heads[real]]
+        return out.reshape(len(heads) * split.unit, -1), split.padded_ne(ne4)
+    bpu = types.row_size(t, split.unit)
+    src = by_row.reshape(M, K // split.unit, bpu)
+    out = np.zeros((M, len(heads), bpu), np.uint8)
+    out[:, real] = src[:, heads[real]]
+    return out.reshape(M, -1), split.padded_ne(ne4)
 
 
 def _shard_raw(raw: np.ndarray, t: GGMLType, ne4, split: WeightSplit | None, k: int, n: int):
@@ -228,6 +274,8 @@ def to_mesh(data: np.ndarray, t: GGMLType, ne, mesh: jax.sharding.Mesh, split: W
     n = len(devices)
     check_split(name or "?", t, ne4, n, split)
     fmt = resolve_format(weight_format, t)
+    if split is not None and split.heads is not None:
+        data, ne4 = _pad_heads(np.asarray(data), t, ne4, split)
     mine = [(k, d) for k, d in enumerate(devices) if d.process_index == jax.process_index()]
     converted: dict[int, tuple[WeightSpec, list]] = {}
     for k, _ in mine:
@@ -295,16 +343,18 @@ def _mul_mat_split(w: DeviceWeight, x: jax.Array) -> jax.Array:
 
 
 def _get_rows_split(w: DeviceWeight, idx: jax.Array) -> jax.Array:
-    """get_rows of a table split by rows (embeddings by vocabulary): each device takes the
-    ids that fall in its rows, zeros for the others, and the results are summed."""
+    """get_rows of a split table. By rows (embeddings by vocabulary): each device takes the
+    ids that fall in its rows, zeros for the others, and the results are summed. By
+    columns: each device takes its columns of every id's row, and they are all-gathered."""
     from jax import shard_map
     P = jax.sharding.PartitionSpec
     split, mesh = _split_of(w)
-    if split.dim != 1:
-        raise ValueError("get_rows reads a table split by rows only")
     n_local = w.spec.ne[1] // mesh.devices.size
 
     def local(wl, il):
+        if split.dim == 0:
+            rows = get_rows(_local(wl), il)
+            return jax.lax.all_gather(rows, MESH_AXIS, axis=rows.ndim - 1, tiled=True)
         li = il - jax.lax.axis_index(MESH_AXIS) * n_local
         ok = (li >= 0) & (li < n_local)
         rows = get_rows(_local(wl), jnp.where(ok, li, 0))

@@ -11,7 +11,7 @@ _EXPORTS = {
     "Context": "llm.context", "DecodeStatus": "llm.context",
     "GrammarError": "llm.errors", "LoadCancelled": "llm.errors", "ModelLoadError": "llm.errors",
     "StateError": "llm.errors",
-    "Model": "llm.model", "load_model": "llm.model",
+    "Model": "llm.model", "RowPlan": "llm.model", "load_model": "llm.model",
     "LogitLens": "llm.trace", "Trace": "llm.trace",
     "StepProfile": "llm.profiler", "profile": "llm.profiler",
 }

@@ -21,7 +21,7 @@ from llm import trace as trace_mod
 from llm.batch import Batch
 from llm.context import Context, DecodeStatus, bucket
 from llm.hparams import PoolingType
-from llm.model import Model, load_model
+from llm.model import Model, RowPlan, load_model
 from llm.prompt_cache import PromptCache
 from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
 from llm.serving import Batcher, Delta, Done, Event, GenParams, Job, TokenLogprob, logprobs_of
@@ -95,14 +95,15 @@ class LLM:
     def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
                  n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
                  split_mode: str = "layer", tensor_split: list[float] | None = None,
-                 weight_format: str = "auto", progress_callback: Callable[[float], bool] | None = None,
+                 row_plan: RowPlan | None = None, weight_format: str = "auto",
+                 progress_callback: Callable[[float], bool] | None = None,
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  **ctx_kwargs):
         path = hub.resolve(model)
         t0 = time.perf_counter()
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                        progress_callback=progress_callback, weight_format=weight_format,
-                                       split_mode=split_mode)
+                                       split_mode=split_mode, row_plan=row_plan)
         self.t_load = time.perf_counter() - t0
         if self.model.output is None:       # an encoder gives embeddings only
             ctx_kwargs.setdefault("embeddings", True)

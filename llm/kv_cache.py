@@ -67,22 +67,32 @@ def available_bytes(device: jax.Device) -> int | None:
     return None
 
 
+def kv_bytes_per_device(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -> dict[jax.Device, int]:
+    """Bytes the K and V buffers of n_ctx cells take on each device: a layer's on its device
+    (split_mode "layer"); over a mesh (split_mode "row") every device holds 1/n of each layer
+    when the cache is divided by KV heads, the whole of it when replicated."""
+    hp = model.hparams
+    pl = model.placement
+    mesh_devices = list(pl.mesh.devices.flat) if pl.mesh is not None else []
+    share = len(mesh_devices) if pl.kv_split else 1
+    need: dict[jax.Device, int] = {}
+    for il in range(hp.n_layer):
+        n = n_ctx * (hp.n_embd_k_gqa(il) * np.dtype(np_dtype(type_k)).itemsize
+                     + hp.n_embd_v_gqa(il) * np.dtype(np_dtype(type_v)).itemsize)
+        for dev in mesh_devices or [pl.dev_layer[il]]:
+            need[dev] = need.get(dev, 0) + n // share
+    return need
+
+
 def check_fits(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -> None:
     """SizeError, with the estimate, when the K and V buffers of n_ctx cells do not fit in
     the memory of their devices (asking XLA for 77 GB fails late, with a long traceback)."""
-    hp = model.hparams
-    need: dict[jax.Device, int] = {}
-    for il in range(hp.n_layer):
-        dev = model.placement.dev_layer[il]
-        n = n_ctx * (hp.n_embd_k_gqa(il) * np.dtype(np_dtype(type_k)).itemsize
-                     + hp.n_embd_v_gqa(il) * np.dtype(np_dtype(type_v)).itemsize)
-        need[dev] = need.get(dev, 0) + n
-    for dev, n in need.items():
+    for dev, n in kv_bytes_per_device(model, n_ctx, type_k, type_v).items():
         free = available_bytes(dev)
         if free is not None and n > free:
             raise SizeError(f"n_ctx = {n_ctx}: the KV cache needs {n / 2**30:.2f} GiB on {dev}, "
                             f"more than the {free / 2**30:.2f} GiB available "
-                            f"(the model was trained with a context of {hp.n_ctx_train})")
+                            f"(the model was trained with a context of {model.hparams.n_ctx_train})")
 
 
 def _zeros_on_mesh(t: Tensor, pl) -> jax.Array:

@@ -191,14 +191,17 @@ class ModelLoader(GGUFMeta):
             raise ModelLoadError(f"{self.path}: tensor '{name}' has wrong shape; expected "
                                  f"{list(want)}, got {list(got)}")
         split = None
+        held = want
         if self.mesh is not None:
-            split = self.split_of(name)
             try:
+                split = self.split_of(name)
                 weights.check_split(name, entry.info.type, want, self.mesh.devices.size, split)
             except ValueError as e:
                 raise ModelLoadError(f"{self.path}: split_mode 'row' over {self.mesh.devices.size} devices: "
                                      f"{e}") from None
-        t = new_weight(entry.info.type, want, name)
+            if split is not None:
+                held = split.padded_ne(want)    # attention padded to whole heads per device
+        t = new_weight(entry.info.type, held, name)
         self.created.append((t, entry, device, split))
         if not flags & TensorFlag.DUPLICATED:
             self._used.add(name)
@@ -231,8 +234,8 @@ class ModelLoader(GGUFMeta):
                     raise LoadCancelled(f"{self.path}: loading cancelled by the progress callback "
                                         f"at {100 * done / total:.0f}%")
                 if self.mesh is not None:
-                    t.data = weights.to_mesh(entry.info.data, GGMLType(entry.info.type), t.ne, self.mesh, split,
-                                             weight_format, t.name)
+                    t.data = weights.to_mesh(entry.info.data, GGMLType(entry.info.type), tuple(entry.info.ne),
+                                             self.mesh, split, weight_format, t.name)
                 else:
                     t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
                                                weight_format)

@@ -3,6 +3,7 @@
 architecture, load hparams and vocab, declare tensors, load their data."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,30 @@ class Placement:
 
 SPLIT_MODES = ("layer", "row")
 
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The choices of split_mode "row" that are made by measurement (docs/distributed.md):
+
+    - `uneven_heads`, where the head counts do not divide by the device count: "gather"
+      splits each attention projection by output rows and all-gathers the result
+      (llama.cpp's row mode); "pad" rearranges the heads so each device holds whole heads
+      (KV heads copied when there are fewer than devices, zero heads padded otherwise,
+      head_layout), keeps the KV cache divided and all-reduces once after the output
+      projection, as when they divide.
+    - `vocab`, the embeddings and lm_head: "rows" (by vocabulary: the lookup masked and
+      summed, the logits all-gathered) or "cols" (by embedding features: the lookup
+      all-gathered, the logits all-reduced)."""
+    uneven_heads: str = "gather"
+    vocab: str = "rows"
+
+    def __post_init__(self):
+        if self.uneven_heads not in ("gather", "pad"):
+            raise ValueError(f"RowPlan.uneven_heads must be 'gather' or 'pad', got {self.uneven_heads!r}")
+        if self.vocab not in ("rows", "cols"):
+            raise ValueError(f"RowPlan.vocab must be 'rows' or 'cols', got {self.vocab!r}")
+
+
 # split_mode "row": how each 2-d weight is divided (Megatron-style tensor parallelism).
 _ROWS, _ROWS_GATHER, _COLS = WeightSplit(1), WeightSplit(1, gather=True), WeightSplit(0)
 # attention by heads (every layer's head and KV-head counts divide by the device count):
@@ -50,8 +75,9 @@ _SPLIT_GATHERED = {"attn_q": _ROWS_GATHER, "attn_k": _ROWS_GATHER, "attn_v": _RO
 _SPLIT_COMMON = {
     "attn_qkv": _ROWS_GATHER,                            # fused [Q; K; V] rows: not head-aligned
     "ffn_gate": _ROWS, "ffn_up": _ROWS, "ffn_down": _COLS,  # FFN: gate/up by features, down + reduce
-    "token_embd": _ROWS_GATHER, "output": _ROWS_GATHER,     # embeddings / lm_head by vocabulary
 }
+_SPLIT_VOCAB = {"rows": {"token_embd": _ROWS_GATHER, "output": _ROWS_GATHER},   # by vocabulary
+                "cols": {"token_embd": _COLS, "output": _COLS}}                 # by features
 
 
 def heads_divide(hp: HParams, n: int) -> bool:
@@ -59,23 +85,70 @@ def heads_divide(hp: HParams, n: int) -> bool:
     return all(hp.n_head(il) % n == 0 and hp.n_head_kv(il) % n == 0 for il in range(hp.n_layer))
 
 
-def row_split_plan(hp: HParams, n: int) -> Callable[[str], WeightSplit | None]:
+def head_layout(n_head: int, n_head_kv: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """RowPlan(uneven_heads="pad"): the held order of the KV heads and of the query heads
+    (file head index, -1 for a zero head) such that each of n devices holds whole KV heads
+    with their query groups. Fewer KV heads than devices, with n a multiple of them and each
+    group dividing evenly: every KV head is copied to n / n_head_kv devices, which share its
+    group (no padding). Otherwise the KV heads are padded with zero heads (and zero query
+    groups) to a multiple of n."""
+    g = n_head // n_head_kv
+    if n_head_kv % n == 0:
+        return tuple(range(n_head_kv)), tuple(range(n_head))
+    if n % n_head_kv == 0 and g % (n // n_head_kv) == 0:
+        r = n // n_head_kv
+        gl = g // r
+        return (tuple(j // r for j in range(n)),
+                tuple((j // r) * g + (j % r) * gl + i for j in range(n) for i in range(gl)))
+    n_kv = -(-n_head_kv // n) * n
+    return (tuple(j if j < n_head_kv else -1 for j in range(n_kv)),
+            tuple(j * g + i if j < n_head_kv else -1 for j in range(n_kv) for i in range(g)))
+
+
+def _padded_attention(hp: HParams, n: int) -> dict[str, WeightSplit]:
+    """The attention splits of RowPlan(uneven_heads="pad"): Q/K/V by rows, the output
+    projection by columns, each rearranged by head_layout."""
+    if len(set(hp.n_head_arr)) != 1 or len(set(hp.n_head_kv_arr)) != 1:
+        raise ValueError("RowPlan(uneven_heads='pad') needs the same head counts in every layer")
+    kv, q = head_layout(hp.n_head(), hp.n_head_kv(), n)
+    dk, dv = hp.n_embd_head_k, hp.n_embd_head_v
+    return {"attn_q": WeightSplit(1, heads=q, unit=dk), "attn_k": WeightSplit(1, heads=kv, unit=dk),
+            "attn_v": WeightSplit(1, heads=kv, unit=dv), "attn_output": WeightSplit(0, heads=q, unit=dv)}
+
+
+def padded_hparams(hp: HParams, n: int) -> HParams:
+    """The head counts the graph and KV cache of RowPlan(uneven_heads="pad") run with."""
+    kv, q = head_layout(hp.n_head(), hp.n_head_kv(), n)
+    return dataclasses.replace(hp, n_head_arr=[len(q)] * hp.n_layer, n_head_kv_arr=[len(kv)] * hp.n_layer)
+
+
+def uses_padded_heads(hp: HParams, n: int, plan: RowPlan) -> bool:
+    return n > 1 and plan.uneven_heads == "pad" and not heads_divide(hp, n)
+
+
+def row_split_plan(hp: HParams, n: int, plan: RowPlan | None = None) -> Callable[[str], WeightSplit | None]:
     """tensor name -> its split over n devices (None: replicated: norms, biases, rope
-    factors, MoE experts)."""
-    table = {**(_SPLIT_BY_HEADS if heads_divide(hp, n) else _SPLIT_GATHERED), **_SPLIT_COMMON}
+    factors, MoE experts). ValueError for a tensor the plan cannot serve."""
+    plan = plan or RowPlan()
+    pad = uses_padded_heads(hp, n, plan)
+    attn = _padded_attention(hp, n) if pad else _SPLIT_BY_HEADS if heads_divide(hp, n) else _SPLIT_GATHERED
+    table = {**attn, **_SPLIT_COMMON, **_SPLIT_VOCAB[plan.vocab]}
 
     def split_of(name: str) -> WeightSplit | None:
         parts = name.split(".")
-        if parts[-1] != "weight" or n == 1:
+        if n == 1 or len(parts) != (4 if parts[0] == "blk" else 2):
             return None
         base = parts[2] if parts[0] == "blk" else parts[0]
-        return table.get(base) if len(parts) == (4 if parts[0] == "blk" else 2) else None
+        if pad and (base == "attn_qkv" or (parts[-1] == "bias" and base in ("attn_q", "attn_k", "attn_v"))):
+            raise ValueError(f"tensor {name!r}: RowPlan(uneven_heads='pad') pads separate Q/K/V weights "
+                             "without biases; use uneven_heads='gather'")
+        return table.get(base) if parts[-1] == "weight" else None
 
     return split_of
 
 
 def place_row(devices: list[jax.Device] | None, n_gpu_layers: int, tensor_split: list[float] | None,
-              hp: HParams) -> Placement:
+              hp: HParams, plan: RowPlan | None = None) -> Placement:
     """split_mode "row": every layer on a mesh of `devices` (default: the accelerators, else
     every CPU device). It cannot be mixed with a layer split in this version."""
     if tensor_split is not None:
@@ -92,7 +165,8 @@ def place_row(devices: list[jax.Device] | None, n_gpu_layers: int, tensor_split:
     if len(set(devices)) != len(devices):
         raise ValueError(f"split_mode 'row': devices must be distinct, got {devices}")
     return Placement(devices[0], [devices[0]] * hp.n_layer, devices[0], make_mesh(devices),
-                     kv_split=len(devices) > 1 and heads_divide(hp, len(devices)))
+                     kv_split=len(devices) > 1 and (heads_divide(hp, len(devices))
+                                                    or uses_padded_heads(hp, len(devices), plan or RowPlan())))
 
 
 def place_layers(n_layer: int, devices: list[jax.Device] | None, n_gpu_layers: int,
@@ -219,7 +293,8 @@ def fuse_weights(model: Model) -> int:
 def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None, n_gpu_layers: int = -1,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
                progress_callback: Callable[[float], bool] | None = None,
-               weight_format: str = "auto", split_mode: str = "layer", fuse: bool = False) -> Model:
+               weight_format: str = "auto", split_mode: str = "layer", fuse: bool = False,
+               row_plan: RowPlan | None = None) -> Model:
     """Load a GGUF model (see docs/design.md). `devices` hold the repeating layers (default: the
     accelerators; pass CPU devices to split over simulated devices). split_mode "layer"
     (default) gives each device whole layers, "row" divides every layer over all of them
@@ -229,7 +304,9 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     model.weight_format tells which was used. `fuse` concatenates wq/wk/wv into one wqkv and
     ffn_gate/ffn_up into one [gate; up] ffn_up per layer where they can share an array
     (fuse_weights; split_mode "layer" only). Off by default: captured Qcur/Kcur/Vcur and
-    ffn_gate/ffn_up then keep the shapes and names of the unfused graph (llm.trace)."""
+    ffn_gate/ffn_up then keep the shapes and names of the unfused graph (llm.trace).
+    `row_plan` (split_mode "row"): the measured choices of RowPlan; with uneven_heads="pad"
+    model.hparams holds the padded head counts the graph runs with."""
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
     ml = ModelLoader(path)
@@ -247,17 +324,23 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         if vocab_only:
             return model
         if split_mode == "row":
-            model.placement = place_row(devices, n_gpu_layers, tensor_split, hp)
+            model.placement = place_row(devices, n_gpu_layers, tensor_split, hp, row_plan)
             mesh = model.placement.mesh
             assert mesh is not None   # place_row made it
             ml.mesh = mesh
-            ml.split_of = row_split_plan(hp, mesh.devices.size)
+            try:
+                ml.split_of = row_split_plan(hp, mesh.devices.size, row_plan)
+            except ValueError as e:
+                raise ModelLoadError(f"{ml.path}: split_mode 'row' over {mesh.devices.size} devices: {e}") from None
         else:
             model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
         builder.load_tensors(model, ml)
         ml.check_all_used()
         model.n_bytes = ml.load_all_data(progress_callback, weight_format)
         model.weight_format = ml.weight_format
+        n_mesh = 1 if model.place.mesh is None else model.place.mesh.devices.size
+        if uses_padded_heads(hp, n_mesh, row_plan or RowPlan()):
+            model.hparams = padded_hparams(hp, n_mesh)
         if fuse and split_mode == "layer":      # row-split weights follow a per-name plan
             fuse_weights(model)
         return model
