@@ -271,6 +271,10 @@ class GraphCache:
         """Always true: an empty cache is still a cache (`cache or default` must keep it)."""
         return True
 
+    def programs(self) -> list[CompiledProgram]:
+        """The cached executables, oldest first (benchmarks read their HLO)."""
+        return list(self._entries.values())
+
     def clear(self) -> None:
         self._entries.clear()
         self._sigs.clear()

@@ -4,6 +4,7 @@ architecture, load hparams and vocab, declare tensors, load their data."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ggmlx import weights
+from ggmlx import types, weights
 from ggmlx.backend import make_mesh
 from ggmlx.tensor import Tensor, new_weight
 from ggmlx.weights import WeightSplit
@@ -22,6 +23,8 @@ from llm.layer import Layer
 from llm.loader import ModelLoader
 from llm.models import ArchBuilder, get_arch
 from llm.vocab import Vocab, load_vocab
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -290,6 +293,18 @@ def fuse_weights(model: Model) -> int:
     return n
 
 
+def _log_replicated_experts(model: Model) -> None:
+    """split_mode "row" keeps MoE expert tensors whole on every device (see
+    docs/distributed.md): say so, with the bytes that are not divided."""
+    exps = [t for t in model.weight_tensors() if t.name.split(".")[-2].endswith("_exps")]
+    if exps:
+        nbytes = sum(types.nbytes(t.type, t.ne) for t in exps)
+        log.warning("split_mode 'row': the %d MoE expert tensors (%.1f MiB) are replicated on every device, "
+                    "not divided: they are 3-d [n_expert, n_ff, n_embd] and mul_mat_id reads the chosen "
+                    "experts from the whole table; the attention, dense FFN and vocabulary are divided",
+                    len(exps), nbytes / 2**20)
+
+
 def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None, n_gpu_layers: int = -1,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
                progress_callback: Callable[[float], bool] | None = None,
@@ -336,6 +351,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
             model.placement = place_layers(hp.n_layer, devices, n_gpu_layers, tensor_split)
         builder.load_tensors(model, ml)
         ml.check_all_used()
+        if split_mode == "row":
+            _log_replicated_experts(model)
         model.n_bytes = ml.load_all_data(progress_callback, weight_format)
         model.weight_format = ml.weight_format
         n_mesh = 1 if model.place.mesh is None else model.place.mesh.devices.size

@@ -29,6 +29,13 @@ SPECS = {
     # 8 / 4 heads: by heads on 2 and 4 (F16)
     "llama_mha": TinySpec(arch="llama", n_layer=2, n_head=8, n_head_kv=4, seed=13, wtype="F16"),
 }
+# the RowPlan alternatives (tests/test_row_split.py checks them like the default plan):
+# (spec, devices, uneven_heads, vocab); 6 / 3 heads like SmolLM2's 9 / 3 pad with zero
+# heads, gemma3's 4 / 1 copy the KV head
+PLAN_SPECS = {"llama_6_3": TinySpec(arch="llama", n_layer=2, n_embd=96, n_head=6, n_head_kv=3, seed=15)}
+PLAN_CASES = [("llama_6_3", 2, "pad", "rows"), ("llama_6_3", 4, "pad", "rows"),
+              ("gemma3", 2, "pad", "rows"), ("gemma3", 4, "pad", "rows"),
+              ("llama", 2, "gather", "cols"), ("gemma3", 4, "gather", "cols")]
 # a shape that no rule serves: 4 KV heads divide by 4, so attn_output is split by its 64
 # columns, 16 per device: not whole Q8_0 blocks of 32
 BAD_SPEC = TinySpec(arch="llama", n_layer=1, n_head=4, n_head_kv=4, seed=14, wtype="Q8_0")
@@ -55,6 +62,17 @@ def _decode(model, n_prompt: int, n_gen: int) -> tuple[np.ndarray, dict]:
     facts = {"step_compiles": compiles, "prefill_again_compiles": ctx.perf()["n_compiles"] - before,
              "kv_bytes_per_device": _bytes_per_device([t.data for t in ctx.memory.k_l + ctx.memory.v_l])}
     return np.concatenate(rows), facts
+
+
+def _case_facts(model, facts: dict, dumps: list[str]) -> dict:
+    from ggmlx.types import GGMLType
+    from llm.kv_cache import kv_bytes_per_device
+    est = kv_bytes_per_device(model, 64, GGMLType.F32, GGMLType.F32)
+    facts.update(kv_split=model.placement.kv_split, splits=_split_bytes(model),
+                 kv_estimate_per_device={str(d.id): v for d, v in est.items()},
+                 n_head=model.hparams.n_head(), n_head_kv=model.hparams.n_head_kv(),
+                 dump="\n".join(d for d in dumps if "SPLIT" in d)[:200000])
+    return facts
 
 
 def _bytes_per_device(arrays) -> dict[str, int]:
@@ -108,9 +126,24 @@ def run(out_dir: Path, names: list[str]) -> None:
             dumps.clear()
             model = llm.load_model(path, devices=devices[:n], split_mode="row")
             arrays[f"{name}/{n}"], facts = _decode(model, n_prompt, n_gen)
-            facts.update(kv_split=model.placement.kv_split, splits=_split_bytes(model),
-                         dump="\n".join(d for d in dumps if "SPLIT" in d)[:200000])
-            info["cases"][f"{name}/{n}"] = facts
+            info["cases"][f"{name}/{n}"] = _case_facts(model, facts, dumps)
+    if names == list(SPECS):
+        for name, spec in PLAN_SPECS.items():
+            path = write_model(out_dir / f"tiny-{name}.gguf", spec)
+            arrays[f"{name}/1"], _ = _decode(llm.load_model(path, devices=[]), N_PROMPT, N_GEN)
+        for name, n, heads, vocab in PLAN_CASES:
+            dumps.clear()
+            model = llm.load_model(out_dir / f"tiny-{name}.gguf", devices=devices[:n], split_mode="row",
+                                   row_plan=llm.RowPlan(uneven_heads=heads, vocab=vocab))
+            key = f"{name}/{n}/{heads}/{vocab}"
+            arrays[key], facts = _decode(model, N_PROMPT, N_GEN)
+            info["cases"][key] = _case_facts(model, facts, dumps)
+        try:      # Q8_0 blocks of 32 hold two of the tiny llama's 16-feature heads
+            llm.load_model(out_dir / "tiny-llama.gguf", devices=devices[:4], split_mode="row",
+                           row_plan=llm.RowPlan(uneven_heads="pad"))
+            info["pad_error"] = None
+        except ModelLoadError as e:
+            info["pad_error"] = str(e)
     path = write_model(out_dir / "tiny-bad.gguf", BAD_SPEC)
     try:
         llm.load_model(path, devices=devices[:4], split_mode="row")

@@ -193,3 +193,75 @@ def test_real_model_row_split_gives_one_device_logits(request, tmp_path, fixture
         assert case["step_compiles"][1:] == [0] * (len(case["step_compiles"]) - 1)
         for tname, s in case["splits"].items():
             assert all(v == s["total"] // n for v in s["per_device"].values()), tname
+
+
+# ---- RowPlan alternatives and the KV estimate (same subprocess) ----------------------------------
+
+@pytest.mark.parametrize("n_head,n_head_kv,n,kv,q", [
+    (8, 4, 2, (0, 1, 2, 3), tuple(range(8))),                        # divide: unchanged
+    (4, 1, 2, (0, 0), (0, 1, 2, 3)),                                 # Gemma3-270M: KV head copied
+    (4, 1, 4, (0, 0, 0, 0), (0, 1, 2, 3)),
+    (9, 3, 2, (0, 1, 2, -1), (0, 1, 2, 3, 4, 5, 6, 7, 8, -1, -1, -1)),   # SmolLM2: a zero head group
+    (9, 3, 4, (0, 1, 2, -1), (0, 1, 2, 3, 4, 5, 6, 7, 8, -1, -1, -1)),
+])
+def test_head_layout(n_head, n_head_kv, n, kv, q):
+    from llm.model import head_layout
+    assert head_layout(n_head, n_head_kv, n) == (kv, q)
+    # each device's query heads read only its own KV heads (the graph's GQA mapping)
+    g = len(q) // len(kv)
+    for d in range(n):
+        for h in range(d * len(q) // n, (d + 1) * len(q) // n):
+            assert h // g in range(d * len(kv) // n, (d + 1) * len(kv) // n)
+            assert q[h] == -1 or q[h] // (n_head // n_head_kv) == kv[h // g]
+
+
+def test_row_plan_rejects_unknown_choices():
+    with pytest.raises(ValueError, match="uneven_heads must be 'gather' or 'pad'"):
+        llm.RowPlan(uneven_heads="zero")
+    with pytest.raises(ValueError, match="vocab must be 'rows' or 'cols'"):
+        llm.RowPlan(vocab="heads")
+
+
+PLAN_CASES = [f"{name}/{n}/{heads}/{vocab}" for name, n, heads, vocab in check.PLAN_CASES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", PLAN_CASES)
+def test_row_plan_gives_one_device_logits(tiny, key):
+    info, arrays = tiny
+    name, n, heads, vocab = key.split("/")
+    one, split = arrays[f"{name}/1"], arrays[key]
+    assert np.isfinite(one).all() and one.std() > 1.0
+    assert np.abs(split - one).max() <= 1e-4
+    case = info["cases"][key]
+    assert case["step_compiles"][1:] == [0] * (len(case["step_compiles"]) - 1)
+    assert case["prefill_again_compiles"] == 0
+    for tname, s in case["splits"].items():
+        assert all(v == s["total"] // int(n) for v in s["per_device"].values()), tname
+    spec = {**check.SPECS, **check.PLAN_SPECS}[name]
+    assert case["splits"]["token_embd.weight"]["split"] == ("cols+reduce" if vocab == "cols" else "rows+gather")
+    if heads == "pad":
+        # whole heads on every device: the KV cache divided, one all-reduce after attn_output
+        assert case["kv_split"]
+        assert case["n_head_kv"] % int(n) == 0 and case["n_head"] % int(n) == 0
+        assert case["splits"]["blk.0.attn_output.weight"]["split"].startswith("cols+reduce+heads")
+        assert case["splits"]["blk.0.attn_q.weight"]["split"].startswith("rows+heads")
+        kv = case["kv_bytes_per_device"]
+        assert set(kv.values()) == {2 * spec.n_layer * case["n_head_kv"] * spec.head_dim * 64 * 4 // int(n)}
+        assert "]{auto}" not in case["dump"]
+
+
+@pytest.mark.slow
+def test_padding_needs_heads_of_whole_blocks(tiny):
+    err = tiny[0]["pad_error"]
+    assert err is not None
+    assert "blk.0.attn_output.weight" in err and "heads of 16 features are not whole Q8_0 blocks of 32" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [f"{name}/{n}" for name, n in CASES] + PLAN_CASES)
+def test_kv_estimate_is_per_device(tiny, key):
+    """check_fits' estimate (kv_bytes_per_device) is what each device holds: 1/n of the
+    cache when it is divided by KV heads, all of it when replicated."""
+    case = tiny[0]["cases"][key]
+    assert case["kv_estimate_per_device"] == case["kv_bytes_per_device"]
