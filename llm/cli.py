@@ -94,6 +94,11 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
                    help="how quantized weights are held on the device")
     p.add_argument("-sm", "--split-mode", choices=("layer", "row"), default="layer",
                    help="layer: whole layers per device (default); row: every layer divided over all devices")
+    p.add_argument("--row-heads", choices=("gather", "pad"), default=None,
+                   help="split-mode row, head counts that do not divide by the devices: gather the "
+                        "projections or pad to whole heads per device (llm.RowPlan; default: the measured best)")
+    p.add_argument("--row-vocab", choices=("rows", "cols"), default=None,
+                   help="split-mode row: embeddings and lm_head by vocabulary rows or by columns (llm.RowPlan)")
     p.add_argument("-ts", "--tensor-split", default=None,
                    help="layer split shares per device, e.g. 3,1 (split-mode layer only)")
     p.add_argument("--coordinator", default=None,
@@ -149,6 +154,15 @@ def _interventions(a, llm) -> dict | None:
     return llm.control_vector(files, *a.control_vector_layer_range)
 
 
+def _row_plan(a):
+    """The RowPlan of --row-heads / --row-vocab (None: the defaults)."""
+    if a.row_heads is None and a.row_vocab is None:
+        return None
+    from llm.model import RowPlan
+    given = {"uneven_heads": a.row_heads, "vocab": a.row_vocab}
+    return RowPlan(**{k: v for k, v in given.items() if v is not None})
+
+
 def _open(a):
     """Resolve, load and make the context, one status line per phase."""
     from llm.api import LLM
@@ -165,6 +179,7 @@ def _open(a):
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     llm = LLM(path, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
               weight_format=a.weight_format, split_mode=a.split_mode, tensor_split=tensor_split,
+              row_plan=_row_plan(a),
               progress_callback=_progress(a), abort_callback=a.interrupt.abort)
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
