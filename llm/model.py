@@ -15,6 +15,7 @@ import numpy as np
 from ggmlx import types, weights
 from ggmlx.backend import make_mesh
 from ggmlx.tensor import Tensor, new_weight
+from ggmlx.types import GGMLType
 from ggmlx.weights import WeightSplit
 from llm.arch import LLMTensor, tn
 from llm.errors import ModelLoadError
@@ -32,13 +33,14 @@ class Placement:
     """Where each part of the model lives: the input layer on the CPU (as llama.cpp keeps
     it), each repeating layer and the output layer on the device chosen for it. With
     split_mode "row" every weight and the KV cache live on `mesh` instead (the dev_* fields
-    name its first device), divided as `row_split_plan` says; `kv_split` tells whether the
-    KV cache is divided by KV heads (else replicated)."""
+    name its first device), divided as `row_split_plan` says under `row_plan` (resolved: no
+    "auto"); `kv_split` tells whether the KV cache is divided by KV heads (else replicated)."""
     dev_input: jax.Device
     dev_layer: list[jax.Device]
     dev_output: jax.Device
     mesh: jax.sharding.Mesh | None = None
     kv_split: bool = False
+    row_plan: RowPlan | None = None
 
 
 SPLIT_MODES = ("layer", "row")
@@ -53,16 +55,17 @@ class RowPlan:
       (llama.cpp's row mode); "pad" rearranges the heads so each device holds whole heads
       (KV heads copied when there are fewer than devices, zero heads padded otherwise,
       head_layout), keeps the KV cache divided and all-reduces once after the output
-      projection, as when they divide.
+      projection, as when they divide; "auto" (default): "pad" where the model allows it
+      (pad_blocker), else "gather".
     - `vocab`, the embeddings and lm_head: "rows" (by vocabulary: the lookup masked and
       summed, the logits all-gathered) or "cols" (by embedding features: the lookup
       all-gathered, the logits all-reduced)."""
-    uneven_heads: str = "gather"
+    uneven_heads: str = "auto"
     vocab: str = "rows"
 
     def __post_init__(self):
-        if self.uneven_heads not in ("gather", "pad"):
-            raise ValueError(f"RowPlan.uneven_heads must be 'gather' or 'pad', got {self.uneven_heads!r}")
+        if self.uneven_heads not in ("auto", "gather", "pad"):
+            raise ValueError(f"RowPlan.uneven_heads must be 'auto', 'gather' or 'pad', got {self.uneven_heads!r}")
         if self.vocab not in ("rows", "cols"):
             raise ValueError(f"RowPlan.vocab must be 'rows' or 'cols', got {self.vocab!r}")
 
@@ -108,6 +111,24 @@ def head_layout(n_head: int, n_head_kv: int, n: int) -> tuple[tuple[int, ...], t
             tuple(j * g + i if j < n_head_kv else -1 for j in range(n_kv) for i in range(g)))
 
 
+def pad_blocker(hp: HParams, ml: ModelLoader) -> str | None:
+    """Why RowPlan(uneven_heads="pad") cannot hold this model (None: it can): it needs the
+    same head counts in every layer, separate Q/K/V without biases, and attn_output heads
+    of whole quant blocks."""
+    if len(set(hp.n_head_arr)) != 1 or len(set(hp.n_head_kv_arr)) != 1:
+        return "the head counts differ between layers"
+    for name, entry in ml.weights_map.items():
+        parts = name.split(".")
+        if parts[0] != "blk" or len(parts) != 4:
+            continue
+        if parts[2] == "attn_qkv" or (parts[2] in ("attn_q", "attn_k", "attn_v") and parts[3] == "bias"):
+            return f"tensor {name!r} (fused Q/K/V or a Q/K/V bias)"
+        bs = types.block_size(GGMLType(entry.info.type))
+        if parts[2] == "attn_output" and parts[3] == "weight" and hp.n_embd_head_v % bs:
+            return f"tensor {name!r}: heads of {hp.n_embd_head_v} features are not whole blocks of {bs}"
+    return None
+
+
 def _padded_attention(hp: HParams, n: int) -> dict[str, WeightSplit]:
     """The attention splits of RowPlan(uneven_heads="pad"): Q/K/V by rows, the output
     projection by columns, each rearranged by head_layout."""
@@ -132,7 +153,7 @@ def uses_padded_heads(hp: HParams, n: int, plan: RowPlan) -> bool:
 def row_split_plan(hp: HParams, n: int, plan: RowPlan | None = None) -> Callable[[str], WeightSplit | None]:
     """tensor name -> its split over n devices (None: replicated: norms, biases, rope
     factors, MoE experts). ValueError for a tensor the plan cannot serve."""
-    plan = plan or RowPlan()
+    plan = plan or RowPlan(uneven_heads="gather")
     pad = uses_padded_heads(hp, n, plan)
     attn = _padded_attention(hp, n) if pad else _SPLIT_BY_HEADS if heads_divide(hp, n) else _SPLIT_GATHERED
     table = {**attn, **_SPLIT_COMMON, **_SPLIT_VOCAB[plan.vocab]}
@@ -167,9 +188,11 @@ def place_row(devices: list[jax.Device] | None, n_gpu_layers: int, tensor_split:
         raise ValueError("split_mode 'row' needs at least one device")
     if len(set(devices)) != len(devices):
         raise ValueError(f"split_mode 'row': devices must be distinct, got {devices}")
+    plan = plan or RowPlan(uneven_heads="gather")
     return Placement(devices[0], [devices[0]] * hp.n_layer, devices[0], make_mesh(devices),
                      kv_split=len(devices) > 1 and (heads_divide(hp, len(devices))
-                                                    or uses_padded_heads(hp, len(devices), plan or RowPlan())))
+                                                    or uses_padded_heads(hp, len(devices), plan)),
+                     row_plan=plan)
 
 
 def place_layers(n_layer: int, devices: list[jax.Device] | None, n_gpu_layers: int,
@@ -339,6 +362,12 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         if vocab_only:
             return model
         if split_mode == "row":
+            row_plan = row_plan or RowPlan()
+            if row_plan.uneven_heads == "auto":
+                blocker = pad_blocker(hp, ml)
+                if blocker:
+                    log.info("split_mode 'row': heads that do not divide are gathered, not padded: %s", blocker)
+                row_plan = dataclasses.replace(row_plan, uneven_heads="gather" if blocker else "pad")
             model.placement = place_row(devices, n_gpu_layers, tensor_split, hp, row_plan)
             mesh = model.placement.mesh
             assert mesh is not None   # place_row made it
@@ -356,7 +385,7 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         model.n_bytes = ml.load_all_data(progress_callback, weight_format)
         model.weight_format = ml.weight_format
         n_mesh = 1 if model.place.mesh is None else model.place.mesh.devices.size
-        if uses_padded_heads(hp, n_mesh, row_plan or RowPlan()):
+        if model.place.row_plan is not None and uses_padded_heads(hp, n_mesh, model.place.row_plan):
             model.hparams = padded_hparams(hp, n_mesh)
         if fuse and split_mode == "layer":      # row-split weights follow a per-name plan
             fuse_weights(model)

@@ -31,10 +31,10 @@ SPECS = {
 }
 # the RowPlan alternatives (tests/test_row_split.py checks them like the default plan):
 # (spec, devices, uneven_heads, vocab); 6 / 3 heads like SmolLM2's 9 / 3 pad with zero
-# heads, gemma3's 4 / 1 copy the KV head
+# heads, gemma3's 4 / 1 copy the KV head (the default, "auto"), or gather
 PLAN_SPECS = {"llama_6_3": TinySpec(arch="llama", n_layer=2, n_embd=96, n_head=6, n_head_kv=3, seed=15)}
 PLAN_CASES = [("llama_6_3", 2, "pad", "rows"), ("llama_6_3", 4, "pad", "rows"),
-              ("gemma3", 2, "pad", "rows"), ("gemma3", 4, "pad", "rows"),
+              ("gemma3", 2, "pad", "rows"), ("gemma3", 4, "pad", "rows"), ("gemma3", 4, "gather", "rows"),
               ("llama", 2, "gather", "cols"), ("gemma3", 4, "gather", "cols")]
 # a shape that no rule serves: 4 KV heads divide by 4, so attn_output is split by its 64
 # columns, 16 per device: not whole Q8_0 blocks of 32
@@ -71,6 +71,7 @@ def _case_facts(model, facts: dict, dumps: list[str]) -> dict:
     facts.update(kv_split=model.placement.kv_split, splits=_split_bytes(model),
                  kv_estimate_per_device={str(d.id): v for d, v in est.items()},
                  n_head=model.hparams.n_head(), n_head_kv=model.hparams.n_head_kv(),
+                 uneven_heads=model.placement.row_plan.uneven_heads,
                  dump="\n".join(d for d in dumps if "SPLIT" in d)[:200000])
     return facts
 
