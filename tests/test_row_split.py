@@ -259,6 +259,8 @@ def test_row_plan_gives_one_device_logits(tiny, key):
         kv = case["kv_bytes_per_device"]
         assert set(kv.values()) == {2 * spec.n_layer * case["n_head_kv"] * spec.head_dim * 64 * 4 // int(n)}
         assert "]{auto}" not in case["dump"]
+        devs = ",".join(f"CPU{i}" for i in range(int(n)))                # GGMLX_SCHED_DEBUG shows it
+        assert f"blk.0.attn_output.weight[TP[{devs}]]{{cols+reduce+heads{case['n_head']}}}" in case["dump"]
 
 
 @pytest.mark.slow
