@@ -73,6 +73,20 @@ def test_row_on_one_device_is_the_plain_model(tiny_path):
     np.testing.assert_allclose(row.get_logits_ith(-1), ref.get_logits_ith(-1), atol=1e-5)
 
 
+def test_kv_estimate_on_one_device(tiny_path):
+    """kv_bytes_per_device (check_fits' estimate) is what the cache buffers hold, with a
+    layer split and with a row split over one device."""
+    import jax
+
+    from llm.kv_cache import KV_TYPES, kv_bytes_per_device
+    for model in (llm.load_model(tiny_path, devices=[]),
+                  llm.load_model(tiny_path, devices=jax.devices("cpu")[:1], split_mode="row")):
+        ctx = llm.Context(model, n_ctx=32, type_k="f16")
+        held = sum(t.data.nbytes for t in ctx.memory.k_l + ctx.memory.v_l)
+        est = kv_bytes_per_device(model, 32, KV_TYPES["f16"], KV_TYPES["f32"])
+        assert list(est.values()) == [held]
+
+
 @pytest.mark.parametrize("split,ne,n,msg", [
     (weights.WeightSplit(1), (64, 30), 4, "30 rows do not split evenly over 4 devices"),
     (weights.WeightSplit(0), (64, 32), 4, "64 columns do not split over 4 devices in whole Q8_0 blocks of 32"),
