@@ -1,6 +1,6 @@
 """llm.perplexity on a tiny generated model: llama-perplexity's chunking and scoring rule,
 chunks batched as sequences give the same numbers, the KL base file round-trips, and the CLI
-prints llama-perplexity's lines."""
+prints llama-perplexity's lines; on SmolLM2 and Gemma3, the same numbers as llama.cpp."""
 from __future__ import annotations
 
 import io
@@ -132,7 +132,11 @@ def test_cli_prints_llama_perplexity_lines(model_path, tmp_path, capsys):
     assert f"you need at least {2 * N_CTX} tokens" in capsys.readouterr().err
 
 
-REFERENCE = {"smollm2_path": "smollm2-135m-instruct.q4_1.json"}
+# reference file, and how close to llama.cpp's exact F32 run each chunk must be: SmolLM2
+# measured 3e-6; Gemma3 1.6e-4, because ggml computes GELU through an fp16 table even in F32
+# (ggmlx/lower.py's _gelu says why we do not emulate it)
+REFERENCE = {"smollm2_path": ("smollm2-135m-instruct.q4_1.json", 1e-4),
+             "gemma3_path": ("gemma-3-270m-q4_k_m.json", 5e-4)}
 
 
 @pytest.mark.slow
@@ -144,11 +148,13 @@ def test_perplexity_matches_llama_cpp(fixture, request):
     The reference holds two llama.cpp runs of the same weights: its defaults (the CPU matmuls
     round activations to Q8 blocks, F16 KV cache, flash attention) and its exact F32 evaluation
     (weights dequantized by llama.cpp, F32 KV, no flash attention). We compute the exact
-    arithmetic, so we must match the F32 run to float32 summation noise (measured: SmolLM2
-    3e-6 per chunk) and sit no further from the default run than llama.cpp's own F32 run does
-    (SmolLM2: -1.24%, every chunk lower; the rounding noise costs llama.cpp that much)."""
+    arithmetic, so we must match the F32 run to float32 noise (bounds at REFERENCE) and sit no
+    further from the default run than llama.cpp's own F32 run does, give or take the same bound
+    (measured: llama.cpp's F32 run is 1.24% below its default on SmolLM2, 2.35% on Gemma3,
+    every chunk lower: the rounding noise costs llama.cpp that much)."""
     import json
-    ref = json.loads((Path(__file__).parent / "data" / "perplexity" / REFERENCE[fixture]).read_text())
+    name, tol = REFERENCE[fixture]
+    ref = json.loads((Path(__file__).parent / "data" / "perplexity" / name).read_text())
     model = llm.load_model(request.getfixturevalue(fixture))
     n_ctx = ref["n_ctx"]
     tokens = model.vocab.tokenize(TEXT.read_text(encoding="utf-8"), True, False)
@@ -161,6 +167,6 @@ def test_perplexity_matches_llama_cpp(fixture, request):
     res = ppl.perplexity(ctx, chunks, bos, 4 * n_ctx)
     exact, default = ref["llamacpp_f32"], ref["llamacpp"]
     for ours, f32, q in zip(res.chunk_ppl, exact["chunk_ppl"], default["chunk_ppl"], strict=True):
-        assert abs(ours / f32 - 1) < 1e-4
-        assert abs(math.log(ours / q)) <= abs(math.log(f32 / q)) + 1e-4
+        assert abs(ours / f32 - 1) < tol
+        assert abs(math.log(ours / q)) <= abs(math.log(f32 / q)) + tol
     assert res.uncertainty == pytest.approx(exact["uncertainty"], rel=1e-3)
