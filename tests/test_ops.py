@@ -579,8 +579,8 @@ def test_flash_attn_ext():
 
 @pytest.mark.parametrize("n_head_kv", [1, 3, 8])
 def test_flash_attn_ext_one_query(n_head_kv):
-    """A decode step (one query row): up to 4 KV heads take the one-query lowering (K and V
-    read in the cache layout, one dot over all KV heads), more the batched one; both must
+    """A decode step (one query row): one KV head takes the one-query lowering (K and V read
+    in the cache layout, the heads as columns of one dot), more the batched one; both must
     match the reference with a mask, soft-capping, ALiBi and attention sinks."""
     rng = np.random.default_rng(14)
     D, H, n_kv, n_ctx = 16, 2 * n_head_kv, 12, 20
