@@ -576,6 +576,39 @@ def test_flash_attn_ext():
         assert vals[i].shape == shape_of((Dv, H, n_q, 1))
 
 
+
+@pytest.mark.parametrize("n_head_kv", [1, 3, 8])
+def test_flash_attn_ext_one_query(n_head_kv):
+    """A decode step (one query row): one KV head takes the one-query lowering (K and V read
+    in the cache layout, the heads as columns of one dot), more the batched one; both must
+    match the reference with a mask, soft-capping, ALiBi and attention sinks."""
+    rng = np.random.default_rng(14)
+    D, H, n_kv, n_ctx = 16, 2 * n_head_kv, 12, 20
+    q = new_input(T.F32, (D, 1, H), "q")
+    qv = rand(rng, (D, 1, H))
+    cache_k = new_input(T.F32, (D * n_head_kv, n_ctx), "cache_k")
+    cache_v = new_input(T.F32, (D * n_head_kv, n_ctx), "cache_v")
+    ckv, cvv = rand(rng, (D * n_head_kv, n_ctx), -2, 2), rand(rng, (D * n_head_kv, n_ctx))
+    k = ops.view_3d(cache_k, D, n_kv, n_head_kv, cache_k.nb[1], 4 * D, 0)      # [D, n_kv, Hkv]
+    v = ops.view_3d(cache_v, D, n_kv, n_head_kv, cache_v.nb[1], 4 * D, 0)
+    mask, sinks = new_input(T.F32, (n_kv, 4), "kq_mask"), new_input(T.F32, (H,), "sinks")
+    mv, sv = causal_mask(rng, n_kv, 4, 1), rand(rng, (H,), -2, 2)
+    cases = [(None, 0.25, 0.0, 0.0), (mask, 1.0, 0.0, 5.0), (mask, 0.5, 8.0, 0.0)]
+    outs = [ops.flash_attn_ext(q, k, v, m, s, mb, cap) for m, s, mb, cap in cases]
+    outs.append(ops.flash_attn_ext(q, k, v, mask, 0.5, 0.0, 0.0, sinks))
+    vals = run(outs, {q: qv, cache_k: ckv, cache_v: cvv, mask: mv, sinks: sv})
+    kn = ckv[0, 0, :n_kv].reshape(n_kv, n_head_kv, D).transpose(1, 0, 2)[None]
+    vn = cvv[0, 0, :n_kv].reshape(n_kv, n_head_kv, D).transpose(1, 0, 2)[None]
+    for i, (m, s, mb, cap) in enumerate(cases):
+        check(f"flash_attn_ext one query case {i}", vals[i], ref_flash_attn(qv, kn, vn, None if m is None else mv,
+                                                                            s, mb, cap), NMSE_FLASH_ATTN)
+    ref = np.zeros((1, 1, H, D))
+    for h in range(H):
+        sc = qv[0, h] @ kn[0, h // 2].T * 0.5 + mv[0, 0, :1]
+        e = np.exp(sc - sc.max(1, keepdims=True))
+        ref[0, :, h] = e / (e.sum(1, keepdims=True) + np.exp(sv[0, 0, 0, h] - sc.max(1, keepdims=True))) @ vn[0, h // 2]
+    check("flash_attn_ext one query sinks", vals[3], ref, NMSE_FLASH_ATTN)
+
 def test_swiglu_oai_and_attention_sinks():
     """gpt-oss's clamped SwiGLU (ggml_swiglu_oai) and per-head attention sinks: one extra
     softmax term exp(sink) per head with no value (ggml_flash_attn_ext_add_sinks)."""
