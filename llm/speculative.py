@@ -18,7 +18,7 @@ Drafters:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +32,9 @@ class SpeculativeError(RuntimeError):
     """The target or draft context failed to decode (the status and the context's error)."""
 
 
+NEAR = 8      # how far from a copy pointer in step a match may lie and still be taken over it
+
+
 class Drafter(Protocol):
     def draft(self, tokens: list[int], n_max: int) -> list[int]:
         """Up to n_max tokens that may follow `tokens` (the whole sequence so far)."""
@@ -41,10 +44,20 @@ class Drafter(Protocol):
 @dataclass
 class PromptLookup:
     """Find the last `n` tokens (n from max_ngram_size down to 1) earlier in the sequence and
-    propose the tokens that followed their latest earlier occurrence. Defaults as
-    llama-cpp-python's LlamaPromptLookupDecoding (max_ngram_size 2, num_pred_tokens 10)."""
+    propose the tokens that followed one earlier occurrence. Defaults as llama-cpp-python's
+    LlamaPromptLookupDecoding (max_ngram_size 2, num_pred_tokens 10).
+
+    Which occurrence: the one nearest the copy pointer, the source position the previous
+    draft was taken from advanced by the tokens appended since; without one, the latest.
+    While the copy is in step (the last draft's first token was kept), only matches within
+    NEAR tokens of the pointer count. When no n-gram of 2 or more tokens matches, the
+    pointer's continuation is proposed (without a pointer, a 1-token match). Copying a text
+    with edits keeps its place this way: after an edited word the pointer still points
+    just past the original word, where a short n-gram (".", "(") has many other matches."""
     max_ngram_size: int = 2
     num_pred_tokens: int = 10
+    _src: int = field(default=-1, init=False, repr=False)     # where the last draft was taken from
+    _seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_ngram_size < 1 or self.num_pred_tokens < 1:
@@ -54,15 +67,34 @@ class PromptLookup:
     def draft(self, tokens: list[int], n_max: int) -> list[int]:
         n_max = min(n_max, self.num_pred_tokens)
         seq = np.asarray(tokens, np.int64)
-        for n in range(min(self.max_ngram_size, len(seq) - 1), 0, -1):
+        L = len(seq)
+        at = len(self._seen)            # the pointer holds only while the sequence extends that one
+        follows = self._src >= 0 and L > at and np.array_equal(seq[:at], self._seen)
+        expect = self._src + L - at if follows and self._src + L - at < L else -1
+        # in step: the last draft's first token was kept, so the copy is going on from there
+        in_step = expect >= 0 and seq[at] == seq[self._src]
+        start = -1
+        for n in range(min(self.max_ngram_size, L - 1), 0, -1):
+            if n == 1 and expect >= 0:      # a lone token's matches are weaker than the pointer
+                break
             tail = seq[-n:]
             # windows starting at i < len - n, so the match is strictly earlier than the tail
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return [int(t) for t in seq[start:start + n_max]]
-        return []
+            hits = np.flatnonzero((windows == tail).all(axis=1)) + n
+            if expect >= 0:
+                hits = hits[np.abs(hits - expect) <= NEAR] if in_step else hits
+                if hits.size:
+                    start = int(hits[np.argmin(np.abs(hits - expect))])
+                    break
+            elif hits.size:
+                start = int(hits[-1])
+                break
+        if start < 0:
+            start = expect
+        if start < 0 or n_max < 1:
+            return []
+        self._src, self._seen = start, seq
+        return [int(t) for t in seq[start:start + n_max]]
 
 
 class DraftModel:
@@ -117,9 +149,27 @@ class SpecStats:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
 
+def draft_lengths(n_max: int) -> list[int]:
+    """Draft lengths d whose verification ubatch 1 + d is a power of two (1, 3, 7, 15, ...),
+    up to n_max: ubatches are padded to a power of two, so other lengths pay for rows that
+    verify nothing, and these few shapes are all the verification graphs there are."""
+    out = []
+    d = 1
+    while d <= n_max:
+        out.append(d)
+        d = 2 * d + 1
+    return out
+
+
 class Speculative:
     """Token source for a context whose sequence 0 holds `tokens` and whose last decode put
-    the logits of tokens[-1] in output row -1 (what evaluating a prompt leaves)."""
+    the logits of tokens[-1] in output row -1 (what evaluating a prompt leaves).
+
+    The draft length adapts to the acceptance: a multi-token step costs more than a one-token
+    step (on a CPU about 1.5x for 2 tokens, 2x for 8, 3x for 16), so drafting pays only
+    while most of the draft is kept. A fully kept draft moves one length up, one kept less
+    than half moves one length down, and a rejected single token stops drafting for 1, 2,
+    4, ... 16 steps (reset by the next kept token)."""
 
     def __init__(self, ctx: Context, sampler: SamplerChain, drafter: Drafter, n_draft: int = 16,
                  is_eog: Callable[[int], bool] = lambda t: False):
@@ -127,9 +177,36 @@ class Speculative:
             raise ValueError(f"n_draft must be >= 1, got {n_draft}")
         self.ctx, self.sampler, self.drafter = ctx, sampler, drafter
         self.n_draft = min(n_draft, ctx.n_batch - 1, ctx.n_ubatch - 1) if ctx.n_ubatch > 1 else 0
+        self.lengths = draft_lengths(self.n_draft)
+        self.level = min(2, len(self.lengths) - 1)        # start at 7 tokens
+        self.pause = 0            # steps left without drafting
+        self.backoff = 1          # the next pause
         self.is_eog = is_eog
         self.stats = SpecStats()
         self.n_past = 0       # tokens of the sequence held in the KV cache
+
+    def _draft(self, seq: list[int]) -> list[int]:
+        room = self.ctx.n_ctx - self.n_past - 1
+        if not self.lengths or room < 1:
+            return []
+        if self.pause:
+            self.pause -= 1
+            return []
+        draft = self.drafter.draft(seq, min(self.lengths[self.level], room))
+        fit = [d for d in self.lengths if d <= len(draft)]
+        return draft[:fit[-1]] if fit else []
+
+    def _adapt(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted == 0:
+            return
+        if n_accepted:
+            self.backoff = 1
+        if n_accepted == n_drafted:
+            self.level = min(self.level + 1, len(self.lengths) - 1)
+        elif 2 * n_accepted < n_drafted:
+            if self.level == 0:
+                self.pause, self.backoff = self.backoff, min(2 * self.backoff, 16)
+            self.level = max(self.level - 1, 0)
 
     def tokens(self, tokens: list[int]) -> Iterator[int]:
         """Sampled tokens, several per target decode when drafts are accepted. Stops at
@@ -143,8 +220,7 @@ class Speculative:
             if self.is_eog(last):
                 return
             seq.append(last)
-            room = ctx.n_ctx - self.n_past - 1
-            draft = self.drafter.draft(seq, min(self.n_draft, room)) if room > 0 and self.n_draft else []
+            draft = self._draft(seq)
             batch = Batch([last] + draft, pos=list(range(self.n_past, self.n_past + 1 + len(draft))),
                           logits=[True] * (1 + len(draft)))
             status = ctx.decode(batch)
@@ -164,8 +240,10 @@ class Speculative:
                     break
                 tok = sampler.sample(ctx, i + 1)
             self.stats.n_accepted += len(accepted)
+            self._adapt(len(draft), len(accepted))
             self.n_past += 1 + len(accepted)
-            ctx.memory.seq_rm(0, self.n_past, -1)         # the rejected drafts' cells
+            if len(accepted) < len(draft):
+                ctx.memory.seq_rm(0, self.n_past, -1)         # the rejected drafts' cells
             for t in accepted:
                 yield t
                 if self.is_eog(t):

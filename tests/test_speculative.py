@@ -3,11 +3,14 @@ draft model give greedy output token-identical to plain decoding, rejected draft
 no cells behind, and the n-gram lookup proposes what followed the last match."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
-from llm.speculative import DraftModel, PromptLookup
+from llm.sampling import SamplerChain, SamplingParams
+from llm.speculative import DraftModel, PromptLookup, Speculative, draft_lengths
 
 N_CTX = 256
 
@@ -36,6 +39,44 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert pl.draft([5, 6, 7, 8, 9, 5, 6], 2) == [7, 8]
     with pytest.raises(ValueError, match="max_ngram_size"):
         PromptLookup(max_ngram_size=0)
+
+
+def test_prompt_lookup_keeps_its_place_in_a_copy_with_an_edit():
+    src = [99, 50, 10, 11, 12, 13, 14, 15, 16]
+    pl = PromptLookup(num_pred_tokens=3)
+    seq = src + [0, 10]
+    assert pl.draft(seq, 3) == [11, 12, 13]
+    seq += [11, 99]                 # 11 kept, then the copy edits 12 into 99
+    assert pl.draft(seq, 3) == [13, 14, 15]      # past the edited token, not what followed the other 99
+    assert PromptLookup(num_pred_tokens=3).draft(seq, 3) == [50, 10, 11]     # no pointer: the latest match
+    assert pl.draft([7] + seq, 3) == [50, 10, 11]     # another sequence: the pointer is dropped
+
+
+def test_draft_lengths_fill_power_of_two_ubatches():
+    assert draft_lengths(16) == [1, 3, 7, 15] and draft_lengths(7) == [1, 3, 7] and draft_lengths(0) == []
+
+
+class WrongDrafter:
+    """Proposes, after each output token, tokens the target will not sample next."""
+    def __init__(self, plain: list[int], n_prompt: int, n_vocab: int):
+        self.plain, self.n_prompt, self.n_vocab = plain, n_prompt, n_vocab
+
+    def draft(self, tokens: list[int], n_max: int) -> list[int]:
+        i = len(tokens) - self.n_prompt
+        return [(self.plain[i] + 1) % self.n_vocab if i < len(self.plain) else 0] * n_max
+
+
+def test_rejected_drafts_shrink_and_pause_drafting(target):
+    prompt = repetitive_prompt()
+    plain = target.generate(prompt, max_tokens=32, temperature=0.0).tokens
+    ctx = llm.Context(target.model, n_ctx=N_CTX)
+    assert ctx.decode(llm.Batch(prompt, logits=[i == len(prompt) - 1 for i in range(len(prompt))])) == 0
+    greedy = SamplerChain.from_params(SamplingParams(temp=0.0), n_vocab=target.model.n_vocab)
+    spec = Speculative(ctx, greedy, WrongDrafter(plain, len(prompt), target.model.n_vocab))
+    out = list(itertools.islice(spec.tokens(prompt), 32))
+    assert out == plain and spec.stats.n_accepted == 0 and spec.stats.n_steps == 31
+    # drafts of 7, 3, 1 tokens, then one token after pauses of 1, 2, 4, 8 steps (then 16)
+    assert spec.stats.n_drafted == 7 + 3 + 1 + 4
 
 
 @pytest.mark.slow
