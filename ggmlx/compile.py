@@ -14,10 +14,11 @@ import hashlib
 import logging
 import os
 import pickle
+import platform
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -208,19 +209,44 @@ def _code_version() -> str:
     return h.hexdigest()
 
 
-def _disk_path(key: str, device) -> str | None:
+@functools.cache
+def _host_cpu() -> str:
+    """The host CPU's model and instruction-set flags: XLA:CPU compiles for the CPU it runs on,
+    so an executable from a cache folder shared with another machine must not be loaded."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
+    except OSError:
+        return platform.machine() + "|" + platform.processor()
+
+
+_PLAIN = (int, float, str, bool, type(None), np.generic)
+
+
+def _plain(v) -> bool:
+    """Whether v's repr says all of it (numbers, strings, tuples of them): not a function,
+    whose repr holds an address another process may give a different function."""
+    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(_plain(x) for x in v))
+
+
+def _disk_path(key: str, program: Program, args) -> str | None:
     """Where the serialized executable of signature key lives: under cache_root()/exe, named
     by the key plus everything else that decides the machine code (ggmlx's sources, JAX and
-    jaxlib versions, XLA_FLAGS, the device kind). None when GGMLX_EXE_CACHE or persistent
-    caching is off."""
+    jaxlib versions, XLA_FLAGS, x64 mode, the device kind, the host CPU's model and flags, the
+    arguments' shapes and dtypes). None when GGMLX_EXE_CACHE or persistent caching is off,
+    or the program holds a Python callable (map_custom1: identified by address only)."""
     if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
         return None
-    dev = device or jax.devices()[0]
+    dev = program.device or jax.devices()[0]
     if dev != jax.devices()[0]:
         return None      # a loaded executable runs on the default device: splits elsewhere compile
-
+    if not all(_plain(n.op_params) for n in program.nodes):
+        return None
+    avals = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]
     tag = "|".join([key, _code_version(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
-                    dev.platform, dev.device_kind])
+                    str(jax.dtypes.canonicalize_dtype(np.float64)), dev.platform, dev.device_kind,
+                    _host_cpu() if dev.platform == "cpu" else "", repr(avals)])
     return os.path.join(flags.cache_root(), "exe", hashlib.sha256(tag.encode()).hexdigest() + ".bin")
 
 
@@ -283,8 +309,10 @@ class GraphCache:
     def key_of(sig: list[tuple]) -> str:
         return hashlib.sha256(repr(sig).encode()).hexdigest()
 
-    def get(self, program: Program, w_vals, in_vals, st_vals) -> CompiledProgram:
-        """The executable for program, compiling it (for these argument shapes) on a miss."""
+    def get(self, program: Program, w_vals, in_vals, st_vals,
+            on_compile: Callable[[], None] | None = None) -> CompiledProgram:
+        """The executable for program, compiling it (for these argument shapes) on a miss;
+        on_compile is called just before a compilation (a miss not served from disk)."""
         sig = program.signature()
         key = self.key_of(sig)
         hit = self._entries.get(key)
@@ -296,13 +324,15 @@ class GraphCache:
         self.last_miss_reason = self._explain_miss(sig)
         dev, mesh = program.device, program.mesh
         t0 = time.perf_counter()
-        path = _disk_path(key, dev) if mesh is None else None     # mesh programs: XLA's cache only
+        w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
+        args = (tuple(w_leaves), tuple(in_vals), tuple(st_vals))
+        path = _disk_path(key, program, args) if mesh is None else None     # mesh programs: XLA's cache only
         executable = _load_executable(path)
         if executable is not None:
             self.stats.disk_hits += 1
         else:
-            w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
-            args = (tuple(w_leaves), tuple(in_vals), tuple(st_vals))
+            if on_compile is not None:
+                on_compile()
             out_shardings = None
             if mesh is None:
                 abstract = jax.tree.map(lambda x: _abstract(x, dev), args)
@@ -313,7 +343,8 @@ class GraphCache:
                 out_shardings = (tuple(replicated for _ in program.outputs), tuple(a.sharding for a in abstract[2]))
             fn = program.make_fn(w_treedef)
             executable = self._compile(
-                lambda: jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract))
+                lambda: jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract),
+                xla_cache=path is None)
             _store_executable(path, executable)
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
@@ -326,10 +357,17 @@ class GraphCache:
             self.stats.evictions += 1
         return entry
 
-    def _compile(self, lower_fn):
+    def _compile(self, lower_fn, xla_cache: bool = True):
         """Compile; when JAX reports a damaged persistent-cache entry, delete the damaged
-        entries and compile once more so the entry is written again (JAX never overwrites)."""
-        cache_dir = jax.config.jax_compilation_cache_dir     # set by ggmlx.init()
+        entries and compile once more so the entry is written again (JAX never overwrites).
+        Without xla_cache, XLA's on-disk cache is neither read nor written: an executable
+        that is to be serialized must come from a real compilation (one loaded from XLA's
+        cache serializes without some of its functions: "Function ... not found" when run)."""
+        from jax._src.config import compilation_cache_dir, enable_compilation_cache
+        cache_dir = compilation_cache_dir.value     # set by ggmlx.init()
+        if not xla_cache:
+            with enable_compilation_cache(False):
+                return lower_fn().compile()
         if not cache_dir:
             return lower_fn().compile()
         with warnings.catch_warnings(record=True) as caught:

@@ -45,12 +45,11 @@ REFERENCE = EnvFlag(
     "default ../shared/reference beside the repository")
 
 EXE_CACHE = EnvFlag(
-    "GGMLX_EXE_CACHE", "0",
-    "opt-in until it has run more widely: 1 keeps serialized executables in cache_root()/exe, "
-    "keyed by graph signature, "
-    "ggmlx sources, JAX versions, XLA_FLAGS and device kind, so a warm process skips tracing and "
-    "lowering (SmolLM2 8-token prefill graph: 4-5 s vs 16-21 s through XLA's cache on a loaded "
-    "machine); 0 (default): only XLA's compilation cache")
+    "GGMLX_EXE_CACHE", "1",
+    "1 (default): keep serialized executables in cache_root()/exe, keyed by graph signature, "
+    "argument shapes, ggmlx sources, JAX versions, XLA_FLAGS, device kind and host CPU, so a warm "
+    "process skips tracing and lowering (the first token of a warm SmolLM2 process: no compile); "
+    "0: only XLA's compilation cache")
 MATMUL_PRECISION = EnvFlag(
     "GGMLX_MATMUL_PRECISION", "highest",
     "precision of every f32 matmul the lowering emits: highest (default: full f32 on every backend, "

@@ -306,13 +306,15 @@ class Scheduler:
         st_vals = [_on_device(_state_buffer(t, state), be) for t in prog.states]
         return split.w_vals, in_vals, st_vals
 
-    def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]) -> None:
-        """Compile every split ahead of time (like ggml_backend_sched_reserve)."""
+    def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array],
+                on_compile: Callable[[], None] | None = None) -> None:
+        """Compile every split ahead of time (like ggml_backend_sched_reserve); on_compile is
+        called before each compilation the caches cannot serve."""
         for s in plan.splits:
             if s.compiled is None:
                 assert s.program is not None   # alloc_graph built it
                 w, i, st = self._abstract_args(s, host_inputs, state)
-                s.compiled = self.cache.get(s.program, w, i, st)
+                s.compiled = self.cache.get(s.program, w, i, st, on_compile)
 
     def _abstract_args(self, split: Split, host_inputs, state):
         prog = split.program
@@ -322,9 +324,11 @@ class Scheduler:
         st = [_state_buffer(t, state) for t in prog.states]
         return w, i, st
 
-    def compute(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]):
+    def compute(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array],
+                on_compile: Callable[[], None] | None = None):
         """Run the splits in order. Returns (outputs {tensor: value}, new state, completed):
-        completed is False when cb_eval asked to stop; state passed in is donated."""
+        completed is False when cb_eval asked to stop; state passed in is donated. on_compile
+        as in reserve."""
         values: dict[int, jax.Array] = {}
         state = dict(state)
         for s in plan.splits:
@@ -332,7 +336,7 @@ class Scheduler:
             assert prog is not None   # alloc_graph built it
             w, i, st = self._args(s, values, host_inputs, state)
             if s.compiled is None:
-                s.compiled = self.cache.get(prog, w, i, st)
+                s.compiled = self.cache.get(prog, w, i, st, on_compile)
             outs, new_st = s.compiled(s.w_leaves, i, st)
             for t, v in zip(prog.outputs, outs, strict=False):
                 values[t.id] = v

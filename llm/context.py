@@ -204,8 +204,6 @@ class Context:
         last = min(used + max(n_predict - 1, 0), self.n_ctx)
         shapes.update(self._reserve_params(1, self.memory.n_kv_at(u)) for u in range(used + 1, last + 1))
         todo = sorted((p for p in shapes if p not in self._graphs), key=lambda p: (p.n_kv, p.n_tokens))
-        if todo:
-            logger.info("compiling %d graph%s", len(todo), "s" if len(todo) > 1 else "")
         return self._reserve(todo)
 
     def _reserve_params(self, n_tokens: int, n_kv: int) -> GraphParams:
@@ -220,7 +218,7 @@ class Context:
         for params in shapes:
             if params not in self._graphs:
                 plan = self._build(params)[1]
-                self.sched.reserve(plan, {}, self.memory.state())
+                self.sched.reserve(plan, {}, self.memory.state(), self._progress(params))
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
         return stats.misses - misses
@@ -316,6 +314,18 @@ class Context:
                            flash_attn=self.flash_attn, edits=self.edits,
                            n_kv_swa=self._n_kv_swa())
 
+    @staticmethod
+    def _progress(params: GraphParams) -> Callable[[], None]:
+        """Logs what is about to compile (a cold start's progress line; called only when no
+        cache holds the executable)."""
+        def say() -> None:
+            n, n_out = params.n_tokens, params.n_outputs
+            kind = "decode" if n == 1 else "prefill" if n_out < n else "multi-token"
+            outs = f", {n_out} outputs" if 1 < n_out < n else ""
+            logger.info("compiling %s graph (%d token%s%s, kv %d) ...", kind, n, "s" if n > 1 else "", outs,
+                        params.n_kv)
+        return say
+
     def _n_kv_swa(self) -> int:
         return self.memory.n_kv_swa() if self.memory.cells_swa is not None else 0
 
@@ -354,7 +364,7 @@ class Context:
         misses, t_comp = stats.misses, stats.compile_seconds
         t_in = self.sched.t_inputs
         t_dispatch = time.perf_counter()
-        outs, new_state, ok = self.sched.compute(plan, values, self.memory.state())
+        outs, new_state, ok = self.sched.compute(plan, values, self.memory.state(), self._progress(params))
         self.memory.update(new_state)
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp

@@ -263,7 +263,7 @@ EXE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_exe_cache_second_process_loads_the_executable(tmp_path):
-    """GGMLX_EXE_CACHE=1 (opt-in): the second process deserializes the executable (no tracing, no XLA
+    """GGMLX_EXE_CACHE=1 (the default): the second process deserializes the executable (no tracing, no XLA
     compile), with the same result; a damaged entry is compiled again."""
     env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
     env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
