@@ -338,8 +338,10 @@ class LLM:
         """Evaluate the prompt, then sample; one chunk per sampled token, then the final one."""
         perf0 = self.ctx.perf()
         rest = self._keep_prefix(tokens)
+        spec = None if drafter is None else Speculative(self.ctx, sampler, drafter, is_eog=self.vocab.is_eog)
         # every graph this request will use compiles now: none mid-stream, none in the prompt's time
-        self.ctx.reserve_generation(len(rest), max_tokens)
+        self.ctx.reserve_generation(len(rest), max_tokens,
+                                    verify=() if spec is None else tuple(1 + d for d in spec.lengths))
         t0 = time.perf_counter()
         self._eval_prompt(rest)
         t_prompt = time.perf_counter() - t0
@@ -350,12 +352,7 @@ class LLM:
         finish = FINISH_LENGTH
         hold = max((len(s) for s in stop), default=0)
         t1 = time.perf_counter()
-        spec = None
-        if drafter is not None:
-            spec = Speculative(self.ctx, sampler, drafter, is_eog=self.vocab.is_eog)
-            source = spec.tokens(tokens)
-        else:
-            source = self._plain_tokens(sampler)
+        source = self._plain_tokens(sampler) if spec is None else spec.tokens(tokens)
         for tok in source:
             if len(out_tokens) >= max_tokens:
                 break

@@ -6,6 +6,7 @@ graph when every input's can_reuse holds or build a new one, set the inputs, com
 copy the requested logits rows to the host output buffer."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -187,12 +188,13 @@ class Context:
         return self._reserve([self._reserve_params(n, kv) for n in n_tokens for kv in kv_lengths])
 
     @locked
-    def reserve_generation(self, n_prompt: int, n_predict: int) -> int:
+    def reserve_generation(self, n_prompt: int, n_predict: int, verify: tuple[int, ...] = ()) -> int:
         """Compile ahead every graph that decoding n_prompt tokens (in n_batch, then n_ubatch
         pieces) and then up to n_predict - 1 single tokens will use, starting from the cache as it
         is: the KV buckets a generation crosses compile before its first token, not in the
-        middle of it, and outside the prompt's timing. Logs one line when there are graphs to
-        build. Returns the number of compilations."""
+        middle of it, and outside the prompt's timing. `verify`: also the ubatches of these
+        sizes with every token's logits (speculative decoding's verification steps). Logs a
+        line per graph it compiles. Returns the number of compilations."""
         used = self.memory.cells.used_max_p1()
         shapes: set[GraphParams] = set()
         for start in range(0, n_prompt, self.n_batch):
@@ -203,6 +205,12 @@ class Context:
                 shapes.add(self._reserve_params(n, self.memory.n_kv_at(used)))
         last = min(used + max(n_predict - 1, 0), self.n_ctx)
         shapes.update(self._reserve_params(1, self.memory.n_kv_at(u)) for u in range(used + 1, last + 1))
+        for n in verify:
+            if not 1 <= n <= self.n_ubatch:
+                raise ValueError(f"reserve_generation: verification size {n} is outside "
+                                 f"[1, n_ubatch = {self.n_ubatch}]")
+            shapes.update(dataclasses.replace(self._reserve_params(n, self.memory.n_kv_at(u)), n_outputs=n)
+                          for u in range(used + n, min(last + n, self.n_ctx) + 1))
         todo = sorted((p for p in shapes if p not in self._graphs), key=lambda p: (p.n_kv, p.n_tokens))
         return self._reserve(todo)
 

@@ -119,3 +119,16 @@ def test_sampling_runs_and_bad_values_fail(target):
         target.generate([1, 2, 3], max_tokens=2, speculative="lookahead")
     with pytest.raises(ValueError, match="speculative"):
         target.generate([1, 2, 3], max_tokens=2, speculative=3)
+
+
+@pytest.mark.slow
+def test_verification_graphs_compile_before_the_first_token(tmp_path):
+    """The verification ubatches (2, 4, 8, 16 tokens, every row's logits) are reserved with
+    the generation: nothing compiles once tokens flow."""
+    m = llm.LLM(str(write_model(tmp_path / "t3.gguf", TinySpec(arch="llama", n_layer=3, seed=2))), n_ctx=N_CTX)
+    chunks = m.stream(repetitive_prompt(), max_tokens=40, temperature=0.0, speculative="prompt-lookup")
+    next(chunks)
+    before = m.ctx.perf()["n_compiles"]
+    assert before >= 5          # prefill, decode and the four verification shapes (fresh signatures)
+    last = list(chunks)[-1].completion
+    assert m.ctx.perf()["n_compiles"] == before and last.timings["spec_drafted"] > 0
