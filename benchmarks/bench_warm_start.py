@@ -46,7 +46,8 @@ def main() -> int:
     print("| process | load s | load -> first token s | compile s | graphs | from the executable cache |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, r in runs:
-        print(f"| {label} | {r['load_s']:.2f} | {r['first_token_s']:.2f} | {r['compile_s']:.2f} | {r['n_compiles']} | {r['disk_hits']} |")
+        print(f"| {label} | {r['load_s']:.2f} | {r['first_token_s']:.2f} | {r['compile_s']:.2f} | "
+              f"{r['n_compiles']} | {r['disk_hits']} |")
     warm = statistics.median(r["first_token_s"] for _, r in runs[1:])
     load = statistics.median(r["load_s"] for _, r in runs[1:])
     print(f"warm median: load {load:.2f} s, load -> first token {warm:.2f} s "
