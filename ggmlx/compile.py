@@ -364,10 +364,17 @@ class GraphCache:
         that is to be serialized must come from a real compilation (one loaded from XLA's
         cache serializes without some of its functions: "Function ... not found" when run)."""
         from jax._src.config import compilation_cache_dir, enable_compilation_cache
+        from jax.experimental.compilation_cache.compilation_cache import reset_cache
         cache_dir = compilation_cache_dir.value     # set by ggmlx.init()
         if not xla_cache:
-            with enable_compilation_cache(False):
-                return lower_fn().compile()
+            # JAX decides once per process whether its cache is used: reset that decision so it
+            # is taken again with the cache off, and once more after, with it back on
+            reset_cache()
+            try:
+                with enable_compilation_cache(False):
+                    return lower_fn().compile()
+            finally:
+                reset_cache()
         if not cache_dir:
             return lower_fn().compile()
         with warnings.catch_warnings(record=True) as caught:
