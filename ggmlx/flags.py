@@ -56,8 +56,14 @@ MATMUL_PRECISION = EnvFlag(
     "precision of every f32 matmul the lowering emits: highest (default: full f32 on every backend, "
     "no TF32 on GPUs), high (bf16x3 / TF32-class on GPUs) or default (the backend's fastest, TF32 or "
     "bf16); part of compiled-graph cache keys")
+NATIVE = EnvFlag(
+    "GGMLX_NATIVE", "1",
+    "0: never use the native int8 matvec (ggmlx/native, an XLA FFI custom call built at install) "
+    "for decode-sized products on the CPU; the pure-XLA dequantize-then-dot path runs instead; "
+    "part of compiled-graph cache keys")
 
-ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION)
+ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION,
+                            NATIVE)
 
 _PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "default": "DEFAULT"}
 
