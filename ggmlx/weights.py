@@ -458,7 +458,9 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     arrs = _row_arrays(w)
     if (native_ok and spec.format == FORMAT_INT8 and xt.shape[0] <= native.MAX_N and xt.dtype == jnp.float32
             and native.available()):
-        out = jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, *arrs),
+        q, scale, offset = arrs
+        assert scale is not None   # the int8 format always has scales
+        out = jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, q, scale, offset),
                                          default=lambda xt: mul_mat(w, xt, native_ok=False))
         return out.reshape(*lead, M)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
