@@ -11,8 +11,14 @@ from ggmlx import native, types, weights
 from ggmlx.types import GGMLType
 
 needs_native = pytest.mark.skipif(
-    not native.available(),
-    reason="the native int8 matvec is not built (pip install -e . with a C++ compiler builds it) or GGMLX_NATIVE=0")
+    native.load_error() is not None,
+    reason=f"the native int8 matvec cannot be used: {native.load_error()} (pip install -e . with a C++ compiler)")
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    """Every test here runs with the kernel switched on (GGMLX_NATIVE=1) unless it says otherwise."""
+    monkeypatch.setenv("GGMLX_NATIVE", "1")
 
 # One block type per (sub-block, offset) case of the int8 format.
 CASES = {GGMLType.Q8_0: (32, False), GGMLType.Q4_1: (32, True), GGMLType.Q6_K: (16, False),

@@ -1,13 +1,14 @@
 """Optional native CPU kernels, called from compiled graphs as XLA FFI custom calls.
 
 `int8_matvec` multiplies a few rows of activations by an "int8" weight (ggmlx/weights.py)
-straight from its int8 quants, scales and offsets: for decode-sized N the pure-XLA path
-writes and rereads each dequantized f32 chunk, about 9 bytes of memory traffic per weight
-element instead of about 1.1. The library is compiled by setup.py at install when a C++
-compiler is present; without it (or with GGMLX_NATIVE=0) `available()` is False and
-`weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
-loaded and its targets registered on the first `available()` (ggmlx.init() or a lowering).
-"""
+straight from its int8 quants, scales and offsets, where the pure-XLA path writes each
+dequantized f32 chunk and reads it back for the dot (8 bytes per weight element, through
+the caches). Both read the int8 arrays (1.1-1.25 bytes per element) from memory. The
+library is compiled by setup.py at install when a C++ compiler is present. It is opt-in
+(GGMLX_NATIVE=1, see flags.NATIVE for why); when off or not built, `available()` is False
+and `weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
+loaded and its targets registered on the first `available()` with the flag on
+(ggmlx.init() or a lowering)."""
 from __future__ import annotations
 
 import ctypes
@@ -40,7 +41,7 @@ def library_path() -> str | None:
 
 
 @functools.cache
-def _register() -> str | None:
+def load_error() -> str | None:
     """Load the library and register its FFI targets for the CPU, once per process. None when
     done, else why not (logged once at debug level)."""
     path = library_path()
@@ -59,8 +60,8 @@ def _register() -> str | None:
 
 
 def available() -> bool:
-    """True when the native kernels are on (GGMLX_NATIVE, default 1) and registered."""
-    return flags.NATIVE.get() != "0" and _register() is None
+    """True when the native kernels are on (GGMLX_NATIVE) and registered."""
+    return flags.NATIVE.get() == "1" and load_error() is None
 
 
 def int8_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:

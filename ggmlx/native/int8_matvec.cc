@@ -1,7 +1,7 @@
 // y[n, m] = sum_k x[n, k] * (scale[m, k / sub] * q[m, k] + offset[m, k / sub]) for the "int8"
 // weight format (ggmlx/weights.py), read straight from the int8 arrays: an XLA FFI custom call
-// for decode-sized N, where the pure-XLA path writes and reads each dequantized f32 chunk
-// (about 9 bytes of traffic per weight element instead of about 1.1).
+// for decode-sized N, where the pure-XLA path writes each dequantized f32 chunk and reads it
+// back for the dot.
 //
 // Numerics: each weight is dequantized in f32 as XLA does (scale * q, then + offset; both
 // exact for every type the int8 format holds) and the products are summed in f32, so the
