@@ -12,7 +12,7 @@ from ggmlx.types import GGMLType
 
 needs_native = pytest.mark.skipif(
     native.load_error() is not None,
-    reason=f"the native int8 matvec cannot be used: {native.load_error()} (pip install -e . with a C++ compiler)")
+    reason=f"the native int8 matvec cannot be used: {native.load_error()}")
 
 
 @pytest.fixture(autouse=True)
