@@ -8,7 +8,7 @@ import os
 
 import jax
 
-from ggmlx import flags
+from ggmlx import flags, native
 from ggmlx.types import GGMLType
 
 __all__ = ["GGMLType", "flags", "init"]
@@ -32,7 +32,10 @@ def init() -> None:
       starts warm (off with GGMLX_NO_PERSISTENT_CACHE=1). A folder that cannot be written
       (a file, no permission) gives one warning and no persistent cache: a cache never
       stops the engine.
+    - The native kernels (ggmlx/native), when built and on, are loaded and registered with
+      XLA here, before any cached executable that calls them is loaded.
     """
+    native.available()
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if _CPU_SCHEDULER_FLAG not in xla_flags:
         if _backends_initialized():

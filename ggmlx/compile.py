@@ -26,7 +26,7 @@ import jaxlib
 import numpy as np
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from ggmlx import flags, lower, weights
+from ggmlx import flags, lower, native, weights
 from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor
 
@@ -109,7 +109,8 @@ class Program:
     def signature(self) -> list[tuple]:
         """Everything that decides the compiled code, one readable entry per item."""
         ref: dict[int, str] = {}
-        sig: list[tuple] = [("device", str(self.device)), ("matmul_precision", flags.matmul_precision())]
+        sig: list[tuple] = [("device", str(self.device)), ("matmul_precision", flags.matmul_precision()),
+                              ("native", native.available())]
         if self.mesh is not None:
             sig.append(("mesh", tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         for role, ts in (("weight", self.weights), ("input", self.inputs), ("state", self.states)):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ggmlx import flags, types
+from ggmlx import flags, native, types
 from ggmlx.backend import MESH_AXIS
 from ggmlx.quants.int8 import INT8_CONVERTERS, to_int8
 from ggmlx.tensor import np_dtype, pad_ne
@@ -331,7 +331,7 @@ def _mul_mat_split(w: DeviceWeight, x: jax.Array) -> jax.Array:
     out_spec = P(*lead, MESH_AXIS) if split_out else P()
 
     def local(wl, xl):
-        y = mul_mat(_local(wl), xl)
+        y = mul_mat(_local(wl), xl, native_ok=False)
         if split.dim == 0:
             return jax.lax.psum(y, MESH_AXIS)
         if split.gather:
@@ -440,13 +440,15 @@ def _chunk_rows(n_rows: int, ne0: int) -> int:
     return min(r, n_rows)
 
 
-def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
+def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     """ggml mul_mat of a 2-d weight [M, K] (numpy order) by x [..., N, K] -> [..., N, M].
 
     A quantized (or non-f32) weight is dequantized a chunk of rows at a time inside a loop,
     each chunk feeding its own dot: XLA:CPU does not fuse dequantization into a dot, and one
     whole-matrix f32 temporary is several times slower (fresh pages every call). The last
-    chunk starts early enough to end at row M (it recomputes a few rows: same values)."""
+    chunk starts early enough to end at row M (it recomputes a few rows: same values).
+    An int8 weight times at most native.MAX_N rows runs the native kernel instead on the CPU,
+    when it is built (ggmlx/native); native_ok is False for the shards of a split weight."""
     spec = w.spec
     if spec.split is not None:
         return _mul_mat_split(w, x)
@@ -454,6 +456,13 @@ def mul_mat(w: DeviceWeight, x: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
+    if (native_ok and spec.format == FORMAT_INT8 and xt.shape[0] <= native.MAX_N and xt.dtype == jnp.float32
+            and native.available()):
+        q, scale, offset = arrs
+        assert scale is not None   # the int8 format always has scales
+        out = jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, q, scale, offset),
+                                         default=lambda xt: mul_mat(w, xt, native_ok=False))
+        return out.reshape(*lead, M)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
         out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=matmul_precision())
         return out.reshape(*lead, M)

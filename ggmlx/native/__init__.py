@@ -1,0 +1,73 @@
+"""Optional native CPU kernels, called from compiled graphs as XLA FFI custom calls.
+
+`int8_matvec` multiplies a few rows of activations by an "int8" weight (ggmlx/weights.py)
+straight from its int8 quants, scales and offsets, where the pure-XLA path writes each
+dequantized f32 chunk and reads it back for the dot (8 bytes per weight element, through
+the caches). Both read the int8 arrays (1.1-1.25 bytes per element) from memory. The
+library is compiled by setup.py at install when a C++ compiler is present. It is opt-in
+(GGMLX_NATIVE=1, see flags.NATIVE for why); when off or not built, `available()` is False
+and `weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
+loaded and its targets registered on the first `available()` with the flag on
+(ggmlx.init() or a lowering)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from ggmlx import flags
+
+log = logging.getLogger(__name__)
+
+# Most activation rows one call takes (the kernel keeps one accumulator per row and weight
+# row in registers). Measured on a 2-core AVX-512 machine: see benchmarks/bench_native.py.
+MAX_N = 8
+
+TARGET = "ggmlx_int8_matvec"
+TARGET_OFFSET = "ggmlx_int8_matvec_offset"
+_SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset"}
+_LIBRARY = "_int8_matvec"
+
+
+def library_path() -> str | None:
+    """The compiled library beside this file (setup.py's build_ext), or None."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(__file__), _LIBRARY + "*.so")))
+    return found[0] if found else None
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Load the library and register its FFI targets for the CPU, once per process. None when
+    done, else why not (logged once at debug level)."""
+    path = library_path()
+    if path is None:
+        why = "not built (no C++ compiler at install, or the build failed: pip install -e . rebuilds it)"
+    else:
+        try:
+            lib = ctypes.cdll.LoadLibrary(path)
+            for target, symbol in _SYMBOLS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            return None
+        except (OSError, AttributeError, ValueError, RuntimeError) as e:
+            why = f"{path} cannot be used: {type(e).__name__}: {e}"
+    log.debug("native int8 matvec off, pure-XLA path used: %s", why)
+    return why
+
+
+def available() -> bool:
+    """True when the native kernels are on (GGMLX_NATIVE) and registered."""
+    return flags.NATIVE.get() == "1" and load_error() is None
+
+
+def int8_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
+    """x f32 [N, K] (N <= MAX_N) times the int8 weight (q int8 [M, K], scale and offset f32
+    [M, K // sub]) -> f32 [N, M]: y[n, m] = sum_k x[n, k] * (scale * q + offset)[m, k]. CPU only."""
+    out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+    if offset is None:
+        return jax.ffi.ffi_call(TARGET, out)(x, q, scale)
+    return jax.ffi.ffi_call(TARGET_OFFSET, out)(x, q, scale, offset)

@@ -1,0 +1,268 @@
+// y[n, m] = sum_k x[n, k] * (scale[m, k / sub] * q[m, k] + offset[m, k / sub]) for the "int8"
+// weight format (ggmlx/weights.py), read straight from the int8 arrays: an XLA FFI custom call
+// for decode-sized N, where the pure-XLA path writes each dequantized f32 chunk and reads it
+// back for the dot.
+//
+// Numerics: each weight is dequantized in f32 as XLA does (scale * q, then + offset; both
+// exact for every type the int8 format holds) and the products are summed in f32, so the
+// result differs from dequantize-then-dot only by the order of the f32 additions.
+// Activations are never quantized.
+//
+// The M rows are split into chunks run on XLA's intra-op thread pool; the calling thread
+// takes chunks too, so the call finishes even when every pool thread is busy.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define GGMLX_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxN = 8;    // rows of x one call handles (the Python side checks it)
+constexpr int kRowTile = 4; // weight rows computed together, sharing each x load
+// Weight rows ahead that the SIMD kernels prefetch: the hardware prefetcher alone left a
+// 262144 x 640 matvec (cold) at ~45 ms on one core, 32 rows ahead ~30 ms (16: ~33, 64: ~33).
+constexpr int64_t kPrefetchRows = 32;
+
+struct Problem {
+  const float* x;       // [N, K]
+  const int8_t* q;      // [M, K]
+  const float* scale;   // [M, K / sub]
+  const float* offset;  // [M, K / sub] or null
+  float* y;             // [N, M]
+  int64_t N, M, K, sub;
+};
+
+// ---- portable kernel: plain loops ------------------------------------------------------------
+
+void rows_generic(const Problem& p, int64_t m0, int64_t m1) {
+  const int64_t nb = p.K / p.sub;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int8_t* q = p.q + m * p.K;
+    const float* s = p.scale + m * nb;
+    const float* o = p.offset ? p.offset + m * nb : nullptr;
+    float acc[kMaxN] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t t = 0; t < p.sub; ++t) {
+        const int64_t k = b * p.sub + t;
+        float w = s[b] * static_cast<float>(q[k]);
+        if (o) w = w + o[b];
+        for (int64_t n = 0; n < p.N; ++n) acc[n] += p.x[n * p.K + k] * w;
+      }
+    }
+    for (int64_t n = 0; n < p.N; ++n) p.y[n * p.M + m] = acc[n];
+  }
+}
+
+#ifdef GGMLX_X86
+inline void prefetch_ahead(const Problem& p, int64_t row, int64_t k, int64_t b, int64_t nb, bool off) {
+  const int64_t ahead = std::min(row + kPrefetchRows, p.M - 1);
+  _mm_prefetch(reinterpret_cast<const char*>(p.q + ahead * p.K + k), _MM_HINT_T0);
+  if (b % 16 == 0) {   // 16 floats: one cache line of scales (and offsets)
+    _mm_prefetch(reinterpret_cast<const char*>(p.scale + ahead * nb + b), _MM_HINT_T0);
+    if (off) _mm_prefetch(reinterpret_cast<const char*>(p.offset + ahead * nb + b), _MM_HINT_T0);
+  }
+}
+
+// Every loop bound below is a template parameter, so the compiler unrolls the tiles and keeps
+// the ROWS x NR accumulators in registers (a runtime row count spilled them: 3x slower).
+
+// ---- AVX-512: 16 weights per vector, ROWS weight rows x NR activation rows per pass --------
+
+template <int SUB, int NR, bool OFF, int ROWS>
+__attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t m) {
+  const int64_t nb = p.K / SUB;
+  __m512 acc[ROWS][NR];
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int h = 0; h < SUB / 16; ++h) {
+      const int64_t k = b * SUB + h * 16;
+      __m512 xv[NR];
+      for (int n = 0; n < NR; ++n) xv[n] = _mm512_loadu_ps(p.x + n * p.K + k);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = m + r;
+        if (h == 0) prefetch_ahead(p, row, k, b, nb, OFF);
+        __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + row * p.K + k));
+        __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qb)), _mm512_set1_ps(p.scale[row * nb + b]));
+        if (OFF) w = _mm512_add_ps(w, _mm512_set1_ps(p.offset[row * nb + b]));
+        for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_fmadd_ps(xv[n], w, acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) p.y[n * p.M + m + r] = _mm512_reduce_add_ps(acc[r][n]);
+}
+
+template <int SUB, int NR, bool OFF>
+__attribute__((target("avx512f"))) void rows_avx512(const Problem& p, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kRowTile <= m1; m += kRowTile) tile_avx512<SUB, NR, OFF, kRowTile>(p, m);
+  for (; m < m1; ++m) tile_avx512<SUB, NR, OFF, 1>(p, m);
+}
+
+// ---- AVX2 + FMA: 8 weights per vector -------------------------------------------------------
+
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <int SUB, int NR, bool OFF, int ROWS>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& p, int64_t m) {
+  const int64_t nb = p.K / SUB;
+  __m256 acc[ROWS][NR];
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int h = 0; h < SUB / 8; ++h) {
+      const int64_t k = b * SUB + h * 8;
+      __m256 xv[NR];
+      for (int n = 0; n < NR; ++n) xv[n] = _mm256_loadu_ps(p.x + n * p.K + k);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = m + r;
+        if (h == 0) prefetch_ahead(p, row, k, b, nb, OFF);
+        __m128i qb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + row * p.K + k));
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qb)), _mm256_set1_ps(p.scale[row * nb + b]));
+        if (OFF) w = _mm256_add_ps(w, _mm256_set1_ps(p.offset[row * nb + b]));
+        for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv[n], w, acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) p.y[n * p.M + m + r] = hsum256(acc[r][n]);
+}
+
+template <int SUB, int NR, bool OFF>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Problem& p, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kRowTile <= m1; m += kRowTile) tile_avx2<SUB, NR, OFF, kRowTile>(p, m);
+  for (; m < m1; ++m) tile_avx2<SUB, NR, OFF, 1>(p, m);
+}
+#endif  // GGMLX_X86
+
+using RowsFn = void (*)(const Problem&, int64_t, int64_t);
+
+#ifdef GGMLX_X86
+#define GGMLX_ROW(fn, S, O) fn<S, 1, O>, fn<S, 2, O>, fn<S, 3, O>, fn<S, 4, O>, fn<S, 5, O>, fn<S, 6, O>, \
+                            fn<S, 7, O>, fn<S, 8, O>
+#define GGMLX_TABLE(name, fn)                                                                  \
+  RowsFn name(int64_t sub, int64_t n, bool off) {                                              \
+    static const RowsFn t[2][2][kMaxN] = {                                                     \
+        {{GGMLX_ROW(fn, 16, false)}, {GGMLX_ROW(fn, 16, true)}},                               \
+        {{GGMLX_ROW(fn, 32, false)}, {GGMLX_ROW(fn, 32, true)}}};                              \
+    return t[sub == 32][off][n - 1];                                                           \
+  }
+GGMLX_TABLE(pick_avx512, rows_avx512)
+GGMLX_TABLE(pick_avx2, rows_avx2)
+#undef GGMLX_TABLE
+#undef GGMLX_ROW
+#endif
+
+// The widest kernel this CPU runs, for the int8 format's sub-blocks of 16 or 32.
+RowsFn pick(const Problem& p) {
+#ifdef GGMLX_X86
+  static const int level = __builtin_cpu_supports("avx512f") ? 2
+                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+  if (p.sub == 16 || p.sub == 32) {
+    if (level == 2) return pick_avx512(p.sub, p.N, p.offset != nullptr);
+    if (level == 1) return pick_avx2(p.sub, p.N, p.offset != nullptr);
+  }
+#endif
+  return rows_generic;
+}
+
+// One call's work, shared with the pool tasks (which may start after the call has returned:
+// they then find no chunk left and only drop their reference).
+struct Job {
+  Problem p;
+  RowsFn fn;
+  int64_t chunk, n_chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    for (int64_t c; (c = next.fetch_add(1)) < n_chunks;) {
+      int64_t m0 = c * chunk;
+      fn(p, m0, std::min(p.M, m0 + chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <bool OFF>
+ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("int8_matvec: x, q, scale and y must be 2-d");
+  const int64_t N = xd[0], K = xd[1], M = qd[0];
+  if (qd[1] != K || sd[0] != M || sd[1] <= 0 || K % sd[1] || yd[0] != N || yd[1] != M)
+    return ffi::Error::InvalidArgument("int8_matvec: shapes of x [N, K], q [M, K], scale [M, K/sub], y [N, M] disagree");
+  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..8");
+  if (OFF && (offset.dimensions().size() != 2 || offset.dimensions()[0] != M || offset.dimensions()[1] != sd[1]))
+    return ffi::Error::InvalidArgument("int8_matvec: offset must have the shape of scale");
+  Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), OFF ? offset.typed_data() : nullptr,
+            y->typed_data(), N, M, K, K / sd[1]};
+  RowsFn fn = pick(p);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // ~4 chunks per thread for balance, each at least 64 rows (a multiple of the row tile).
+  int64_t chunk = std::max<int64_t>(64, (M + 4 * threads - 1) / (4 * threads));
+  chunk = (chunk + kRowTile - 1) / kRowTile * kRowTile;
+  const int64_t n_chunks = (M + chunk - 1) / chunk;
+  if (threads == 1 || n_chunks == 1) {
+    fn(p, 0, M);
+    return ffi::Error::Success();
+  }
+  auto job = std::make_shared<Job>();
+  job->p = p;
+  job->fn = fn;
+  job->chunk = chunk;
+  job->n_chunks = n_chunks;
+  const int64_t helpers = std::min<int64_t>(threads, n_chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < n_chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Int8MatvecImpl<false>(pool, x, q, scale, scale, y);
+}
+
+ffi::Error Int8MatvecOffset(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  return Int8MatvecImpl<true>(pool, x, q, scale, offset, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt8Matvec, Int8Matvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt8MatvecOffset, Int8MatvecOffset,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
