@@ -56,12 +56,11 @@ MATMUL_PRECISION = EnvFlag(
     "no TF32 on GPUs), high (bf16x3 / TF32-class on GPUs) or default (the backend's fastest, TF32 or "
     "bf16); part of compiled-graph cache keys")
 NATIVE = EnvFlag(
-    "GGMLX_NATIVE", "0",
-    "1: int8 weights times at most 8 rows (decode) use the native int8 matvec on the CPU (ggmlx/native, "
-    "an XLA FFI custom call built at install) instead of the pure-XLA dequantize-then-dot path; opt-in: "
-    "2-5x faster on cache-resident matrices, 1.0-1.1x on cold ones (both read the same int8 bytes), "
-    "and no decode gain end to end on the shared 2-core machine (SmolLM2 24.5 vs 24.2 tok/s, Gemma3 "
-    "11.6 vs 12.6, one-process A/B); part of compiled-graph cache keys")
+    "GGMLX_NATIVE", "1",
+    "0: never use the native int8 matvec (ggmlx/native, an XLA FFI custom call built at install) for int8 "
+    "weights times 2-16 rows (batched decode, speculative verification) on the CPU, keeping the pure-XLA "
+    "dequantize-then-dot path; benchmarks/bench_native.py: 1.4-2.2x faster per product at 2-8 rows, "
+    "neutral at 1 row (which stays on XLA); part of compiled-graph cache keys")
 
 ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION,
                             NATIVE)

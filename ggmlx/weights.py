@@ -447,7 +447,7 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     each chunk feeding its own dot: XLA:CPU does not fuse dequantization into a dot, and one
     whole-matrix f32 temporary is several times slower (fresh pages every call). The last
     chunk starts early enough to end at row M (it recomputes a few rows: same values).
-    An int8 weight times at most native.MAX_N rows runs the native kernel instead on the CPU,
+    An int8 weight times native.MIN_N..MAX_N rows runs the native kernel instead on the CPU,
     when it is built (ggmlx/native); native_ok is False for the shards of a split weight."""
     spec = w.spec
     if spec.split is not None:
@@ -456,8 +456,8 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
-    if (native_ok and spec.format == FORMAT_INT8 and xt.shape[0] <= native.MAX_N and xt.dtype == jnp.float32
-            and native.available()):
+    if (native_ok and spec.format == FORMAT_INT8 and native.MIN_N <= xt.shape[0] <= native.MAX_N
+            and xt.dtype == jnp.float32 and native.available()):
         q, scale, offset = arrs
         assert scale is not None   # the int8 format always has scales
         out = jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, q, scale, offset),

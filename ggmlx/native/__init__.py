@@ -4,9 +4,9 @@
 straight from its int8 quants, scales and offsets, where the pure-XLA path writes each
 dequantized f32 chunk and reads it back for the dot (8 bytes per weight element, through
 the caches). Both read the int8 arrays (1.1-1.25 bytes per element) from memory. The
-library is compiled by setup.py at install when a C++ compiler is present. It is opt-in
-(GGMLX_NATIVE=1, see flags.NATIVE for why); when off or not built, `available()` is False
-and `weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
+library is compiled by setup.py at install when a C++ compiler is present. It is on by
+default for MIN_N..MAX_N rows (GGMLX_NATIVE=0 turns it off); when off or not built,
+`available()` is False and `weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
 loaded and its targets registered on the first `available()` with the flag on
 (ggmlx.init() or a lowering)."""
 from __future__ import annotations
@@ -24,9 +24,15 @@ from ggmlx import flags
 
 log = logging.getLogger(__name__)
 
-# Most activation rows one call takes (the kernel keeps one accumulator per row and weight
-# row in registers). Measured on a 2-core AVX-512 machine: see benchmarks/bench_native.py.
-MAX_N = 8
+# Most activation rows one call takes (the kernel passes over them in groups of 8, keeping one
+# accumulator per row and weight row in registers): a speculative verification of 16 tokens
+# still reads each weight once from memory. benchmarks/bench_native.py measures it per N.
+MAX_N = 16
+# Fewest rows it takes: one row (plain decode) runs as fast through XLA's fused matvec
+# (bench_native.py: 0.85-1.07x), while 2-8 rows run 1.4-2.2x faster natively than XLA's
+# dequantize-then-gemm, and the extra rows of batched serving and speculative verification
+# are what makes a step dearer than a 1-token one.
+MIN_N = 2
 
 TARGET = "ggmlx_int8_matvec"
 TARGET_OFFSET = "ggmlx_int8_matvec_offset"

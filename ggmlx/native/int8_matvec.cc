@@ -27,8 +27,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxN = 8;    // rows of x one call handles (the Python side checks it)
-constexpr int kRowTile = 4; // weight rows computed together, sharing each x load
+constexpr int kGroupN = 8;  // rows of x one kernel pass handles; more are done in groups of 8
+constexpr int kMaxN = 16;   // rows of x one call takes (the Python side checks it)
+constexpr int kRowTile = 4; // chunks of M are multiples of this (every tile height divides it)
+
+// Weight rows per tile for NR activation rows: the ROWS x NR accumulators, the NR x vectors
+// and the weight vector must fit the register file (32 zmm, 16 ymm), or they spill (N = 8
+// with 4 rows ran 4x slower per row than N = 4).
+constexpr int RowsAvx512(int nr) { return nr <= 4 ? 4 : 2; }
+constexpr int RowsAvx2(int nr) { return nr <= 2 ? 4 : nr <= 4 ? 2 : 1; }
 // Weight rows ahead that the SIMD kernels prefetch: the hardware prefetcher alone left a
 // 262144 x 640 matvec (cold) at ~45 ms on one core, 32 rows ahead ~30 ms (16: ~33, 64: ~33).
 constexpr int64_t kPrefetchRows = 32;
@@ -106,7 +113,8 @@ __attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t m)
 template <int SUB, int NR, bool OFF>
 __attribute__((target("avx512f"))) void rows_avx512(const Problem& p, int64_t m0, int64_t m1) {
   int64_t m = m0;
-  for (; m + kRowTile <= m1; m += kRowTile) tile_avx512<SUB, NR, OFF, kRowTile>(p, m);
+  constexpr int R = RowsAvx512(NR);
+  for (; m + R <= m1; m += R) tile_avx512<SUB, NR, OFF, R>(p, m);
   for (; m < m1; ++m) tile_avx512<SUB, NR, OFF, 1>(p, m);
 }
 
@@ -147,7 +155,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& p, int64_t m) 
 template <int SUB, int NR, bool OFF>
 __attribute__((target("avx2,fma"))) void rows_avx2(const Problem& p, int64_t m0, int64_t m1) {
   int64_t m = m0;
-  for (; m + kRowTile <= m1; m += kRowTile) tile_avx2<SUB, NR, OFF, kRowTile>(p, m);
+  constexpr int R = RowsAvx2(NR);
+  for (; m + R <= m1; m += R) tile_avx2<SUB, NR, OFF, R>(p, m);
   for (; m < m1; ++m) tile_avx2<SUB, NR, OFF, 1>(p, m);
 }
 #endif  // GGMLX_X86
@@ -159,7 +168,7 @@ using RowsFn = void (*)(const Problem&, int64_t, int64_t);
                             fn<S, 7, O>, fn<S, 8, O>
 #define GGMLX_TABLE(name, fn)                                                                  \
   RowsFn name(int64_t sub, int64_t n, bool off) {                                              \
-    static const RowsFn t[2][2][kMaxN] = {                                                     \
+    static const RowsFn t[2][2][kGroupN] = {                                                     \
         {{GGMLX_ROW(fn, 16, false)}, {GGMLX_ROW(fn, 16, true)}},                               \
         {{GGMLX_ROW(fn, 32, false)}, {GGMLX_ROW(fn, 32, true)}}};                              \
     return t[sub == 32][off][n - 1];                                                           \
@@ -184,17 +193,23 @@ RowsFn pick(const Problem& p) {
 }
 
 // One call's work, shared with the pool tasks (which may start after the call has returned:
-// they then find no chunk left and only drop their reference).
+// they then find no chunk left and only drop their reference). The x rows go in groups of at
+// most kGroupN, each group a pass over the chunk's weight rows (then in cache).
 struct Job {
-  Problem p;
-  RowsFn fn;
-  int64_t chunk, n_chunks;
+  Problem group[kMaxN / kGroupN];
+  RowsFn fn[kMaxN / kGroupN];
+  int n_groups = 0;
+  int64_t M = 0, chunk = 0, n_chunks = 0;
   std::atomic<int64_t> next{0}, done{0};
+
+  void run(int64_t m0, int64_t m1) const {
+    for (int g = 0; g < n_groups; ++g) fn[g](group[g], m0, m1);
+  }
 
   void work() {
     for (int64_t c; (c = next.fetch_add(1)) < n_chunks;) {
       int64_t m0 = c * chunk;
-      fn(p, m0, std::min(p.M, m0 + chunk));
+      run(m0, std::min(M, m0 + chunk));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -210,24 +225,31 @@ ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t N = xd[0], K = xd[1], M = qd[0];
   if (qd[1] != K || sd[0] != M || sd[1] <= 0 || K % sd[1] || yd[0] != N || yd[1] != M)
     return ffi::Error::InvalidArgument("int8_matvec: shapes of x [N, K], q [M, K], scale [M, K/sub], y [N, M] disagree");
-  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..8");
+  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..16");
   if (OFF && (offset.dimensions().size() != 2 || offset.dimensions()[0] != M || offset.dimensions()[1] != sd[1]))
     return ffi::Error::InvalidArgument("int8_matvec: offset must have the shape of scale");
   Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), OFF ? offset.typed_data() : nullptr,
             y->typed_data(), N, M, K, K / sd[1]};
-  RowsFn fn = pick(p);
+  auto job = std::make_shared<Job>();
+  for (int64_t n0 = 0; n0 < N; n0 += kGroupN) {
+    Problem g = p;
+    g.x = p.x + n0 * K;
+    g.y = p.y + n0 * M;
+    g.N = std::min<int64_t>(kGroupN, N - n0);
+    job->group[job->n_groups] = g;
+    job->fn[job->n_groups] = pick(g);
+    ++job->n_groups;
+  }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // ~4 chunks per thread for balance, each at least 64 rows (a multiple of the row tile).
   int64_t chunk = std::max<int64_t>(64, (M + 4 * threads - 1) / (4 * threads));
   chunk = (chunk + kRowTile - 1) / kRowTile * kRowTile;
   const int64_t n_chunks = (M + chunk - 1) / chunk;
   if (threads == 1 || n_chunks == 1) {
-    fn(p, 0, M);
+    job->run(0, M);
     return ffi::Error::Success();
   }
-  auto job = std::make_shared<Job>();
-  job->p = p;
-  job->fn = fn;
+  job->M = M;
   job->chunk = chunk;
   job->n_chunks = n_chunks;
   const int64_t helpers = std::min<int64_t>(threads, n_chunks) - 1;
