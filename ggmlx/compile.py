@@ -236,12 +236,15 @@ def _disk_path(key: str, program: Program, args) -> str | None:
     by the key plus everything else that decides the machine code (ggmlx's sources, JAX and
     jaxlib versions, XLA_FLAGS, x64 mode, the device kind, the host CPU's model and flags, the
     arguments' shapes and dtypes). None when GGMLX_EXE_CACHE or persistent caching is off,
-    or the program holds a Python callable (map_custom1: identified by address only)."""
+    the process has several devices, or the program holds a Python callable (map_custom1:
+    identified by address only)."""
     if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
         return None
+    if len(jax.devices()) != 1:
+        # a deserialized executable is loaded for every local device ("Expected args to have
+        # 4 shards" on a process with 4 CPU devices): several devices compile, or use XLA's cache
+        return None
     dev = program.device or jax.devices()[0]
-    if dev != jax.devices()[0]:
-        return None      # a loaded executable runs on the default device: splits elsewhere compile
     if not all(_plain(n.op_params) for n in program.nodes):
         return None
     avals = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]

@@ -440,6 +440,24 @@ def _chunk_rows(n_rows: int, ne0: int) -> int:
     return min(r, n_rows)
 
 
+def _mul_mat_native(w: DeviceWeight, xt: jax.Array) -> jax.Array:
+    """The native kernel on the CPU (the XLA path elsewhere). An FFI call has no derivative,
+    so the tangent (linear in xt: saliency, gradients of llm.trace) takes the XLA path."""
+    q, scale, offset = _row_arrays(w)
+    assert scale is not None   # the int8 format always has scales
+
+    @jax.custom_jvp
+    def f(xt):
+        return jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, q, scale, offset),
+                                          default=lambda xt: mul_mat(w, xt, native_ok=False))
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        return f(primals[0]), mul_mat(w, tangents[0], native_ok=False)
+
+    return f(xt)
+
+
 def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     """ggml mul_mat of a 2-d weight [M, K] (numpy order) by x [..., N, K] -> [..., N, M].
 
@@ -458,11 +476,7 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     arrs = _row_arrays(w)
     if (native_ok and spec.format == FORMAT_INT8 and native.MIN_N <= xt.shape[0] <= native.MAX_N
             and xt.dtype == jnp.float32 and native.available()):
-        q, scale, offset = arrs
-        assert scale is not None   # the int8 format always has scales
-        out = jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, q, scale, offset),
-                                         default=lambda xt: mul_mat(w, xt, native_ok=False))
-        return out.reshape(*lead, M)
+        return _mul_mat_native(w, xt).reshape(*lead, M)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
         out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=matmul_precision())
         return out.reshape(*lead, M)

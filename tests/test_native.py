@@ -128,3 +128,22 @@ def test_flag_turns_it_off(monkeypatch):
     w = _weight(GGMLType.Q8_0, 37, 64, seed=0)
     assert "ggmlx_int8" not in _hlo(w, native.MIN_N)
 
+
+
+@needs_native
+def test_gradient_through_the_kernel_takes_the_xla_path():
+    """An FFI call has no derivative: jax.grad and jax.jvp through mul_mat (saliency, llm.trace
+    gradients) use the XLA path's, so they equal the gradient with the kernel off."""
+    w = _weight(GGMLType.Q4_1, 37, 256, seed=3)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32))
+    probe = jnp.asarray(np.random.default_rng(4).standard_normal((4, 37)).astype(np.float32))
+
+    def loss(x, native_ok):
+        return jnp.sum(weights.mul_mat(w, x, native_ok=native_ok) * probe)
+
+    assert native.TARGET_OFFSET in jax.jit(lambda x: weights.mul_mat(w, x)).lower(x).as_text()
+    g = jax.jit(jax.grad(lambda x: loss(x, True)))(x)
+    g_xla = jax.jit(jax.grad(lambda x: loss(x, False)))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_xla), rtol=1e-6, atol=1e-6)
+    _, t = jax.jvp(lambda x: weights.mul_mat(w, x), (x,), (x,))
+    np.testing.assert_allclose(np.asarray(t), _mul_mat(w, np.asarray(x), native_ok=False), rtol=1e-5, atol=1e-5)
