@@ -244,7 +244,7 @@ def _disk_path(key: str, program: Program, args) -> str | None:
         # a deserialized executable is loaded for every local device ("Expected args to have
         # 4 shards" on a process with 4 CPU devices): several devices compile, or use XLA's cache
         return None
-    dev = program.device or jax.devices()[0]
+    dev = jax.devices()[0]      # the only device (checked above)
     if not all(_plain(n.op_params) for n in program.nodes):
         return None
     avals = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]
