@@ -3,10 +3,13 @@ number of activation rows N, on the weight shapes of SmolLM2 and Gemma3.
 
     python benchmarks/bench_native.py [--n 1,2,4,8,16] [--reps 20]
 
-Both paths run in one process, alternating, each inside a jitted chain of 8 products so
-per-call dispatch is amortized; prints microseconds per product and the ratio XLA / native
-(> 1: native faster). N > 1 is what batched serving (one row per running sequence) and
-speculative verification (one row per drafted token) feed to every weight.
+Both paths run in one process, alternating, each inside a jitted chain of products so
+per-call dispatch is amortized; prints microseconds per product, the weight bytes read per
+second, and the ratio XLA / native (> 1: native faster). The chain multiplies distinct copies
+of the weight, at least 64 MiB in all, so every product reads its weight from memory as a
+decode step does (the same small weight again and again would sit in the caches). N = 1 is
+plain decode; N > 1 is what batched serving (one row per running sequence) and speculative
+verification (one row per drafted token) feed to every weight.
 """
 from __future__ import annotations
 
@@ -24,13 +27,13 @@ SHAPES = {      # (M, K, ggml type) of one weight
     "gemma3-sized ffn_up 2048x640 Q4_1": (2048, 640, "Q4_1"),
     "gemma3 lm_head 262144x640 Q8_0": (262144, 640, "Q8_0"),
 }
-CHAIN = 8
+CHAIN_BYTES = 64 << 20     # more than the last-level cache: each product reads from memory
 
 
-def _chain(weights, w, x, native_ok: bool):
-    """CHAIN products of w by slightly different x, summed (so none is dead code)."""
-    acc = weights.mul_mat(w, x, native_ok=native_ok)
-    for i in range(1, CHAIN):
+def _chain(weights, ws, x, native_ok: bool):
+    """The products of each copy in ws by slightly different x, summed (none is dead code)."""
+    acc = weights.mul_mat(ws[0], x, native_ok=native_ok)
+    for i, w in enumerate(ws[1:], 1):
         acc = acc + weights.mul_mat(w, x * (1.0 + i * 1e-3), native_ok=native_ok)
     return acc
 
@@ -53,26 +56,30 @@ def main() -> int:
     if not native.available():
         raise SystemExit(f"the native kernel is not available: {native.load_error()}")
     ns = [int(x) for x in a.n.split(",")]
-    print(f"{'weight':34s} {'N':>3s} {'xla us':>9s} {'native us':>10s} {'xla/native':>10s}")
+    print(f"{'weight':34s} {'N':>3s} {'xla us':>9s} {'native us':>10s} {'xla GB/s':>9s} {'nat GB/s':>9s} "
+          f"{'xla/native':>10s}")
     for name, (M, K, tname) in SHAPES.items():
         t = GGMLType[tname]
         rng = np.random.default_rng(0)
         raw = quantize(rng.standard_normal((M, K)).astype(np.float32), t)
         w = weights.to_device(raw, t, (K, M, 1, 1), weight_format="int8")
+        ws = [w] + [weights.to_device(raw, t, (K, M, 1, 1), weight_format="int8")
+                    for _ in range(max(1, -(-CHAIN_BYTES // w.nbytes)) - 1)]
         for n in ns:
             x = jnp.asarray(rng.standard_normal((n, K)).astype(np.float32))
 
-            fns = {ok: jax.jit(lambda w, x, ok=ok: _chain(weights, w, x, ok)) for ok in (False, True)}
+            fns = {ok: jax.jit(lambda ws, x, ok=ok: _chain(weights, ws, x, ok)) for ok in (False, True)}
             times: dict[bool, list[float]] = {False: [], True: []}
             for f in fns.values():
-                f(w, x).block_until_ready()
+                f(ws, x).block_until_ready()
             for _ in range(a.reps):
                 for ok, f in fns.items():
                     t0 = time.perf_counter()
-                    f(w, x).block_until_ready()
-                    times[ok].append((time.perf_counter() - t0) / CHAIN * 1e6)
+                    f(ws, x).block_until_ready()
+                    times[ok].append((time.perf_counter() - t0) / len(ws) * 1e6)
             xla, nat = statistics.median(times[False]), statistics.median(times[True])
-            print(f"{name:34s} {n:3d} {xla:9.0f} {nat:10.0f} {xla / nat:10.2f}")
+            print(f"{name:34s} {n:3d} {xla:9.0f} {nat:10.0f} {w.nbytes / xla / 1e3:9.1f} {w.nbytes / nat / 1e3:9.1f} "
+                  f"{xla / nat:10.2f}")
     return 0
 
 

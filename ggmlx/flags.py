@@ -58,9 +58,9 @@ MATMUL_PRECISION = EnvFlag(
 NATIVE = EnvFlag(
     "GGMLX_NATIVE", "1",
     "0: never use the native int8 matvec (ggmlx/native, an XLA FFI custom call built at install) for int8 "
-    "weights times 2-16 rows (batched decode, speculative verification) on the CPU, keeping the pure-XLA "
-    "dequantize-then-dot path; benchmarks/bench_native.py: 1.4-2.2x faster per product at 2-8 rows, "
-    "neutral at 1 row (which stays on XLA); part of compiled-graph cache keys")
+    "weights times 1-16 rows (decode, batched decode, speculative verification) on the CPU, keeping the "
+    "pure-XLA dequantize-then-dot path; benchmarks/bench_native.py: 1.3-2.2x faster per product; part of "
+    "compiled-graph cache keys")
 
 ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION,
                             NATIVE)

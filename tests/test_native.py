@@ -81,8 +81,7 @@ def test_native_matches_float64_and_xla_path(t, n):
     assert y.shape == (n, 37) and y.dtype == np.float32
     assert _rel_err(y, ref, x, wd) < REL_BOUND
     assert _rel_err(y, y_xla, x, wd) < 2 * REL_BOUND
-    if n >= native.MIN_N:   # mul_mat dispatches to the kernel; one row stays on XLA's matvec
-        np.testing.assert_array_equal(_mul_mat(w, x), y)
+    np.testing.assert_array_equal(_mul_mat(w, x), y)   # mul_mat dispatches to the kernel
 
 
 @needs_native
@@ -117,7 +116,7 @@ def _hlo(w, n: int) -> str:
 def test_dispatch_small_n_only():
     w = _weight(GGMLType.Q8_0, 37, 64, seed=0)
     assert native.TARGET in _hlo(w, native.MIN_N) and native.TARGET in _hlo(w, native.MAX_N)
-    assert native.TARGET not in _hlo(w, native.MIN_N - 1) and native.TARGET not in _hlo(w, native.MAX_N + 1)
+    assert native.MIN_N == 1 and native.TARGET not in _hlo(w, native.MAX_N + 1)
     w1 = _weight(GGMLType.Q4_1, 37, 64, seed=0)
     assert native.TARGET_OFFSET in _hlo(w1, native.MIN_N)
 

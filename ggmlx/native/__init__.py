@@ -28,11 +28,11 @@ log = logging.getLogger(__name__)
 # accumulator per row and weight row in registers): a speculative verification of 16 tokens
 # still reads each weight once from memory. benchmarks/bench_native.py measures it per N.
 MAX_N = 16
-# Fewest rows it takes: one row (plain decode) runs as fast through XLA's fused matvec
-# (bench_native.py: 0.85-1.07x), while 2-8 rows run 1.4-2.2x faster natively than XLA's
-# dequantize-then-gemm, and the extra rows of batched serving and speculative verification
-# are what makes a step dearer than a 1-token one.
-MIN_N = 2
+# Fewest rows it takes: every step. In a decode step each weight is read once, cold from memory;
+# there the kernel (both cores, prefetch) reads int8 weights at 20-28 GB/s against XLA's fused
+# matvec at 15-18 GB/s (bench_native.py, which rotates distinct copies of each weight), and a
+# SmolLM2 decode step went from 14.8 to 11.9 ms (python -m llm bench --profile).
+MIN_N = 1
 
 TARGET = "ggmlx_int8_matvec"
 TARGET_OFFSET = "ggmlx_int8_matvec_offset"
