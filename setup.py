@@ -32,7 +32,7 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension(
         "ggmlx.native._int8_matvec",
-        sources=["ggmlx/native/int8_matvec.cc"],
+        sources=["ggmlx/native/int8_matvec.cc", "ggmlx/native/attn_decode.cc"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
     )],

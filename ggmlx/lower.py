@@ -319,11 +319,26 @@ def lower_binary(n: Tensor, env):
     return _BINARY[n.op](a, b)
 
 
+def _mul_mat_fused(env, w: weights.DeviceWeight, b: Tensor):
+    """mul_mat of a member of a fused weight (weights.fuse_rows: wq/wk/wv, ffn_gate/ffn_up):
+    the first member that meets input b computes the whole fused product, kept in env under
+    the group and b, and every member takes its own rows of it. The graph keeps llama.cpp's
+    nodes (Qcur, Kcur, Vcur, ffn_gate, ffn_up); the compiled step makes one weight pass."""
+    assert w.spec.rows is not None
+    key = ("fused mul_mat", w.spec.rows[0], b.id)
+    if key not in env:
+        env[key] = weights.mul_mat(weights.fused_parent(w), _value_f32(env, b))
+    return weights.member_rows(w, env[key], env[key].ndim - 1)
+
+
 @lowers(Op.MUL_MAT)
 def lower_mul_mat(n: Tensor, env):
     a, b = n.src
     if a.flags & Flag.WEIGHT and a.ne[2] == 1 and a.ne[3] == 1:
-        return weights.mul_mat(env[a], _value_f32(env, b))
+        w = env[a]
+        if w.spec.rows is not None:
+            return _mul_mat_fused(env, w, b)
+        return weights.mul_mat(w, _value_f32(env, b))
     return _mul_mat(_value_f32(env, a), _value_f32(env, b))
 
 
@@ -424,8 +439,66 @@ def lower_soft_max(n: Tensor, env):
     return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
 
 
+def _cache_strides(t: Tensor) -> tuple[Tensor, int, int, int] | None:
+    """For K or V as attention reads them (ne [D, n_kv, n_head_kv, 1], a view of a cache):
+    the cache tensor and, in its elements, the view's offset, cell stride and head stride; None
+    unless the features of a head are contiguous f32 or f16 elements."""
+    base, offs = _view_base(t)
+    if base.flags & Flag.WEIGHT or base.type != t.type or t.type not in (GGMLType.F32, GGMLType.F16):
+        return None
+    esz = types.type_size(t.type)
+    if t.ne[3] != 1 or t.nb[0] != esz or offs % esz or t.nb[1] % esz or t.nb[2] % esz:
+        return None
+    return base, offs // esz, t.nb[1] // esz, t.nb[2] // esz
+
+
+def _flash_attn_native(n: Tensor, env) -> jax.Array | None:
+    """flash_attn_ext through native.attn_decode on the CPU for up to native.MAX_N query rows
+    (decode steps), K and V read in place from the cache tensors their views start from; None
+    when it does not apply (ALiBi, sinks, no mask, a quantized or non-contiguous cache, more
+    rows, the kernel off). Gradients (llm.trace) take the XLA path (custom_jvp)."""
+    from ggmlx import native
+    q_t, k_t, v_t = n.src[:3]
+    scale, max_bias, softcap = n.op_params
+    n_q, n_kv = q_t.ne[1], k_t.ne[1]
+    if (len(n.src) != 4 or max_bias != 0.0 or not 1 <= n_q <= native.MAX_N or q_t.ne[3] != 1
+            or n.src[3].type != GGMLType.F32 or n.src[3].ne[0] != n_kv or n.src[3].ne[2] * n.src[3].ne[3] != 1
+            or not native.available()):
+        return None
+    ks, vs = _cache_strides(k_t), _cache_strides(v_t)
+    if ks is None or vs is None or k_t.type != v_t.type:
+        return None
+    (k_base, k_off, k_cell, k_head), (v_base, v_off, v_cell, v_head) = ks, vs
+    n_head_kv, dv = k_t.ne[2], v_t.ne[0]
+    esz = types.type_size(k_t.type)
+
+    def xla(q, kb, vb, mask):
+        k = strided_window(kb.reshape(-1), esz, k_t.ne, k_t.nb, k_off * esz)
+        v = strided_window(vb.reshape(-1), esz, v_t.ne, v_t.nb, v_off * esz)
+        return _flash_attn(q, k, v, mask, scale, max_bias, softcap)
+
+    def cpu(q, kb, vb, mask):
+        out = native.attn_decode(_f32(q)[0].transpose(1, 0, 2), kb, vb, mask[0, 0, :n_q],
+                                 n_kv=n_kv, n_head_kv=n_head_kv, k_off=k_off, k_cell=k_cell, k_head=k_head,
+                                 v_off=v_off, v_cell=v_cell, v_head=v_head, dv=dv, scale=scale, softcap=softcap)
+        return out[None]
+
+    @jax.custom_jvp
+    def f(q, kb, vb, mask):
+        return jax.lax.platform_dependent(q, kb, vb, mask, cpu=cpu, default=xla)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        return f(*primals), jax.jvp(xla, primals, tangents)[1]
+
+    return f(_value(env, q_t), env[k_base], env[v_base], _value(env, n.src[3]))
+
+
 @lowers(Op.FLASH_ATTN_EXT)
 def lower_flash_attn_ext(n: Tensor, env):
+    native_out = _flash_attn_native(n, env)
+    if native_out is not None:
+        return native_out
     s = n.src
     mask = _value(env, s[3]) if len(s) > 3 else None
     sinks = _value(env, s[4]).reshape(-1) if len(s) > 4 else None
@@ -518,7 +591,8 @@ def scope_name(n: Tensor) -> str:
 
 
 def run_nodes(nodes: list[Tensor], env: dict) -> dict:
-    """Evaluate nodes in order into env (tensor -> value); returns env."""
+    """Evaluate nodes in order into env (tensor -> value; also the fused products that
+    _mul_mat_fused shares between nodes); returns env."""
     for n in nodes:
         with jax.named_scope(scope_name(n)):
             env[n] = eval_node(n, env)

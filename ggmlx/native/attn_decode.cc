@@ -1,0 +1,276 @@
+// ggml's flash_attn_ext for a few query rows (decode, batched decode, speculative
+// verification), read straight from the KV cache buffers: an XLA FFI custom call.
+//
+// Why: the XLA path receives K and V as a slice of the first n_kv cells of the cache, with the
+// heads moved in front, and XLA:CPU copies both before its dots (1.6-1.8 ms of a 12-14 ms
+// decode step of SmolLM2 and Gemma3). Here K and V are read in place through ggml's strides
+// (cell stride, head stride, an element offset into the whole cache), and cells the mask
+// hides (-inf) are skipped, so a step reads only the cells in use.
+//
+// Numerics, per query row and head, all in f32: s = (q . k) * scale, then softcap *
+// tanh(s / softcap) when softcap > 0, then + mask; out = sum_k exp(s_k - max) v_k / sum_k
+// exp(s_k - max). The XLA path computes the same terms; the sums run in another order. A row
+// whose every cell is masked gives zeros.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define GGMLX_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Attn {
+  const float* q;      // [n_q, H, D]
+  const void* k;       // the K cache's memory, f32 or f16 elements
+  const void* v;       // the V cache's memory
+  const float* mask;   // [n_q, n_kv]
+  float* out;          // [n_q, H, Dv]
+  int64_t n_q, H, Hkv, D, Dv, n_kv;
+  int64_t k_off, k_cell, k_head;  // element offset and strides of K (cell, KV head)
+  int64_t v_off, v_cell, v_head;
+  float scale, softcap;
+};
+
+// ---- one row of K or V as f32, dotted with q or added to an accumulator ------------------
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  if constexpr (sizeof(T) == 2) return f16_to_f32(p[i]);
+  else return p[i];
+}
+
+template <typename T>
+float dot_generic(const float* q, const T* k, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += q[i] * load(k, i);
+  return s;
+}
+
+template <typename T>
+void axpy_generic(float* acc, float a, const T* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * load(v, i);
+}
+
+#ifdef GGMLX_X86
+template <typename T>
+__attribute__((target("avx512f"))) inline __m512 load16_avx512(const T* p) {
+  if constexpr (sizeof(T) == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_loadu_ps(p);
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) float dot_avx512(const float* q, const T* k, int64_t n) {
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_avx512(k + i), a);
+  return _mm512_reduce_add_ps(a);
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) void axpy_avx512(float* acc, float a, const T* v, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(av, load16_avx512(v + i), _mm512_loadu_ps(acc + i)));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const T* p) {
+  if constexpr (sizeof(T) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else return _mm256_loadu_ps(p);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const T* k, int64_t n) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_avx2(k + i), a);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float* acc, float a, const T* v, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(av, load8_avx2(v + i), _mm256_loadu_ps(acc + i)));
+}
+#endif  // GGMLX_X86
+
+// The widest vector code this CPU runs for head sizes D and Dv (0: plain loops).
+int simd_level(int64_t D, int64_t Dv) {
+#ifdef GGMLX_X86
+  static const int level = __builtin_cpu_supports("avx512f") ? 2
+                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                              __builtin_cpu_supports("f16c")) ? 1 : 0;
+  if (level == 2 && D % 16 == 0 && Dv % 16 == 0) return 2;
+  if (level >= 1 && D % 8 == 0 && Dv % 8 == 0) return 1;
+#endif
+  return 0;
+}
+
+// ---- one (query row, head) pair -----------------------------------------------------------
+
+template <typename T, int LEVEL>
+void attend(const Attn& p, int64_t unit, float* s) {
+  const int64_t i = unit / p.H, h = unit % p.H, g = h / (p.H / p.Hkv);
+  const float* q = p.q + (i * p.H + h) * p.D;
+  const float* m = p.mask + i * p.n_kv;
+  const T* k = static_cast<const T*>(p.k) + p.k_off + g * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + p.v_off + g * p.v_head;
+  float* o = p.out + (i * p.H + h) * p.Dv;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx = ninf;
+  for (int64_t c = 0; c < p.n_kv; ++c) {
+    if (m[c] == ninf) {
+      s[c] = ninf;
+      continue;
+    }
+    float d;
+#ifdef GGMLX_X86
+    if constexpr (LEVEL == 2) d = dot_avx512(q, k + c * p.k_cell, p.D);
+    else if constexpr (LEVEL == 1) d = dot_avx2(q, k + c * p.k_cell, p.D);
+    else d = dot_generic(q, k + c * p.k_cell, p.D);
+#else
+    d = dot_generic(q, k + c * p.k_cell, p.D);
+#endif
+    float x = d * p.scale;
+    if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
+    x += m[c];
+    s[c] = x;
+    mx = std::max(mx, x);
+  }
+  std::fill(o, o + p.Dv, 0.f);
+  if (mx == ninf) return;
+  float sum = 0.f;
+  for (int64_t c = 0; c < p.n_kv; ++c) {
+    if (s[c] == ninf) continue;
+    const float e = std::exp(s[c] - mx);
+    sum += e;
+#ifdef GGMLX_X86
+    if constexpr (LEVEL == 2) axpy_avx512(o, e, v + c * p.v_cell, p.Dv);
+    else if constexpr (LEVEL == 1) axpy_avx2(o, e, v + c * p.v_cell, p.Dv);
+    else axpy_generic(o, e, v + c * p.v_cell, p.Dv);
+#else
+    axpy_generic(o, e, v + c * p.v_cell, p.Dv);
+#endif
+  }
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
+}
+
+using UnitFn = void (*)(const Attn&, int64_t, float*);
+
+template <typename T>
+UnitFn pick(int level) {
+  return level == 2 ? attend<T, 2> : level == 1 ? attend<T, 1> : attend<T, 0>;
+}
+
+// The (row, head) units of one call, shared with pool tasks that may start after the call has
+// returned (they then find no unit left and only drop their reference).
+struct Job {
+  Attn p;
+  UnitFn fn;
+  int64_t n_units = 0;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    std::vector<float> s(p.n_kv);
+    for (int64_t u; (u = next.fetch_add(1)) < n_units;) {
+      fn(p, u, s.data());
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::F32> mask, ffi::ResultBuffer<ffi::F32> out, int64_t n_kv, int64_t n_head_kv,
+                      int64_t k_off, int64_t k_cell, int64_t k_head, int64_t v_off, int64_t v_cell,
+                      int64_t v_head, float scale, float softcap) {
+  auto qd = q.dimensions(), md = mask.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || md.size() != 2 || od.size() != 3)
+    return ffi::Error::InvalidArgument("attn_decode: q [n_q, H, D], mask [n_q, n_kv], out [n_q, H, Dv]");
+  const int64_t n_q = qd[0], H = qd[1], D = qd[2], Dv = od[2];
+  if (md[0] != n_q || md[1] != n_kv || od[0] != n_q || od[1] != H)
+    return ffi::Error::InvalidArgument("attn_decode: shapes of q, mask and out disagree");
+  if (n_head_kv < 1 || H % n_head_kv)
+    return ffi::Error::InvalidArgument("attn_decode: the heads of q are not a multiple of the KV heads");
+  const auto kt = k.element_type();
+  if (kt != v.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::F16))
+    return ffi::Error::InvalidArgument("attn_decode: K and V must both be f32 or both f16");
+  // the last element read must lie inside each cache buffer
+  const int64_t k_last = k_off + (n_kv - 1) * k_cell + (n_head_kv - 1) * k_head + D;
+  const int64_t v_last = v_off + (n_kv - 1) * v_cell + (n_head_kv - 1) * v_head + Dv;
+  if (n_kv < 1 || k_off < 0 || v_off < 0 || k_last > static_cast<int64_t>(k.element_count()) ||
+      v_last > static_cast<int64_t>(v.element_count()))
+    return ffi::Error::InvalidArgument("attn_decode: the strides reach outside the K or V buffer");
+  auto job = std::make_shared<Job>();
+  job->p = Attn{q.typed_data(), k.untyped_data(), v.untyped_data(), mask.typed_data(), out->typed_data(),
+                n_q, H, n_head_kv, D, Dv, n_kv, k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
+  const int level = simd_level(D, Dv);
+  job->fn = kt == ffi::DataType::F16 ? pick<uint16_t>(level) : pick<float>(level);
+  job->n_units = n_q * H;
+  // Pool threads pay off only when the units read enough cache (a one-token step of a short
+  // context is a few microseconds of work).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = n_kv * D * job->n_units >= (1 << 17) ? std::min(threads, job->n_units) - 1 : 0;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < job->n_units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxAttnDecode, AttnDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("n_kv")
+                                  .Attr<int64_t>("n_head_kv")
+                                  .Attr<int64_t>("k_off")
+                                  .Attr<int64_t>("k_cell")
+                                  .Attr<int64_t>("k_head")
+                                  .Attr<int64_t>("v_off")
+                                  .Attr<int64_t>("v_cell")
+                                  .Attr<int64_t>("v_head")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));

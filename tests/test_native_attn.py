@@ -1,0 +1,123 @@
+"""The native decode attention (ggmlx/native attn_decode): within f32 rounding of a float64
+reference over strided K/V caches (f32 and f16, grouped heads, offsets, masked cells, soft
+cap), and the same logits as the XLA path when the flash_attn_ext lowering dispatches to it
+in decode steps of tiny llama and gemma3 models (sliding-window caches included)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llm
+from ggmlx import compile, lower, native
+from tests import tiny_model
+
+needs_native = pytest.mark.skipif(
+    native.load_error() is not None,
+    reason=f"the native kernels cannot be used: {native.load_error()}")
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    monkeypatch.setenv("GGMLX_NATIVE", "1")
+
+
+def _reference(q, k, v, mask, scale, softcap):
+    """float64 attention: q [n_q, H, D], k/v [n_kv, Hkv, D], mask [n_q, n_kv] -> [n_q, H, Dv]."""
+    n_q, H, _ = q.shape
+    g = np.arange(H) // (H // k.shape[1])
+    s = np.einsum("qhd,khd->qhk", q, k[:, g]) * scale
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    s = s + mask[:, None, :]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("qhk,khd->qhd", p, v[:, g])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+@pytest.mark.parametrize("n_q,H,Hkv,D", [(1, 4, 2, 32), (3, 9, 3, 64), (2, 4, 1, 256), (1, 3, 3, 24)])
+def test_attn_decode_matches_float64(dtype, softcap, n_q, H, Hkv, D):
+    """The cache is [kv_size, Hkv * D] (ggml's K cache), read from cell 5 on for n_kv cells."""
+    rng = np.random.default_rng(D + n_q)
+    kv_size, first, n_kv = 48, 5, 30
+    kc = rng.standard_normal((kv_size, Hkv * D)).astype(dtype)
+    vc = rng.standard_normal((kv_size, Hkv * D)).astype(dtype)
+    q = rng.standard_normal((n_q, H, D)).astype(np.float32)
+    mask = np.zeros((n_q, n_kv), np.float32)
+    mask[:, rng.random(n_kv) < 0.3] = -np.inf
+    mask[:, 0] = 0.0
+    mask[-1, 1:4] = -1.5
+    scale = 1.0 / np.sqrt(D)
+    f = jax.jit(lambda q, k, v, m: native.attn_decode(
+        q, k, v, m, n_kv=n_kv, n_head_kv=Hkv, k_off=first * Hkv * D, k_cell=Hkv * D, k_head=D,
+        v_off=first * Hkv * D, v_cell=Hkv * D, v_head=D, dv=D, scale=scale, softcap=softcap))
+    out = np.asarray(f(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask)))
+    cells = slice(first, first + n_kv)
+    ref = _reference(q.astype(np.float64), kc[cells].astype(np.float64).reshape(n_kv, Hkv, D),
+                     vc[cells].astype(np.float64).reshape(n_kv, Hkv, D), mask.astype(np.float64), scale, softcap)
+    assert out.shape == (n_q, H, D) and out.dtype == np.float32
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
+
+
+@needs_native
+def test_attn_decode_fully_masked_row_is_zero():
+    q = np.ones((2, 2, 16), np.float32)
+    kc = np.ones((8, 32), np.float32)
+    mask = np.zeros((2, 8), np.float32)
+    mask[1] = -np.inf
+    out = np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(kc), jnp.asarray(mask),
+                                        n_kv=8, n_head_kv=2, k_off=0, k_cell=32, k_head=16, v_off=0, v_cell=32,
+                                        v_head=16, dv=16, scale=1.0, softcap=0.0))
+    np.testing.assert_allclose(out[0], 1.0, rtol=1e-6)
+    assert np.all(out[1] == 0.0)
+
+
+@needs_native
+def test_attn_decode_rejects_strides_outside_the_cache():
+    kc = jnp.ones((8, 32), jnp.float32)
+    with pytest.raises(Exception, match="outside the K or V buffer"):
+        native.attn_decode(jnp.ones((1, 2, 16), jnp.float32), kc, kc, jnp.zeros((1, 9), jnp.float32),
+                           n_kv=9, n_head_kv=2, k_off=0, k_cell=32, k_head=16, v_off=0, v_cell=32, v_head=16,
+                           dv=16, scale=1.0, softcap=0.0).block_until_ready()
+
+
+def _decode_logits(path, type_k: str, swa_full: bool = True) -> np.ndarray:
+    """Logits of a 12-token prompt's last position, then of 6 one-token steps and one
+    3-token step (the dispatch's range: 1..native.MAX_N query rows), compiled afresh."""
+    compile.get_default_cache().clear()
+    model = llm.load_model(path)
+    ctx = llm.Context(model, n_ctx=64, n_ubatch=16, kv_bucket=32, type_k=type_k, type_v=type_k, swa_full=swa_full)
+    assert ctx.decode(llm.Batch(tiny_model.prompt_tokens(12))) == 0, ctx.last_error
+    rows = [ctx.get_logits_ith(-1).copy()]
+    for k in range(6):
+        assert ctx.decode(llm.Batch.get_one([7 + k])) == 0, ctx.last_error
+        rows.append(ctx.get_logits_ith(-1).copy())
+    assert ctx.decode(llm.Batch([20, 21, 22], pos=[18, 19, 20], logits=np.ones(3, bool))) == 0, ctx.last_error
+    rows.extend(ctx.get_logits_ith(i).copy() for i in range(3))
+    return np.stack(rows)
+
+
+@needs_native
+@pytest.mark.parametrize("arch,type_k,swa_full", [("llama", "f32", True), ("llama", "f16", True),
+                                                  ("gemma3", "f32", True), ("gemma3", "f32", False)])
+def test_decode_logits_match_the_xla_path(tmp_path, monkeypatch, arch, type_k, swa_full):
+    spec = tiny_model.TinySpec(arch=arch, n_layer=6 if arch == "gemma3" else 2,
+                               n_head_kv=1 if arch == "gemma3" else 2, seed=3)
+    path = tiny_model.write_model(tmp_path / f"{arch}.gguf", spec)
+    monkeypatch.setenv("GGMLX_EXE_CACHE", "0")
+    calls = []
+    real = lower._flash_attn_native
+
+    def counting(n, env):
+        out = real(n, env)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lower, "_flash_attn_native", counting)
+    ours = _decode_logits(path, type_k, swa_full)
+    assert any(calls), "the decode graphs never took the native attention"
+    monkeypatch.setattr(lower, "_flash_attn_native", lambda n, env: None)
+    xla = _decode_logits(path, type_k, swa_full)
+    np.testing.assert_allclose(ours, xla, rtol=0, atol=2e-5 * np.abs(xla).max())
