@@ -89,13 +89,15 @@ class WeightSplit:
 class WeightSpec:
     """The static half of a weight: its format, ggml type, shape (global) and, for int8, the
     sub-block length; for a weight divided over a mesh, the split and the mesh (part of
-    cache keys)."""
+    cache keys). `rows` = (group, start, total) marks a member of a fused weight (fuse_rows):
+    the arrays hold all `total` rows of the group, and this weight is rows start..start+ne1."""
     format: str
     type: GGMLType
     ne: tuple[int, int, int, int]
     sub_block: int = 0
     split: WeightSplit | None = None
     mesh: jax.sharding.Mesh | None = None
+    rows: tuple[int, int, int] | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -121,7 +123,9 @@ class DeviceWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.size * a.dtype.itemsize) for a in self.arrays())
+        """Bytes held; a member of a fused weight counts its share of the group's arrays."""
+        n = sum(int(a.size * a.dtype.itemsize) for a in self.arrays())
+        return n if self.spec.rows is None else n * self.spec.ne[1] // self.spec.rows[2]
 
     def delete(self) -> None:
         for a in self.arrays():
@@ -390,6 +394,38 @@ def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
                         scale, offset)
 
 
+def fuse_rows(ws: list[DeviceWeight], group: int) -> list[DeviceWeight] | None:
+    """The weights ws as members of one fused weight (their rows concatenated in one set of
+    arrays, the originals left to the caller to delete), or None when concat_rows cannot join
+    them. A graph keeps one mul_mat node per member; the lowering computes the fused product
+    once per input and gives each member its rows (ggmlx/lower.py _mul_mat_fused), so a decode
+    step makes one weight pass where it made several. `group` names the group in cache keys."""
+    fused = concat_rows(ws)
+    if fused is None:
+        return None
+    total = fused.spec.ne[1]
+    out, start = [], 0
+    for w in ws:
+        spec = WeightSpec(fused.spec.format, fused.spec.type, w.spec.ne, fused.spec.sub_block,
+                          rows=(group, start, total))
+        out.append(DeviceWeight(spec, fused.array, fused.scale, fused.offset))
+        start += w.spec.ne[1]
+    return out
+
+
+def fused_parent(w: DeviceWeight) -> DeviceWeight:
+    """The whole fused weight that member w is a row range of."""
+    assert w.spec.rows is not None
+    spec = WeightSpec(w.spec.format, w.spec.type, (w.spec.ne[0], w.spec.rows[2], 1, 1), w.spec.sub_block)
+    return DeviceWeight(spec, w.array, w.scale, w.offset)
+
+
+def member_rows(w: DeviceWeight, y: jax.Array, axis: int) -> jax.Array:
+    """Member w's rows of y, a value computed for the whole fused weight, along axis."""
+    assert w.spec.rows is not None
+    return jax.lax.slice_in_dim(y, w.spec.rows[1], w.spec.rows[1] + w.spec.ne[1], axis=axis)
+
+
 # ---- reading a weight inside a traced function ---------------------------------------------
 
 def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: jax.Array | None) -> jax.Array:
@@ -409,7 +445,11 @@ def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: ja
 
 
 def _row_arrays(w: DeviceWeight) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The held arrays with rows as their leading axis."""
+    """The held arrays with rows as their leading axis (a fused member's own rows only)."""
+    if w.spec.rows is not None:
+        q, scale, offset = _row_arrays(fused_parent(w))
+        return (member_rows(w, q, 0), None if scale is None else member_rows(w, scale, 0),
+                None if offset is None else member_rows(w, offset, 0))
     rows = w.spec.ne[1] * w.spec.ne[2] * w.spec.ne[3]
     return w.array.reshape(rows, -1), w.scale, w.offset
 
@@ -417,6 +457,8 @@ def _row_arrays(w: DeviceWeight) -> tuple[jax.Array, jax.Array | None, jax.Array
 def materialize(w: DeviceWeight) -> jax.Array:
     """The weight as f32 in numpy order [ne3, ne2, ne1, ne0] (inside a traced function)."""
     spec = w.spec
+    if spec.rows is not None:
+        return member_rows(w, materialize(fused_parent(w)), 2)
     if spec.format == FORMAT_PLAIN:
         return w.array.astype(jnp.float32)
     return _rows_f32(w, *_row_arrays(w)).reshape(tuple(reversed(spec.ne)))
@@ -470,6 +512,8 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     spec = w.spec
     if spec.split is not None:
         return _mul_mat_split(w, x)
+    if spec.rows is not None:       # alone, a member costs the whole product (the lowering shares it)
+        return member_rows(w, mul_mat(fused_parent(w), x, native_ok), x.ndim - 1)
     K, M = spec.ne[0], spec.ne[1]
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)

@@ -146,9 +146,13 @@ def test_quantized_weights_keep_their_type(tmp_path):
     assert model.layers[0].wq.type == GGMLType.Q8_0
     assert model.layers[0].attn_norm.type == GGMLType.F32
     assert model.n_bytes > 0
-    fused = llm.load_model(path, fuse=True)   # wq/wk/wv -> wqkv, gate/up -> ffn_up: the type is kept
-    assert fused.layers[0].wq is None and fused.layers[0].wqkv.type == GGMLType.Q8_0
-    assert fused.layers[0].ffn_gate is None and fused.layers[0].ffn_up.ne[1] == 2 * model.layers[0].ffn_up.ne[1]
+    fused = llm.load_model(path, fuse=True)   # wq/wk/wv share one array, as do gate/up; types are kept
+    wq, wk, wv = (fused.layers[0].wq, fused.layers[0].wk, fused.layers[0].wv)
+    assert wq.type == GGMLType.Q8_0 and wq.ne == model.layers[0].wq.ne and fused.layers[0].wqkv is None
+    assert wq.data.array is wk.data.array is wv.data.array
+    assert [m.data.spec.rows[1] for m in (wq, wk, wv)] == [0, wq.ne[1], wq.ne[1] + wk.ne[1]]
+    assert fused.layers[0].ffn_gate.data.array is fused.layers[0].ffn_up.data.array
+    assert sum(t.data.nbytes for t in fused.weight_tensors()) == sum(t.data.nbytes for t in model.weight_tensors())
 
 
 def test_real_models_load(smollm2_path, gemma3_path):
