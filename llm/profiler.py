@@ -33,7 +33,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
 _META = re.compile(r'metadata=\{op_name="([^"]*)"')
 _ARGS = re.compile(r"\b[a-z][\w-]*\(([^)]*)\)")
 _OPERAND = re.compile(r"%([\w.\-]+)")
-_CONTROL = re.compile(r"\b(?:while|conditional|call)\(")
+_CONTROL = re.compile(r"(?<![\w-])(?:while|conditional|call)\(")   # not custom-call(
 _LAYER = re.compile(r"-\d+\b")
 
 

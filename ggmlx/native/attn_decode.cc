@@ -9,8 +9,8 @@
 //
 // Numerics, per query row and head, all in f32: s = (q . k) * scale, then softcap *
 // tanh(s / softcap) when softcap > 0, then + mask; out = sum_k exp(s_k - max) v_k / sum_k
-// exp(s_k - max). The XLA path computes the same terms; the sums run in another order. A row
-// whose every cell is masked gives zeros.
+// exp(s_k - max). The XLA path computes the same terms with its own exp (both within a few
+// ULP); the sums run in another order. A row whose every cell is masked gives zeros.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -129,7 +129,74 @@ __attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float* acc, float a, con
   for (int64_t i = 0; i < n; i += 8)
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(av, load8_avx2(v + i), _mm256_loadu_ps(acc + i)));
 }
+// exp(x) as Cephes' expf: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by a
+// degree-7 polynomial, times 2^n; within 2 ULP of the exact value for x in [-87, 0] (every
+// argument here is s - max <= 0). glibc's scalar expf was most of the time of a step.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
+                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^n: n + 127 in the exponent bits (n >= -126 after the clamp)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// s[c] = exp(s[c] - mx), and exactly 0 where s[c] is -inf (a masked cell)
+__attribute__((target("avx512f"))) void exp_shift_avx512(float* s, int64_t n, float mx) {
+  const __m512 m = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 x = _mm512_loadu_ps(s + c);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    _mm512_storeu_ps(s + c, _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(x, m))));
+  }
+  for (; c < n; ++c) s[c] = s[c] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s[c] - mx);
+}
+
+__attribute__((target("avx2,fma"))) void exp_shift_avx2(float* s, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x = _mm256_loadu_ps(s + c);
+    const __m256 live = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
+    _mm256_storeu_ps(s + c, _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(x, m))));
+  }
+  for (; c < n; ++c) s[c] = s[c] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s[c] - mx);
+}
 #endif  // GGMLX_X86
+
+void exp_shift_generic(float* s, int64_t n, float mx) {
+  for (int64_t c = 0; c < n; ++c) s[c] = s[c] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s[c] - mx);
+}
 
 // The widest vector code this CPU runs for head sizes D and Dv (0: plain loops).
 int simd_level(int64_t D, int64_t Dv) {
@@ -176,10 +243,17 @@ void attend(const Attn& p, int64_t unit, float* s) {
   }
   std::fill(o, o + p.Dv, 0.f);
   if (mx == ninf) return;
+#ifdef GGMLX_X86
+  if constexpr (LEVEL == 2) exp_shift_avx512(s, p.n_kv, mx);
+  else if constexpr (LEVEL == 1) exp_shift_avx2(s, p.n_kv, mx);
+  else exp_shift_generic(s, p.n_kv, mx);
+#else
+  exp_shift_generic(s, p.n_kv, mx);
+#endif
   float sum = 0.f;
   for (int64_t c = 0; c < p.n_kv; ++c) {
-    if (s[c] == ninf) continue;
-    const float e = std::exp(s[c] - mx);
+    const float e = s[c];
+    if (e == 0.f) continue;   // a masked cell (or one too far below the max to count)
     sum += e;
 #ifdef GGMLX_X86
     if constexpr (LEVEL == 2) axpy_avx512(o, e, v + c * p.v_cell, p.Dv);
@@ -247,7 +321,7 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   // Pool threads pay off only when the units read enough cache (a one-token step of a short
   // context is a few microseconds of work).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = n_kv * D * job->n_units >= (1 << 17) ? std::min(threads, job->n_units) - 1 : 0;
+  const int64_t helpers = n_kv * D * job->n_units >= (1 << 20) ? std::min(threads, job->n_units) - 1 : 0;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
   job->work();
   while (job->done.load(std::memory_order_acquire) < job->n_units) std::this_thread::yield();
