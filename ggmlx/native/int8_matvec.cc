@@ -157,30 +157,32 @@ __attribute__((target("avx512f"))) void rows_avx512(const Problem& p, int64_t m0
   for (; m < m1; ++m) tile_avx512<SUB, NR, OFF, 1>(p, m);
 }
 
-// int4: a sub-block's 16 bytes widened to 16 dwords once per row; the low nibbles (AND 15) are
-// elements 0..15, the high ones (shift by 4) elements 16..31.
+// int4: a sub-block's 16 bytes widened to 16 dwords once per row, and its 16 possible values
+// scale * i + offset in one vector: each weight is a permute of that table by its nibble
+// (vpermps reads an index's low 4 bits: the widened byte is the low nibble's index, the byte
+// shifted by 4 the high one's), elements 0..15 and 16..31.
 template <int NR, int ROWS>
 __attribute__((target("avx512f"))) void tile_int4_avx512(const Problem& p, int64_t m) {
   const int64_t nb = p.K / 32;
-  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[ROWS][NR];
   for (int r = 0; r < ROWS; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i nib[ROWS];
+    __m512 table[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-      prefetch_int4(p, m + r, b, nb);
-      nib[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, m + r) + b * 16)));
+      const int64_t row = m + r;
+      prefetch_int4(p, row, b, nb);
+      nib[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16)));
+      table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(p.scale[row * nb + b]), _mm512_set1_ps(p.offset[row * nb + b]));
     }
     for (int h = 0; h < 2; ++h) {
       const int64_t k = b * 32 + h * 16;
       __m512 xv[NR];
       for (int n = 0; n < NR; ++n) xv[n] = _mm512_loadu_ps(p.x + n * p.K + k);
       for (int r = 0; r < ROWS; ++r) {
-        const int64_t row = m + r;
-        __m512i qi = h == 0 ? _mm512_and_si512(nib[r], low) : _mm512_srli_epi32(nib[r], 4);
-        __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(p.scale[row * nb + b]),
-                                   _mm512_set1_ps(p.offset[row * nb + b]));
+        __m512 w = _mm512_permutexvar_ps(h == 0 ? nib[r] : _mm512_srli_epi32(nib[r], 4), table[r]);
         for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_fmadd_ps(xv[n], w, acc[r][n]);
       }
     }
