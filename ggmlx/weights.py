@@ -136,10 +136,15 @@ class DeviceWeight:
 
 # ---- placing a tensor on a device ---------------------------------------------------------
 
-# What "auto" means: int8 is exact, 4x smaller than f32 and, on an idle 2-core machine, the
-# fastest for decode with no loss for prefill (python -m llm bench, one session: SmolLM2-135M
-# tg64 int8 62.2 vs f32 52.0 tok/s, pp512 1232 vs 1274; Gemma3-270M tg int8 ~48 vs f32 ~34).
-AUTO_FORMAT = "int8"
+# What "auto" means: int4 (exact like int8, which holds every type int4 does not). int8 was
+# 1.2-1.4x faster than f32 for decode with no loss for prefill (SmolLM2-135M tg64 int8 62.2 vs
+# f32 52.0 tok/s, pp512 1232 vs 1274; Gemma3-270M tg ~48 vs ~34); int4 reads 0.75 bytes per
+# Q4 element instead of 1.25, and both models held both ways, alternated in one process on the
+# 2-core machine (3 runs each): SmolLM2-135M (Q4_1) decode 1.10-1.15x faster (12.3-12.4 vs
+# 13.6-14.3 ms/step), pp512 0.96-0.98x (XLA unpacks the nibbles of each prefill chunk: 5-9% per
+# matmul at 512 rows); Gemma3-270M (Q4_K_M: only its Q4_K tensors change) decode 1.04-1.07x,
+# pp512 0.98-1.01x.
+AUTO_FORMAT = "int4"
 
 
 def resolve_format(weight_format: str, t: GGMLType) -> str:

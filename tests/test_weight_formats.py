@@ -160,7 +160,7 @@ def test_format_choice():
     assert weights.resolve_format("int4", GGMLType.F16) == weights.FORMAT_PLAIN
     assert weights.resolve_format("native", GGMLType.Q4_K) == weights.FORMAT_BLOCKS
     assert weights.resolve_format("f32", GGMLType.Q4_K) == weights.FORMAT_PLAIN
-    assert weights.AUTO_FORMAT == "int8"
+    assert weights.AUTO_FORMAT == "int4"
     with pytest.raises(ValueError, match="weight_format"):
         weights.check_format("q4")
     with pytest.raises(ValueError, match="weight_format"):
