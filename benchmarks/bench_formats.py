@@ -11,7 +11,7 @@ import sys
 from llm.bench import bench_model
 
 DEFAULT_MODELS = ["/tmp/models/smollm2-135m-instruct-q4_1.gguf", "/tmp/models/gemma-3-270m-q4_k_m.gguf"]
-FORMATS = ("native", "int8", "f32")
+FORMATS = ("native", "int8", "int4", "f32")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,7 @@ def main() -> None:
     default_ref = flags.REFERENCE.get() or Path(__file__).resolve().parents[2] / "shared" / "reference"
     ap.add_argument("--reference", type=Path, default=Path(default_ref),
                     help="llama.cpp reference data (default: $GGMLX_REFERENCE or ../shared/reference)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "native", "int8", "f32"])
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "native", "int8", "int4", "f32"])
     ap.add_argument("--only", choices=["real", "synthetic"])
     args = ap.parse_args()
     if args.only != "synthetic":

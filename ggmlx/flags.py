@@ -57,8 +57,8 @@ MATMUL_PRECISION = EnvFlag(
     "bf16); part of compiled-graph cache keys")
 NATIVE = EnvFlag(
     "GGMLX_NATIVE", "1",
-    "0: never use the native int8 matvec (ggmlx/native, an XLA FFI custom call built at install) for int8 "
-    "weights times 1-16 rows (decode, batched decode, speculative verification) on the CPU, keeping the "
+    "0: never use the native int8/int4 matvecs (ggmlx/native, XLA FFI custom calls built at install) for "
+    "int8 and int4 weights times 1-16 rows (decode, batched decode, speculative verification) on the CPU, keeping the "
     "pure-XLA dequantize-then-dot path; benchmarks/bench_native.py: 1.3-2.2x faster per product; part of "
     "compiled-graph cache keys")
 

@@ -10,6 +10,10 @@ held in (chosen at load time by `weight_format`):
   (and, for types with a minimum, an f32 offset) per sub-block of 16 or 32 elements along
   ne0: y = scale * q + offset, exactly the values ggml dequantizes to. XLA:CPU does not fuse
   4-bit unpacking into a dot; int8 upcasts cheaply, so this is the fastest CPU format.
+- "int4": Q4_0, Q4_1 and Q4_K as packed nibbles, uint8 [n_rows, ne0 // 2] (per 32 elements
+  16 bytes: byte j holds element j low, j + 16 high), plus f32 scale and offset per 32:
+  0.75 bytes per element against int8's 1.25, for the native matvec of decode steps, which
+  reads the nibbles directly. Every other quantized type is held as under "int8".
 
 `mul_mat` and `get_rows` are how ops read a weight: neither dequantizes more than a chunk of
 rows at a time, so a large matrix (a 262144-row lm_head) never exists as f32 in memory.
@@ -24,6 +28,7 @@ import numpy as np
 
 from ggmlx import flags, native, types
 from ggmlx.backend import MESH_AXIS
+from ggmlx.quants.int4 import INT4_CONVERTERS, to_int4
 from ggmlx.quants.int8 import INT8_CONVERTERS, to_int8
 from ggmlx.tensor import np_dtype, pad_ne
 from ggmlx.types import GGMLType
@@ -31,8 +36,9 @@ from ggmlx.types import GGMLType
 FORMAT_PLAIN = "plain"
 FORMAT_BLOCKS = "blocks"
 FORMAT_INT8 = "int8"
+FORMAT_INT4 = "int4"
 
-WEIGHT_FORMATS = ("auto", "native", "int8", "f32")
+WEIGHT_FORMATS = ("auto", "native", "int8", "int4", "f32")
 
 
 def matmul_precision() -> jax.lax.Precision:
@@ -87,8 +93,8 @@ class WeightSplit:
 @jax.tree_util.register_static
 @dataclass(frozen=True)
 class WeightSpec:
-    """The static half of a weight: its format, ggml type, shape (global) and, for int8, the
-    sub-block length; for a weight divided over a mesh, the split and the mesh (part of
+    """The static half of a weight: its format, ggml type, shape (global) and, for int8 and
+    int4, the sub-block length; for a weight divided over a mesh, the split and the mesh (part of
     cache keys). `rows` = (group, start, total) marks a member of a fused weight (fuse_rows):
     the arrays hold all `total` rows of the group, and this weight is rows start..start+ne1."""
     format: str
@@ -103,9 +109,9 @@ class WeightSpec:
 @jax.tree_util.register_pytree_node_class
 @dataclass
 class DeviceWeight:
-    """`array` holds the values (plain), the packed blocks (blocks) or the int8 quants (int8);
-    int8 weights also carry `scale` and, when the type has a minimum, `offset`,
-    both f32 [n_rows, ne0 // sub_block]."""
+    """`array` holds the values (plain), the packed blocks (blocks), the int8 quants (int8) or
+    the packed nibbles (int4); int8 weights also carry `scale` and, when the type has a
+    minimum, `offset`, both f32 [n_rows, ne0 // sub_block]; int4 weights always both."""
     spec: WeightSpec
     array: jax.Array
     scale: jax.Array | None = None
@@ -134,21 +140,29 @@ class DeviceWeight:
 
 # ---- placing a tensor on a device ---------------------------------------------------------
 
-# What "auto" means: int8 is exact, 4x smaller than f32 and, on an idle 2-core machine, the
-# fastest for decode with no loss for prefill (python -m llm bench, one session: SmolLM2-135M
-# tg64 int8 62.2 vs f32 52.0 tok/s, pp512 1232 vs 1274; Gemma3-270M tg int8 ~48 vs f32 ~34).
-AUTO_FORMAT = "int8"
+# What "auto" means: int4 (exact like int8, which holds every type int4 does not). int8 was
+# 1.2-1.4x faster than f32 for decode with no loss for prefill (SmolLM2-135M tg64 int8 62.2 vs
+# f32 52.0 tok/s, pp512 1232 vs 1274; Gemma3-270M tg ~48 vs ~34); int4 reads 0.75 bytes per
+# Q4 element instead of 1.25, and both models held both ways, alternated in one process on the
+# 2-core machine (3 runs each): SmolLM2-135M (Q4_1) decode 1.10-1.15x faster (12.3-12.4 vs
+# 13.6-14.3 ms/step), pp512 0.96-0.98x (XLA unpacks the nibbles of each prefill chunk: 5-9% per
+# matmul at 512 rows); Gemma3-270M (Q4_K_M: only its Q4_K tensors change) decode 1.04-1.07x,
+# pp512 0.98-1.01x.
+AUTO_FORMAT = "int4"
 
 
 def resolve_format(weight_format: str, t: GGMLType) -> str:
     """The held format for a tensor of type t under weight_format ("auto" must have been
-    turned into AUTO_FORMAT). int8 falls back to the blocks for types
-    without an exact int8 form (the IQ codebook types, TQ*, MXFP4)."""
+    turned into AUTO_FORMAT). int4 holds the types without a packed 4-bit form as int8;
+    int8 falls back to the blocks for types without an exact int8 form (the IQ codebook
+    types, TQ*, MXFP4)."""
     if weight_format not in WEIGHT_FORMATS or weight_format == "auto":
-        raise ValueError(f"weight_format must be one of native, int8, f32, got {weight_format!r}")
+        raise ValueError(f"weight_format must be one of native, int8, int4, f32, got {weight_format!r}")
     if not types.traits(t).is_quantized or weight_format == "f32":
         return FORMAT_PLAIN
-    if weight_format == "int8" and t in INT8_CONVERTERS:
+    if weight_format == "int4" and t in INT4_CONVERTERS:
+        return FORMAT_INT4
+    if weight_format in ("int8", "int4") and t in INT8_CONVERTERS:
         return FORMAT_INT8
     return FORMAT_BLOCKS
 
@@ -174,6 +188,8 @@ def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str
     if fmt == FORMAT_INT8:
         q, scale, offset = to_int8(blocks, t, rows)
         return WeightSpec(FORMAT_INT8, t, ne4, INT8_CONVERTERS[t][0]), [q, scale, offset]
+    if fmt == FORMAT_INT4:
+        return WeightSpec(FORMAT_INT4, t, ne4, 32), list(to_int4(blocks, t, rows))
     return WeightSpec(FORMAT_BLOCKS, t, ne4), [blocks]
 
 
@@ -257,7 +273,8 @@ def _shard_raw(raw: np.ndarray, t: GGMLType, ne4, split: WeightSplit | None, k: 
 
 def _leaf_pspec(split: WeightSplit | None, ndim: int) -> jax.sharding.PartitionSpec:
     """The PartitionSpec of a held array: plain arrays are 4-d numpy order (ggml dim d is
-    axis 3 - d), blocks and int8 arrays 2-d [rows, cols]."""
+    axis 3 - d), blocks, int8 and int4 arrays 2-d [rows, cols] (an int4 column split divides
+    its 16-byte runs of 32 elements, as check_split keeps whole blocks)."""
     P = jax.sharding.PartitionSpec
     if split is None:
         return P()
@@ -437,7 +454,10 @@ def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: ja
     if spec.format == FORMAT_BLOCKS:
         from ggmlx import quants
         return quants.dequantize_jax(q, spec.type, (spec.ne[0], n))
-    assert scale is not None   # the int8 format always has scales
+    assert scale is not None   # the int8 and int4 formats always have scales
+    if spec.format == FORMAT_INT4:
+        q = q.reshape(n, -1, 1, 16)
+        q = jnp.concatenate([q & 15, q >> 4], axis=2)   # [n, nb, 2, 16]: elements j and j + 16
     y = q.astype(jnp.float32).reshape(n, -1, spec.sub_block) * scale[..., None]
     if offset is not None:
         y = y + offset[..., None]
@@ -486,12 +506,17 @@ def _mul_mat_native(w: DeviceWeight, xt: jax.Array) -> jax.Array:
     """The native kernel on the CPU (the XLA path elsewhere). An FFI call has no derivative,
     so the tangent (linear in xt: saliency, gradients of llm.trace) takes the XLA path."""
     q, scale, offset = _row_arrays(w)
-    assert scale is not None   # the int8 format always has scales
+    assert scale is not None   # the int8 and int4 formats always have scales
+
+    def kernel(xt):
+        if w.spec.format == FORMAT_INT4:
+            assert offset is not None
+            return native.int4_matvec(xt, q, scale, offset)
+        return native.int8_matvec(xt, q, scale, offset)
 
     @jax.custom_jvp
     def f(xt):
-        return jax.lax.platform_dependent(xt, cpu=lambda xt: native.int8_matvec(xt, q, scale, offset),
-                                          default=lambda xt: mul_mat(w, xt, native_ok=False))
+        return jax.lax.platform_dependent(xt, cpu=kernel, default=lambda xt: mul_mat(w, xt, native_ok=False))
 
     @f.defjvp
     def f_jvp(primals, tangents):
@@ -507,8 +532,9 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     each chunk feeding its own dot: XLA:CPU does not fuse dequantization into a dot, and one
     whole-matrix f32 temporary is several times slower (fresh pages every call). The last
     chunk starts early enough to end at row M (it recomputes a few rows: same values).
-    An int8 weight times native.MIN_N..MAX_N rows runs the native kernel instead on the CPU,
-    when it is built (ggmlx/native); native_ok is False for the shards of a split weight."""
+    An int8 or int4 weight times native.MIN_N..MAX_N rows runs the native kernel instead on
+    the CPU, when it is built (ggmlx/native); native_ok is False for the shards of a split
+    weight."""
     spec = w.spec
     if spec.split is not None:
         return _mul_mat_split(w, x)
@@ -518,7 +544,7 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
-    if (native_ok and spec.format == FORMAT_INT8 and native.MIN_N <= xt.shape[0] <= native.MAX_N
+    if (native_ok and spec.format in (FORMAT_INT8, FORMAT_INT4) and native.MIN_N <= xt.shape[0] <= native.MAX_N
             and xt.dtype == jnp.float32 and native.available()):
         return _mul_mat_native(w, xt).reshape(*lead, M)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:

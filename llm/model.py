@@ -328,12 +328,14 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     accelerators; pass CPU devices to split over simulated devices). split_mode "layer"
     (default) gives each device whole layers, "row" divides every layer over all of them
     (tensor parallelism on a jax.sharding.Mesh; see docs/distributed.md). `weight_format` is how
-    quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "f32"
-    (dequantized at load) or "auto" (int8, the fastest measured on XLA:CPU);
+    quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "int4"
+    (Q4_0/Q4_1/Q4_K as exact packed nibbles + scales, other types as int8), "f32" (dequantized
+    at load) or "auto" (int4, the fastest measured on XLA:CPU with the native kernels);
     model.weight_format tells which was used. `fuse` (default on) holds wq/wk/wv, and
     ffn_gate/ffn_up, of a layer in one array each (fuse_weights; split_mode "layer" only): the
     graph and its node names are unchanged, a decode step reads each group in one pass.
-"""
+    `row_plan` (split_mode "row"): the measured choices of RowPlan; with uneven_heads="pad"
+    model.hparams holds the padded head counts the graph runs with."""
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
     ml = ModelLoader(path)

@@ -171,13 +171,13 @@ def test_top1_agreement_with_llama_cpp(request, stem: str):
     assert total >= TOP1_AGREE_MIN
 
 
-WEIGHT_FORMATS = ["native", "int8", "f32"]
+WEIGHT_FORMATS = ["native", "int8", "int4", "f32"]
 
 
 @pytest.fixture(scope="module")
 def synthetic_runs() -> dict[tuple[str, str], np.ndarray]:
     """Our logits for the 24 reference tokens then llama.cpp's 15 first greedy ids [39, 512],
-    per (model, weight format): quantized blocks dequantized in the graph, exact int8, f32."""
+    per (model, weight format): quantized blocks dequantized in the graph, exact int8, int4, f32."""
     out = {}
     for stem in SYNTHETIC:
         ref = np.load(DATA / "synthetic" / f"{stem}.npz")

@@ -1,14 +1,23 @@
-"""Weight formats: the exact int8 conversion of every supported block type, and mul_mat /
-get_rows giving the same results whichever format a weight is held in."""
+"""Weight formats: the exact int8 and int4 conversions of every supported block type, and
+mul_mat / get_rows giving the same results whichever format a weight is held in."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
+from tiny_model import TinySpec, prompt_tokens, write_model
 
+import llm
 from ggmlx import gguf, quants, types, weights
-from ggmlx.quants import int8
+from ggmlx.quants import int4, int8
 from ggmlx.types import GGMLType
 
 INT8_TYPES = list(int8.INT8_CONVERTERS)
+INT4_TYPES = list(int4.INT4_CONVERTERS)
+FORMATS = ("native", "int8", "int4", "f32")
 
 
 def _random_blocks(t: GGMLType, n_rows: int, ne0: int, seed: int) -> np.ndarray:
@@ -41,6 +50,40 @@ def test_int8_conversion_exact_on_random_blocks(t):
     np.testing.assert_array_equal(np.asarray(jax.jit(weights.materialize)(w)).reshape(ref.shape), ref)
 
 
+@pytest.mark.parametrize("t", INT4_TYPES, ids=lambda t: t.name)
+def test_int4_conversion_exact_on_random_blocks(t):
+    """scale * nibble + offset is ggml's value bit for bit: ggmlx's dequantize and gguf-py's."""
+    ne = (512, 6)
+    data = _random_blocks(t, ne[1], ne[0], seed=int(t))
+    ref = quants.dequantize(data, t, ne)
+    q, scale, offset = int4.to_int4(data.reshape(ne[1], -1), t, ne[1])
+    assert q.dtype == np.uint8 and q.shape == (ne[1], ne[0] // 2) and scale.shape == offset.shape == (ne[1], 16)
+    u = q.reshape(ne[1], -1, 1, 16)
+    u = np.concatenate([u & 15, u >> 4], axis=2).reshape(ne[1], -1, 32)
+    y = (u.astype(np.float32) * scale[..., None] + offset[..., None]).reshape(ref.shape)
+    assert np.isfinite(ref).all()
+    np.testing.assert_array_equal(y, ref)
+    gguf_py = pytest.importorskip("gguf.quants")
+    np.testing.assert_array_equal(y, gguf_py.dequantize(data.reshape(ne[1], -1), int(t)).reshape(ref.shape))
+    w = weights.to_device(data, t, ne, weight_format="int4")
+    assert w.spec.format == weights.FORMAT_INT4 and w.spec.sub_block == 32 and w.nbytes == ne[0] * ne[1] * 3 // 4
+    np.testing.assert_array_equal(np.asarray(jax.jit(weights.materialize)(w)).reshape(ref.shape), ref)
+    idx = np.array([5, 0, 2, 5], np.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(weights.get_rows)(w, idx)), ref[idx])
+
+
+def test_int4_concat_rows():
+    """Fused QKV / gate+up of int4 weights: one weight with the rows of each, same values."""
+    t = GGMLType.Q4_K
+    parts = [(_random_blocks(t, m, 256, seed=m), (256, m)) for m in (8, 3, 5)]
+    ws = [weights.to_device(d, t, ne, weight_format="int4") for d, ne in parts]
+    cat = weights.concat_rows(ws)
+    assert cat is not None and cat.spec.format == weights.FORMAT_INT4 and cat.spec.ne == (256, 16, 1, 1)
+    ref = np.concatenate([quants.dequantize(d, t, ne) for d, ne in parts])
+    np.testing.assert_array_equal(np.asarray(jax.jit(weights.materialize)(cat)).reshape(ref.shape), ref)
+    assert weights.concat_rows([ws[0], weights.to_device(parts[1][0], t, parts[1][1], weight_format="int8")]) is None
+
+
 def _real_tensors(path) -> dict[GGMLType, tuple[str, np.ndarray, tuple[int, int]]]:
     """One tensor per block type in a GGUF file, cut to its first 64 rows."""
     r = gguf.GGUFReader(str(path))
@@ -62,10 +105,12 @@ def _check_formats(tensors):
     rng = np.random.default_rng(0)
     for t, (name, data, ne) in tensors.items():
         ref = quants.dequantize(data, t, ne)                          # [rows, ne0]
-        held = {f: weights.to_device(data, t, ne, weight_format=f) for f in ("native", "int8", "f32")}
+        held = {f: weights.to_device(data, t, ne, weight_format=f) for f in FORMATS}
         assert held["int8"].spec.format == weights.FORMAT_INT8, name
-        np.testing.assert_array_equal(np.asarray(weights.materialize(held["int8"])).reshape(ref.shape), ref,
-                                      err_msg=name)
+        assert held["int4"].spec.format == (weights.FORMAT_INT4 if t in INT4_TYPES else weights.FORMAT_INT8), name
+        for f in ("int8", "int4"):
+            np.testing.assert_array_equal(np.asarray(weights.materialize(held[f])).reshape(ref.shape), ref,
+                                          err_msg=f"{name} {f}")
         x = rng.standard_normal((3, ne[0])).astype(np.float32)
         want = x.astype(np.float64) @ ref.astype(np.float64).T
         idx = np.array([5, 0, ne[1] - 1], np.int32)
@@ -88,7 +133,7 @@ def test_formats_agree_on_gemma3_tensors(gemma3_path):
     _check_formats(tensors)
 
 
-@pytest.mark.parametrize("fmt", ["native", "int8", "f32"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_mul_mat_in_row_chunks(monkeypatch, fmt):
     """A weight bigger than one chunk is multiplied chunk by chunk, the last chunk ending at
     the last row even when the row count is not a multiple of the chunk."""
@@ -107,10 +152,85 @@ def test_format_choice():
     assert weights.resolve_format("int8", GGMLType.Q4_K) == weights.FORMAT_INT8
     assert weights.resolve_format("int8", GGMLType.IQ2_XXS) == weights.FORMAT_BLOCKS
     assert weights.resolve_format("int8", GGMLType.F16) == weights.FORMAT_PLAIN
+    for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K):
+        assert weights.resolve_format("int4", t) == weights.FORMAT_INT4
+    for t in (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q6_K):     # a Q4_K_M model's other types
+        assert weights.resolve_format("int4", t) == weights.FORMAT_INT8
+    assert weights.resolve_format("int4", GGMLType.IQ2_XXS) == weights.FORMAT_BLOCKS
+    assert weights.resolve_format("int4", GGMLType.F16) == weights.FORMAT_PLAIN
     assert weights.resolve_format("native", GGMLType.Q4_K) == weights.FORMAT_BLOCKS
     assert weights.resolve_format("f32", GGMLType.Q4_K) == weights.FORMAT_PLAIN
-    assert weights.AUTO_FORMAT == "int8"
+    assert weights.AUTO_FORMAT == "int4"
     with pytest.raises(ValueError, match="weight_format"):
         weights.check_format("q4")
     with pytest.raises(ValueError, match="weight_format"):
         weights.to_device(np.zeros(34, np.uint8), GGMLType.Q8_0, (32,), weight_format="auto")
+
+
+# Row and column splits of int4 weights over 4 simulated CPU devices (a subprocess: the device
+# count is fixed before JAX's first use): mul_mat and get_rows equal the one-device results.
+_MESH_CHECK = """
+import jax, numpy as np, ggmlx
+ggmlx.init()
+jax.config.update("jax_num_cpu_devices", 4)
+from ggmlx import quants, weights
+from ggmlx.types import GGMLType
+from test_weight_formats import _random_blocks
+mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), (weights.MESH_AXIS,))
+rng = np.random.default_rng(0)
+for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K):
+    ne = (1024, 16)
+    data = _random_blocks(t, ne[1], ne[0], seed=int(t))
+    ref = quants.dequantize(data, t, ne).astype(np.float64)
+    x = rng.standard_normal((3, ne[0])).astype(np.float32)
+    idx = np.array([3, 0, 15, 8], np.int32)
+    for split in (weights.WeightSplit(1), weights.WeightSplit(1, gather=True), weights.WeightSplit(0)):
+        w = weights.to_mesh(data, t, ne, mesh, split, "int4", "w")
+        assert w.spec.format == weights.FORMAT_INT4 and w.array.shape == (16, 512), w.array.shape
+        assert all(s.data.nbytes == 16 * 512 // 4 for s in w.array.addressable_shards)
+        y = np.asarray(jax.jit(weights.mul_mat)(w, x))
+        err = np.max(np.abs(y - x @ ref.T) / (np.abs(x) @ np.abs(ref).T))
+        assert err < 4e-7, (t, split, err)
+        np.testing.assert_array_equal(np.asarray(jax.jit(weights.get_rows)(w, idx)), ref[idx])
+print("ok")
+"""
+
+
+@pytest.mark.slow   # a subprocess with simulated devices
+def test_int4_split_over_a_mesh():
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), str(root / "tests"),
+                                                                    os.environ.get("PYTHONPATH")])))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", _MESH_CHECK], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+
+
+SYNTHETIC = Path(__file__).parent / "data" / "synthetic"
+
+
+@pytest.mark.parametrize("model", ["tiny-Q4_1", "synth-llama-Q4_0", "synth-gemma3-Q4_K_M"])
+def test_int4_model_logits_match_int8(tmp_path, model):
+    """A model's logits under int4 equal int8's within f32 rounding: a 20-token prefill (the
+    chunked XLA path) then one-token steps (the native kernel where built). The Q4_K_M model
+    holds its Q6_K tensors as int8 under both."""
+    if model.startswith("tiny"):
+        path = write_model(tmp_path / "tiny.gguf", TinySpec(n_embd=256, n_ff=512, wtype="Q4_1", seed=3))
+    else:
+        path = SYNTHETIC / f"{model}.gguf"
+    logits, n_bytes = {}, {}
+    for fmt in ("int8", "int4"):
+        model = llm.load_model(path, weight_format=fmt)
+        n_bytes[fmt] = sum(t.data.nbytes for t in model.weight_tensors())
+        ctx = llm.Context(model, n_ctx=64)
+        tokens = prompt_tokens(22)
+        assert ctx.decode(llm.Batch(tokens[:20])) == 0
+        out = [ctx.get_logits_ith(-1).copy()]
+        for tok in tokens[20:]:
+            assert ctx.decode(llm.Batch.get_one([tok])) == 0
+            out.append(ctx.get_logits_ith(-1).copy())
+        logits[fmt] = np.stack(out)
+    assert n_bytes["int4"] < n_bytes["int8"]
+    scale = np.abs(logits["int8"]).max()
+    np.testing.assert_allclose(logits["int4"], logits["int8"], atol=1e-5 * scale, rtol=0)

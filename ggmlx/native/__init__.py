@@ -7,7 +7,9 @@ attends to (heads moved in front) before its dots.
 `int8_matvec` multiplies a few rows of activations by an "int8" weight (ggmlx/weights.py)
 straight from its int8 quants, scales and offsets, where the pure-XLA path writes each
 dequantized f32 chunk and reads it back for the dot (8 bytes per weight element, through
-the caches). Both read the int8 arrays (1.1-1.25 bytes per element) from memory. The
+the caches). Both read the int8 arrays (1.1-1.25 bytes per element) from memory.
+`int4_matvec` does the same for an "int4" weight from its packed nibbles (0.75 bytes per
+element with the f32 scales and offsets). The
 library is compiled by setup.py at install when a C++ compiler is present. It is on by
 default for MIN_N..MAX_N rows (GGMLX_NATIVE=0 turns it off); when off or not built,
 `available()` is False and `weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
@@ -41,8 +43,10 @@ MIN_N = 1
 
 TARGET = "ggmlx_int8_matvec"
 TARGET_OFFSET = "ggmlx_int8_matvec_offset"
+TARGET_INT4 = "ggmlx_int4_matvec"
 TARGET_ATTN = "ggmlx_attn_decode"
-_SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset", TARGET_ATTN: "GgmlxAttnDecode"}
+_SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset", TARGET_INT4: "GgmlxInt4Matvec",
+            TARGET_ATTN: "GgmlxAttnDecode"}
 _LIBRARY = "_int8_matvec"
 
 
@@ -83,6 +87,14 @@ def int8_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array 
     if offset is None:
         return jax.ffi.ffi_call(TARGET, out)(x, q, scale)
     return jax.ffi.ffi_call(TARGET_OFFSET, out)(x, q, scale, offset)
+
+
+def int4_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array) -> jax.Array:
+    """x f32 [N, K] (N <= MAX_N) times the int4 weight (q uint8 [M, K // 2], per 32 elements
+    16 bytes with element j in the low and j + 16 in the high nibble of byte j; scale and
+    offset f32 [M, K // 32]) -> f32 [N, M]. CPU only."""
+    out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_INT4, out)(x, q, scale, offset)
 
 
 def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, n_kv: int, n_head_kv: int,

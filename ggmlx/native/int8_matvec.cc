@@ -8,6 +8,12 @@
 // result differs from dequantize-then-dot only by the order of the f32 additions.
 // Activations are never quantized.
 //
+// The "int4" format's kernel (Int4Matvec) is the same product read from packed nibbles: per
+// sub-block of 32 elements 16 bytes, byte j holding element j in its low and element j + 16
+// in its high nibble, and an f32 scale and offset. Its weights are dequantized with one FMA,
+// scale * q + offset: for the types it holds (Q4_0, Q4_1, Q4_K) scale * q is exact in f32,
+// so that is the value of the multiply-then-add, bit for bit.
+//
 // The M rows are split into chunks run on XLA's intra-op thread pool; the calling thread
 // takes chunks too, so the call finishes even when every pool thread is busy.
 #include <algorithm>
@@ -42,7 +48,7 @@ constexpr int64_t kPrefetchRows = 32;
 
 struct Problem {
   const float* x;       // [N, K]
-  const int8_t* q;      // [M, K]
+  const int8_t* q;      // [M, K]; int4: the nibbles, uint8 [M, K / 2]
   const float* scale;   // [M, K / sub]
   const float* offset;  // [M, K / sub] or null
   float* y;             // [N, M]
@@ -70,6 +76,29 @@ void rows_generic(const Problem& p, int64_t m0, int64_t m1) {
   }
 }
 
+// int4: the row's packed bytes (K / 2 per row).
+inline const uint8_t* nibbles(const Problem& p, int64_t row) {
+  return reinterpret_cast<const uint8_t*>(p.q) + row * (p.K / 2);
+}
+
+void rows_generic_int4(const Problem& p, int64_t m0, int64_t m1) {
+  const int64_t nb = p.K / 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint8_t* q = nibbles(p, m);
+    float acc[kMaxN] = {0};
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = p.scale[m * nb + b], o = p.offset[m * nb + b];
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t k = b * 32 + j;
+        const float lo = s * static_cast<float>(q[b * 16 + j] & 15) + o;
+        const float hi = s * static_cast<float>(q[b * 16 + j] >> 4) + o;
+        for (int64_t n = 0; n < p.N; ++n) acc[n] += p.x[n * p.K + k] * lo + p.x[n * p.K + k + 16] * hi;
+      }
+    }
+    for (int64_t n = 0; n < p.N; ++n) p.y[n * p.M + m] = acc[n];
+  }
+}
+
 #ifdef GGMLX_X86
 inline void prefetch_ahead(const Problem& p, int64_t row, int64_t k, int64_t b, int64_t nb, bool off) {
   const int64_t ahead = std::min(row + kPrefetchRows, p.M - 1);
@@ -77,6 +106,16 @@ inline void prefetch_ahead(const Problem& p, int64_t row, int64_t k, int64_t b, 
   if (b % 16 == 0) {   // 16 floats: one cache line of scales (and offsets)
     _mm_prefetch(reinterpret_cast<const char*>(p.scale + ahead * nb + b), _MM_HINT_T0);
     if (off) _mm_prefetch(reinterpret_cast<const char*>(p.offset + ahead * nb + b), _MM_HINT_T0);
+  }
+}
+
+// int4: prefetch the row kPrefetchRows ahead, each 32 bytes of nibbles and 16 scales/offsets.
+inline void prefetch_int4(const Problem& p, int64_t row, int64_t b, int64_t nb) {
+  const int64_t ahead = std::min(row + kPrefetchRows, p.M - 1);
+  if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(nibbles(p, ahead) + b * 16), _MM_HINT_T0);
+  if (b % 16 == 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(p.scale + ahead * nb + b), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p.offset + ahead * nb + b), _MM_HINT_T0);
   }
 }
 
@@ -116,6 +155,48 @@ __attribute__((target("avx512f"))) void rows_avx512(const Problem& p, int64_t m0
   constexpr int R = RowsAvx512(NR);
   for (; m + R <= m1; m += R) tile_avx512<SUB, NR, OFF, R>(p, m);
   for (; m < m1; ++m) tile_avx512<SUB, NR, OFF, 1>(p, m);
+}
+
+// int4: a sub-block's 16 bytes widened to 16 dwords once per row, and its 16 possible values
+// scale * i + offset in one vector: each weight is a permute of that table by its nibble
+// (vpermps reads an index's low 4 bits: the widened byte is the low nibble's index, the byte
+// shifted by 4 the high one's), elements 0..15 and 16..31.
+template <int NR, int ROWS>
+__attribute__((target("avx512f"))) void tile_int4_avx512(const Problem& p, int64_t m) {
+  const int64_t nb = p.K / 32;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[ROWS][NR];
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i nib[ROWS];
+    __m512 table[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = m + r;
+      prefetch_int4(p, row, b, nb);
+      nib[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16)));
+      table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(p.scale[row * nb + b]), _mm512_set1_ps(p.offset[row * nb + b]));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t k = b * 32 + h * 16;
+      __m512 xv[NR];
+      for (int n = 0; n < NR; ++n) xv[n] = _mm512_loadu_ps(p.x + n * p.K + k);
+      for (int r = 0; r < ROWS; ++r) {
+        __m512 w = _mm512_permutexvar_ps(h == 0 ? nib[r] : _mm512_srli_epi32(nib[r], 4), table[r]);
+        for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_fmadd_ps(xv[n], w, acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) p.y[n * p.M + m + r] = _mm512_reduce_add_ps(acc[r][n]);
+}
+
+template <int NR>
+__attribute__((target("avx512f"))) void rows_int4_avx512(const Problem& p, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  constexpr int R = RowsAvx512(NR);
+  for (; m + R <= m1; m += R) tile_int4_avx512<NR, R>(p, m);
+  for (; m < m1; ++m) tile_int4_avx512<NR, 1>(p, m);
 }
 
 // ---- AVX2 + FMA: 8 weights per vector -------------------------------------------------------
@@ -159,6 +240,42 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Problem& p, int64_t m0,
   for (; m + R <= m1; m += R) tile_avx2<SUB, NR, OFF, R>(p, m);
   for (; m < m1; ++m) tile_avx2<SUB, NR, OFF, 1>(p, m);
 }
+// int4: quarter c of a sub-block is bytes (c % 2) * 8.. widened, low nibbles for c < 2.
+template <int NR, int ROWS>
+__attribute__((target("avx2,fma"))) void tile_int4_avx2(const Problem& p, int64_t m) {
+  const int64_t nb = p.K / 32;
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 acc[ROWS][NR];
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = b * 32 + c * 8;
+      __m256 xv[NR];
+      for (int n = 0; n < NR; ++n) xv[n] = _mm256_loadu_ps(p.x + n * p.K + k);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = m + r;
+        if (c == 0) prefetch_int4(p, row, b, nb);
+        __m256i v = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16 + (c % 2) * 8)));
+        __m256i qi = c < 2 ? _mm256_and_si256(v, low) : _mm256_srli_epi32(v, 4);
+        __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(p.scale[row * nb + b]),
+                                   _mm256_set1_ps(p.offset[row * nb + b]));
+        for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv[n], w, acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int n = 0; n < NR; ++n) p.y[n * p.M + m + r] = hsum256(acc[r][n]);
+}
+
+template <int NR>
+__attribute__((target("avx2,fma"))) void rows_int4_avx2(const Problem& p, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  constexpr int R = RowsAvx2(NR);
+  for (; m + R <= m1; m += R) tile_int4_avx2<NR, R>(p, m);
+  for (; m < m1; ++m) tile_int4_avx2<NR, 1>(p, m);
+}
 #endif  // GGMLX_X86
 
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
@@ -175,21 +292,43 @@ using RowsFn = void (*)(const Problem&, int64_t, int64_t);
   }
 GGMLX_TABLE(pick_avx512, rows_avx512)
 GGMLX_TABLE(pick_avx2, rows_avx2)
+#define GGMLX_INT4_TABLE(name, fn)                                                            \
+  RowsFn name(int64_t n) {                                                                     \
+    static const RowsFn t[kGroupN] = {fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}; \
+    return t[n - 1];                                                                           \
+  }
+GGMLX_INT4_TABLE(pick_int4_avx512, rows_int4_avx512)
+GGMLX_INT4_TABLE(pick_int4_avx2, rows_int4_avx2)
+#undef GGMLX_INT4_TABLE
 #undef GGMLX_TABLE
 #undef GGMLX_ROW
+
+// 2: AVX-512, 1: AVX2 + FMA, 0: neither.
+int simd_level() {
+  static const int level = __builtin_cpu_supports("avx512f") ? 2
+                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+  return level;
+}
 #endif
 
 // The widest kernel this CPU runs, for the int8 format's sub-blocks of 16 or 32.
 RowsFn pick(const Problem& p) {
 #ifdef GGMLX_X86
-  static const int level = __builtin_cpu_supports("avx512f") ? 2
-                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
   if (p.sub == 16 || p.sub == 32) {
-    if (level == 2) return pick_avx512(p.sub, p.N, p.offset != nullptr);
-    if (level == 1) return pick_avx2(p.sub, p.N, p.offset != nullptr);
+    if (simd_level() == 2) return pick_avx512(p.sub, p.N, p.offset != nullptr);
+    if (simd_level() == 1) return pick_avx2(p.sub, p.N, p.offset != nullptr);
   }
 #endif
   return rows_generic;
+}
+
+// The widest int4 kernel this CPU runs.
+RowsFn pick_int4(const Problem& p) {
+#ifdef GGMLX_X86
+  if (simd_level() == 2) return pick_int4_avx512(p.N);
+  if (simd_level() == 1) return pick_int4_avx2(p.N);
+#endif
+  return rows_generic_int4;
 }
 
 // One call's work, shared with the pool tasks (which may start after the call has returned:
@@ -215,21 +354,10 @@ struct Job {
   }
 };
 
-template <bool OFF>
-ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("int8_matvec: x, q, scale and y must be 2-d");
-  const int64_t N = xd[0], K = xd[1], M = qd[0];
-  if (qd[1] != K || sd[0] != M || sd[1] <= 0 || K % sd[1] || yd[0] != N || yd[1] != M)
-    return ffi::Error::InvalidArgument("int8_matvec: shapes of x [N, K], q [M, K], scale [M, K/sub], y [N, M] disagree");
-  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..16");
-  if (OFF && (offset.dimensions().size() != 2 || offset.dimensions()[0] != M || offset.dimensions()[1] != sd[1]))
-    return ffi::Error::InvalidArgument("int8_matvec: offset must have the shape of scale");
-  Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), OFF ? offset.typed_data() : nullptr,
-            y->typed_data(), N, M, K, K / sd[1]};
+// Run the product p: the x rows in groups of kGroupN, each with the kernel pick_fn chooses, the
+// weight rows in chunks over the pool.
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, RowsFn (*pick_fn)(const Problem&)) {
+  const int64_t N = p.N, M = p.M, K = p.K;
   auto job = std::make_shared<Job>();
   for (int64_t n0 = 0; n0 < N; n0 += kGroupN) {
     Problem g = p;
@@ -237,7 +365,7 @@ ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     g.y = p.y + n0 * M;
     g.N = std::min<int64_t>(kGroupN, N - n0);
     job->group[job->n_groups] = g;
-    job->fn[job->n_groups] = pick(g);
+    job->fn[job->n_groups] = pick_fn(g);
     ++job->n_groups;
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -259,6 +387,24 @@ ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
+template <bool OFF>
+ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("int8_matvec: x, q, scale and y must be 2-d");
+  const int64_t N = xd[0], K = xd[1], M = qd[0];
+  if (qd[1] != K || sd[0] != M || sd[1] <= 0 || K % sd[1] || yd[0] != N || yd[1] != M)
+    return ffi::Error::InvalidArgument("int8_matvec: shapes of x [N, K], q [M, K], scale [M, K/sub], y [N, M] disagree");
+  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..16");
+  if (OFF && (offset.dimensions().size() != 2 || offset.dimensions()[0] != M || offset.dimensions()[1] != sd[1]))
+    return ffi::Error::InvalidArgument("int8_matvec: offset must have the shape of scale");
+  Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), OFF ? offset.typed_data() : nullptr,
+            y->typed_data(), N, M, K, K / sd[1]};
+  return Run(pool, p, pick);
+}
+
 ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                       ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   return Int8MatvecImpl<false>(pool, x, q, scale, scale, y);
@@ -268,6 +414,23 @@ ffi::Error Int8MatvecOffset(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                             ffi::ResultBuffer<ffi::F32> y) {
   return Int8MatvecImpl<true>(pool, x, q, scale, offset, y);
+}
+
+ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions(),
+       yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || od.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("int4_matvec: x, q, scale, offset and y must be 2-d");
+  const int64_t N = xd[0], K = xd[1], M = qd[0];
+  if (K % 32 || qd[1] * 2 != K || sd[0] != M || sd[1] * 32 != K || od[0] != M || od[1] != sd[1] ||
+      yd[0] != N || yd[1] != M)
+    return ffi::Error::InvalidArgument(
+        "int4_matvec: shapes of x [N, K], q [M, K/2], scale and offset [M, K/32], y [N, M] disagree");
+  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int4_matvec: N must be 1..16");
+  Problem p{x.typed_data(), reinterpret_cast<const int8_t*>(q.typed_data()), scale.typed_data(),
+            offset.typed_data(), y->typed_data(), N, M, K, 32};
+  return Run(pool, p, pick_int4);
 }
 
 }  // namespace
@@ -285,6 +448,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt8MatvecOffset, Int8MatvecOffset,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt4Matvec, Int4Matvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -57,10 +57,15 @@ def _int8_q3_k(b):
     return q, read_f16(NUMPY, b, 108) * (scale.astype(np.int8) - 32).astype(np.float32), None
 
 
-def _k_affine(b, q):
+def k_scale_offset(b):
+    """Q4_K/Q5_K: the scale d * sc and offset -dmin * m of each sub-block of 32 (f32, exact)."""
     scale, mins = k_scale_min(NUMPY, b[:, 4:16])
     d, dmin = read_f16(NUMPY, b, 0), read_f16(NUMPY, b, 2)
-    return q.astype(np.int8), d * scale.astype(np.float32), -(dmin * mins.astype(np.float32))
+    return d * scale.astype(np.float32), -(dmin * mins.astype(np.float32))
+
+
+def _k_affine(b, q):
+    return (q.astype(np.int8), *k_scale_offset(b))
 
 
 def _int8_q4_k(b):
