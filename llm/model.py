@@ -339,7 +339,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     (tensor parallelism on a jax.sharding.Mesh; see docs/distributed.md). `weight_format` is how
     quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "int4"
     (Q4_0/Q4_1/Q4_K as exact packed nibbles + scales, other types as int8), "f32" (dequantized
-    at load) or "auto" (int4, the fastest measured on XLA:CPU with the native kernels);
+    at load) or "auto" (int4, the fastest measured on XLA:CPU with the native kernels; int8
+    without them or on other devices);
     model.weight_format tells which was used. `fuse` concatenates wq/wk/wv into one wqkv and
     ffn_gate/ffn_up into one [gate; up] ffn_up per layer where they can share an array
     (fuse_weights; split_mode "layer" only). Off by default: captured Qcur/Kcur/Vcur and
