@@ -151,6 +151,15 @@ class DeviceWeight:
 AUTO_FORMAT = "int4"
 
 
+def auto_format(devices) -> str:
+    """What "auto" means for weights on these devices: AUTO_FORMAT, or int8 where no native
+    kernel would read the int4 weights (GGMLX_NATIVE=0, the library not built, or a device
+    other than a CPU among them): XLA's own int4 product of 1-16 rows reads 1.2-3.9 GB/s,
+    its int8 one 3.5-17 (bench_native.py), so there int8 is the faster format."""
+    cpu_only = all((d.platform if d is not None else jax.default_backend()) == "cpu" for d in devices)
+    return AUTO_FORMAT if cpu_only and native.available() else FORMAT_INT8
+
+
 def resolve_format(weight_format: str, t: GGMLType) -> str:
     """The held format for a tensor of type t under weight_format ("auto" must have been
     turned into AUTO_FORMAT). int4 holds the types without a packed 4-bit form as int8;

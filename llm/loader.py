@@ -223,7 +223,8 @@ class ModelLoader(GGUFMeta):
         used ("auto" resolved) is left in self.weight_format."""
         weights.check_format(weight_format)
         if weight_format == "auto":
-            weight_format = weights.AUTO_FORMAT
+            weight_format = weights.auto_format(list(self.mesh.devices.flat) if self.mesh is not None
+                                                else [d for _, _, d, _ in self.created])
         self.weight_format = weight_format
         total = sum(e.info.nbytes for _, e, _, _ in self.created) or 1
         done = 0

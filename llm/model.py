@@ -330,7 +330,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     (tensor parallelism on a jax.sharding.Mesh; see docs/distributed.md). `weight_format` is how
     quantized weights are held: "native" (GGUF blocks), "int8" (exact int8 + scales), "int4"
     (Q4_0/Q4_1/Q4_K as exact packed nibbles + scales, other types as int8), "f32" (dequantized
-    at load) or "auto" (int4, the fastest measured on XLA:CPU with the native kernels);
+    at load) or "auto" (int4, the fastest measured on XLA:CPU with the native kernels; int8
+    without them or on other devices);
     model.weight_format tells which was used. `fuse` (default on) holds wq/wk/wv, and
     ffn_gate/ffn_up, of a layer in one array each (fuse_weights; split_mode "layer" only): the
     graph and its node names are unchanged, a decode step reads each group in one pass.

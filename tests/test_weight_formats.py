@@ -11,7 +11,7 @@ import pytest
 from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
-from ggmlx import gguf, quants, types, weights
+from ggmlx import gguf, native, quants, types, weights
 from ggmlx.quants import int4, int8
 from ggmlx.types import GGMLType
 
@@ -161,6 +161,16 @@ def test_format_choice():
     assert weights.resolve_format("native", GGMLType.Q4_K) == weights.FORMAT_BLOCKS
     assert weights.resolve_format("f32", GGMLType.Q4_K) == weights.FORMAT_PLAIN
     assert weights.AUTO_FORMAT == "int4"
+    cpu = jax.devices("cpu")
+    assert weights.auto_format(cpu) == ("int4" if native.available() else "int8")
+
+
+def test_auto_is_int8_without_the_native_kernel(monkeypatch):
+    """XLA's own int4 matvec is slower than its int8 one: "auto" is int8 when no kernel reads int4."""
+    monkeypatch.setenv("GGMLX_NATIVE", "0")
+    assert weights.auto_format(jax.devices("cpu")) == "int8"
+    model = llm.load_model(SYNTHETIC / "synth-llama-Q4_0.gguf")
+    assert model.weight_format == "int8"
     with pytest.raises(ValueError, match="weight_format"):
         weights.check_format("q4")
     with pytest.raises(ValueError, match="weight_format"):
