@@ -98,7 +98,11 @@ def token_costs(model: Model, n_kv: int) -> tuple[float, float, float]:
     hp = model.hparams
     w_bytes = 0.0
     flops = 0.0
+    seen: set[int] = set()
     for t in model.weight_tensors():
+        if id(t) in seen:       # a tied output matrix is listed as token_embd and as output
+            continue
+        seen.add(id(t))
         n_el = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
         nbytes = t.data.nbytes if t.data is not None else 0
         if t is model.tok_embd and model.output is not model.tok_embd:

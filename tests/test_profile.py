@@ -6,11 +6,11 @@ import re
 
 import numpy as np
 import pytest
-from tiny_model import TinySpec, write_model
+from tiny_model import TinySpec, model_kv, model_tensors, write_gguf, write_model
 
 import llm
 from ggmlx import ops, weights
-from llm.profiler import hlo_labels
+from llm.profiler import hlo_labels, token_costs
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,17 @@ def test_profile_tables_name_nodes_and_add_up(tiny):
         text = s.format(top=5)
         assert "top 5 HLO ops" in text and "top 5 ggml nodes" in text
         assert len(re.findall(r"^\| \d+ \|", text, re.M)) == 10
+
+
+def test_token_costs_count_a_tied_output_once(tmp_path):
+    """A tied output matrix is listed as token_embd and as output; a step reads it once."""
+    spec = TinySpec(arch="llama", n_layer=2, seed=3, wtype="Q8_0")
+    tensors = model_tensors(spec)
+    del tensors["output.weight"]
+    model = llm.load_model(write_gguf(tmp_path / "tied.gguf", model_kv(spec), tensors, spec.wtype))
+    assert model.output is model.tok_embd
+    w_bytes, _, _ = token_costs(model, 64)
+    assert w_bytes == sum({id(t): t.data.nbytes for t in model.weight_tensors()}.values())
 
 
 def test_hlo_labels_follow_dots_and_skip_loops():
