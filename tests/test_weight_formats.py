@@ -66,7 +66,11 @@ def test_int4_conversion_exact_on_random_blocks(t):
     gguf_py = pytest.importorskip("gguf.quants")
     np.testing.assert_array_equal(y, gguf_py.dequantize(data.reshape(ne[1], -1), int(t)).reshape(ref.shape))
     w = weights.to_device(data, t, ne, weight_format="int4")
-    assert w.spec.format == weights.FORMAT_INT4 and w.spec.sub_block == 32 and w.nbytes == ne[0] * ne[1] * 3 // 4
+    # nibbles, and a scale and offset per 32: f16 where they are the block's f16 fields (Q4_1)
+    esz = 2 if t in weights.F16_SCALES_INT4 else 4
+    assert w.scale.dtype == w.offset.dtype == (np.float16 if esz == 2 else np.float32)
+    assert w.spec.format == weights.FORMAT_INT4 and w.spec.sub_block == 32
+    assert w.nbytes == ne[0] * ne[1] // 2 + 2 * esz * ne[0] * ne[1] // 32
     np.testing.assert_array_equal(np.asarray(jax.jit(weights.materialize)(w)).reshape(ref.shape), ref)
     idx = np.array([5, 0, 2, 5], np.int32)
     np.testing.assert_array_equal(np.asarray(jax.jit(weights.get_rows)(w, idx)), ref[idx])
@@ -244,3 +248,21 @@ def test_int4_model_logits_match_int8(tmp_path, model):
     assert n_bytes["int4"] < n_bytes["int8"]
     scale = np.abs(logits["int8"]).max()
     np.testing.assert_allclose(logits["int4"], logits["int8"], atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q6_K, GGMLType.Q4_K])
+def test_int8_scales_are_f16_where_the_block_holds_f16(t):
+    """Q8_0/Q4_1/Q5_0 keep their f16 fields as f16 scales (half the scale bytes); a K-quant's
+    scale d * sc is no f16 value and stays f32. Both dequantize to ggml's values exactly."""
+    ne = (256, 4)
+    data = _random_blocks(t, ne[1], ne[0], seed=7)
+    w = weights.to_device(data, t, ne, weight_format="int8")
+    assert w.scale.dtype == (np.float16 if t in weights.F16_SCALES else np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(weights.materialize)(w)).reshape(ne[1], ne[0]),
+                                  quants.dequantize(data, t, ne).reshape(ne[1], ne[0]))
+
+
+def test_f16_scales_refuse_values_that_would_change():
+    with pytest.raises(ValueError, match="not f16 values"):
+        weights._as_f16(np.array([[1.0, 1.0 + 2.0 ** -20]], np.float32))
+    assert weights._as_f16(np.array([[np.nan, -0.5]], np.float32)).dtype == np.float16

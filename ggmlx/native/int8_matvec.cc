@@ -6,7 +6,9 @@
 // Numerics: each weight is dequantized in f32 as XLA does (scale * q, then + offset; both
 // exact for every type the int8 format holds) and the products are summed in f32, so the
 // result differs from dequantize-then-dot only by the order of the f32 additions.
-// Activations are never quantized.
+// Activations are never quantized. Scales and offsets are f32, or f16 for the types whose
+// block fields they are (Q8_0, Q4_1, Q5_0, ...: the same values in half the bytes), widened
+// to f32 once per sub-block.
 //
 // The "int4" format's kernel (Int4Matvec) is the same product read from packed nibbles: per
 // sub-block of 32 elements 16 bytes, byte j holding element j in its low and element j + 16
@@ -19,7 +21,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -49,11 +53,42 @@ constexpr int64_t kPrefetchRows = 32;
 struct Problem {
   const float* x;       // [N, K]
   const int8_t* q;      // [M, K]; int4: the nibbles, uint8 [M, K / 2]
-  const float* scale;   // [M, K / sub]
-  const float* offset;  // [M, K / sub] or null
+  const void* scale;    // [M, K / sub], f32 or (half) f16
+  const void* offset;   // [M, K / sub] or null, as scale
   float* y;             // [N, M]
   int64_t N, M, K, sub;
+  bool half;            // scale and offset are f16: the types whose fields are f16 (Q8_0, Q4_1, ...)
 };
+
+// Element i of a scale or offset array, f16 (IEEE binary16 bits) or f32.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {   // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+    bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float at_generic(const Problem& p, const void* a, int64_t i) {
+  return p.half ? f16_to_f32(static_cast<const uint16_t*>(a)[i]) : static_cast<const float*>(a)[i];
+}
+
+// A pointer to element i of a scale or offset array (for prefetching).
+inline const char* addr(const Problem& p, const void* a, int64_t i) {
+  return static_cast<const char*>(a) + i * (p.half ? 2 : 4);
+}
 
 // ---- portable kernel: plain loops ------------------------------------------------------------
 
@@ -61,14 +96,14 @@ void rows_generic(const Problem& p, int64_t m0, int64_t m1) {
   const int64_t nb = p.K / p.sub;
   for (int64_t m = m0; m < m1; ++m) {
     const int8_t* q = p.q + m * p.K;
-    const float* s = p.scale + m * nb;
-    const float* o = p.offset ? p.offset + m * nb : nullptr;
     float acc[kMaxN] = {0};
     for (int64_t b = 0; b < nb; ++b) {
+      const float s = at_generic(p, p.scale, m * nb + b);
+      const float o = p.offset ? at_generic(p, p.offset, m * nb + b) : 0.f;
       for (int64_t t = 0; t < p.sub; ++t) {
         const int64_t k = b * p.sub + t;
-        float w = s[b] * static_cast<float>(q[k]);
-        if (o) w = w + o[b];
+        float w = s * static_cast<float>(q[k]);
+        if (p.offset) w = w + o;
         for (int64_t n = 0; n < p.N; ++n) acc[n] += p.x[n * p.K + k] * w;
       }
     }
@@ -87,7 +122,7 @@ void rows_generic_int4(const Problem& p, int64_t m0, int64_t m1) {
     const uint8_t* q = nibbles(p, m);
     float acc[kMaxN] = {0};
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = p.scale[m * nb + b], o = p.offset[m * nb + b];
+      const float s = at_generic(p, p.scale, m * nb + b), o = at_generic(p, p.offset, m * nb + b);
       for (int64_t j = 0; j < 16; ++j) {
         const int64_t k = b * 32 + j;
         const float lo = s * static_cast<float>(q[b * 16 + j] & 15) + o;
@@ -100,12 +135,16 @@ void rows_generic_int4(const Problem& p, int64_t m0, int64_t m1) {
 }
 
 #ifdef GGMLX_X86
+__attribute__((target("f16c"))) inline float at(const Problem& p, const void* a, int64_t i) {
+  return p.half ? _cvtsh_ss(static_cast<const uint16_t*>(a)[i]) : static_cast<const float*>(a)[i];
+}
+
 inline void prefetch_ahead(const Problem& p, int64_t row, int64_t k, int64_t b, int64_t nb, bool off) {
   const int64_t ahead = std::min(row + kPrefetchRows, p.M - 1);
   _mm_prefetch(reinterpret_cast<const char*>(p.q + ahead * p.K + k), _MM_HINT_T0);
   if (b % 16 == 0) {   // 16 floats: one cache line of scales (and offsets)
-    _mm_prefetch(reinterpret_cast<const char*>(p.scale + ahead * nb + b), _MM_HINT_T0);
-    if (off) _mm_prefetch(reinterpret_cast<const char*>(p.offset + ahead * nb + b), _MM_HINT_T0);
+    _mm_prefetch(addr(p, p.scale, ahead * nb + b), _MM_HINT_T0);
+    if (off) _mm_prefetch(addr(p, p.offset, ahead * nb + b), _MM_HINT_T0);
   }
 }
 
@@ -114,8 +153,8 @@ inline void prefetch_int4(const Problem& p, int64_t row, int64_t b, int64_t nb) 
   const int64_t ahead = std::min(row + kPrefetchRows, p.M - 1);
   if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(nibbles(p, ahead) + b * 16), _MM_HINT_T0);
   if (b % 16 == 0) {
-    _mm_prefetch(reinterpret_cast<const char*>(p.scale + ahead * nb + b), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p.offset + ahead * nb + b), _MM_HINT_T0);
+    _mm_prefetch(addr(p, p.scale, ahead * nb + b), _MM_HINT_T0);
+    _mm_prefetch(addr(p, p.offset, ahead * nb + b), _MM_HINT_T0);
   }
 }
 
@@ -125,7 +164,7 @@ inline void prefetch_int4(const Problem& p, int64_t row, int64_t b, int64_t nb) 
 // ---- AVX-512: 16 weights per vector, ROWS weight rows x NR activation rows per pass --------
 
 template <int SUB, int NR, bool OFF, int ROWS>
-__attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t m) {
+__attribute__((target("avx512f,f16c"))) void tile_avx512(const Problem& p, int64_t m) {
   const int64_t nb = p.K / SUB;
   __m512 acc[ROWS][NR];
   for (int r = 0; r < ROWS; ++r)
@@ -139,8 +178,8 @@ __attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t m)
         const int64_t row = m + r;
         if (h == 0) prefetch_ahead(p, row, k, b, nb, OFF);
         __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + row * p.K + k));
-        __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qb)), _mm512_set1_ps(p.scale[row * nb + b]));
-        if (OFF) w = _mm512_add_ps(w, _mm512_set1_ps(p.offset[row * nb + b]));
+        __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qb)), _mm512_set1_ps(at(p, p.scale, row * nb + b)));
+        if (OFF) w = _mm512_add_ps(w, _mm512_set1_ps(at(p, p.offset, row * nb + b)));
         for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_fmadd_ps(xv[n], w, acc[r][n]);
       }
     }
@@ -150,7 +189,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t m)
 }
 
 template <int SUB, int NR, bool OFF>
-__attribute__((target("avx512f"))) void rows_avx512(const Problem& p, int64_t m0, int64_t m1) {
+__attribute__((target("avx512f,f16c"))) void rows_avx512(const Problem& p, int64_t m0, int64_t m1) {
   int64_t m = m0;
   constexpr int R = RowsAvx512(NR);
   for (; m + R <= m1; m += R) tile_avx512<SUB, NR, OFF, R>(p, m);
@@ -162,7 +201,7 @@ __attribute__((target("avx512f"))) void rows_avx512(const Problem& p, int64_t m0
 // (vpermps reads an index's low 4 bits: the widened byte is the low nibble's index, the byte
 // shifted by 4 the high one's), elements 0..15 and 16..31.
 template <int NR, int ROWS>
-__attribute__((target("avx512f"))) void tile_int4_avx512(const Problem& p, int64_t m) {
+__attribute__((target("avx512f,f16c"))) void tile_int4_avx512(const Problem& p, int64_t m) {
   const int64_t nb = p.K / 32;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[ROWS][NR];
@@ -175,7 +214,7 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Problem& p, int64
       const int64_t row = m + r;
       prefetch_int4(p, row, b, nb);
       nib[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16)));
-      table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(p.scale[row * nb + b]), _mm512_set1_ps(p.offset[row * nb + b]));
+      table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(at(p, p.scale, row * nb + b)), _mm512_set1_ps(at(p, p.offset, row * nb + b)));
     }
     for (int h = 0; h < 2; ++h) {
       const int64_t k = b * 32 + h * 16;
@@ -192,7 +231,7 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Problem& p, int64
 }
 
 template <int NR>
-__attribute__((target("avx512f"))) void rows_int4_avx512(const Problem& p, int64_t m0, int64_t m1) {
+__attribute__((target("avx512f,f16c"))) void rows_int4_avx512(const Problem& p, int64_t m0, int64_t m1) {
   int64_t m = m0;
   constexpr int R = RowsAvx512(NR);
   for (; m + R <= m1; m += R) tile_int4_avx512<NR, R>(p, m);
@@ -201,7 +240,7 @@ __attribute__((target("avx512f"))) void rows_int4_avx512(const Problem& p, int64
 
 // ---- AVX2 + FMA: 8 weights per vector -------------------------------------------------------
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -209,7 +248,7 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 }
 
 template <int SUB, int NR, bool OFF, int ROWS>
-__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& p, int64_t m) {
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Problem& p, int64_t m) {
   const int64_t nb = p.K / SUB;
   __m256 acc[ROWS][NR];
   for (int r = 0; r < ROWS; ++r)
@@ -223,8 +262,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& p, int64_t m) 
         const int64_t row = m + r;
         if (h == 0) prefetch_ahead(p, row, k, b, nb, OFF);
         __m128i qb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + row * p.K + k));
-        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qb)), _mm256_set1_ps(p.scale[row * nb + b]));
-        if (OFF) w = _mm256_add_ps(w, _mm256_set1_ps(p.offset[row * nb + b]));
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qb)), _mm256_set1_ps(at(p, p.scale, row * nb + b)));
+        if (OFF) w = _mm256_add_ps(w, _mm256_set1_ps(at(p, p.offset, row * nb + b)));
         for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv[n], w, acc[r][n]);
       }
     }
@@ -234,7 +273,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& p, int64_t m) 
 }
 
 template <int SUB, int NR, bool OFF>
-__attribute__((target("avx2,fma"))) void rows_avx2(const Problem& p, int64_t m0, int64_t m1) {
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Problem& p, int64_t m0, int64_t m1) {
   int64_t m = m0;
   constexpr int R = RowsAvx2(NR);
   for (; m + R <= m1; m += R) tile_avx2<SUB, NR, OFF, R>(p, m);
@@ -242,7 +281,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Problem& p, int64_t m0,
 }
 // int4: quarter c of a sub-block is bytes (c % 2) * 8.. widened, low nibbles for c < 2.
 template <int NR, int ROWS>
-__attribute__((target("avx2,fma"))) void tile_int4_avx2(const Problem& p, int64_t m) {
+__attribute__((target("avx2,fma,f16c"))) void tile_int4_avx2(const Problem& p, int64_t m) {
   const int64_t nb = p.K / 32;
   const __m256i low = _mm256_set1_epi32(15);
   __m256 acc[ROWS][NR];
@@ -259,8 +298,8 @@ __attribute__((target("avx2,fma"))) void tile_int4_avx2(const Problem& p, int64_
         __m256i v = _mm256_cvtepu8_epi32(
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16 + (c % 2) * 8)));
         __m256i qi = c < 2 ? _mm256_and_si256(v, low) : _mm256_srli_epi32(v, 4);
-        __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(p.scale[row * nb + b]),
-                                   _mm256_set1_ps(p.offset[row * nb + b]));
+        __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(at(p, p.scale, row * nb + b)),
+                                   _mm256_set1_ps(at(p, p.offset, row * nb + b)));
         for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv[n], w, acc[r][n]);
       }
     }
@@ -270,7 +309,7 @@ __attribute__((target("avx2,fma"))) void tile_int4_avx2(const Problem& p, int64_
 }
 
 template <int NR>
-__attribute__((target("avx2,fma"))) void rows_int4_avx2(const Problem& p, int64_t m0, int64_t m1) {
+__attribute__((target("avx2,fma,f16c"))) void rows_int4_avx2(const Problem& p, int64_t m0, int64_t m1) {
   int64_t m = m0;
   constexpr int R = RowsAvx2(NR);
   for (; m + R <= m1; m += R) tile_int4_avx2<NR, R>(p, m);
@@ -306,7 +345,8 @@ GGMLX_INT4_TABLE(pick_int4_avx2, rows_int4_avx2)
 // 2: AVX-512, 1: AVX2 + FMA, 0: neither.
 int simd_level() {
   static const int level = __builtin_cpu_supports("avx512f") ? 2
-                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+                           : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                              __builtin_cpu_supports("f16c")) ? 1 : 0;
   return level;
 }
 #endif
@@ -387,10 +427,17 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, RowsFn (*pick_fn)(const 
   return ffi::Error::Success();
 }
 
+// Scale and offset arrays are f32 or f16, both the same: true for f16.
+bool half_scales(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset, const char** why) {
+  const auto t = scale.element_type();
+  if ((t != ffi::DataType::F32 && t != ffi::DataType::F16) || offset.element_type() != t)
+    *why = "scale and offset must both be f32 or both f16";
+  return t == ffi::DataType::F16;
+}
+
 template <bool OFF>
 ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("int8_matvec: x, q, scale and y must be 2-d");
@@ -400,24 +447,26 @@ ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..16");
   if (OFF && (offset.dimensions().size() != 2 || offset.dimensions()[0] != M || offset.dimensions()[1] != sd[1]))
     return ffi::Error::InvalidArgument("int8_matvec: offset must have the shape of scale");
-  Problem p{x.typed_data(), q.typed_data(), scale.typed_data(), OFF ? offset.typed_data() : nullptr,
-            y->typed_data(), N, M, K, K / sd[1]};
+  const char* why = nullptr;
+  const bool half = half_scales(scale, offset, &why);
+  if (why) return ffi::Error::InvalidArgument(std::string("int8_matvec: ") + why);
+  Problem p{x.typed_data(), q.typed_data(), scale.untyped_data(), OFF ? offset.untyped_data() : nullptr,
+            y->typed_data(), N, M, K, K / sd[1], half};
   return Run(pool, p, pick);
 }
 
 ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
   return Int8MatvecImpl<false>(pool, x, q, scale, scale, y);
 }
 
 ffi::Error Int8MatvecOffset(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                            ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y) {
   return Int8MatvecImpl<true>(pool, x, q, scale, offset, y);
 }
 
 ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions(),
        yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || od.size() != 2 || yd.size() != 2)
@@ -428,8 +477,11 @@ ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "int4_matvec: shapes of x [N, K], q [M, K/2], scale and offset [M, K/32], y [N, M] disagree");
   if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int4_matvec: N must be 1..16");
-  Problem p{x.typed_data(), reinterpret_cast<const int8_t*>(q.typed_data()), scale.typed_data(),
-            offset.typed_data(), y->typed_data(), N, M, K, 32};
+  const char* why = nullptr;
+  const bool half = half_scales(scale, offset, &why);
+  if (why) return ffi::Error::InvalidArgument(std::string("int4_matvec: ") + why);
+  Problem p{x.typed_data(), reinterpret_cast<const int8_t*>(q.typed_data()), scale.untyped_data(),
+            offset.untyped_data(), y->typed_data(), N, M, K, 32, half};
   return Run(pool, p, pick_int4);
 }
 
@@ -440,7 +492,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt8Matvec, Int8Matvec,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt8MatvecOffset, Int8MatvecOffset,
@@ -448,8 +500,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt8MatvecOffset, Int8MatvecOffset,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt4Matvec, Int4Matvec,
@@ -457,6 +509,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxInt4Matvec, Int4Matvec,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
