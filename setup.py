@@ -1,9 +1,10 @@
 """Build step for the optional native kernels (ggmlx/native); everything else is in pyproject.toml.
 
-The int8 matvec is compiled with the system C++ compiler against the XLA FFI headers that
-jaxlib ships. The build is optional: without a compiler, or when it fails, the install
-still succeeds and ggmlx uses its pure-XLA path (ggmlx.native.available() is False).
-No -march flags: the kernel picks AVX-512, AVX2 or plain loops on the running CPU.
+The native kernels (the int8 and int4 matvec, decode attention: one library, `_kernels`) are
+compiled with the system C++ compiler against the XLA FFI headers that jaxlib ships. The
+build is optional: without a compiler, or when it fails, the install still succeeds and
+ggmlx uses its pure-XLA path (ggmlx.native.available() is False).
+No -march flags: each kernel picks AVX-512, AVX2 or plain loops on the running CPU.
 """
 import os
 import sys
@@ -13,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 
 class OptionalBuildExt(build_ext):
-    """build_ext that warns instead of failing when the native kernel cannot be built."""
+    """build_ext that warns instead of failing when the native kernels cannot be built."""
 
     def run(self):
         try:
@@ -25,14 +26,15 @@ class OptionalBuildExt(build_ext):
                 ext.include_dirs.append(include)
             super().run()
         except Exception as e:  # noqa: BLE001 - any failure leaves the pure-XLA path
-            print(f"ggmlx: the native int8 matvec was not built ({type(e).__name__}: {e}); "
+            print(f"ggmlx: the native kernels were not built ({type(e).__name__}: {e}); "
                   "the pure-XLA path will be used", file=sys.stderr)
 
 
 setup(
     ext_modules=[Extension(
-        "ggmlx.native._int8_matvec",
+        "ggmlx.native._kernels",
         sources=["ggmlx/native/int8_matvec.cc", "ggmlx/native/attn_decode.cc"],
+        depends=["ggmlx/native/half.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
     )],

@@ -6,15 +6,15 @@ attends to (heads moved in front) before its dots.
 
 `int8_matvec` multiplies a few rows of activations by an "int8" weight (ggmlx/weights.py)
 straight from its int8 quants, scales and offsets, where the pure-XLA path writes each
-dequantized f32 chunk and reads it back for the dot (8 bytes per weight element, through
-the caches). Both read the int8 arrays (1.1-1.25 bytes per element) from memory.
-`int4_matvec` does the same for an "int4" weight from its packed nibbles (0.75 bytes per
-element with the f32 scales and offsets). The
-library is compiled by setup.py at install when a C++ compiler is present. It is on by
-default for MIN_N..MAX_N rows (GGMLX_NATIVE=0 turns it off); when off or not built,
-`available()` is False and `weights.mul_mat` keeps the pure-XLA path. Nothing is loaded at import: the library is
-loaded and its targets registered on the first `available()` with the flag on
-(ggmlx.init() or a lowering)."""
+dequantized f32 chunk and reads it back for the dot. `int4_matvec` does the same for an
+"int4" weight from its packed nibbles. Scales and offsets are f32, or f16 where they are the
+block's own fields (0.56-1.25 bytes per weight element in all).
+
+The library (`_kernels`) is compiled by setup.py at install when a C++ compiler is present.
+It is on by default for MIN_N..MAX_N rows (GGMLX_NATIVE=0 turns it off); when off or not
+built, `available()` is False and the lowerings keep the pure-XLA paths. Nothing is loaded at
+import: the library is loaded and its targets registered on the first `available()` with the
+flag on (ggmlx.init() or a lowering)."""
 from __future__ import annotations
 
 import ctypes
@@ -47,7 +47,7 @@ TARGET_INT4 = "ggmlx_int4_matvec"
 TARGET_ATTN = "ggmlx_attn_decode"
 _SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset", TARGET_INT4: "GgmlxInt4Matvec",
             TARGET_ATTN: "GgmlxAttnDecode"}
-_LIBRARY = "_int8_matvec"
+_LIBRARY = "_kernels"
 
 
 def library_path() -> str | None:
@@ -71,7 +71,7 @@ def load_error() -> str | None:
             return None
         except (OSError, AttributeError, ValueError, RuntimeError) as e:
             why = f"{path} cannot be used: {type(e).__name__}: {e}"
-    log.debug("native int8 matvec off, pure-XLA path used: %s", why)
+    log.debug("native kernels off, pure-XLA path used: %s", why)
     return why
 
 

@@ -26,6 +26,7 @@
 #define GGMLX_X86 1
 #endif
 
+#include "half.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,27 +47,7 @@ struct Attn {
 
 // ---- one row of K or V as f32, dotted with q or added to an accumulator ------------------
 
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      int e = -1;
-      uint32_t m = man;
-      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using ggmlx_native::f16_to_f32;
 
 template <typename T>
 inline float load(const T* p, int64_t i) {

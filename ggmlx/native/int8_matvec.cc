@@ -31,6 +31,7 @@
 #define GGMLX_X86 1
 #endif
 
+#include "half.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -61,25 +62,7 @@ struct Problem {
 };
 
 // Element i of a scale or offset array, f16 (IEEE binary16 bits) or f32.
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0 && man == 0) {
-    bits = sign;
-  } else if (exp == 0) {   // subnormal: normalize
-    int e = -1;
-    uint32_t m = man;
-    do { ++e; m <<= 1; } while ((m & 0x400) == 0);
-    bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using ggmlx_native::f16_to_f32;
 
 inline float at_generic(const Problem& p, const void* a, int64_t i) {
   return p.half ? f16_to_f32(static_cast<const uint16_t*>(a)[i]) : static_cast<const float*>(a)[i];
