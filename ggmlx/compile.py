@@ -198,13 +198,14 @@ DEFAULT_MAX_ENTRIES = 64
 
 @functools.cache
 def _code_version() -> str:
-    """A hash of ggmlx's own sources: a signature means the same program only under the same
-    lowering code, so an upgraded (or edited) ggmlx never loads an older executable."""
+    """A hash of ggmlx's own sources (with the native kernels' C++, whose custom calls an
+    executable names): a signature means the same program only under the same lowering code,
+    so an upgraded (or edited) ggmlx never loads an older executable."""
     root = os.path.dirname(__file__)
     h = hashlib.sha256()
     for d, _, files in sorted(os.walk(root)):
         for name in sorted(files):
-            if name.endswith(".py"):
+            if name.endswith((".py", ".cc", ".h")):
                 with open(os.path.join(d, name), "rb") as f:
                     h.update(name.encode() + f.read())
     return h.hexdigest()
