@@ -12,13 +12,11 @@
 // exp(s_k - max). The XLA path computes the same terms with its own exp (both within a few
 // ULP); the sums run in another order. A row whose every cell is masked gives zeros.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -27,6 +25,7 @@
 #endif
 
 #include "half.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -38,6 +37,7 @@ struct Attn {
   const void* k;       // the K cache's memory, f32 or f16 elements
   const void* v;       // the V cache's memory
   const float* mask;   // [n_q, n_kv]
+  const int64_t* live; // [n_q, 2]: the cells [lo, hi) of each row outside which the mask is -inf
   float* out;          // [n_q, H, Dv]
   int64_t n_q, H, Hkv, D, Dv, n_kv;
   int64_t k_off, k_cell, k_head;  // element offset and strides of K (cell, KV head)
@@ -114,13 +114,6 @@ __attribute__((target("avx512f"))) void dot16_avx512(const float* q, const T* k,
   _mm512_storeu_ps(out, hsum16_avx512(a));
 }
 
-template <typename T>
-__attribute__((target("avx512f"))) void axpy_avx512(float* acc, float a, const T* v, int64_t n) {
-  const __m512 av = _mm512_set1_ps(a);
-  for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(av, load16_avx512(v + i), _mm512_loadu_ps(acc + i)));
-}
-
 // o[0 .. 16 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
 // accumulators kept in registers across the cells
 template <typename T, int NV>
@@ -167,12 +160,51 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const T*
   return _mm_cvtss_f32(s);
 }
 
+// q . k[j * cell] for the 8 cells j < 8 at once, into out[0..7]: 8 independent FMA chains (one
+// cell's dot alone waits on its own chain of D / 8 FMAs), then one transposing reduction (lane j
+// of the result is the sum of a[j]).
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float* acc, float a, const T* v, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(av, load8_avx2(v + i), _mm256_loadu_ps(acc + i)));
+__attribute__((target("avx2,fma,f16c"))) void dot8_avx2(const float* q, const T* k, int64_t cell, int64_t n,
+                                                        float* out) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8_avx2(k + j * cell + i), a[j]);
+  }
+  const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31)));
 }
+
+// o[0 .. 8 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
+// accumulators kept in registers across the cells (an axpy per cell stored and reloaded them)
+template <typename T, int NV>
+__attribute__((target("avx2,fma,f16c"))) void weigh_avx2(const float* e, const T* v, int64_t cell, int64_t n_kv,
+                                                         float* o) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n_kv; ++c) {
+    if (e[c] == 0.f) continue;
+    const __m256 ev = _mm256_set1_ps(e[c]);
+    const T* row = v + c * cell;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(ev, load8_avx2(row + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void weigh_rows_avx2(const float* e, const T* v, int64_t cell, int64_t n_kv,
+                                                              int64_t dv, float* o) {
+  using Fn = void (*)(const float*, const T*, int64_t, int64_t, float*);
+  static constexpr Fn fns[8] = {weigh_avx2<T, 1>, weigh_avx2<T, 2>, weigh_avx2<T, 3>, weigh_avx2<T, 4>,
+                                weigh_avx2<T, 5>, weigh_avx2<T, 6>, weigh_avx2<T, 7>, weigh_avx2<T, 8>};
+  for (int64_t d0 = 0; d0 < dv; d0 += 64) {   // 8 vectors of 8 at most per pass over the cells
+    const int64_t nv = std::min<int64_t>(8, (dv - d0) / 8);
+    fns[nv - 1](e, v + d0, cell, n_kv, o + d0);
+  }
+}
+
 // exp(x) as Cephes' expf: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by a
 // degree-7 polynomial, times 2^n; within 2 ULP of the exact value for x in [-87, 0] (every
 // argument here is s - max <= 0). glibc's scalar expf was most of the time of a step.
@@ -259,24 +291,32 @@ int simd_level(int64_t D, int64_t Dv) {
 template <typename T, int LEVEL>
 void attend(const Attn& p, int64_t unit, float* s) {
   const int64_t i = unit / p.H, h = unit % p.H, g = h / (p.H / p.Hkv);
+  const int64_t lo = p.live[2 * i], n_kv = p.live[2 * i + 1] - lo;   // only the cells [lo, hi) count
   const float* q = p.q + (i * p.H + h) * p.D;
-  const float* m = p.mask + i * p.n_kv;
-  const T* k = static_cast<const T*>(p.k) + p.k_off + g * p.k_head;
-  const T* v = static_cast<const T*>(p.v) + p.v_off + g * p.v_head;
+  const T* k = static_cast<const T*>(p.k) + p.k_off + g * p.k_head + lo * p.k_cell;
+  const T* v = static_cast<const T*>(p.v) + p.v_off + g * p.v_head + lo * p.v_cell;
+  const float* m = p.mask + i * p.n_kv + lo;
   float* o = p.out + (i * p.H + h) * p.Dv;
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx = ninf;
   int64_t c16 = 0;   // cells before c16 have their dot product in s already
 #ifdef GGMLX_X86
   if constexpr (LEVEL == 2) {
-    for (; c16 + 16 <= p.n_kv; c16 += 16) {
+    for (; c16 + 16 <= n_kv; c16 += 16) {
       bool live = false;
       for (int j = 0; j < 16 && !live; ++j) live = m[c16 + j] != ninf;
       if (live) dot16_avx512(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
     }
   }
+  if constexpr (LEVEL == 1) {
+    for (; c16 + 8 <= n_kv; c16 += 8) {
+      bool live = false;
+      for (int j = 0; j < 8 && !live; ++j) live = m[c16 + j] != ninf;
+      if (live) dot8_avx2(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
+    }
+  }
 #endif
-  for (int64_t c = 0; c < p.n_kv; ++c) {
+  for (int64_t c = 0; c < n_kv; ++c) {
     if (m[c] == ninf) {
       s[c] = ninf;
       continue;
@@ -284,7 +324,7 @@ void attend(const Attn& p, int64_t unit, float* s) {
     float d;
 #ifdef GGMLX_X86
     if constexpr (LEVEL == 2) d = c < c16 ? s[c] : dot_avx512(q, k + c * p.k_cell, p.D);
-    else if constexpr (LEVEL == 1) d = dot_avx2(q, k + c * p.k_cell, p.D);
+    else if constexpr (LEVEL == 1) d = c < c16 ? s[c] : dot_avx2(q, k + c * p.k_cell, p.D);
     else d = dot_generic(q, k + c * p.k_cell, p.D);
 #else
     d = dot_generic(q, k + c * p.k_cell, p.D);
@@ -298,33 +338,28 @@ void attend(const Attn& p, int64_t unit, float* s) {
   std::fill(o, o + p.Dv, 0.f);
   if (mx == ninf) return;
 #ifdef GGMLX_X86
-  if constexpr (LEVEL == 2) exp_shift_avx512(s, p.n_kv, mx);
-  else if constexpr (LEVEL == 1) exp_shift_avx2(s, p.n_kv, mx);
-  else exp_shift_generic(s, p.n_kv, mx);
+  if constexpr (LEVEL == 2) exp_shift_avx512(s, n_kv, mx);
+  else if constexpr (LEVEL == 1) exp_shift_avx2(s, n_kv, mx);
+  else exp_shift_generic(s, n_kv, mx);
 #else
-  exp_shift_generic(s, p.n_kv, mx);
+  exp_shift_generic(s, n_kv, mx);
 #endif
   float sum = 0.f;
 #ifdef GGMLX_X86
-  if constexpr (LEVEL == 2) {
-    for (int64_t c = 0; c < p.n_kv; ++c) sum += s[c];
-    weigh_rows_avx512(s, v, p.v_cell, p.n_kv, p.Dv, o);
+  if constexpr (LEVEL >= 1) {
+    for (int64_t c = 0; c < n_kv; ++c) sum += s[c];
+    if constexpr (LEVEL == 2) weigh_rows_avx512(s, v, p.v_cell, n_kv, p.Dv, o);
+    else weigh_rows_avx2(s, v, p.v_cell, n_kv, p.Dv, o);
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
     return;
   }
 #endif
-  for (int64_t c = 0; c < p.n_kv; ++c) {
+  for (int64_t c = 0; c < n_kv; ++c) {
     const float e = s[c];
     if (e == 0.f) continue;   // a masked cell (or one too far below the max to count)
     sum += e;
-#ifdef GGMLX_X86
-    if constexpr (LEVEL == 2) axpy_avx512(o, e, v + c * p.v_cell, p.Dv);
-    else if constexpr (LEVEL == 1) axpy_avx2(o, e, v + c * p.v_cell, p.Dv);
-    else axpy_generic(o, e, v + c * p.v_cell, p.Dv);
-#else
     axpy_generic(o, e, v + c * p.v_cell, p.Dv);
-#endif
   }
   const float inv = 1.f / sum;
   for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
@@ -336,23 +371,6 @@ template <typename T>
 UnitFn pick(int level) {
   return level == 2 ? attend<T, 2> : level == 1 ? attend<T, 1> : attend<T, 0>;
 }
-
-// The (row, head) units of one call, shared with pool tasks that may start after the call has
-// returned (they then find no unit left and only drop their reference).
-struct Job {
-  Attn p;
-  UnitFn fn;
-  int64_t n_units = 0;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void work() {
-    std::vector<float> s(p.n_kv);
-    for (int64_t u; (u = next.fetch_add(1)) < n_units;) {
-      fn(p, u, s.data());
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
 
 ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::F32> mask, ffi::ResultBuffer<ffi::F32> out, int64_t n_kv, int64_t n_head_kv,
@@ -375,19 +393,34 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   if (n_kv < 1 || k_off < 0 || v_off < 0 || k_last > static_cast<int64_t>(k.element_count()) ||
       v_last > static_cast<int64_t>(v.element_count()))
     return ffi::Error::InvalidArgument("attn_decode: the strides reach outside the K or V buffer");
-  auto job = std::make_shared<Job>();
-  job->p = Attn{q.typed_data(), k.untyped_data(), v.untyped_data(), mask.typed_data(), out->typed_data(),
-                n_q, H, n_head_kv, D, Dv, n_kv, k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
+  // Each row's first and last cell the mask lets through: a decode step's n_kv is a bucket
+  // (256 cells and up) of which it may use a few, and every pass over the cells (the mask, the
+  // exponentials) then runs over those only.
+  std::vector<int64_t> live(2 * n_q);
+  int64_t n_live = 0;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n_q; ++i) {
+    const float* m = mask.typed_data() + i * n_kv;
+    int64_t lo = 0, hi = n_kv;
+    while (lo < hi && m[lo] == ninf) ++lo;
+    while (hi > lo && m[hi - 1] == ninf) --hi;
+    live[2 * i] = lo;
+    live[2 * i + 1] = hi;
+    n_live = std::max(n_live, hi - lo);
+  }
+  const Attn p{q.typed_data(), k.untyped_data(), v.untyped_data(), mask.typed_data(), live.data(), out->typed_data(),
+               n_q, H, n_head_kv, D, Dv, n_kv, k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
   const int level = simd_level(D, Dv);
-  job->fn = kt == ffi::DataType::F16 ? pick<uint16_t>(level) : pick<float>(level);
-  job->n_units = n_q * H;
-  // Pool threads pay off from about 64K multiply-adds (9 heads x 128 cells x 64: 8.4 -> 7.4 us;
-  // x 576 cells 33 -> 20 us, python benchmarks of attn_decode alone); below, one thread.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = n_kv * D * job->n_units >= (1 << 16) ? std::min(threads, job->n_units) - 1 : 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->n_units) std::this_thread::yield();
+  const UnitFn fn = kt == ffi::DataType::F16 ? pick<uint16_t>(level) : pick<float>(level);
+  const int64_t n_units = n_q * H;
+  // Helper threads pay off from about 64K multiply-adds in the cells in use (9 heads x 128
+  // cells x 64: 8.4 -> 7.4 us; x 576 cells 33 -> 20 us, attn_decode alone); below, one thread.
+  const int64_t threads = n_live * D * n_units >= (1 << 16) ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  ggmlx_native::parallel_for(pool, std::min(threads, n_units), n_units, [p, fn](int64_t u) {
+    thread_local std::vector<float> scores;   // one row of scores per thread
+    scores.resize(p.n_kv);
+    fn(p, u, scores.data());
+  });
   return ffi::Error::Success();
 }
 
