@@ -320,25 +320,24 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* a, int6
 template <int NR, bool HALF>
 __attribute__((target("avx2,fma,f16c"))) inline void int4_block_avx2(const Problem& p, const uint8_t* q, int64_t b,
                                                                       __m256 s, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_set1_epi32(15);
   const __m256i to_dwords0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i to_dwords1 = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
                                               12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
   const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-  const __m256i lo = _mm256_and_si256(bytes, low);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-  const __m256 w0 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, to_dwords0));
-  const __m256 w1 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, to_dwords1));
-  const __m256 w2 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, to_dwords0));
-  const __m256 w3 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, to_dwords1));
+  const __m256i d0 = _mm256_shuffle_epi8(bytes, to_dwords0), d1 = _mm256_shuffle_epi8(bytes, to_dwords1);
+  const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(d0, low));
+  const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(d1, low));
+  const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(d0, 4));
+  const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(d1, 4));
   for (int n = 0; n < NR; ++n) {
     const float* xn = p.x + n * p.K + b * 32;
     __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xn), w0);
-    __m256 u = _mm256_mul_ps(_mm256_loadu_ps(xn + 8), w1);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 8), w1, t);
     t = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 16), w2, t);
-    u = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 24), w3, u);
-    acc[n] = _mm256_fmadd_ps(_mm256_add_ps(t, u), s, acc[n]);
+    t = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 24), w3, t);
+    acc[n] = _mm256_fmadd_ps(t, s, acc[n]);
   }
 }
 
