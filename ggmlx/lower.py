@@ -196,9 +196,17 @@ def _soft_max(a, mask, scale, max_bias):
 def _flash_attn(q, k, v, mask, scale, max_bias, softcap, sinks=None):
     """q [B, H, n_q, D], k [B, Hkv, n_kv, D], v [B, Hkv, n_kv, Dv] -> [B, n_q, H, Dv];
     sinks [H]: an extra softmax term exp(sink - max) per head, with no value."""
-    B, H, n_q, D = q.shape
+    n_q, n_kv = q.shape[2], k.shape[2]
     if n_q == 1 and k.shape[1] == 1:
         return _flash_attn_one_query(q, k, v, mask, scale, max_bias, softcap, sinks)
+    if mask is not None and n_q >= 2 * CAUSAL_BLOCK and n_q % CAUSAL_BLOCK == 0 and n_kv >= n_q:
+        return _flash_attn_causal(q, k, v, mask, scale, max_bias, softcap, sinks)
+    return _flash_attn_dense(q, k, v, mask, scale, max_bias, softcap, sinks)
+
+
+def _flash_attn_dense(q, k, v, mask, scale, max_bias, softcap, sinks=None):
+    """_flash_attn over every one of the n_kv cells."""
+    B, H, n_q, D = q.shape
     Hkv, n_kv = k.shape[1], k.shape[2]
     r = H // Hkv
     qq = _f32(q).reshape(B, Hkv, r, n_q, D)
@@ -218,6 +226,52 @@ def _flash_attn(q, k, v, mask, scale, max_bias, softcap, sinks=None):
         p = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sk - mx))
     o = jnp.einsum("bgrqk,bgkd->bgrqd", p, _f32(v), precision=weights.matmul_precision())
     return o.reshape(B, H, n_q, -1).transpose(0, 2, 1, 3)
+
+
+# Query rows per block of the causal path: a prefill ubatch of 512 rows in 4 blocks reads 62.5%
+# of the score matrix (Gemma3-270M pp512: the attention's dots 200 -> 133 ms of a 1150 ms ubatch).
+CAUSAL_BLOCK = 128
+
+
+def _flash_attn_causal(q, k, v, mask, scale, max_bias, softcap, sinks=None):
+    """_flash_attn for a ubatch of many query rows, skipping the cells a causal mask hides.
+
+    A ubatch's tokens usually sit in the last n_q of the n_kv cells, in order (a prompt
+    appended to the cache), so query block i (CAUSAL_BLOCK rows) sees no cell past
+    n_kv - (n_blocks - 1 - i) * CAUSAL_BLOCK. When the mask says so for every block, each block
+    attends to that prefix of the cells only; otherwise (cells reused out of order, several
+    sequences) the dense path runs. The skipped cells are -inf in the mask, so they add exactly
+    nothing to the softmax: the two paths differ only in the order of the f32 sums. ggml's CPU
+    kernel likewise skips each cell the mask hides."""
+    n_q, n_kv = q.shape[2], k.shape[2]
+    m = _f32(mask)[:, :, :n_q, :]
+    ends = causal_block_ends(n_q, n_kv)
+
+    def blocks(q, k, v, m):
+        outs = []
+        for i, end in enumerate(ends):
+            rows = slice(i * CAUSAL_BLOCK, (i + 1) * CAUSAL_BLOCK)
+            outs.append(_flash_attn_dense(q[:, :, rows], k[:, :, :end], v[:, :, :end], m[:, :, rows, :end],
+                                          scale, max_bias, softcap, sinks))
+        return jnp.concatenate(outs, axis=1)
+
+    def dense(q, k, v, m):
+        return _flash_attn_dense(q, k, v, m, scale, max_bias, softcap, sinks)
+
+    return jax.lax.cond(causal_blocks_apply(m, ends), blocks, dense, q, k, v, m)
+
+
+def causal_block_ends(n_q: int, n_kv: int) -> list[int]:
+    """The cells [0, end) query block i of the causal path may see, one end per block."""
+    n_blocks = n_q // CAUSAL_BLOCK
+    return [n_kv - (n_blocks - 1 - i) * CAUSAL_BLOCK for i in range(n_blocks)]
+
+
+def causal_blocks_apply(m, ends: list[int]):
+    """True (a traced bool) when the mask m [.., .., n_q, n_kv] hides every cell at or past
+    ends[i] from every row of query block i: then the blocks give the dense result."""
+    return jnp.all(jnp.stack([jnp.all(m[:, :, i * CAUSAL_BLOCK:(i + 1) * CAUSAL_BLOCK, end:] == -jnp.inf)
+                              for i, end in enumerate(ends[:-1])]))
 
 
 def _flash_attn_one_query(q, k, v, mask, scale, max_bias, softcap, sinks=None):

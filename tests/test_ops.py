@@ -609,6 +609,42 @@ def test_flash_attn_ext_one_query(n_head_kv):
         ref[0, :, h] = e / (e.sum(1, keepdims=True) + np.exp(sv[0, 0, 0, h] - sc.max(1, keepdims=True))) @ vn[0, h // 2]
     check("flash_attn_ext one query sinks", vals[3], ref, NMSE_FLASH_ATTN)
 
+@pytest.mark.parametrize("layout", ["appended", "out_of_order"])
+def test_flash_attn_ext_causal_blocks(layout):
+    """A prefill ubatch of 2 x CAUSAL_BLOCK query rows appended after 64 cached cells: block 0
+    attends only to the cells its mask lets through (the causal path); when a row of block 0
+    sees a later cell (cells reused out of order) the dense path runs. Both match float64,
+    with soft-capping, ALiBi and sinks."""
+    rng = np.random.default_rng(15)
+    D, H, Hkv, n_q = 8, 4, 2, 2 * lower.CAUSAL_BLOCK
+    n_kv = n_q + 64
+    q = new_input(T.F32, (D, n_q, H), "q")
+    k, v = new_input(T.F32, (D, n_kv, Hkv), "k"), new_input(T.F32, (D, n_kv, Hkv), "v")
+    mask, sinks = new_input(T.F32, (n_kv, n_q), "mask"), new_input(T.F32, (H,), "sinks")
+    qv, kv_, vv = rand(rng, (D, n_q, H)), rand(rng, (D, n_kv, Hkv)), rand(rng, (D, n_kv, Hkv))
+    mv = causal_mask(rng, n_kv, n_q, n_q)
+    if layout == "out_of_order":
+        mv[..., 3, n_kv - 1] = -0.25
+    ends = lower.causal_block_ends(n_q, n_kv)
+    assert ends == [n_kv - lower.CAUSAL_BLOCK, n_kv]
+    assert bool(lower.causal_blocks_apply(np.asarray(mv, np.float32), ends)) == (layout == "appended")
+    sv = rand(rng, (H,), -2, 2)
+    cases = [(0.5, 0.0, 0.0), (1.0, 0.0, 5.0), (0.5, 8.0, 0.0)]
+    outs = [ops.flash_attn_ext(q, k, v, mask, s, mb, cap) for s, mb, cap in cases]
+    outs.append(ops.flash_attn_ext(q, k, v, mask, 0.5, 0.0, 0.0, sinks))
+    vals = run(outs, {q: qv, k: kv_, v: vv, mask: mv, sinks: sv})
+    for i, (s, mb, cap) in enumerate(cases):
+        ref = ref_flash_attn(qv, kv_, vv, mv, s, mb, cap)
+        check(f"flash_attn_ext causal blocks case {i}", vals[i], ref, NMSE_FLASH_ATTN)
+        np.testing.assert_allclose(vals[i], ref, atol=2e-5)
+    ref = np.zeros((1, n_q, H, D))
+    for h in range(H):
+        sc = qv[0, h] @ kv_[0, h // 2].T * 0.5 + mv[0, 0]
+        e = np.exp(sc - sc.max(1, keepdims=True))
+        ref[0, :, h] = e / (e.sum(1, keepdims=True) + np.exp(sv[0, 0, 0, h] - sc.max(1, keepdims=True))) @ vv[0, h // 2]
+    np.testing.assert_allclose(vals[3], ref, atol=2e-5)
+
+
 def test_swiglu_oai_and_attention_sinks():
     """gpt-oss's clamped SwiGLU (ggml_swiglu_oai) and per-head attention sinks: one extra
     softmax term exp(sink) per head with no value (ggml_flash_attn_ext_add_sinks)."""
