@@ -129,14 +129,18 @@ class Program:
 
     # ---- the function ----------------------------------------------------------------
 
-    def make_fn(self, w_treedef):
+    def make_fn(self, w_treedef, index: tuple[int, ...] | None = None):
         """f(weight array leaves, inputs, state); the weights' pytree is rebuilt inside, so a
-        call passes flat arrays (flattening ~300 DeviceWeights per call costs ~1.5 ms)."""
+        call passes flat arrays (flattening ~300 DeviceWeights per call costs ~1.5 ms). With
+        index, f takes each distinct array once and leaf j of the pytree is argument index[j]
+        (`shared_leaves`)."""
         nodes, outs = self.nodes, self.outputs
         w_leaves, in_leaves, st_leaves = self.weights, self.inputs, self.states
         writes = self.state_writes
 
         def fn(w_flat, in_vals, st_vals):
+            if index is not None:
+                w_flat = [w_flat[k] for k in index]
             w_vals = jax.tree.unflatten(w_treedef, w_flat)
             env = {}
             env.update(zip(w_leaves, w_vals, strict=False))
@@ -163,21 +167,40 @@ def _abstract_on_mesh(x, mesh):
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
 
 
+def shared_leaves(w_leaves) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(keep, index) for the weights' flat array leaves: keep, the position of the first leaf
+    of each distinct array; index, for every leaf the kept argument that holds it. Fused
+    weights (wq/wk/wv, gate/up) share one array, which an executable then takes once: each
+    argument costs the call about 2 us (SmolLM2-135M: 693 leaves, 423 arrays; the weights'
+    part of a decode step's call 1.55 -> 0.7 ms)."""
+    first: dict[int, int] = {}
+    keep: list[int] = []
+    index = []
+    for j, x in enumerate(w_leaves):
+        k = first.setdefault(id(x), len(keep))
+        if k == len(keep):
+            keep.append(j)
+        index.append(k)
+    return tuple(keep), tuple(index)
+
+
 class CompiledProgram:
     """An executable plus the order in which it takes its arguments. Weights go in as the
-    flat array leaves of their DeviceWeights (`weight_leaves`), which callers can keep."""
+    flat array leaves of their DeviceWeights (`weight_leaves`), which callers can keep; the
+    executable takes the distinct ones (`keep`, see shared_leaves)."""
 
-    def __init__(self, executable, key: str, compile_seconds: float):
+    def __init__(self, executable, key: str, compile_seconds: float, keep: tuple[int, ...]):
         self.executable = executable
         self.key = key
         self.compile_seconds = compile_seconds
+        self.keep = keep
 
     @staticmethod
     def weight_leaves(w_vals) -> tuple:
         return tuple(jax.tree.leaves(tuple(w_vals)))
 
     def __call__(self, w_leaves, in_vals, st_vals):
-        return self.executable(tuple(w_leaves), tuple(in_vals), tuple(st_vals))
+        return self.executable(tuple([w_leaves[k] for k in self.keep]), tuple(in_vals), tuple(st_vals))
 
 
 log = logging.getLogger(__name__)
@@ -318,7 +341,9 @@ class GraphCache:
             on_compile: Callable[[], None] | None = None) -> CompiledProgram:
         """The executable for program, compiling it (for these argument shapes) on a miss;
         on_compile is called just before a compilation (a miss not served from disk)."""
-        sig = program.signature()
+        w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
+        keep, index = shared_leaves(w_leaves)
+        sig = program.signature() + [("weight_arrays", index)]
         key = self.key_of(sig)
         hit = self._entries.get(key)
         if hit is not None:
@@ -329,8 +354,7 @@ class GraphCache:
         self.last_miss_reason = self._explain_miss(sig)
         dev, mesh = program.device, program.mesh
         t0 = time.perf_counter()
-        w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
-        args = (tuple(w_leaves), tuple(in_vals), tuple(st_vals))
+        args = (tuple(w_leaves[k] for k in keep), tuple(in_vals), tuple(st_vals))
         path = _disk_path(key, program, args) if mesh is None else None     # mesh programs: XLA's cache only
         executable = _load_executable(path)
         if executable is not None:
@@ -346,14 +370,14 @@ class GraphCache:
                 abstract = jax.tree.map(lambda x: _abstract_on_mesh(x, mesh), args)
                 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                 out_shardings = (tuple(replicated for _ in program.outputs), tuple(a.sharding for a in abstract[2]))
-            fn = program.make_fn(w_treedef)
+            fn = program.make_fn(w_treedef, index)
             executable = self._compile(
                 lambda: jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract),
                 xla_cache=path is None)
             _store_executable(path, executable)
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
-        entry = CompiledProgram(executable, key, dt)
+        entry = CompiledProgram(executable, key, dt, keep)
         self._entries[key] = entry
         self._sigs[key] = sig
         while len(self._entries) > self.max_entries:

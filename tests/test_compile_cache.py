@@ -107,6 +107,34 @@ def test_weight_values_do_not_enter_the_key():
     assert (cache.stats.misses, cache.stats.hits) == (1, 2)
 
 
+def test_a_shared_weight_array_is_one_argument():
+    """Weights that share arrays (fused wq/wk/wv) pass each array once; the sharing is part of
+    the key, so the same graph over separate arrays compiles its own executable."""
+    wu, _ = weights_pair(3)
+    xv = np.random.default_rng(4).standard_normal((2, N_EMBD))
+    cache = GraphCache()
+
+    def two_products(dw_a, dw_b):
+        x = new_input(T.F32, (N_EMBD, 2), "inp_embd")
+        a = new_weight(T.F32, (N_EMBD, N_FF), "a.weight", dw_a)
+        b = new_weight(T.F32, (N_EMBD, N_FF), "b.weight", dw_b)
+        out = ops.add(ops.mul_mat(a, x), ops.mul_mat(b, x)).set_name("out")
+        return Graph().build_forward_expand(out), x, out
+
+    shared = weights.to_device(wu, T.F32, (N_EMBD, N_FF))
+    g, x, out = two_products(shared, shared)
+    res, _ = compute(g, {x: xv}, cache=cache)
+    (exe,) = cache.programs()
+    assert exe.keep == (0,)
+    separate = [weights.to_device(wu, T.F32, (N_EMBD, N_FF)) for _ in range(2)]
+    g, x, out2 = two_products(*separate)
+    res2, _ = compute(g, {x: xv}, cache=cache)
+    assert cache.stats.misses == 2 and cache.programs()[-1].keep == (0, 1)
+    ref = 2 * (xv @ wu.astype(np.float64).T)
+    np.testing.assert_allclose(np.asarray(res[out])[0, 0], ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(res[out]), np.asarray(res2[out2]))
+
+
 def kv_graph(n_ctx: int, n_tokens: int):
     """Write n_tokens K rows into a state cache with set_rows and read the cache back
     through a view (as llama's attention does); the output is the scores, not the cache."""
