@@ -6,8 +6,9 @@
 // Numerics: the AVX-512 and plain-loop kernels dequantize each weight in f32 as XLA does
 // (scale * q, then + offset; both exact for every type the int8 format holds) and sum the
 // products in f32, so they differ from dequantize-then-dot only by the order of the f32
-// additions. The AVX2 kernels sum scale * sum(x * q) + offset * sum(x) per sub-block, as ggml's
-// own dots do (their error against float64 stays within the pure-XLA path's, tests/test_native.py).
+// additions. The AVX2 kernels (int8 for 1-2 activation rows, int4) sum scale * sum(x * q) +
+// offset * sum(x) per sub-block, as ggml's own dots do (their error against float64 stays within
+// the pure-XLA path's, tests/test_native.py).
 // Activations are never quantized. Scales and offsets are f32, or f16 for the types whose
 // block fields they are (Q8_0, Q4_1, Q5_0, ...: the same values in half the bytes), widened
 // to f32 once per sub-block.
@@ -259,12 +260,14 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 bcast8(const void* a, int
   return _mm256_broadcast_ss(static_cast<const float*>(a) + i);
 }
 
-// One weight row at a time, per sub-block as ggml's own dots do: s * sum(x * q) (+ o * sum(x),
-// the sums of x per sub-block in p.xsum), the SUB / 8 products of a sub-block in two independent
-// chains and one FMA by the scale. Dequantizing each 8 weights first (s * q + o, then an FMA into
-// one accumulator per row, in tiles of 2 rows) chained every FMA to the one before: on Zen 3
-// Gemma3-270M decoded 27-31 tok/s with that kernel against 36-39 with this one (tg128, builds
-// alternated in one loop).
+// One weight row at a time. For 1-2 activation rows, per sub-block as ggml's own dots do:
+// s * sum(x * q) (+ o * sum(x), the sums of x per sub-block in p.xsum), the SUB / 8 products of
+// a sub-block in two independent chains and one FMA by the scale. Dequantizing each 8 weights
+// first (s * q + o, then an FMA into one accumulator per row, in tiles of 2 rows) chained every
+// FMA to the one before: on Zen 3 Gemma3-270M decoded 27-31 tok/s with that kernel against
+// 36-39 with this one (tg128, builds alternated in one loop). From 3 rows on, the NR
+// accumulators are independent chains already, and dequantizing once for all of them takes
+// fewer instructions (576 x 1536 at N = 4: 140-167 us that way, 191-216 the other).
 template <int SUB, int NR, bool OFF, bool HALF>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Problem& p, int64_t m0, int64_t m1) {
   const int64_t nb = p.K / SUB;
@@ -287,16 +290,25 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Problem& p, int64_
       for (int h = 0; h < SUB / 8; ++h)
         w[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + h * 8))));
       const __m256 s = bcast8<HALF>(p.scale, row * nb + b);
-      for (int n = 0; n < NR; ++n) {
-        const float* xn = p.x + n * p.K + k;
-        __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xn), w[0]);
-        __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xn + 8), w[1]);
-        if (SUB == 32) {
-          t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 16), w[2], t0);
-          t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 24), w[3], t1);
+      if constexpr (NR <= 2) {
+        for (int n = 0; n < NR; ++n) {
+          const float* xn = p.x + n * p.K + k;
+          __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xn), w[0]);
+          __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xn + 8), w[1]);
+          if (SUB == 32) {
+            t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 16), w[2], t0);
+            t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xn + 24), w[3], t1);
+          }
+          acc[n] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s, acc[n]);
+          if (OFF) acc_off[n] += at(p, p.offset, row * nb + b) * p.xsum[n * nb + b];
         }
-        acc[n] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s, acc[n]);
-        if (OFF) acc_off[n] += at(p, p.offset, row * nb + b) * p.xsum[n * nb + b];
+      } else {
+        const __m256 o = OFF ? bcast8<HALF>(p.offset, row * nb + b) : _mm256_setzero_ps();
+        for (int h = 0; h < SUB / 8; ++h) {
+          const __m256 wd = OFF ? _mm256_add_ps(_mm256_mul_ps(w[h], s), o) : _mm256_mul_ps(w[h], s);
+          for (int n = 0; n < NR; ++n)
+            acc[n] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + n * p.K + k + h * 8), wd, acc[n]);
+        }
       }
     }
     for (int n = 0; n < NR; ++n) p.y[n * p.M + row] = hsum256(acc[n]) + acc_off[n];
