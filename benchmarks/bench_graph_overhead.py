@@ -106,12 +106,12 @@ def bench(n_layer: int, iters: int) -> dict[str, float]:
     w_vals = [t.data for t in prog.weights]
     in_vals = [jax.device_put(xv.reshape(x.shape), dev)]
     exe = cache.get(prog, w_vals, in_vals, [])
-    w_leaves = exe.weight_leaves(w_vals)
+    w_args = exe.weight_args(w_vals)
 
     results = {
         "nodes": float(graph.n_nodes),
         "jit": per_call_us(lambda: jitted(params, x_dev)[0].block_until_ready(), iters),
-        "program": per_call_us(lambda: exe(w_leaves, in_vals, [])[0][0].block_until_ready(), iters),
+        "program": per_call_us(lambda: exe(w_args, in_vals, [])[0][0].block_until_ready(), iters),
         "compute": per_call_us(lambda: compute(graph, {x: xv}, cache=cache)[0][out].block_until_ready(), iters),
     }
 

@@ -186,8 +186,8 @@ def shared_leaves(w_leaves) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 class CompiledProgram:
     """An executable plus the order in which it takes its arguments. Weights go in as the
-    flat array leaves of their DeviceWeights (`weight_leaves`), which callers can keep; the
-    executable takes the distinct ones (`keep`, see shared_leaves)."""
+    distinct arrays among the flat leaves of their DeviceWeights (`weight_args`: the leaves at
+    positions `keep`, see shared_leaves), which callers make once and keep."""
 
     def __init__(self, executable, key: str, compile_seconds: float, keep: tuple[int, ...]):
         self.executable = executable
@@ -195,12 +195,12 @@ class CompiledProgram:
         self.compile_seconds = compile_seconds
         self.keep = keep
 
-    @staticmethod
-    def weight_leaves(w_vals) -> tuple:
-        return tuple(jax.tree.leaves(tuple(w_vals)))
+    def weight_args(self, w_vals) -> tuple:
+        leaves = jax.tree.leaves(tuple(w_vals))
+        return tuple(leaves[k] for k in self.keep)
 
-    def __call__(self, w_leaves, in_vals, st_vals):
-        return self.executable(tuple([w_leaves[k] for k in self.keep]), tuple(in_vals), tuple(st_vals))
+    def __call__(self, w_args, in_vals, st_vals):
+        return self.executable(tuple(w_args), tuple(in_vals), tuple(st_vals))
 
 
 log = logging.getLogger(__name__)
@@ -479,5 +479,5 @@ def compute(graph: Graph, inputs: dict[Tensor, object] | None = None,
                for t in prog.inputs]
     st_vals = [state[t] for t in prog.states]
     exe = cache.get(prog, w_vals, in_vals, st_vals)
-    outs, new_state = exe(exe.weight_leaves(w_vals), in_vals, st_vals)
+    outs, new_state = exe(exe.weight_args(w_vals), in_vals, st_vals)
     return dict(zip(prog.outputs, outs, strict=False)), dict(zip(prog.states, new_state, strict=False))

@@ -56,7 +56,7 @@ class Split:
     program: Program | None = None
     compiled: CompiledProgram | None = None
     w_vals: list | None = None       # the weights on this backend, gathered on the first run
-    w_leaves: tuple | None = None    # ... and their flat arrays, what the executable takes
+    w_args: tuple | None = None      # ... and the arrays of them the executable takes
 
 
 @dataclass
@@ -282,13 +282,12 @@ class Scheduler:
         prog = split.program
         assert prog is not None   # alloc_graph built it
         be = split.backend
-        if split.w_leaves is None:
+        if split.w_vals is None:
             w_vals = []
             for t in prog.weights:
                 if not isinstance(t.data, weights.DeviceWeight):
                     raise ValueError(f"weight {t.name!r} has no device data")
                 w_vals.append(_on_device(t.data, be))
-            split.w_leaves = CompiledProgram.weight_leaves(w_vals)
             split.w_vals = w_vals
         t0 = time.perf_counter()
         in_vals = []
@@ -337,7 +336,9 @@ class Scheduler:
             w, i, st = self._args(s, values, host_inputs, state)
             if s.compiled is None:
                 s.compiled = self.cache.get(prog, w, i, st, on_compile)
-            outs, new_st = s.compiled(s.w_leaves, i, st)
+            if s.w_args is None:
+                s.w_args = s.compiled.weight_args(w)
+            outs, new_st = s.compiled(s.w_args, i, st)
             for t, v in zip(prog.outputs, outs, strict=False):
                 values[t.id] = v
             copied = {c.id for c in s.copies}
