@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm.bench import bench_model
+from llm.cli.bench import bench_model
 
 DEFAULT_MODELS = ["/tmp/models/smollm2-135m-instruct-q4_1.gguf", "/tmp/models/gemma-3-270m-q4_k_m.gguf"]
 FORMATS = ("native", "int8", "int4", "f32")

@@ -28,8 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llm import grammar as G  # noqa: E402
 from llm import hub, load_model  # noqa: E402
+from llm.sampling import structured as G  # noqa: E402
 
 CASES = json.loads((ROOT / "tests" / "data" / "grammar" / "gbnf_cases.json").read_text())
 SCHEMA = {
@@ -169,7 +169,7 @@ def apply_times(n_vocab: int, density: float, reps: int = 200) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from llm.sampling import TokenDataArray
+    from llm.sampling.samplers import TokenDataArray
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(n_vocab).astype(np.float32)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from llm import sampling
+from llm.sampling import samplers as sampling
 
 
 class _Row:

@@ -30,7 +30,7 @@ PEER_INSTALL = {
 
 
 def _ours(model: str, n_prompt: int, n_gen: int, threads: int) -> dict:
-    from llm.bench import bench_model
+    from llm.cli.bench import bench_model
     res = {r.test[:2]: r.tok_s_median for r in bench_model(model, n_prompt=n_prompt, n_gen=n_gen, reps=1)}
     return {"pp": res["pp"], "tg": res["tg"]}
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from llm import hub
-from llm import perplexity as ppl
 from llm.context import Context
 from llm.model import load_model
+from llm.research import perplexity as ppl
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """`python -m llm`: Ctrl-C during start-up (importing JAX) exits 130 with one line; after
-that, llm.cli.main handles it."""
+that, llm.cli.commands handles it."""
 import os
 import signal
 import sys
@@ -13,7 +13,7 @@ def _interrupted_at_start(signum, frame) -> None:
 
 signal.signal(signal.SIGINT, _interrupted_at_start)
 
-from llm.cli import EXIT_INTERRUPTED, main  # noqa: E402  (after the handler, on purpose)
+from llm.cli.commands import EXIT_INTERRUPTED, main  # noqa: E402  (after the handler, on purpose)
 
 rc = main()
 if rc == EXIT_INTERRUPTED:      # skip interpreter teardown: nothing is left to save

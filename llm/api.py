@@ -13,19 +13,19 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from llm import chat as chat_mod
 from llm import cvec, distributed, hub
-from llm import grammar as grammar_mod
-from llm import tools as tools_mod
-from llm import trace as trace_mod
 from llm.batch import Batch
+from llm.chat import templates as chat_mod
+from llm.chat import tool_calls as tools_mod
 from llm.context import Context, DecodeStatus, bucket
+from llm.generation.speculative import Drafter, DraftModel, PromptLookup, Speculative
 from llm.hparams import PoolingType
 from llm.model import Model, RowPlan, load_model
 from llm.prompt_cache import PromptCache
-from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
-from llm.serving import Batcher, Delta, Done, Event, GenParams, Job, TokenLogprob, logprobs_of
-from llm.speculative import Drafter, DraftModel, PromptLookup, Speculative
+from llm.research import trace as trace_mod
+from llm.sampling import structured as grammar_mod
+from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
+from llm.serving.batcher import Batcher, Delta, Done, Event, GenParams, Job, TokenLogprob, logprobs_of
 
 FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
 FINISH_TOOL_CALLS = "tool_calls"

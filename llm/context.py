@@ -35,7 +35,7 @@ from llm.kv_cache import KVCache, locked
 from llm.model import Model
 
 if TYPE_CHECKING:
-    from llm.trace import GraphEdits
+    from llm.research.trace import GraphEdits
 
 logger = logging.getLogger(__name__)
 

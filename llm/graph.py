@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from llm.kv_cache import KVCache
     from llm.kv_cells import SlotInfo
     from llm.model import Model
-    from llm.trace import GraphEdits
+    from llm.research.trace import GraphEdits
 
 F32, I32 = GGMLType.F32, GGMLType.I32
 

@@ -83,7 +83,7 @@ class _Saved:
 
 def _rng_owners(sampler) -> list:
     """The samplers in `sampler` (a chain or one sampler) that own a Mersenne Twister."""
-    from llm.sampling import Dist, SamplerChain, Xtc, _MirostatBase
+    from llm.sampling.samplers import Dist, SamplerChain, Xtc, _MirostatBase
 
     if sampler is None:
         return []

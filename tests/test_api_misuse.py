@@ -163,7 +163,8 @@ def test_no_compile_after_the_first_token(tiny_path):
 def test_chat_without_a_template_warns_once_and_chat_defaults_to_an_instruct_model(tiny_path, caplog):
     """Issue 19 item 12: chat on a base model warns in one line naming a model with a
     template; the CLI's chat defaults to that instruction-tuned model."""
-    from llm import cli, hub
+    from llm import hub
+    from llm.cli import commands as cli
     m4 = llm.LLM(tiny_path, n_ctx=128)
     with caplog.at_level(logging.WARNING, logger="llm.api"):
         m4.chat([{"role": "user", "content": "Hi"}], max_tokens=2)

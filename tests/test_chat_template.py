@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from llm import chat
+from llm.chat import templates as chat
 
 MSGS = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
 
@@ -98,7 +98,7 @@ BOMBS = [
 
 _BOMB_CHILD = r"""
 import json, resource, sys, time
-from llm import chat
+from llm.chat import templates as chat
 from llm.model import load_model
 paths = json.loads(sys.argv[1])
 vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) * 1024

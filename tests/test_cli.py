@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tiny_model import TinySpec, write_model
 
-from llm import cli
+from llm.cli import commands as cli
 
 ROOT = Path(__file__).parents[1]
 

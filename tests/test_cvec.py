@@ -7,7 +7,8 @@ import pytest
 from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
-from llm import cli, cvec
+from llm import cvec
+from llm.cli import commands as cli
 
 N_LAYER, N_EMBD = 3, 64
 

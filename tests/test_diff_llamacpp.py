@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import llm
-from llm import diff_llamacpp as D
+from llm.research import diff_llamacpp as D
 
 DATA = Path(__file__).parent / "data"
 ACT = DATA / "activations"
@@ -89,7 +89,7 @@ def test_read_tensor_follows_ggml_strides():
 
 
 def test_without_llama_cpp_python_prints_how_to_install_and_exits_2():
-    code = ("import sys; sys.modules['llama_cpp'] = None; from llm.cli import main; "
+    code = ("import sys; sys.modules['llama_cpp'] = None; from llm.cli.commands import main; "
             "sys.exit(main(['diff-llamacpp', '-p', 'hi']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2

@@ -13,9 +13,9 @@ import pytest
 from tiny_model import TinySpec, write_model
 
 import llm
-from llm import grammar as G
-from llm import sampling
-from llm.sampling import SamplerChain, SamplingParams
+from llm.sampling import samplers as sampling
+from llm.sampling import structured as G
+from llm.sampling.samplers import SamplerChain, SamplingParams
 
 CASES = json.loads((Path(__file__).parent / "data" / "grammar" / "gbnf_cases.json").read_text())
 EOS = 256

@@ -115,7 +115,7 @@ def test_truncated_gemma_in_the_cache_is_rebuilt(gemma3_path, tmp_path, monkeypa
 
 
 def test_cli_says_when_it_assembles_and_when_it_repairs(tiny_known, capsys):
-    from llm import cli
+    from llm.cli import commands as cli
     km, data, _ = tiny_known
     assert cli.main(["info", "tiny"]) == 0
     err = capsys.readouterr().err

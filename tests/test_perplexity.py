@@ -12,8 +12,8 @@ import pytest
 from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
-from llm import cli
-from llm import perplexity as ppl
+from llm.cli import commands as cli
+from llm.research import perplexity as ppl
 
 N_CTX = 32
 TEXT = Path(__file__).parent / "data" / "text" / "declaration.txt"

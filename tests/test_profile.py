@@ -10,7 +10,7 @@ from tiny_model import TinySpec, model_kv, model_tensors, write_gguf, write_mode
 
 import llm
 from ggmlx import ops, weights
-from llm.profiler import hlo_labels, token_costs
+from llm.research.profiler import hlo_labels, token_costs
 
 
 @pytest.fixture(scope="module")

@@ -103,10 +103,10 @@ def test_check_split_accepts_whole_blocks():
 
 
 def test_cli_has_split_mode():
-    from llm.cli import build_parser
+    from llm.cli.commands import build_parser
     a = build_parser().parse_args(["generate", "-p", "x", "-sm", "row"])
     assert a.split_mode == "row"
-    from llm.cli import _row_plan
+    from llm.cli.commands import _row_plan
     assert _row_plan(a) is None
     a = build_parser().parse_args(["generate", "-p", "x", "-sm", "row", "--row-heads", "pad", "--row-vocab", "cols"])
     assert _row_plan(a) == llm.RowPlan(uneven_heads="pad", vocab="cols")

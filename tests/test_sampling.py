@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm import sampling
-from llm.sampling import TokenDataArray
+from llm.sampling import samplers as sampling
+from llm.sampling.samplers import TokenDataArray
 
 
 def candidates(probs) -> TokenDataArray:
@@ -399,7 +399,7 @@ def test_xtc_fires_when_the_uniform_float_draw_is_at_most_p(seed):
 DIST_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from llm import sampling
+    from llm.sampling import samplers as sampling
 
     class Row:
         def __init__(self, logits): self.logits = logits

@@ -9,8 +9,8 @@ import pytest
 from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
-from llm.sampling import SamplerChain, SamplingParams
-from llm.speculative import DraftModel, PromptLookup, Speculative, draft_lengths
+from llm.generation.speculative import DraftModel, PromptLookup, Speculative, draft_lengths
+from llm.sampling.samplers import SamplerChain, SamplingParams
 
 N_CTX = 256
 

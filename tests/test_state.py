@@ -12,7 +12,7 @@ from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
 from llm import state
-from llm.sampling import SamplerChain, SamplingParams
+from llm.sampling.samplers import SamplerChain, SamplingParams
 
 N_CTX = 64
 TOKENS = prompt_tokens(24)

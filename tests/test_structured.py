@@ -12,8 +12,9 @@ import pytest
 from tiny_model import TinySpec, write_model
 
 import llm
-from llm import sampling, tools
+from llm.chat import tool_calls as tools
 from llm.prompt_cache import PromptCache
+from llm.sampling import samplers as sampling
 
 SCHEMA = {
     "type": "object",
@@ -180,7 +181,7 @@ def test_prompt_cache_new_process_restores(tmp_path, smollm2_path):
 
 
 def test_response_format():
-    from llm.grammar import spec_response_format
+    from llm.sampling.structured import spec_response_format
     assert spec_response_format(None) is None and spec_response_format({"type": "text"}) is None
     assert spec_response_format({"type": "json_object"}).what == "json_schema"
     spec = spec_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})

@@ -8,7 +8,7 @@ from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
 from ggmlx.compile import get_default_cache
-from llm.trace import patch
+from llm.research.trace import patch
 
 N = 7
 

@@ -27,7 +27,7 @@ REAL_NODES = ["attn_norm-*", "ffn_out-*", "l_out-*"]
 
 
 def record(name: str, path: str, tokens: list[int], patterns: list[str], index: dict) -> None:
-    from llm import diff_llamacpp as D
+    from llm.research import diff_llamacpp as D
     values, _ = D.run_llamacpp(path, tokens, patterns, flash_attn=False)
     values = {k: v for k, v in values.items() if " " not in k and not k.startswith("node_")}
     # attention scores span llama.cpp's padded KV length (n_kv, last axis): keep the prompt's cells
@@ -45,8 +45,8 @@ def main() -> None:
     import llama_cpp
 
     from llm import hub
-    from llm.diff_llamacpp import f32_twin_path
     from llm.model import load_model
+    from llm.research.diff_llamacpp import f32_twin_path
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", action="store_true")
     a = ap.parse_args()

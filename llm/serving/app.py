@@ -29,11 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from llm import grammar as grammar_mod
-from llm.chat import ChatTemplateError
+from llm.chat.templates import ChatTemplateError
 from llm.errors import GrammarError, StateError
-from llm.sampling import LLAMA_DEFAULT_SEED, SamplingParams
-from llm.serving import (
+from llm.sampling import structured as grammar_mod
+from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplingParams
+from llm.serving.batcher import (
     FINISH_EOG,
     MAX_TOP_LOGPROBS,
     Delta,

@@ -25,7 +25,7 @@ import numpy as np
 
 from llm.batch import Batch
 from llm.context import Context, DecodeStatus
-from llm.sampling import SamplerChain
+from llm.sampling.samplers import SamplerChain
 
 
 class SpeculativeError(RuntimeError):

@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from llm import grammar as grammar_mod
 from llm.batch import Batch
 from llm.context import DecodeStatus
 from llm.errors import StateError
-from llm.sampling import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams, TokenDataArray
+from llm.sampling import structured as grammar_mod
+from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams, TokenDataArray
 
 log = logging.getLogger(__name__)
 

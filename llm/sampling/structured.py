@@ -25,9 +25,9 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from llm import gbnf as gbnf_mod
 from llm.errors import GrammarError
-from llm.sampling import Sampler, TokenDataArray
+from llm.sampling import gbnf as gbnf_mod
+from llm.sampling.samplers import Sampler, TokenDataArray
 from llm.tokenizers.spm import ESCAPED_SPACE
 from llm.tokenizers.unicode import BYTE_TO_CHAR
 from llm.vocab import TokenAttr, Vocab, VocabType

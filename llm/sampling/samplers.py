@@ -804,6 +804,85 @@ class LogitBias(Sampler):
         cur.logits[pos[found]] += self.biases[found]
 
 
+# --- llama_sampler_init_*: the constructors under llama.cpp's names and keyword names ------
+
+
+def greedy() -> Greedy:
+    """llama_sampler_init_greedy: always the highest-logit candidate."""
+    return Greedy()
+
+
+def dist(seed: int = LLAMA_DEFAULT_SEED) -> Dist:
+    """llama_sampler_init_dist: a draw from the softmax of the candidates."""
+    return Dist(seed)
+
+
+def top_k(k: int) -> TopK:
+    """llama_sampler_init_top_k."""
+    return TopK(k)
+
+
+def top_p(p: float, min_keep: int = 1) -> TopP:
+    """llama_sampler_init_top_p."""
+    return TopP(p, min_keep)
+
+
+def min_p(p: float, min_keep: int = 1) -> MinP:
+    """llama_sampler_init_min_p."""
+    return MinP(p, min_keep)
+
+
+def typical(p: float, min_keep: int = 1) -> Typical:
+    """llama_sampler_init_typical."""
+    return Typical(p, min_keep)
+
+
+def temp(t: float) -> Temp:
+    """llama_sampler_init_temp."""
+    return Temp(t)
+
+
+def temp_ext(t: float, delta: float, exponent: float) -> TempExt:
+    """llama_sampler_init_temp_ext: dynamic temperature in [t - delta, t + delta]."""
+    return TempExt(t, delta, exponent)
+
+
+def xtc(p: float, t: float, min_keep: int = 1, seed: int = LLAMA_DEFAULT_SEED) -> Xtc:
+    """llama_sampler_init_xtc."""
+    return Xtc(p, t, min_keep, seed)
+
+
+def top_n_sigma(n: float) -> TopNSigma:
+    """llama_sampler_init_top_n_sigma."""
+    return TopNSigma(n)
+
+
+def mirostat(n_vocab: int, seed: int, tau: float, eta: float, m: int = 100) -> Mirostat:
+    """llama_sampler_init_mirostat."""
+    return Mirostat(n_vocab, seed, tau, eta, m)
+
+
+def mirostat_v2(seed: int, tau: float, eta: float) -> MirostatV2:
+    """llama_sampler_init_mirostat_v2."""
+    return MirostatV2(seed, tau, eta)
+
+
+def penalties(penalty_last_n: int, penalty_repeat: float, penalty_freq: float, penalty_present: float) -> Penalties:
+    """llama_sampler_init_penalties."""
+    return Penalties(penalty_last_n, penalty_repeat, penalty_freq, penalty_present)
+
+
+def logit_bias(n_vocab: int, logit_bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> LogitBias:
+    """llama_sampler_init_logit_bias: a {token: bias} mapping or (token, bias) pairs, as
+    llama_logit_bias entries; a token listed twice adds its biases, as llama.cpp applies each entry."""
+    if isinstance(logit_bias, Mapping):
+        return LogitBias(n_vocab, logit_bias)
+    summed: dict[int, float] = {}
+    for token, bias in logit_bias:
+        summed[token] = summed.get(token, 0.0) + bias
+    return LogitBias(n_vocab, summed)
+
+
 def dry(multiplier: float = 0.0, base: float = 1.75, allowed_length: int = 2, penalty_last_n: int = 64,
         seq_breakers: Sequence[str] = ("\n", ":", "\"", "*"), *, n_ctx_train: int,
         token_pieces: Sequence[bytes] | None = None,
@@ -872,19 +951,19 @@ def grammar(gbnf: str, root: str = "root"):
     """A checked GBNF grammar (llama.cpp's dialect), as an llm.grammar.GrammarSpec: bind it to a
     vocabulary with `.sampler(vocab)` and put that first in a chain (llama_sampler_init_grammar).
     llm.GrammarError names what is wrong, before any decoding."""
-    from llm import grammar as grammar_mod  # llm.grammar builds on this module
+    from llm.sampling import structured as grammar_mod  # llm.grammar builds on this module
     return grammar_mod.spec_gbnf(gbnf, root)
 
 
 def json_schema(schema):
     """A checked JSON schema (dict or JSON text) as an llm.grammar.GrammarSpec (see `grammar`)."""
-    from llm import grammar as grammar_mod
+    from llm.sampling import structured as grammar_mod
     return grammar_mod.spec_json_schema(schema)
 
 
 def json_object():
     """JSON-object mode: any JSON object, as an llm.grammar.GrammarSpec (see `grammar`)."""
-    from llm import grammar as grammar_mod
+    from llm.sampling import structured as grammar_mod
     return grammar_mod.spec_json_object()
 
 

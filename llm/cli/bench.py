@@ -10,7 +10,6 @@ import io
 import json
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -175,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             bound = ">= 0" if name in ("n_prompt", "n_gen") else ">= 1"
             raise UsageError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
     if args.profile:
-        from llm.profiler import profile
+        from llm.research.profiler import profile
         steps = profile(str(hub.model_file(args.model)), n_ctx=args.ctx_size, n_prompt=args.n_prompt,
                         n_decode=max(args.n_gen, 1), n_ubatch=args.ubatch, weight_format=args.weight_format)
         print("\n\n".join(s.format(args.top) for s in steps))
@@ -185,13 +184,3 @@ def run(args: argparse.Namespace) -> int:
                           weight_format=args.weight_format, abort_callback=args.interrupt.abort)
     print(format_results(results, args.output))
     return 0
-
-
-def main_bench(argv: list[str] | None = None) -> int:
-    """Standalone entry point: `python -m llm.bench ARGS` (same arguments as `llm bench`)."""
-    from llm.cli import main
-    return main(["bench", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    sys.exit(main_bench())

@@ -18,8 +18,10 @@ from collections import Counter
 import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
-from llm import bench, diff_llamacpp, distributed, hub
+from llm import distributed, hub
+from llm.cli import bench
 from llm.errors import UsageError
+from llm.research import diff_llamacpp
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -140,7 +142,7 @@ def _check_args(a) -> None:
 
 def _sampling_kwargs(a, n_prompt: int) -> dict:
     """The API's arguments; -n -1 = as many tokens as the context has room for, -s -1 = random."""
-    from llm.sampling import LLAMA_DEFAULT_SEED
+    from llm.sampling.samplers import LLAMA_DEFAULT_SEED
     return dict(max_tokens=a.ctx_size - n_prompt if a.n_predict == -1 else a.n_predict, temperature=a.temp,
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
                 seed=LLAMA_DEFAULT_SEED if a.seed == -1 else a.seed)
@@ -417,8 +419,8 @@ def cmd_serve(a) -> int:
     import uvicorn
 
     from llm.api import LLM
-    from llm.server import create_app, model_name_of
-    from llm.serving import Engine
+    from llm.serving.app import create_app, model_name_of
+    from llm.serving.batcher import Engine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.parallel < 1:
         raise ValueError(f"-np must be >= 1, got {a.parallel}")
@@ -444,9 +446,9 @@ def cmd_serve(a) -> int:
 
 
 def cmd_perplexity(a) -> int:
-    from llm import perplexity as ppl
     from llm.context import Context
     from llm.model import load_model
+    from llm.research import perplexity as ppl
     c, b = a.ctx_size, a.batch_size
     if b >= c and b % c:
         raise ValueError(f"-b {b} must be below -c {c} or a multiple of it (each batch holds b / c chunks)")
@@ -599,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             if interrupt.flag:      # a load or decode stopped by Ctrl-C
                 raise KeyboardInterrupt from None
             from llm.api import GenerationError
-            from llm.chat import ChatTemplateError
+            from llm.chat.templates import ChatTemplateError
             from llm.errors import ModelLoadError
             expected = (ValueError, OSError, LookupError, ModelLoadError, GenerationError, ChatTemplateError,
                         RuntimeError, MemoryError)

@@ -1,0 +1,1 @@
+"""Generation: the one generation core every caller shares, and speculative decoding."""
