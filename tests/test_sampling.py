@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm.sampling import samplers as sampling
+import llm.sampling as sampling
 from llm.sampling.samplers import TokenDataArray
 
 
@@ -39,7 +39,7 @@ def run(probs, *samplers, then_dist: bool = True) -> TokenDataArray:
     for smpl in samplers:
         smpl.apply(cur)
     if then_dist:
-        sampling.Dist(0).apply(cur)
+        sampling.dist(0).apply(cur)
     return cur
 
 
@@ -50,12 +50,12 @@ P4 = [0.1, 0.2, 0.3, 0.4]
 
 @pytest.mark.parametrize("t, expected", [(1.0, P4), (0.0, [0, 0, 0, 1])])
 def test_temp(t, expected):
-    check(run(P4, sampling.Temp(t)), expected)
+    check(run(P4, sampling.temp(t)), expected)
 
 
 @pytest.mark.parametrize("t, delta, exponent, expected", [(1.0, 0.0, 1.0, P4), (0.0, 0.0, 1.0, [0, 0, 0, 1])])
 def test_temp_ext_without_delta(t, delta, exponent, expected):
-    check(run(P4, sampling.TempExt(t, delta, exponent)), expected)
+    check(run(P4, sampling.temp_ext(t, delta, exponent)), expected)
 
 
 @pytest.mark.parametrize("k, expected", [
@@ -65,7 +65,7 @@ def test_temp_ext_without_delta(t, delta, exponent, expected):
     (0, P4),
 ])
 def test_top_k(k, expected):
-    check(run(P4, sampling.TopK(k)), expected)
+    check(run(P4, sampling.top_k(k)), expected)
 
 
 @pytest.mark.parametrize("p, expected", [
@@ -75,7 +75,7 @@ def test_top_k(k, expected):
     (1.0, P4),
 ])
 def test_top_p(p, expected):
-    check(run(P4, sampling.TopP(p, 0)), expected)
+    check(run(P4, sampling.top_p(p, 0)), expected)
 
 
 @pytest.mark.parametrize("p, expected", [
@@ -90,7 +90,7 @@ def test_top_p(p, expected):
     (1.05, [1.0]),      # test-sampling.cpp: above 1 keeps only the max
 ])
 def test_min_p(p, expected):
-    cur = run(P4, sampling.MinP(p, 0))
+    cur = run(P4, sampling.min_p(p, 0))
     check(cur, expected)
     assert list(cur.ids) == sorted(cur.ids)   # the unsorted path keeps the original order
 
@@ -98,24 +98,24 @@ def test_min_p(p, expected):
 # --- every value llama.cpp accepts, with llama.cpp's meaning (llama-sampling.cpp) -------------
 
 @pytest.mark.parametrize("make, expected", [
-    (lambda: sampling.TopK(-1), P4),                    # k <= 0: no-op
-    (lambda: sampling.TopP(1.5, 0), P4),                # p >= 1: no-op
-    (lambda: sampling.TopP(-0.1, 0), [1.0]),            # p <= 0: the first token reaches it
-    (lambda: sampling.MinP(-0.5, 0), P4),               # p <= 0: no-op
-    (lambda: sampling.MinP(1e40, 0), [1.0]),            # inf as a float: only the max
-    (lambda: sampling.Temp(-1.0), [0, 0, 0, 1]),        # t <= 0: only the max keeps its logit
-    (lambda: sampling.Temp(float("inf")), [0.25] * 4),  # every finite logit becomes 0
-    (lambda: sampling.TempExt(0.0, -1.0, 1.0), [0, 0, 0, 1]),   # delta <= 0: plain temp
-    (lambda: sampling.TopNSigma(-1.0), P4),             # n <= 0: no-op
-    (lambda: sampling.TopNSigma(float("inf")), P4),     # cut at -inf: nothing removed
+    (lambda: sampling.top_k(-1), P4),                    # k <= 0: no-op
+    (lambda: sampling.top_p(1.5, 0), P4),                # p >= 1: no-op
+    (lambda: sampling.top_p(-0.1, 0), [1.0]),            # p <= 0: the first token reaches it
+    (lambda: sampling.min_p(-0.5, 0), P4),               # p <= 0: no-op
+    (lambda: sampling.min_p(1e40, 0), [1.0]),            # inf as a float: only the max
+    (lambda: sampling.temp(-1.0), [0, 0, 0, 1]),        # t <= 0: only the max keeps its logit
+    (lambda: sampling.temp(float("inf")), [0.25] * 4),  # every finite logit becomes 0
+    (lambda: sampling.temp_ext(0.0, -1.0, 1.0), [0, 0, 0, 1]),   # delta <= 0: plain temp
+    (lambda: sampling.top_n_sigma(-1.0), P4),             # n <= 0: no-op
+    (lambda: sampling.top_n_sigma(float("inf")), P4),     # cut at -inf: nothing removed
 ])
 def test_edge_values_behave_as_in_llama_cpp(make, expected):
     check(run(P4, make()), expected)
 
 
 def test_temp_ext_negative_delta_is_plain_temp():
-    plain = run(P4, sampling.Temp(0.8))
-    check(run(P4, sampling.TempExt(0.8, -0.5, 2.0)), plain.p)
+    plain = run(P4, sampling.temp(0.8))
+    check(run(P4, sampling.temp_ext(0.8, -0.5, 2.0)), plain.p)
 
 
 @pytest.mark.parametrize("probs, p, expected", [
@@ -124,7 +124,7 @@ def test_temp_ext_negative_delta_is_plain_temp():
     ([0.4, 0.2, 0.2, 0.2], -1.0, [0.2]),
 ])
 def test_typical_edge_values(probs, p, expected):
-    check(run(probs, sampling.Typical(p, 0), then_dist=False), expected)
+    check(run(probs, sampling.typical(p, 0), then_dist=False), expected)
 
 
 @pytest.mark.parametrize("p, t, expected", [
@@ -135,11 +135,11 @@ def test_typical_edge_values(probs, p, expected):
     (0.99, 0.6, [0.4, 0.3, 0.2, 0.1]),      # t > 0.5: off
 ])
 def test_xtc_edge_values(p, t, expected):
-    check(run([0.4, 0.3, 0.2, 0.1], sampling.Xtc(p, t, 0, 0), then_dist=False), expected)
+    check(run([0.4, 0.3, 0.2, 0.1], sampling.xtc(p, t, 0, 0), then_dist=False), expected)
 
 
 def test_penalties_negative_last_n_is_off():
-    smpl = sampling.Penalties(-1, 50.0, 5.0, 5.0)       # llama.cpp clamps last_n to 0
+    smpl = sampling.penalties(-1, 50.0, 5.0, 5.0)       # llama.cpp clamps last_n to 0
     assert smpl.last_n == 0
     for token in [0, 1, 2]:
         smpl.accept(token)
@@ -167,20 +167,20 @@ def test_dry_base_below_one_is_off_and_empty_breakers_are_skipped(caplog):
 
 
 def test_mirostat_m_below_two():
-    ref = sampling.Mirostat(4, 7, 5.0, 0.1, m=100)
-    whole = sampling.Mirostat(4, 7, 5.0, 0.1, m=0)      # m <= 0: estimate from all candidates
+    ref = sampling.mirostat(4, 7, 5.0, 0.1, m=100)
+    whole = sampling.mirostat(4, 7, 5.0, 0.1, m=0)      # m <= 0: estimate from all candidates
     a, b = candidates(P4), candidates(P4)
     ref.apply(a)
     whole.apply(b)
     assert (a.selected, list(a.ids), ref.mu) == (b.selected, list(b.ids), whole.mu)
-    one = sampling.Mirostat(4, 7, 5.0, 0.1, m=1)        # nothing to estimate from: top token only
+    one = sampling.mirostat(4, 7, 5.0, 0.1, m=1)        # nothing to estimate from: top token only
     cur = candidates(P4)
     one.apply(cur)
     assert list(cur.ids) == [3] and cur.selected == 0
 
 
 def test_mirostat_v2_negative_tau_keeps_the_top_token():
-    smpl = sampling.MirostatV2(1, -1.0, 0.1)
+    smpl = sampling.mirostat_v2(1, -1.0, 0.1)
     cur = candidates(P4)
     smpl.apply(cur)
     assert list(cur.ids) == [3] and cur.selected == 0
@@ -188,8 +188,8 @@ def test_mirostat_v2_negative_tau_keeps_the_top_token():
 
 
 def test_seed_converts_like_uint32():
-    assert sampling.Dist(2 ** 32 + 5).seed == 5
-    assert sampling.Dist(-1).seed == sampling.LLAMA_DEFAULT_SEED     # llama.cpp's --seed -1: random
+    assert sampling.dist(2 ** 32 + 5).seed == 5
+    assert sampling.dist(-1).seed == sampling.LLAMA_DEFAULT_SEED     # llama.cpp's --seed -1: random
 
 
 def test_from_params_last_n_minus_one_is_the_context_size():
@@ -211,7 +211,7 @@ def test_from_params_last_n_minus_one_is_the_context_size():
     (0.39, [0.4, 0.3, 0.2, 0.1]),     # only one token above the threshold: nothing removed
 ])
 def test_xtc(t, expected):
-    check(run([0.4, 0.3, 0.2, 0.1], sampling.Xtc(0.99, t, 0, 0), then_dist=False), expected)
+    check(run([0.4, 0.3, 0.2, 0.1], sampling.xtc(0.99, t, 0, 0), then_dist=False), expected)
 
 
 @pytest.mark.parametrize("probs, expected", [
@@ -219,7 +219,7 @@ def test_xtc(t, expected):
     ([0.4, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2]),
 ])
 def test_typical(probs, expected):
-    check(run(probs, sampling.Typical(0.5, 0), then_dist=False), expected)
+    check(run(probs, sampling.typical(0.5, 0), then_dist=False), expected)
 
 
 @pytest.mark.parametrize("last, expected, repeat, freq, presence", [
@@ -231,7 +231,7 @@ def test_typical(probs, expected):
     ([0, 1, 2, 0, 0], [0.000000, 0.000023, 0.000023, 0.499977, 0.499977], 1.0, 5.0, 5.0),
 ])
 def test_penalties(last, expected, repeat, freq, presence):
-    smpl = sampling.Penalties(len(last), repeat, freq, presence)
+    smpl = sampling.penalties(len(last), repeat, freq, presence)
     for token in last:
         smpl.accept(token)
     check(run([0.2] * 5, smpl), expected)
@@ -257,7 +257,7 @@ def test_dry(probs, last, expected, multiplier, base, allowed, last_n, breakers)
     (3.0, P4),
 ])
 def test_top_n_sigma(n, expected):
-    check(run(P4, sampling.TopNSigma(n)), expected)
+    check(run(P4, sampling.top_n_sigma(n)), expected)
 
 
 MIN_P_9997 = float(np.float32(9997.9) / np.float32(9999.0))   # 9997.9f/9999.0f
@@ -281,10 +281,10 @@ def test_sampler_queue(sequence, k, p, min_p):
         cur = TokenDataArray.from_logits(np.log(np.arange(n_vocab, dtype=np.float32)))
     min_token_id, max_token_id = 0, n_vocab - 1
     for s in sequence:
-        smpl = {"k": lambda: sampling.TopK(k), "p": lambda: sampling.TopP(p, 1),
-                "m": lambda: sampling.MinP(min_p, 1)}[s]()
+        smpl = {"k": lambda: sampling.top_k(k), "p": lambda: sampling.top_p(p, 1),
+                "m": lambda: sampling.min_p(min_p, 1)}[s]()
         smpl.apply(cur)
-        sampling.Dist(0).apply(cur)
+        sampling.dist(0).apply(cur)
         size = cur.size
         if s == "k":
             expected_size = min(size, k)
@@ -317,7 +317,7 @@ def test_sampler_queue(sequence, k, p, min_p):
 
 def test_dist_singleton_draws_like_any_other():
     """A one-candidate dist still draws once, so the random stream does not depend on size."""
-    singleton, control = sampling.Dist(4242), sampling.Dist(4242)
+    singleton, control = sampling.dist(4242), sampling.dist(4242)
     singleton.apply(TokenDataArray.from_logits([0.0]))
     control.apply(TokenDataArray.from_logits([0.0, 0.0]))
     for _ in range(4):
@@ -357,14 +357,14 @@ def big_row() -> np.ndarray:
 
 @pytest.mark.parametrize("seed", sorted(LIBSTDCXX_DIST_SMALL))
 def test_dist_draws_match_llama_cpp(seed):
-    smpl = sampling.Dist(seed)
+    smpl = sampling.dist(seed)
     got = []
     for _ in range(16):
         cur = TokenDataArray.from_logits(SMALL)
         smpl.apply(cur)
         got.append(cur.selected)
     assert got == LIBSTDCXX_DIST_SMALL[seed]
-    smpl = sampling.Dist(seed)
+    smpl = sampling.dist(seed)
     got = []
     for _ in range(8):
         cur = TokenDataArray.from_logits(big_row())
@@ -376,7 +376,7 @@ def test_dist_draws_match_llama_cpp(seed):
 
 @pytest.mark.parametrize("seed", sorted(LIBSTDCXX_DISCRETE_4321))
 def test_mirostat_v2_draws_match_libstdcxx_discrete_distribution(seed):
-    smpl = sampling.MirostatV2(seed, tau=10.0, eta=0.0)   # mu = 20 keeps all four tokens
+    smpl = sampling.mirostat_v2(seed, tau=10.0, eta=0.0)   # mu = 20 keeps all four tokens
     got = []
     for _ in range(12):
         cur = candidates([0.4, 0.3, 0.2, 0.1])
@@ -388,7 +388,7 @@ def test_mirostat_v2_draws_match_libstdcxx_discrete_distribution(seed):
 @pytest.mark.parametrize("seed", sorted(LIBSTDCXX_UNIFORM_FLOAT))
 def test_xtc_fires_when_the_uniform_float_draw_is_at_most_p(seed):
     probability = 0.7
-    smpl = sampling.Xtc(probability, 0.15, 1, seed)
+    smpl = sampling.xtc(probability, 0.15, 1, seed)
     for chance in LIBSTDCXX_UNIFORM_FLOAT[seed]:
         cur = candidates([0.4, 0.3, 0.2, 0.1])
         smpl.apply(cur)
@@ -406,8 +406,8 @@ DIST_SCRIPT = textwrap.dedent("""
         def get_logits_ith(self, i): return self.logits
 
     logits = np.random.default_rng(7).normal(0.0, 1.0, 50000).astype(np.float32)
-    chain = sampling.SamplerChain([sampling.Penalties(16, 1.3, 0.1, 0.1), sampling.TopK(200),
-                                   sampling.Temp(1.5), sampling.Dist(int(sys.argv[1]))])
+    chain = sampling.SamplerChain([sampling.penalties(16, 1.3, 0.1, 0.1), sampling.top_k(200),
+                                   sampling.temp(1.5), sampling.dist(int(sys.argv[1]))])
     print(json.dumps([chain.sample(Row(logits), -1) for _ in range(24)]))
 """)
 
@@ -428,12 +428,12 @@ def test_dist_seed_gives_the_same_tokens_in_two_processes():
 # --- seeds, reset, clone ----------------------------------------------------------------------
 
 def test_default_seed_means_a_random_seed():
-    a, b = sampling.Dist(sampling.LLAMA_DEFAULT_SEED), sampling.Dist(sampling.LLAMA_DEFAULT_SEED)
-    c = sampling.Dist(sampling.LLAMA_DEFAULT_SEED)
+    a, b = sampling.dist(sampling.LLAMA_DEFAULT_SEED), sampling.dist(sampling.LLAMA_DEFAULT_SEED)
+    c = sampling.dist(sampling.LLAMA_DEFAULT_SEED)
     assert len({a.seed_cur, b.seed_cur, c.seed_cur}) > 1
-    chain = sampling.SamplerChain([sampling.TopK(5), a])
+    chain = sampling.SamplerChain([sampling.top_k(5), a])
     assert chain.get_seed() == a.seed_cur
-    assert sampling.SamplerChain([sampling.Greedy()]).get_seed() == sampling.LLAMA_DEFAULT_SEED
+    assert sampling.SamplerChain([sampling.greedy()]).get_seed() == sampling.LLAMA_DEFAULT_SEED
 
 
 def draws(smpl: sampling.Sampler, n: int) -> list[int]:
@@ -446,7 +446,7 @@ def draws(smpl: sampling.Sampler, n: int) -> list[int]:
 
 
 def test_reset_reseeds_and_clone_copies_the_state():
-    smpl = sampling.Dist(5)
+    smpl = sampling.dist(5)
     first = draws(smpl, 10)
     smpl.reset()
     assert draws(smpl, 10) == first
@@ -455,7 +455,7 @@ def test_reset_reseeds_and_clone_copies_the_state():
 
 
 def test_chain_clone_and_reset_cover_every_sampler():
-    chain = sampling.SamplerChain([sampling.Penalties(8, 2.0, 0.0, 0.0), sampling.Dist(11)])
+    chain = sampling.SamplerChain([sampling.penalties(8, 2.0, 0.0, 0.0), sampling.dist(11)])
     ctx = Row(np.array(SMALL, dtype=np.float32))
     first = [chain.sample(ctx, -1) for _ in range(12)]
     twin = chain.clone()
@@ -481,7 +481,7 @@ class Row:
 
 def test_greedy_picks_the_first_maximum():
     cur = TokenDataArray.from_logits([1.0, 3.0, -2.0, 3.0])
-    sampling.Greedy().apply(cur)
+    sampling.greedy().apply(cur)
     assert cur.selected == 1
 
 
@@ -490,7 +490,7 @@ def test_top_k_on_a_large_row_matches_a_full_sort_with_ties():
     logits = np.round(rng.normal(0, 3, 262144), 1).astype(np.float32)   # many ties
     for k in (1, 40, 256, 5000):
         cur = TokenDataArray.from_logits(logits)
-        sampling.TopK(k).apply(cur)
+        sampling.top_k(k).apply(cur)
         expected = np.argsort(-logits, kind="stable")[:k]
         assert cur.sorted
         np.testing.assert_array_equal(cur.ids, expected)
@@ -501,7 +501,7 @@ def test_top_p_on_a_large_unsorted_row(p):
     rng = np.random.default_rng(4)
     logits = rng.normal(0, 0.5, 20000).astype(np.float32)      # flat: 256 candidates are not enough
     cur = TokenDataArray.from_logits(logits)
-    sampling.TopP(p, 1).apply(cur)
+    sampling.top_p(p, 1).apply(cur)
     order = np.argsort(-logits, kind="stable")
     e = np.exp(logits - logits.max())
     cum = np.cumsum((e / e.sum(dtype=np.float32))[order], dtype=np.float32)
@@ -510,31 +510,31 @@ def test_top_p_on_a_large_unsorted_row(p):
 
 
 def test_top_p_min_keep():
-    cur = run(P4, sampling.TopP(0.1, 3))
+    cur = run(P4, sampling.top_p(0.1, 3))
     check(cur, [0.44444, 0.33333, 0.22222])
 
 
 def test_min_p_falls_back_to_sorting_when_too_few_survive():
     cur = candidates(P4)
-    sampling.MinP(0.76, 3).apply(cur)
+    sampling.min_p(0.76, 3).apply(cur)
     assert cur.sorted and list(cur.ids) == [3, 2, 1]
 
 
 def test_typical_min_keep():
-    cur = run([0.97, 0.01, 0.01, 0.01], sampling.Typical(0.5, 2), then_dist=False)
+    cur = run([0.97, 0.01, 0.01, 0.01], sampling.typical(0.5, 2), then_dist=False)
     assert cur.size == 2 and cur.ids[0] == 0
 
 
 def test_temp_divides_logits():
     cur = candidates(P4)
-    sampling.Temp(0.5).apply(cur)
+    sampling.temp(0.5).apply(cur)
     np.testing.assert_allclose(cur.logits, np.log(np.float32(P4)) / 0.5, rtol=1e-6)
 
 
 def test_temp_ext_dynamic_temperature():
     t, delta, exponent = 1.0, 0.5, 2.0
     cur = candidates(P4)
-    sampling.TempExt(t, delta, exponent).apply(cur)
+    sampling.temp_ext(t, delta, exponent).apply(cur)
     p = np.array(sorted(P4, reverse=True))
     entropy = -(p * np.log(p)).sum()
     dyn_temp = (t - delta) + 2 * delta * (entropy / math.log(4)) ** exponent
@@ -545,16 +545,16 @@ def test_temp_ext_dynamic_temperature():
 
 
 def test_xtc_respects_min_keep_and_thresholds_above_half():
-    cur = run([0.4, 0.3, 0.2, 0.1], sampling.Xtc(1.0, 0.09, 2, 0), then_dist=False)
+    cur = run([0.4, 0.3, 0.2, 0.1], sampling.xtc(1.0, 0.09, 2, 0), then_dist=False)
     assert cur.size == 4     # removing 3 would leave 1 < min_keep
-    cur = run([0.6, 0.4], sampling.Xtc(1.0, 0.55, 0, 0), then_dist=False)
+    cur = run([0.6, 0.4], sampling.xtc(1.0, 0.55, 0, 0), then_dist=False)
     assert cur.size == 2
 
 
 def test_top_n_sigma_ignores_minus_infinity():
     logits = np.array([-np.inf, 1.0, 2.0, 3.0, 4.0], dtype=np.float32)
     cur = TokenDataArray.from_logits(logits)
-    sampling.TopNSigma(1.0).apply(cur)
+    sampling.top_n_sigma(1.0).apply(cur)
     valid = logits[1:]
     cut = valid.max() - valid.std()
     np.testing.assert_array_equal(np.isfinite(cur.logits), np.r_[False, valid >= cut])
@@ -564,7 +564,7 @@ def test_mirostat_estimates_zipf_exponent_and_updates_mu():
     n_vocab, s, tau, eta = 1000, 1.2, 3.0, 0.1
     probs = 1.0 / np.arange(1, n_vocab + 1) ** s
     probs = (probs / probs.sum()).astype(np.float32)
-    smpl = sampling.Mirostat(n_vocab, 1, tau, eta, 100)
+    smpl = sampling.mirostat(n_vocab, 1, tau, eta, 100)
     cur = candidates(probs)
     smpl.apply(cur)
     eps = s - 1
@@ -578,7 +578,7 @@ def test_mirostat_estimates_zipf_exponent_and_updates_mu():
 
 
 def test_mirostat_v2_truncates_by_surprise():
-    smpl = sampling.MirostatV2(3, tau=1.1, eta=0.5)      # mu = 2.2: keep p >= 2 ** -2.2 = 0.218
+    smpl = sampling.mirostat_v2(3, tau=1.1, eta=0.5)      # mu = 2.2: keep p >= 2 ** -2.2 = 0.218
     cur = candidates([0.05, 0.3, 0.25, 0.4])
     smpl.apply(cur)
     assert list(cur.ids) == [3, 1, 2]
@@ -588,7 +588,7 @@ def test_mirostat_v2_truncates_by_surprise():
 
 
 def test_penalties_window_forgets_old_tokens():
-    smpl = sampling.Penalties(3, 1.0, 1.0, 0.0)
+    smpl = sampling.penalties(3, 1.0, 1.0, 0.0)
     for token in [0, 0, 1, 2, 2]:
         smpl.accept(token)
     assert smpl.token_count == {1: 1, 2: 2}
@@ -599,23 +599,23 @@ def test_penalties_window_forgets_old_tokens():
 
 
 def test_penalties_find_tokens_after_reordering():
-    smpl = sampling.Penalties(8, 2.0, 0.0, 0.5)
+    smpl = sampling.penalties(8, 2.0, 0.0, 0.5)
     for token in [7, 3]:
         smpl.accept(token)
     cur = TokenDataArray.from_logits(np.arange(10, dtype=np.float32))
-    sampling.TopK(5).apply(cur)                   # ids 9, 8, 7, 6, 5: positions != ids now
+    sampling.top_k(5).apply(cur)                   # ids 9, 8, 7, 6, 5: positions != ids now
     smpl.apply(cur)
     assert list(cur.ids) == [9, 8, 7, 6, 5]
     np.testing.assert_allclose(cur.logits, [9.0, 8.0, 7.0 / 2 - 0.5, 6.0, 5.0])
 
 
 def test_logit_bias_direct_and_after_reordering():
-    bias = sampling.LogitBias(10, {2: 5.0, 9: -np.inf, 4: -1.0})
+    bias = sampling.logit_bias(10, {2: 5.0, 9: -np.inf, 4: -1.0})
     cur = TokenDataArray.from_logits(np.zeros(10))
     bias.apply(cur)
     assert cur.logits[2] == 5.0 and cur.logits[9] == -np.inf and cur.logits[4] == -1.0
     cur = TokenDataArray.from_logits(np.arange(10, dtype=np.float32))
-    sampling.TopK(6).apply(cur)
+    sampling.top_k(6).apply(cur)
     bias.apply(cur)
     expected = {9: -np.inf, 8: 8.0, 7: 7.0, 6: 6.0, 5: 5.0, 4: 3.0}
     assert dict(zip(cur.ids.tolist(), cur.logits.tolist(), strict=True)) == expected
@@ -666,8 +666,8 @@ def test_dry_needs_the_vocabulary_only_when_enabled():
 # --- the chain ---------------------------------------------------------------------------------
 
 def test_chain_sample_reads_the_row_and_accepts_into_every_sampler():
-    pen = sampling.Penalties(4, 1.0, 0.0, 100.0)
-    chain = sampling.SamplerChain().add(pen).add(sampling.Greedy())
+    pen = sampling.penalties(4, 1.0, 0.0, 100.0)
+    chain = sampling.SamplerChain().add(pen).add(sampling.greedy())
     ctx = Row(np.array([0.0, 5.0, 4.0, 3.0], dtype=np.float32))
     assert [chain.sample(ctx, 2) for _ in range(3)] == [1, 2, 3]
     assert ctx.asked == [2, 2, 2]
@@ -676,13 +676,13 @@ def test_chain_sample_reads_the_row_and_accepts_into_every_sampler():
 
 
 def test_chain_without_a_selecting_sampler_is_an_error():
-    chain = sampling.SamplerChain([sampling.TopK(2)])
+    chain = sampling.SamplerChain([sampling.top_k(2)])
     with pytest.raises(ValueError, match="no token selected"):
         chain.sample(Row(np.zeros(4, dtype=np.float32)), -1)
 
 
 def test_chain_remove():
-    chain = sampling.SamplerChain([sampling.TopK(2), sampling.Greedy()])
+    chain = sampling.SamplerChain([sampling.top_k(2), sampling.greedy()])
     assert chain.remove(0).name == "top-k"
     assert [s.name for s in chain.samplers] == ["greedy"]
     with pytest.raises(IndexError):
@@ -717,17 +717,17 @@ def test_from_params_variants():
 
 
 @pytest.mark.parametrize("make, name", [
-    (lambda: sampling.TopK(1.5), "top_k: k"),                      # not an integer
-    (lambda: sampling.TopP(0.9, -1), "top_p: min_keep"),           # a size_t
-    (lambda: sampling.MinP("0.1"), "min_p: p"),                    # not a number
-    (lambda: sampling.Temp(float("nan")), "temp: t"),              # NaN means nothing anywhere
-    (lambda: sampling.Xtc(float("nan"), 0.1), "xtc: p"),
-    (lambda: sampling.Mirostat(0, 1, 5.0, 0.1), "mirostat: n_vocab"),
-    (lambda: sampling.Penalties(64, 0.0, 0.0, 0.0), "penalties: repeat"),  # divides by zero
+    (lambda: sampling.top_k(1.5), "top_k: k"),                      # not an integer
+    (lambda: sampling.top_p(0.9, -1), "top_p: min_keep"),           # a size_t
+    (lambda: sampling.min_p("0.1"), "min_p: p"),                    # not a number
+    (lambda: sampling.temp(float("nan")), "temp: t"),              # NaN means nothing anywhere
+    (lambda: sampling.xtc(float("nan"), 0.1), "xtc: p"),
+    (lambda: sampling.mirostat(0, 1, 5.0, 0.1), "mirostat: n_vocab"),
+    (lambda: sampling.penalties(64, 0.0, 0.0, 0.0), "penalties: repeat"),  # divides by zero
     # llama.cpp keeps no DRY history here and throws on the first accept
     (lambda: sampling.Dry(0.8, 1.75, 2, -2, n_ctx_train=8), "dry: penalty_last_n"),
-    (lambda: sampling.LogitBias(10, {10: 1.0}), "logit_bias: token 10"),
-    (lambda: sampling.Dist(1.5), "dist: seed"),
+    (lambda: sampling.logit_bias(10, {10: 1.0}), "logit_bias: token 10"),
+    (lambda: sampling.dist(1.5), "dist: seed"),
 ])
 def test_invalid_parameters_name_the_parameter(make, name):
     with pytest.raises(ValueError, match=name):
@@ -737,8 +737,8 @@ def test_invalid_parameters_name_the_parameter(make, name):
 def test_from_logits_copies_and_checks_the_row():
     row = np.array([1.0, 2.0], dtype=np.float32)
     cur = TokenDataArray.from_logits(row)
-    sampling.LogitBias(2, {0: 1.0}).apply(cur)
-    sampling.Penalties(2, 2.0, 0.0, 0.0).apply(cur)
+    sampling.logit_bias(2, {0: 1.0}).apply(cur)
+    sampling.penalties(2, 2.0, 0.0, 0.0).apply(cur)
     assert cur.logits.tolist() == [2.0, 2.0]
     assert row.tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match="logits"):

@@ -1,0 +1,105 @@
+"""Every public name an issue promised, pinned: a cleanup can never remove or rename one silently.
+
+Module paths that issue 27 moved into subpackages (llm.trace -> llm.research.trace, ...) are
+pinned under their old names too: users import them."""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+import llm
+
+TOP_LEVEL = ["LLM", "Completion", "GenerationChunk", "Batch", "BatchError", "Context", "DecodeStatus",
+             "GrammarError", "LoadCancelled", "ModelLoadError", "StateError", "Model", "RowPlan", "load_model",
+             "LogitLens", "Trace", "StepProfile", "profile", "SamplingParams"]
+
+# llama_sampler_init_* (llama.h) -> the keyword names llama.cpp gives their parameters
+SAMPLER_CONSTRUCTORS = {
+    "greedy": [], "dist": ["seed"], "top_k": ["k"], "top_p": ["p", "min_keep"], "min_p": ["p", "min_keep"],
+    "typical": ["p", "min_keep"], "temp": ["t"], "temp_ext": ["t", "delta", "exponent"],
+    "xtc": ["p", "t", "min_keep", "seed"], "top_n_sigma": ["n"], "mirostat": ["n_vocab", "seed", "tau", "eta", "m"],
+    "mirostat_v2": ["seed", "tau", "eta"],
+    "penalties": ["penalty_last_n", "penalty_repeat", "penalty_freq", "penalty_present"],
+    "logit_bias": ["n_vocab", "logit_bias"],
+}
+
+# module -> names (issues 2-19 and their READMEs/notebooks)
+MODULE_NAMES = {
+    "llm.sampling": ["grammar", "json_schema", "json_object", "dry", "SamplerChain", "SamplingParams",
+                     "TokenDataArray", "LLAMA_DEFAULT_SEED", "Sampler"],
+    "llm.distributed": ["initialize"],
+    "llm.hub": ["resolve", "DEFAULT_MODEL"],
+    "llm.loader": ["GGUFMeta", "ModelLoader"],
+    "llm.errors": ["MetadataError", "ModelLoadError", "GrammarError", "StateError", "LoadCancelled"],
+    "llm.context": ["Context", "bucket", "DecodeStatus"],
+    "llm.kv_cache": ["kv_bytes_per_device"],
+    "llm.serving": ["Batcher", "Engine", "GenParams", "Job", "Delta", "Done", "logprobs_of"],
+    "llm.chat": ["render", "ChatTemplateError"],
+    # old module paths of moved modules
+    "llm.trace": ["Trace", "LogitLens", "GraphEdits"],
+    "llm.grammar": ["GrammarSpec"],
+    "llm.speculative": ["PromptLookup", "DraftModel", "Speculative"],
+    "llm.perplexity": [],
+    "llm.profiler": ["profile", "StepProfile"],
+    "llm.diff_llamacpp": [],
+    "llm.plot": ["logit_lens", "attention", "attention_grid", "saliency", "token_labels"],
+    "llm.tools": ["parse_reply"],
+}
+
+METHODS = {
+    "llm.api:LLM": ["generate", "stream", "chat", "score", "embed", "tokenize", "reset"],
+    "llm.context:Context": ["decode", "get_logits_ith", "get_embeddings_seq", "get_embeddings_ith",
+                            "state_save_file", "state_load_file"],
+    "llm.batch:Batch": ["get_one"],
+}
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_top_level(name):
+    assert getattr(llm, name) is not None
+    assert name in llm.__all__
+
+
+@pytest.mark.parametrize("name, params", SAMPLER_CONSTRUCTORS.items())
+def test_sampler_constructors_carry_llama_cpp_names(name, params):
+    fn = getattr(llm.sampling, name)
+    assert list(inspect.signature(fn).parameters) == params
+
+
+def test_sampler_constructors_by_keyword():
+    s = llm.sampling
+    chain = s.SamplerChain([
+        s.logit_bias(n_vocab=8, logit_bias=[(1, 0.5), (1, 0.25)]),
+        s.penalties(penalty_last_n=8, penalty_repeat=1.1, penalty_freq=0.0, penalty_present=0.0),
+        s.top_k(k=4), s.typical(p=1.0, min_keep=1), s.top_p(p=0.9, min_keep=1), s.min_p(p=0.05, min_keep=1),
+        s.xtc(p=0.0, t=0.1, min_keep=1, seed=1), s.top_n_sigma(n=-1.0), s.temp_ext(t=0.8, delta=0.0, exponent=1.0),
+        s.temp(t=1.0), s.dist(seed=3)])
+    assert isinstance(chain.samplers[0], s.LogitBias)
+    assert chain.samplers[0].biases.tolist() == [0.75]
+    assert isinstance(s.greedy(), s.Greedy)
+    assert isinstance(s.mirostat(n_vocab=8, seed=1, tau=5.0, eta=0.1, m=100), s.Mirostat)
+    assert isinstance(s.mirostat_v2(seed=1, tau=5.0, eta=0.1), s.MirostatV2)
+
+
+@pytest.mark.parametrize("module, names", MODULE_NAMES.items())
+def test_module_names(module, names):
+    mod = importlib.import_module(module)
+    for name in names:
+        assert hasattr(mod, name), f"{module}.{name}"
+
+
+def test_moved_modules_are_the_same_objects():
+    import llm.research.trace
+    import llm.trace
+    assert llm.trace is llm.research.trace
+    assert llm.research.trace.__spec__.name == "llm.research.trace"
+
+
+@pytest.mark.parametrize("owner, names", METHODS.items())
+def test_methods(owner, names):
+    module, cls = owner.split(":")
+    klass = getattr(importlib.import_module(module), cls)
+    for name in names:
+        assert callable(getattr(klass, name)), f"{cls}.{name}"
