@@ -64,5 +64,5 @@ def init() -> None:
 
 def _backends_initialized() -> bool:
     """Whether JAX has created its device clients (no public API says so)."""
-    from jax._src import xla_bridge
-    return xla_bridge.backends_are_initialized()
+    from ggmlx import _jax_private
+    return _jax_private.backends_are_initialized()

@@ -39,7 +39,8 @@ def remove_damaged_entries(path: str) -> list[str]:
     """Delete the XLA cache entries in `path` that do not decompress (a torn or overwritten
     file). JAX never replaces an existing entry, so a damaged one would otherwise be read,
     rejected and recompiled on every run. Returns the names removed."""
-    from jax._src import compilation_cache as jcc
+    from ggmlx._jax_private import cache_entry_reader
+    read_cache_entry = cache_entry_reader()
     removed = []
     for name in sorted(os.listdir(path)):
         if not name.endswith("-cache"):
@@ -47,7 +48,7 @@ def remove_damaged_entries(path: str) -> list[str]:
         full = os.path.join(path, name)
         try:
             with open(full, "rb") as f:
-                jcc.extract_executable_and_time(jcc.decompress_executable(f.read()))
+                read_cache_entry(f.read())
         except OSError:
             continue
         except Exception:
@@ -392,9 +393,10 @@ class GraphCache:
         Without xla_cache, XLA's on-disk cache is neither read nor written: an executable
         that is to be serialized must come from a real compilation (one loaded from XLA's
         cache serializes without some of its functions: "Function ... not found" when run)."""
-        from jax._src.config import compilation_cache_dir, enable_compilation_cache
         from jax.experimental.compilation_cache.compilation_cache import reset_cache
-        cache_dir = compilation_cache_dir.value     # set by ggmlx.init()
+
+        from ggmlx._jax_private import compilation_cache_dir, enable_compilation_cache
+        cache_dir = compilation_cache_dir()     # set by ggmlx.init()
         if not xla_cache:
             # JAX decides once per process whether its cache is used: reset that decision so it
             # is taken again with the cache off, and once more after, with it back on

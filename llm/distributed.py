@@ -113,8 +113,8 @@ def _handshake(process_id: int, num_processes: int, timeout_s: int) -> None:
     """Every process publishes the process count it was given in the coordination service's
     key-value store and reads everyone else's, so a mismatch is an error naming the process
     on every side at once (a collective would wait for a gloo timeout instead)."""
-    from jax._src import distributed as jax_distributed  # the coordination client has no public handle
-    client = jax_distributed.global_state.client
+    from ggmlx._jax_private import coordination_client
+    client = coordination_client()
     if client is None:
         raise DistributedError(f"process {process_id}: jax.distributed has no coordination client")
     client.key_value_set(f"ggmlx/num_processes/{process_id}", str(num_processes))
