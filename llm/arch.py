@@ -9,8 +9,15 @@ architectures is `llm.models.ARCHS`.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Protocol
 
 from llm.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from llm.graph import GraphBuilder
+    from llm.hparams import HParams
+    from llm.loader import GGUFMeta, ModelLoader
+    from llm.model import Model
 
 
 class LLMArch(enum.Enum):
@@ -282,3 +289,17 @@ def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,
                          f"(block, expert), got bid={bid}, xid={xid}")
     name = tensor.value % tuple(ids) if n_slots else tensor.value
     return f"{name}.{suffix}" if suffix else name
+
+
+class ArchBuilder(Protocol):
+    """What an architecture module defines, in the order the loader calls it."""
+
+    def load_hparams(self, hp: HParams, ml: GGUFMeta) -> None:
+        """Set the rope type and read the architecture's own keys into `hp` (after the generic
+        keys; llama.cpp's `switch (arch)` in load_hparams)."""
+
+    def load_tensors(self, model: Model, ml: ModelLoader) -> None:
+        """Declare every weight with `ml.create_tensor` on its placed device; fill `model`."""
+
+    def build_graph(self, g: GraphBuilder) -> None:
+        """Build the forward graph for one ubatch from `g`'s inputs and shared blocks."""

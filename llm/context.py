@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,13 +28,10 @@ from ggmlx.weights import materialize
 from llm import state
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.errors import StateError
-from llm.graph import GraphBuilder, GraphParams, rope_params
+from llm.graph import GraphBuilder, GraphHook, GraphParams, rope_params
 from llm.hparams import PoolingType
 from llm.kv_cache import KVCache, locked
 from llm.model import Model
-
-if TYPE_CHECKING:
-    from llm.research.trace import GraphEdits
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +136,8 @@ class Context:
         self.n_outputs_min = n_outputs_min
         self.abort_callback = abort_callback
         self.flash_attn = flash_attn       # False: the unfused attention path (kq_soft_max nodes)
-        # interventions / captures (llm.trace.GraphEdits) for the graphs of the next decodes
-        self.edits: GraphEdits | None = None
+        # interventions / captures (a GraphHook: llm.research.trace.GraphEdits) for the next decodes
+        self.edits: GraphHook | None = None
         self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket, n_ubatch=self.n_ubatch,
                               swa_full=swa_full)
         # one lock for the cache and the context: a decode and a sequence operation from

@@ -5,7 +5,7 @@ through `cb`, so dumps and eval callbacks find `attn_norm-3`, `Qcur-3`, `l_out-3
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -21,9 +21,18 @@ if TYPE_CHECKING:
     from llm.kv_cache import KVCache
     from llm.kv_cells import SlotInfo
     from llm.model import Model
-    from llm.research.trace import GraphEdits
 
 F32, I32 = GGMLType.F32, GGMLType.I32
+
+
+class GraphHook(Protocol):
+    """What the core calls on a graph it builds while hooks are set (llm.research.trace's
+    GraphEdits implements it): edit the graph after it is built, read its outputs after it ran.
+    Hooks are compared by identity, so a graph is reused only under the same hooks."""
+
+    def apply(self, g: GraphBuilder) -> None: ...
+
+    def collect(self, g: GraphBuilder, ub, outs: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -36,9 +45,9 @@ class GraphParams:
     embd_input: bool       # embeddings instead of token ids
     embeddings: bool = False  # also output the final hidden state (result_norm / result_embd)
     flash_attn: bool = True   # fused attention; False: kq -> kq_soft_max -> kqv nodes
-    # interventions and captures (llm.trace.GraphEdits, compared by identity) applied to the
-    # built graph, so a graph is reused only under the same edits
-    edits: GraphEdits | None = None
+    # interventions and captures (a GraphHook, compared by identity) applied to the built
+    # graph, so a graph is reused only under the same edits
+    edits: GraphHook | None = None
     n_kv_swa: int = 0      # cells the sliding-window layers read from their own cache (0: none)
 
 

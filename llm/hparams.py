@@ -17,7 +17,7 @@ from llm.errors import MetadataError
 from llm.loader import GGUFMeta
 
 if TYPE_CHECKING:
-    from llm.models import ArchBuilder
+    from llm.arch import ArchBuilder
 
 LLAMA_MAX_LAYERS = 512
 

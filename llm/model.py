@@ -17,11 +17,12 @@ from ggmlx.backend import make_mesh
 from ggmlx.tensor import Tensor
 from ggmlx.types import GGMLType
 from ggmlx.weights import WeightSplit
+from llm.arch import ArchBuilder
 from llm.errors import ModelLoadError
 from llm.hparams import HParams, load_hparams
 from llm.layer import Layer
 from llm.loader import ModelLoader
-from llm.models import ArchBuilder, get_arch
+from llm.models import get_arch
 from llm.vocab import Vocab, load_vocab
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import pytest
 from tiny_model import TinySpec, write_model
 
 import llm
-from llm.sampling import samplers as sampling
+import llm.sampling as sampling
 from llm.sampling import structured as G
 from llm.sampling.samplers import SamplerChain, SamplingParams
 

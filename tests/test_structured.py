@@ -12,9 +12,9 @@ import pytest
 from tiny_model import TinySpec, write_model
 
 import llm
+import llm.sampling as sampling
 from llm.chat import tool_calls as tools
 from llm.prompt_cache import PromptCache
-from llm.sampling import samplers as sampling
 
 SCHEMA = {
     "type": "object",

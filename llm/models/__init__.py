@@ -6,9 +6,8 @@ and the graph it builds. Each module is an `ArchBuilder`; `ARCHS` maps the
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Protocol
 
-from llm.arch import LLMArch, arch_from_name
+from llm.arch import ArchBuilder, LLMArch, arch_from_name  # noqa: F401  (ArchBuilder: llm.models.ArchBuilder)
 from llm.errors import ModelLoadError
 from llm.models import (
     bert,
@@ -33,27 +32,6 @@ from llm.models import (
     smollm3,
     starcoder2,
 )
-
-if TYPE_CHECKING:
-    from llm.graph import GraphBuilder
-    from llm.hparams import HParams
-    from llm.loader import GGUFMeta, ModelLoader
-    from llm.model import Model
-
-
-class ArchBuilder(Protocol):
-    """What an architecture module defines, in the order the loader calls it."""
-
-    def load_hparams(self, hp: HParams, ml: GGUFMeta) -> None:
-        """Set the rope type and read the architecture's own keys into `hp` (after the generic
-        keys; llama.cpp's `switch (arch)` in load_hparams)."""
-
-    def load_tensors(self, model: Model, ml: ModelLoader) -> None:
-        """Declare every weight with `ml.create_tensor` on its placed device; fill `model`."""
-
-    def build_graph(self, g: GraphBuilder) -> None:
-        """Build the forward graph for one ubatch from `g`'s inputs and shared blocks."""
-
 
 ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.LLAMA: llama,

@@ -947,26 +947,6 @@ def _overlapping_token_sequences(token_pieces: Sequence[bytes], pattern: bytes,
     return out
 
 
-def grammar(gbnf: str, root: str = "root"):
-    """A checked GBNF grammar (llama.cpp's dialect), as an llm.grammar.GrammarSpec: bind it to a
-    vocabulary with `.sampler(vocab)` and put that first in a chain (llama_sampler_init_grammar).
-    llm.GrammarError names what is wrong, before any decoding."""
-    from llm.sampling import structured as grammar_mod  # llm.grammar builds on this module
-    return grammar_mod.spec_gbnf(gbnf, root)
-
-
-def json_schema(schema):
-    """A checked JSON schema (dict or JSON text) as an llm.grammar.GrammarSpec (see `grammar`)."""
-    from llm.sampling import structured as grammar_mod
-    return grammar_mod.spec_json_schema(schema)
-
-
-def json_object():
-    """JSON-object mode: any JSON object, as an llm.grammar.GrammarSpec (see `grammar`)."""
-    from llm.sampling import structured as grammar_mod
-    return grammar_mod.spec_json_object()
-
-
 # --- chain ---------------------------------------------------------------------------------
 
 
