@@ -25,6 +25,7 @@ from ggmlx.sched import Plan, Scheduler
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from ggmlx.weights import materialize
+from llm import params as params_mod
 from llm import state
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.errors import StateError
@@ -32,6 +33,7 @@ from llm.graph import GraphBuilder, GraphHook, GraphParams, rope_params
 from llm.hparams import PoolingType
 from llm.kv_cache import KVCache, locked
 from llm.model import Model
+from llm.params import param, with_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -92,24 +94,47 @@ def rank_head(model, v: np.ndarray) -> np.ndarray:
     return v
 
 
+@dataclass
+class ContextParams:
+    """llama_context_params (with common's flags): how a Context is sized and what it computes."""
+
+    n_ctx: int = param(2048, flags=("-c", "--ctx-size"), lo=1, help="size of the prompt context (KV cells)")
+    n_batch: int = param(512, flags=("-b", "--batch-size"), lo=1, help="logical maximum batch size")
+    n_ubatch: int = param(512, flags=("-ub", "--ubatch-size"), lo=1, help="physical maximum batch size")
+    n_seq_max: int = param(1, flags=("-np", "--parallel"), lo=1,
+                           help="number of parallel sequences (server slots)")
+    type_k: str = param("f32", flags=("-ctk", "--cache-type-k"), choices=("f32", "f16", "bf16"),
+                        help="KV cache data type for K")
+    type_v: str = param("f32", flags=("-ctv", "--cache-type-v"), choices=("f32", "f16", "bf16"),
+                        help="KV cache data type for V")
+    kv_bucket: int = param(256, lo=1, help="KV lengths are padded to a multiple of this (one graph per bucket)")
+    swa_full: bool = param(True, flags=("--swa-full",),
+                           help="full-size cache for sliding-window layers (needed to save/restore state)")
+    embeddings: bool = param(False, flags=("--embeddings",), help="output embeddings (and pooled ones)")
+    pooling_type: str | int | None = param(None, flags=("--pooling",), choices=("none", "mean", "cls", "last", "rank"),
+                                           help="pooling type for embeddings; the model's if unset")
+    flash_attn: bool = param(True, flags=("-fa", "--flash-attn"),
+                             help="fused attention; off: the unfused path with kq / kq_soft_max nodes")
+    n_outputs_min: int = param(1, lo=1, help="graphs output at least this many rows (one output size for a server)")
+    reserve: tuple[int, ...] = param((), help="ubatch sizes to compile ahead when the context is made")
+
+
 class Context:
     """A model plus its KV cache and runtime state; see docs/design.md for the contract."""
 
-    def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512,
-                 n_seq_max: int = 1, *, type_k: str = "f32", type_v: str = "f32",
-                 kv_bucket: int = 256, swa_full: bool = True, cb_eval: Callable | None = None,
-                 abort_callback: Callable[[], bool] | None = None,
-                 reserve: tuple[int, ...] = (), embeddings: bool = False,
-                 pooling_type: PoolingType | int | str | None = None, flash_attn: bool = True,
-                 n_outputs_min: int = 1):
-        """`embeddings` also keeps each output token's final hidden state and, with a
-        pooling type other than none (default: the model's `%s.pooling_type`), one pooled
-        vector per sequence (get_embeddings_ith / get_embeddings_seq)."""
+    @with_parameters(ContextParams)
+    def __init__(self, model: Model, params: ContextParams | None = None, *, cb_eval: Callable | None = None,
+                 abort_callback: Callable[[], bool] | None = None, **kwargs):
+        """`params` (or its fields as keyword arguments, which override it): see ContextParams.
+        `cb_eval` sees every node's value (ggml's eval callback); `abort_callback` returning
+        True stops a decode between ubatches."""
         if model.placement is None:
             raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
-        for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        p = params_mod.from_kwargs(ContextParams, kwargs, where="Context", base=params or ContextParams())
+        params_mod.check(p)
+        self.params = p
+        n_ctx, n_batch, n_ubatch, n_seq_max = p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max
+        embeddings, pooling_type, flash_attn = p.embeddings, p.pooling_type, p.flash_attn
         if n_ctx > POS_MAX + 1:
             raise ValueError(f"n_ctx = {n_ctx} is more than the {POS_MAX + 1} cells a KV cache can index "
                              f"(int32 positions; the model was trained with {model.hparams.n_ctx_train})")
@@ -133,13 +158,13 @@ class Context:
         self.n_seq_max = n_seq_max
         # graphs output at least this many rows (when the ubatch has that many tokens): a server
         # that samples up to n_seq_max rows per step then compiles one output size, not five
-        self.n_outputs_min = n_outputs_min
+        self.n_outputs_min = p.n_outputs_min
         self.abort_callback = abort_callback
         self.flash_attn = flash_attn       # False: the unfused attention path (kq_soft_max nodes)
         # interventions / captures (a GraphHook: llm.research.trace.GraphEdits) for the next decodes
         self.edits: GraphHook | None = None
-        self.memory = KVCache(model, n_ctx, n_seq_max, type_k, type_v, kv_bucket, n_ubatch=self.n_ubatch,
-                              swa_full=swa_full)
+        self.memory = KVCache(model, n_ctx, n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=self.n_ubatch,
+                              swa_full=p.swa_full)
         # one lock for the cache and the context: a decode and a sequence operation from
         # another thread take turns (each is short); outputs belong to the last decode
         self.lock = self.memory.lock
@@ -165,8 +190,8 @@ class Context:
         self._graphs: OrderedDict[GraphParams, tuple[GraphBuilder, Plan]] = OrderedDict()
         self._fingerprint: bytes | None = None
         self._perf = Perf(time.perf_counter())
-        if reserve:
-            self.reserve(reserve)
+        if p.reserve:
+            self.reserve(p.reserve)
 
     @locked
     def reserve(self, n_tokens: tuple[int, ...] = (1,), n_kv: tuple[int, ...] | None = None) -> int:

@@ -31,10 +31,12 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from llm.params import param
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
@@ -953,36 +955,84 @@ def _overlapping_token_sequences(token_pieces: Sequence[bytes], pattern: bytes,
 SAMPLER_TYPES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
+def _sampler_names(text: str) -> tuple[str, ...]:
+    """--samplers: names separated by ';' (llama.cpp's common_sampler_types_from_names)."""
+    return tuple(n for n in text.split(";") if n)
+
+
+def _breaker(text: str) -> tuple[str, ...]:
+    """--dry-sequence-breaker: one breaker; "none" clears them."""
+    return () if text == "none" else (text,)
+
+
+def _bias(text: str) -> dict[int, float]:
+    """--logit-bias TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-1."""
+    for i in range(1, len(text)):
+        if text[i] in "+-" and text[:i].isdigit():
+            try:
+                bias = float(text[i + 1:])
+            except ValueError:
+                break
+            return {int(text[:i]): bias if text[i] == "+" else -bias}
+    raise ValueError(f"--logit-bias {text!r}: expected TOKEN_ID(+/-)BIAS, e.g. 15043+1")
+
+
 @dataclass
 class SamplingParams:
-    """common_params_sampling: what the default chain is built from (llama.cpp's defaults)."""
+    """common_params_sampling: what the default chain is built from, with llama.cpp's defaults.
 
-    seed: int = LLAMA_DEFAULT_SEED
-    min_keep: int = 0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.10
-    typ_p: float = 1.0
-    temp: float = 0.80
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    penalty_last_n: int = 64
-    penalty_repeat: float = 1.0
-    penalty_freq: float = 0.0
-    penalty_present: float = 0.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 64
-    mirostat: int = 0
-    top_n_sigma: float = -1.0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
-    samplers: tuple[str, ...] = SAMPLER_TYPES
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    Each field is declared once with its llama.cpp flag and llama-server request name (see
+    llm/params.py): the CLI, `LLM.generate`'s keyword arguments and the server's request fields
+    come from here. A seed of -1 or LLAMA_DEFAULT_SEED draws a random one."""
+
+    seed: int = param(LLAMA_DEFAULT_SEED, flags=("-s", "--seed"), lo=-1, hi=0xFFFFFFFF,
+                      help="RNG seed; -1 or 4294967295 = a random seed")
+    min_keep: int = param(0, flags=("--min-keep",), lo=0, help="tokens each sampler keeps at least (0 = off)")
+    top_k: int = param(40, flags=("--top-k",), help="top-k sampling (<= 0 = off)")
+    top_p: float = param(0.95, flags=("--top-p",), lo=0.0, hi=1.0, help="top-p sampling (1.0 = off)")
+    min_p: float = param(0.05, flags=("--min-p",), lo=0.0, hi=1.0, help="min-p sampling (0.0 = off)")
+    xtc_probability: float = param(0.0, flags=("--xtc-probability",), lo=0.0, hi=1.0,
+                                   help="xtc probability (0.0 = off)")
+    xtc_threshold: float = param(0.10, flags=("--xtc-threshold",), lo=0.0, hi=1.0,
+                                 help="xtc threshold (> 0.5 = off)")
+    typ_p: float = param(1.0, flags=("--typical", "--typical-p"), name="typical_p", lo=0.0,
+                         help="locally typical sampling, parameter p (1.0 = off)")
+    temp: float = param(0.80, flags=("--temp", "--temperature"), name="temperature", lo=0.0,
+                        help="temperature (0 = greedy)")
+    dynatemp_range: float = param(0.0, flags=("--dynatemp-range",), lo=0.0,
+                                  help="dynamic temperature range (0.0 = off)")
+    dynatemp_exponent: float = param(1.0, flags=("--dynatemp-exp",), name="dynatemp_exponent",
+                                     help="dynamic temperature exponent")
+    penalty_last_n: int = param(64, flags=("--repeat-last-n",), name="repeat_last_n", lo=-1,
+                                help="last n tokens to consider for the penalties (0 = off, -1 = context size)")
+    penalty_repeat: float = param(1.0, flags=("--repeat-penalty",), name="repeat_penalty", lo=0.0,
+                                  help="penalize repeated tokens (1.0 = off)")
+    penalty_freq: float = param(0.0, flags=("--frequency-penalty",), name="frequency_penalty",
+                                help="repeat alpha frequency penalty (0.0 = off)")
+    penalty_present: float = param(0.0, flags=("--presence-penalty",), name="presence_penalty",
+                                   help="repeat alpha presence penalty (0.0 = off)")
+    dry_multiplier: float = param(0.0, flags=("--dry-multiplier",), lo=0.0, help="DRY sampling multiplier (0.0 = off)")
+    dry_base: float = param(1.75, flags=("--dry-base",), lo=0.0, help="DRY sampling base value (below 1 = off)")
+    dry_allowed_length: int = param(2, flags=("--dry-allowed-length",), lo=0, help="allowed length for DRY sampling")
+    dry_penalty_last_n: int = param(64, flags=("--dry-penalty-last-n",), lo=-1,
+                                    help="DRY penalty for the last n tokens (0 = off, -1 = context size)")
+    mirostat: int = param(0, flags=("--mirostat",), lo=0, hi=2,
+                          help="Mirostat sampling (0 = off, 1 = Mirostat, 2 = Mirostat 2.0); replaces the chain")
+    top_n_sigma: float = param(-1.0, flags=("--top-nsigma", "--top-n-sigma"), help="top-n-sigma sampling (-1.0 = off)")
+    mirostat_tau: float = param(5.0, flags=("--mirostat-ent",), lo=0.0, help="Mirostat target entropy, parameter tau")
+    mirostat_eta: float = param(0.1, flags=("--mirostat-lr",), lo=0.0, help="Mirostat learning rate, parameter eta")
+    dry_sequence_breakers: tuple[str, ...] = param(
+        ("\n", ":", "\"", "*"), flags=("--dry-sequence-breaker",), parse=_breaker, append=True, metavar="STRING",
+        help="a sequence breaker for DRY sampling (repeatable; replaces the defaults; \"none\" = no breakers)")
+    samplers: tuple[str, ...] = param(SAMPLER_TYPES, flags=("--samplers",), parse=_sampler_names, choices=SAMPLER_TYPES,
+                                      metavar="SAMPLERS", help="samplers in order, separated by ';'")
+    logit_bias: dict[int, float] = param(default_factory=dict, flags=("-l", "--logit-bias"), parse=_bias,
+                                         append=True, metavar="TOKEN_ID(+/-)BIAS",
+                                         help="change the likelihood of a token (repeatable)")
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:
+            self.seed = LLAMA_DEFAULT_SEED
 
 
 class SamplerChain(Sampler):
