@@ -1,0 +1,361 @@
+"""Typed request parsing for the HTTP routes: a JSON body in, a checked dataclass (or an
+APIError naming the bad field) out.
+
+The field readers (`_int`, `_num`, `_bool`, `_stop`, `_logit_bias`) check one field each;
+`gen_params` reads the generation fields every completion-style route shares. Each route's
+body has a dataclass with a `parse` classmethod (ChatCompletionRequest, CompletionRequest,
+EmbeddingRequest, TokenizeRequest, DetokenizeRequest), so a handler only sees checked values.
+Another API's shape (Anthropic's /v1/messages, say) gets its own dataclass next to these,
+built from the same readers.
+
+Parsers that tokenize take the tokenizer as an argument and are called off the event loop.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from llm.errors import GrammarError
+from llm.sampling import structured as grammar_mod
+from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplingParams
+from llm.serving.batcher import MAX_TOP_LOGPROBS, GenParams
+
+MAX_BODY_BYTES = 8 << 20
+MAX_STOP = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+Tokenize = Callable[[str], list[int]]
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+def bad(param: str, message: str) -> APIError:
+    """A 400 for the request field `param`."""
+    return APIError(400, message, param=param)
+
+
+
+async def read_json(request: Request) -> dict:
+    """The JSON object in the body; 413 past MAX_BODY_BYTES, 400 when it is not JSON."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {size} bytes is over the {MAX_BODY_BYTES} byte limit",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is over the {MAX_BODY_BYTES} byte limit", code="request_too_large")
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON in the request body: {e}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return obj
+
+
+# ---- request fields ----------------------------------------------------------------------
+
+def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"'{name}' must be an integer, got {json.dumps(v)[:50]}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(name, f"'{name}' must be {rng}, got {v}")
+    return v
+
+
+def _num(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(name, f"'{name}' must be a number, got {json.dumps(v)[:50]}")
+    if not lo <= v <= hi:
+        raise bad(name, f"'{name}' must be in [{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"'{name}' must be a boolean, got {json.dumps(v)[:50]}")
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", "'stop' must be a string or a list of strings")
+    if len(stops) > MAX_STOP:
+        raise bad("stop", f"'stop' has {len(stops)} strings; at most {MAX_STOP}")
+    return [s for s in stops if s]
+
+
+def _logit_bias(body: dict, n_vocab: int) -> dict[int, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "'logit_bias' must be an object mapping token ids to numbers")
+    out = {}
+    for k, b in v.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise bad("logit_bias", f"'logit_bias' key {k!r} is not a token id") from None
+        if not 0 <= tok < n_vocab:
+            raise bad("logit_bias", f"'logit_bias' token {tok} is out of range [0, {n_vocab})")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"'logit_bias' value for {k} must be a number in [-100, 100]")
+        out[tok] = float(b)
+    return out
+
+
+def check_model(body: dict, names: Collection[str], model_name: str) -> None:
+    """`model`, when given, must name this server's model (`model_name` or an alias in `names`)."""
+    m = body.get("model")
+    if m is None:
+        return
+    if not isinstance(m, str):
+        raise bad("model", "'model' must be a string")
+    if m not in names:
+        raise APIError(400, f"the model '{m}' does not exist; this server has '{model_name}'",
+                       param="model", code="model_not_found")
+
+
+def stream_fields(body: dict) -> tuple[bool, bool]:
+    """`stream` and `stream_options.include_usage`."""
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options", "'stream_options' must be an object")
+    include_usage = _bool(opts or {}, "include_usage", False)
+    return stream, include_usage
+
+
+# ---- generation --------------------------------------------------------------------------
+
+def sampling_params(body: dict, n_vocab: int) -> SamplingParams:
+    """SamplingParams from the OpenAI fields and llama.cpp's top_k, min_p, repeat_penalty."""
+    seed = _int(body, "seed", None)
+    return SamplingParams(
+        seed=LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF,
+        temp=_num(body, "temperature", 0.8, 0.0, 2.0),
+        top_p=_num(body, "top_p", 0.95, 0.0, 1.0),
+        top_k=_int(body, "top_k", 40, lo=0),
+        min_p=_num(body, "min_p", 0.05, 0.0, 1.0),
+        penalty_repeat=_num(body, "repeat_penalty", 1.0, 0.0, 10.0),
+        penalty_freq=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        penalty_present=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body, n_vocab))
+
+
+def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenParams:
+    """GenParams from the OpenAI fields: length, choices, logprobs (chat's or the legacy
+    completions' spelling), sampling, response_format and stop."""
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, None if chat else 16, lo=1)
+    n = _int(body, "n", 1, lo=1)
+    if n > n_slots:
+        raise bad("n", f"'n' = {n} is more than the server's {n_slots} slots")
+    if chat:
+        logprobs = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+        if top and not logprobs:
+            raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    else:
+        top = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+        logprobs = top is not None
+        top = top or 0
+    sampling = sampling_params(body, n_vocab)
+    try:
+        constraint = grammar_mod.spec_response_format(body.get("response_format"))
+    except GrammarError as e:
+        raise bad("response_format", f"'response_format' is invalid: {e}") from None
+    return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
+                     top_logprobs=top, constraint=constraint)
+
+
+# ---- inputs ------------------------------------------------------------------------------
+
+def _token_list(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int) -> list[list[int]]:
+    """`input` as a string, a list of token ids, or a list of strings / token lists."""
+    v = body.get("input")
+    err = bad("input", "'input' must be a non-empty string, a list of token ids, or a list of those")
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise err
+    if _token_list(v):
+        v = [v]
+    out = []
+    for x in v:
+        if isinstance(x, str) and x:
+            out.append(tokenize(x))
+        elif _token_list(x):
+            if not all(0 <= t < n_vocab for t in x):
+                raise bad("input", f"'input' token ids must be in [0, {n_vocab})")
+            out.append(list(x))
+        else:
+            raise err
+    return out
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`messages` as {role, content} dicts; content parts joined, `developer` read as `system`."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                              f"got {json.dumps(role)[:50]}")
+        if isinstance(content, list):   # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content", f"messages[{i}].content parts must be "
+                                                     "{\"type\": \"text\", \"text\": string}")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def completion_prompts(body: dict, tokenize: Tokenize) -> list[list[int]]:
+    """`prompt` as a string, a list of token ids, or a list of either (one job each)."""
+    p = body.get("prompt")
+    err = bad("prompt", "'prompt' must be a string, a list of token ids, or a list of strings / token lists")
+    if isinstance(p, str):
+        return [tokenize(p)]
+    if not isinstance(p, list) or not p:
+        raise err
+    if _token_list(p):
+        return [list(p)]
+    out = []
+    for x in p:
+        if isinstance(x, str):
+            out.append(tokenize(x))
+        elif _token_list(x):
+            out.append(list(x))
+        else:
+            raise err
+    return out
+
+
+# ---- one dataclass per route -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    """POST /v1/chat/completions."""
+
+    messages: list[dict]
+    params: GenParams
+    stream: bool
+    include_usage: bool
+    cache_prompt: bool
+
+    @classmethod
+    def parse(cls, body: dict, *, n_slots: int, n_vocab: int) -> ChatCompletionRequest:
+        messages = chat_messages(body)
+        params = gen_params(body, chat=True, n_slots=n_slots, n_vocab=n_vocab)
+        stream, include_usage = stream_fields(body)
+        return cls(messages, params, stream, include_usage, _bool(body, "cache_prompt", False))
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """POST /v1/completions: one job per prompt. Tokenizes: parse it off the event loop."""
+
+    prompts: list[list[int]]
+    params: GenParams
+    stream: bool
+    include_usage: bool
+    cache_prompt: bool
+
+    @classmethod
+    def parse(cls, body: dict, tokenize: Tokenize, *, n_slots: int, n_vocab: int) -> CompletionRequest:
+        params = gen_params(body, chat=False, n_slots=n_slots, n_vocab=n_vocab)
+        stream, include_usage = stream_fields(body)
+        prompts = completion_prompts(body, tokenize)
+        return cls(prompts, params, stream, include_usage, _bool(body, "cache_prompt", False))
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """POST /v1/embeddings. Tokenizes: parse it off the event loop."""
+
+    inputs: list[list[int]]
+    encoding_format: str        # "float" or "base64"
+
+    @classmethod
+    def parse(cls, body: dict, tokenize: Tokenize, *, n_vocab: int) -> EmbeddingRequest:
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise bad("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {json.dumps(fmt)[:50]}")
+        return cls(embedding_inputs(body, tokenize, n_vocab), fmt)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """POST /tokenize (llama-server's)."""
+
+    content: str
+    add_special: bool
+    with_pieces: bool
+
+    @classmethod
+    def parse(cls, body: dict) -> TokenizeRequest:
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise bad("content", "'content' must be a string")
+        return cls(content, _bool(body, "add_special", False), _bool(body, "with_pieces", False))
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """POST /detokenize (llama-server's)."""
+
+    tokens: list[int]
+
+    @classmethod
+    def parse(cls, body: dict, *, n_vocab: int) -> DetokenizeRequest:
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t < n_vocab for t in toks):
+            raise bad("tokens", f"'tokens' must be a list of token ids in [0, {n_vocab})")
+        return cls(toks)

@@ -1,0 +1,221 @@
+"""The HTTP routes, one module-level handler each, on one APIRouter.
+
+A handler reaches the model, the engine and the server's settings through
+`request.app.state.server` (a ServerState, set by create_app), parses its body into a
+dataclass from llm.serving.requests, and raises APIError for anything it answers with an
+error. Work on the Context goes to the engine thread: `engine.call(fn)` for one-off calls
+(slot save/restore), a Run of Jobs for generation. docs/adding-a-route.md says how to add one.
+"""
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from llm.chat.templates import ChatTemplateError
+from llm.errors import StateError
+from llm.serving.batcher import Engine, GenParams, SlotBusy, SlotNotFound
+from llm.serving.completions import Choices, Run, chunks, collect, piece
+from llm.serving.requests import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    bad,
+    check_model,
+    read_json,
+)
+from llm.serving.sse import sse_response
+from llm.state import slot_path
+
+if TYPE_CHECKING:
+    from llm.api import LLM
+
+router = APIRouter()
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the routes share: `llm` (an llm.LLM: vocab, chat template, embeddings), the
+    `engine` running on llm.ctx, the model's names, the API key and the slot file directory."""
+
+    llm: LLM
+    engine: Engine
+    model_name: str
+    aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    slot_save_path: str | Path | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    embed_lock: threading.Lock = field(default_factory=threading.Lock)   # LLM.embed builds its context on first use
+
+    @property
+    def vocab(self):
+        return self.llm.vocab
+
+    def check_model(self, body: dict) -> None:
+        check_model(body, {self.model_name, *self.aliases}, self.model_name)
+
+    def tokenize(self, text: str) -> list[int]:
+        """A prompt's tokens (special tokens added and parsed)."""
+        return self.vocab.tokenize(text, True, True)
+
+    def embed(self, tokens: list[list[int]]) -> np.ndarray:
+        with self.embed_lock:
+            return self.llm.embed(tokens, normalize=True)
+
+
+def server_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# ---- server state and slots --------------------------------------------------------------
+
+@router.get("/health")
+async def health(request: Request):
+    snap = server_of(request).engine.snapshot
+    return {"status": "ok", **{k: v for k, v in snap.items() if k != "slots"}}
+
+
+@router.get("/slots")
+async def slots(request: Request):
+    return server_of(request).engine.snapshot["slots"]
+
+
+@router.post("/slots/{slot}")
+async def slot_action(slot: str, request: Request, action: str = ""):
+    """llama-server's slot save/restore: the slot's cells to or from a file in --slot-save-path."""
+    server = server_of(request)
+    if not slot.isdigit():
+        raise APIError(404, f"slot {slot!r} does not exist", param="id_slot", code="slot_not_found")
+    slot_id = int(slot)
+    if action not in ("save", "restore"):
+        raise bad("action", f"'action' must be 'save' or 'restore', got {action!r}")
+    if server.slot_save_path is None:
+        raise APIError(400, "slot save/restore is off: start the server with --slot-save-path DIR",
+                       code="not_supported")
+    body = await read_json(request)
+    filename = body.get("filename")
+    try:
+        path = slot_path(server.slot_save_path, filename)      # type: ignore[arg-type]
+    except StateError as e:
+        raise bad("filename", str(e)) from None
+    t0 = time.perf_counter()
+    try:
+        if action == "save":
+            n = await run_in_threadpool(server.engine.call, lambda b: b.save_slot(slot_id, path))
+        else:
+            n = await run_in_threadpool(server.engine.call, lambda b: b.restore_slot(slot_id, path))
+    except SlotNotFound as e:
+        raise APIError(404, str(e), param="id_slot", code="slot_not_found") from None
+    except SlotBusy as e:
+        raise APIError(409, str(e), param="id_slot", code="slot_busy") from None
+    except (StateError, OSError) as e:
+        raise bad("filename", f"{action} failed: {e}") from None
+    ms = (time.perf_counter() - t0) * 1000
+    key = "n_saved" if action == "save" else "n_restored"
+    return {"id_slot": slot_id, "filename": filename, key: n,
+            "timings": {("save_ms" if action == "save" else "restore_ms"): ms}}
+
+
+# ---- models, embeddings, tokens ----------------------------------------------------------
+
+@router.get("/v1/models")
+async def models(request: Request):
+    server = server_of(request)
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                        "owned_by": "ggmlx"}]}
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    server = server_of(request)
+    body = await read_json(request)
+    server.check_model(body)
+    req = await run_in_threadpool(EmbeddingRequest.parse, body, server.tokenize, n_vocab=server.vocab.n_tokens)
+    try:
+        vecs = await run_in_threadpool(server.embed, req.inputs)
+    except ValueError as e:
+        raise bad("input", str(e)) from None
+    data = []
+    for i, v in enumerate(vecs):
+        emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    n_tok = sum(map(len, req.inputs))
+    return {"object": "list", "data": data, "model": server.model_name,
+            "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    vocab = server_of(request).vocab
+    req = TokenizeRequest.parse(await read_json(request))
+    toks = await run_in_threadpool(vocab.tokenize, req.content, req.add_special, True)
+    if req.with_pieces:
+        return {"tokens": [{"id": t, "piece": piece(vocab.token_to_piece(t, special=True))} for t in toks]}
+    return {"tokens": toks}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    vocab = server_of(request).vocab
+    req = DetokenizeRequest.parse(await read_json(request), n_vocab=vocab.n_tokens)
+    return {"content": vocab.detokenize(req.tokens)}
+
+
+# ---- generation --------------------------------------------------------------------------
+
+def check_prompt_length(server: ServerState, tokens: list[int], param: str) -> None:
+    n_ctx_slot = server.engine.batcher.n_ctx_slot
+    if len(tokens) >= n_ctx_slot:
+        raise APIError(400, f"the prompt has {len(tokens)} tokens; a slot holds {n_ctx_slot}",
+                       param=param, code="context_length_exceeded")
+
+
+async def generate(request: Request, server: ServerState, prompts: list[list[int]], params: GenParams, *,
+                   chat: bool, stream: bool, include_usage: bool, cache_prompt: bool):
+    """Run one job per prompt; the completion as one JSON object, or streamed as SSE."""
+    run = Run(server.engine, prompts, params, cache_prompt)
+    pending = await run.start(request)
+    choices = Choices(len(prompts), params, chat=chat, stream=stream, vocab=server.vocab,
+                      model_name=server.model_name)
+    if stream:
+        return sse_response(chunks(request, run, choices, pending, include_usage), run.cancel)
+    return JSONResponse(await collect(request, run, choices, pending))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    server = server_of(request)
+    body = await read_json(request)
+    server.check_model(body)
+    req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens)
+    try:
+        tokens = await run_in_threadpool(server.llm.chat_tokens, req.messages)
+    except ChatTemplateError as e:
+        raise bad("messages", f"the chat template failed for these messages: {e}") from None
+    check_prompt_length(server, tokens, "messages")
+    return await generate(request, server, [tokens], req.params, chat=True, stream=req.stream,
+                          include_usage=req.include_usage, cache_prompt=req.cache_prompt)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    server = server_of(request)
+    body = await read_json(request)
+    server.check_model(body)
+    req = await run_in_threadpool(CompletionRequest.parse, body, server.tokenize,
+                                  n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens)
+    for p in req.prompts:
+        check_prompt_length(server, p, "prompt")
+    return await generate(request, server, req.prompts, req.params, chat=False, stream=req.stream,
+                          include_usage=req.include_usage, cache_prompt=req.cache_prompt)
