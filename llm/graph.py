@@ -1,11 +1,13 @@
 """Graph building for llm (llm_graph_context): graph inputs with set_input / can_reuse, and
 the shared blocks every architecture uses (build_inp_embd, build_norm, build_attn, build_ffn,
-build_moe_ffn). Architecture files in llm/models/ call these and name every intermediate
+build_moe_ffn) with their options as enums (LLMNormType, LLMFfnOpType, LLMFfnGateType, as in
+llama-graph.h). Architecture files in llm/models/ call these and name every intermediate
 through `cb`, so dumps and eval callbacks find `attn_norm-3`, `Qcur-3`, `l_out-3`, ..."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, assert_never
 
 import numpy as np
 
@@ -14,7 +16,7 @@ from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.errors import ModelLoadError
-from llm.hparams import HParams, RopeScalingType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType
 from llm.layer import Layer
 
 if TYPE_CHECKING:
@@ -23,6 +25,49 @@ if TYPE_CHECKING:
     from llm.model import Model
 
 F32, I32 = GGMLType.F32, GGMLType.I32
+
+
+# The block options of llama-graph.h. Members are llama.cpp's names without the enum's common
+# prefix (LLM_NORM_RMS -> LLMNormType.RMS, LLM_NORM -> NORM, LLM_FFN_SILU -> LLMFfnOpType.SILU,
+# LLM_FFN_PAR -> LLMFfnGateType.PAR), only those the builders implement. Plain Enums: their
+# values mean nothing outside this module, and unlike IntEnums no int or member of another
+# option compares equal to them. Each builder checks its options with _option.
+
+class LLMNormType(enum.Enum):
+    """llm_norm_type: the normalization of build_norm (LLM_NORM_GROUP has no op here)."""
+
+    NORM = enum.auto()   # LayerNorm: mean and variance over ne0, hparams.f_norm_eps
+    RMS = enum.auto()    # RMSNorm: root mean square over ne0, hparams.f_norm_rms_eps
+
+
+class LLMFfnOpType(enum.Enum):
+    """llm_ffn_op_type: the activation of build_ffn / build_moe_ffn (LLM_FFN_RELU, RELU_SQR and
+    REGLU have no op here)."""
+
+    SILU = enum.auto()             # silu; with a parallel gate SwiGLU, silu(gate x) * up x
+    GELU = enum.auto()             # gelu; with a parallel gate GeGLU
+    SWIGLU = enum.auto()           # silu(g) * u of a fused ffn_up whose rows are [g; u] (Phi-3)
+    GEGLU = enum.auto()            # gelu(g) * u of a fused ffn_up
+    SWIGLU_OAI_MOE = enum.auto()   # gpt-oss's clamped SwiGLU (alpha 1.702, limit 7); parallel gate
+
+
+class LLMFfnGateType(enum.Enum):
+    """llm_ffn_gate_type: how ffn_gate meets ffn_up in build_ffn."""
+
+    SEQ = enum.auto()   # no ffn_gate: act(up x) (here llama.cpp's gate(up x) is not supported)
+    PAR = enum.auto()   # ffn_gate parallel to ffn_up: act(gate x) * up x
+
+
+def _option(arg: str, value: object, kind: type[enum.Enum]) -> None:
+    """A builder's option must be a member of its enum: a string, an int or another option's
+    member is a caller's bug, reported by argument and value rather than taking a branch."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{arg} must be an {kind.__name__}, not {value!r}")
+
+
+def _unsupported(builder: str, arg: str, value: enum.Enum, why: str) -> ValueError:
+    """A member the builder has no lowering for (or not with the other options given)."""
+    return ValueError(f"{builder}: {arg}={type(value).__name__}.{value.name} is not supported: {why}")
 
 
 class GraphHook(Protocol):
@@ -250,10 +295,17 @@ class GraphBuilder:
 
     # ---- blocks ----------------------------------------------------------------------
 
-    def build_norm(self, cur: Tensor, w: Tensor | None, b: Tensor | None, kind: str, il: int) -> Tensor:
-        """rms_norm or norm over ne0, then the optional weight and bias (LLM_NORM_*)."""
-        eps = self.hparams.f_norm_rms_eps if kind == "rms" else self.hparams.f_norm_eps
-        cur = self.cb(ops.rms_norm(cur, eps) if kind == "rms" else ops.norm(cur, eps), "norm", il)
+    def build_norm(self, cur: Tensor, w: Tensor | None, b: Tensor | None, type_norm: LLMNormType,
+                   il: int) -> Tensor:
+        """norm or rms_norm over ne0 (type_norm), then the optional weight and bias."""
+        _option("type_norm", type_norm, LLMNormType)
+        if type_norm is LLMNormType.NORM:
+            cur = ops.norm(cur, self.hparams.f_norm_eps)
+        elif type_norm is LLMNormType.RMS:
+            cur = ops.rms_norm(cur, self.hparams.f_norm_rms_eps)
+        else:
+            assert_never(type_norm)
+        self.cb(cur, "norm", il)
         if w is not None:
             cur = ops.mul(cur, w)
             if b is not None:
@@ -290,27 +342,49 @@ class GraphBuilder:
         return out[0], out[1], out[2]
 
     def build_ffn(self, cur: Tensor, up: Tensor | None, gate: Tensor | None, down: Tensor | None,
-                  act: str, il: int, *, up_b: Tensor | None = None, gate_b: Tensor | None = None,
-                  down_b: Tensor | None = None) -> Tensor:
-        """Parallel-gated FFN: down(act(gate x) * up x); act is "silu" or "gelu". Without a
-        gate, `up` may hold [gate; up] fused along its rows (Phi-3): down(act(g) * u);
-        otherwise it is sequential: down(act(up x)). Each projection may have a bias."""
+                  type_op: LLMFfnOpType, type_gate: LLMFfnGateType, il: int, *, up_b: Tensor | None = None,
+                  gate_b: Tensor | None = None, down_b: Tensor | None = None) -> Tensor:
+        """down(act(gate x) * up x) with a parallel gate (type_gate PAR: SILU, GELU or
+        SWIGLU_OAI_MOE), down(act(up x)) without one (SEQ: SILU, GELU, or SWIGLU / GEGLU of an
+        ffn_up that holds [gate; up] fused along its rows, Phi-3). Each projection may have a
+        bias."""
+        _option("type_op", type_op, LLMFfnOpType)
+        _option("type_gate", type_gate, LLMFfnGateType)
         up, down = self.need(up, "ffn_up", il), self.need(down, "ffn_down", il)
         tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
         if up_b is not None:
             tmp = self.cb(ops.add(tmp, up_b), "ffn_up_b", il)
-        if gate is not None:
-            g = self.cb(ops.mul_mat(gate, cur), "ffn_gate", il)
+        if type_gate is LLMFfnGateType.PAR:
+            g = self.cb(ops.mul_mat(self.need(gate, "ffn_gate", il), cur), "ffn_gate", il)
             if gate_b is not None:
                 g = self.cb(ops.add(g, gate_b), "ffn_gate_b", il)
-            cur = ops.swiglu_split(g, tmp) if act == "silu" else ops.geglu_split(g, tmp)
-            self.cb(cur, "ffn_swiglu" if act == "silu" else "ffn_geglu", il)
-        elif tmp.ne[0] == 2 * down.ne[0]:
-            cur = ops.swiglu(tmp) if act == "silu" else ops.geglu(tmp)
-            self.cb(cur, "ffn_swiglu" if act == "silu" else "ffn_geglu", il)
+            if type_op is LLMFfnOpType.SILU:
+                cur = self.cb(ops.swiglu_split(g, tmp), "ffn_swiglu", il)
+            elif type_op is LLMFfnOpType.GELU:
+                cur = self.cb(ops.geglu_split(g, tmp), "ffn_geglu", il)
+            elif type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
+                cur = self.cb(ops.swiglu_oai(g, tmp, 1.702, 7.0), "ffn_swiglu_oai", il)
+            elif type_op is LLMFfnOpType.SWIGLU or type_op is LLMFfnOpType.GEGLU:
+                raise _unsupported("build_ffn", "type_op", type_op, "its gate is fused into ffn_up (type_gate SEQ)")
+            else:
+                assert_never(type_op)
+        elif type_gate is LLMFfnGateType.SEQ:
+            if gate is not None:
+                raise _unsupported("build_ffn", "type_gate", type_gate, "a sequential FFN has no ffn_gate here")
+            if type_op is LLMFfnOpType.SILU:
+                cur = self.cb(ops.silu(tmp), "ffn_silu", il)
+            elif type_op is LLMFfnOpType.GELU:
+                cur = self.cb(ops.gelu(tmp), "ffn_gelu", il)
+            elif type_op is LLMFfnOpType.SWIGLU:
+                cur = self.cb(ops.swiglu(tmp), "ffn_swiglu", il)
+            elif type_op is LLMFfnOpType.GEGLU:
+                cur = self.cb(ops.geglu(tmp), "ffn_geglu", il)
+            elif type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
+                raise _unsupported("build_ffn", "type_op", type_op, "it needs a parallel gate (type_gate PAR)")
+            else:
+                assert_never(type_op)
         else:
-            cur = ops.silu(tmp) if act == "silu" else ops.gelu(tmp)
-            self.cb(cur, "ffn_silu" if act == "silu" else "ffn_gelu", il)
+            assert_never(type_gate)
         cur = self.cb(ops.mul_mat(down, cur), "ffn_down", il)
         if down_b is not None:       # as llama.cpp: the biased result is the caller's to name
             cur = ops.add(cur, down_b)
@@ -318,17 +392,20 @@ class GraphBuilder:
 
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
-                      n_expert_used: int, norm_w: bool, il: int, *, gate_inp_b: Tensor | None = None,
+                      n_expert_used: int, type_op: LLMFfnOpType, norm_w: bool,
+                      gating_op: ExpertGatingFuncType, il: int, *, gate_inp_b: Tensor | None = None,
                       up_exps_b: Tensor | None = None, gate_exps_b: Tensor | None = None,
-                      down_exps_b: Tensor | None = None, gating: str = "softmax", act: str = "silu",
-                      weight_before_ffn: bool = False) -> Tensor:
-        """Mixture of experts (build_moe_ffn). gating "softmax": weights are the softmax
-        probabilities of the chosen experts (renormalized when norm_w); "softmax_weight"
-        (gpt-oss): experts chosen by raw logits, their logits softmaxed; "sigmoid" (llama4):
-        experts chosen by raw logits, weighted by their sigmoid. act "silu" (SwiGLU) or
-        "swiglu_oai" (gpt-oss's clamped SwiGLU, alpha 1.702, limit 7). Router and expert
-        biases are optional (the expert biases indexed by the chosen experts: ggml_add_id).
-        weight_before_ffn (llama4) scales each expert's input instead of its output."""
+                      down_exps_b: Tensor | None = None, weight_before_ffn: bool = False) -> Tensor:
+        """Mixture of experts (build_moe_ffn). gating_op SOFTMAX: weights are the softmax
+        probabilities of the chosen experts (renormalized when norm_w); SOFTMAX_WEIGHT
+        (gpt-oss): experts chosen by raw logits, their logits softmaxed; SIGMOID (llama4):
+        experts chosen by raw logits, weighted by their sigmoid. Every expert is gated in
+        parallel: type_op SILU (SwiGLU), GELU (GeGLU) or SWIGLU_OAI_MOE (gpt-oss's clamped
+        SwiGLU). Router and expert biases are optional (the expert biases indexed by the chosen
+        experts: ggml_add_id). weight_before_ffn (llama4) scales each expert's input instead of
+        its output."""
+        _option("type_op", type_op, LLMFfnOpType)
+        _option("gating_op", gating_op, ExpertGatingFuncType)
         gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
         up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
         down_exps = self.need(down_exps, "ffn_down_exps", il)
@@ -336,18 +413,21 @@ class GraphBuilder:
         logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
         if gate_inp_b is not None:
             logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
-        if gating == "softmax_weight":
-            probs = logits
-        elif gating == "sigmoid":
-            probs = ops.sigmoid(logits)
+        if gating_op is ExpertGatingFuncType.SOFTMAX:
+            probs = selection = ops.soft_max(logits)
+        elif gating_op is ExpertGatingFuncType.SIGMOID:
+            probs, selection = ops.sigmoid(logits), logits
+        elif gating_op is ExpertGatingFuncType.SOFTMAX_WEIGHT:
+            probs = selection = logits
+        elif gating_op is ExpertGatingFuncType.NONE:
+            raise _unsupported("build_moe_ffn", "gating_op", gating_op, "it means unset, not a gating function")
         else:
-            probs = ops.soft_max(logits)
+            assert_never(gating_op)
         self.cb(probs, "ffn_moe_probs", il)
-        selection = logits if gating == "sigmoid" else probs
         selected = self.cb(ops.top_k(selection, n_expert_used), "ffn_moe_topk", il)
         w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         self.cb(w, "ffn_moe_weights", il)
-        if gating == "softmax_weight":
+        if gating_op is ExpertGatingFuncType.SOFTMAX_WEIGHT:
             w = ops.reshape_3d(ops.soft_max(ops.reshape_2d(w, n_expert_used, n_tokens)), 1, n_expert_used, n_tokens)
             self.cb(w, "ffn_moe_weights_softmax", il)
         if norm_w:
@@ -375,10 +455,16 @@ class GraphBuilder:
         up = add_id(up, up_exps_b, "ffn_moe_up_biased")
         gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
         gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
-        if act == "swiglu_oai":
-            par = self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), "ffn_moe_swiglu_oai", il)
-        else:
+        if type_op is LLMFfnOpType.SILU:
             par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_swiglu", il)
+        elif type_op is LLMFfnOpType.GELU:
+            par = self.cb(ops.geglu_split(gate, up), "ffn_moe_geglu", il)
+        elif type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
+            par = self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), "ffn_moe_swiglu_oai", il)
+        elif type_op is LLMFfnOpType.SWIGLU or type_op is LLMFfnOpType.GEGLU:
+            raise _unsupported("build_moe_ffn", "type_op", type_op, "experts have separate gate and up matrices")
+        else:
+            assert_never(type_op)
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
         experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
         if not weight_before_ffn:
@@ -460,13 +546,13 @@ class GraphBuilder:
             self.gf.build_forward_expand(cur)
         return cur
 
-    def build_output(self, cur: Tensor, final_softcap: float = 0.0, *, norm: str = "rms",
-                     logit_scale: float = 1.0) -> Tensor:
-        """result_norm -> result_output (logits [n_vocab, n_outputs]): the output norm ("rms",
-        or "norm" = LayerNorm) with the model's optional norm and output biases, logits
-        multiplied by `logit_scale`, soft-capped if asked."""
+    def build_output(self, cur: Tensor, final_softcap: float = 0.0, *,
+                     type_norm: LLMNormType = LLMNormType.RMS, logit_scale: float = 1.0) -> Tensor:
+        """result_norm -> result_output (logits [n_vocab, n_outputs]): the output norm
+        (type_norm) with the model's optional norm and output biases, logits multiplied by
+        `logit_scale`, soft-capped if asked."""
         m = self.model
-        cur = self.build_embd_output(self.build_norm(cur, m.output_norm, m.output_norm_b, norm, -1))
+        cur = self.build_embd_output(self.build_norm(cur, m.output_norm, m.output_norm_b, type_norm, -1))
         cur = ops.mul_mat(self.need(m.output, "output"), cur)
         if m.output_b is not None:
             cur = ops.add(cur, m.output_b)

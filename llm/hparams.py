@@ -74,6 +74,17 @@ class PoolingType(enum.IntEnum):
             raise ValueError(f"unknown pooling type {value!r} (known: none, mean, cls, last, rank)") from None
 
 
+class ExpertGatingFuncType(enum.IntEnum):
+    """llama_expert_gating_func_type: how a mixture of experts turns router logits into expert
+    weights (llm.graph's build_moe_ffn). IntEnum with llama.cpp's values, the ones GGUF's
+    `%s.expert_gating_func` stores; NONE means unset (llama.cpp's default), no function."""
+
+    NONE = 0
+    SOFTMAX = 1
+    SIGMOID = 2
+    SOFTMAX_WEIGHT = 3   # experts chosen by raw logits, the chosen logits softmaxed (gpt-oss)
+
+
 class SWAType(enum.IntEnum):
     """llama_swa_type: how a sliding-window layer masks old positions."""
 

@@ -1,6 +1,8 @@
-"""One repeating block's weights (llama_layer) and the tensor declarations most architectures
-share: the attention projections, a gated FFN, the token embeddings and the output head.
-An architecture's `load_tensors` (llm/models/<arch>.py) calls these and declares the rest."""
+"""One repeating block's weights (llama_layer) and the tensor declarations several
+architectures share: the attention projections, a gated FFN, the mixture-of-experts FFN (with
+the expert keys its shapes need), the LayerNorm block, the token embeddings and the output
+head. An architecture's `load_tensors` (llm/models/<arch>.py) calls these and declares the
+rest; architectures share declarations through this module, not through each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,10 +11,10 @@ from typing import TYPE_CHECKING
 import jax
 
 from ggmlx.tensor import Tensor
+from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.arch import tn
 from llm.hparams import HParams
-from llm.loader import ModelLoader, TensorFlag
+from llm.loader import GGUFMeta, ModelLoader, TensorFlag
 
 if TYPE_CHECKING:
     from llm.model import Model
@@ -104,6 +106,47 @@ def create_ffn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Dev
     layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
 
 
+def load_moe_hparams(hp: HParams, ml: GGUFMeta) -> None:
+    """The expert keys of the MoE architectures (qwen2moe, qwen3moe, gpt-oss), with llama.cpp's
+    load-time checks; an architecture's load_hparams calls it before create_experts needs them."""
+    hp.n_ff_exp = ml.get_key_or_arr(LLMKV.EXPERT_FEED_FORWARD_LENGTH, int, hp.n_layer, [0] * hp.n_layer)[0]
+    if hp.n_expert == 0:
+        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' must be > 0 for {ml.arch_name}")
+    if hp.n_expert_used == 0:
+        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}' must be > 0 for {ml.arch_name}")
+
+
+def create_experts(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+    """ffn_norm, the router and the stacked expert matrices [n_embd, n_ff_exp, n_expert]; an
+    expert is n_ff / n_expert_used wide when the file does not say."""
+    n_embd, n_exp = hp.n_embd, hp.n_expert
+    n_ff = hp.n_ff_exp if hp.n_ff_exp else hp.n_ff(il) // hp.n_expert_used
+    layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+    layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
+    layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+    layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
+    layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+
+
+def create_ln_block(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device, *,
+                    ffn_norm: bool) -> None:
+    """LayerNorm blocks (starcoder2, gpt2, phi2): attn_norm(+b), Q/K/V, wo + bias, ffn_norm(+b)
+    when the FFN has its own norm, and a sequential FFN with biases."""
+    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+    layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
+    layer.attn_norm_b = ml.create_tensor(tn(T.ATTN_NORM, "bias", il), (n_embd,), dev)
+    create_qkv(layer, ml, il, dev, n_embd, n_embd, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
+    layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (n_embd, n_embd), dev)
+    layer.bo = ml.create_tensor(tn(T.ATTN_OUT, "bias", il), (n_embd,), dev)
+    if ffn_norm:
+        layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
+        layer.ffn_norm_b = ml.create_tensor(tn(T.FFN_NORM, "bias", il), (n_embd,), dev)
+    layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+    layer.ffn_down_b = ml.create_tensor(tn(T.FFN_DOWN, "bias", il), (n_embd,), dev)
+    layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+    layer.ffn_up_b = ml.create_tensor(tn(T.FFN_UP, "bias", il), (n_ff,), dev)
+
+
 def create_embd_output(model: Model, ml: ModelLoader) -> None:
     """token_embd on the input device, then the output norm and projection."""
     hp = model.hparams
@@ -125,3 +168,10 @@ def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> N
         else:
             model.output = ml.create_tensor(tn(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), dev,
                                             TensorFlag.DUPLICATED)
+
+
+def create_ln_output(model: Model, ml: ModelLoader) -> None:
+    """token_embd, output_norm with bias, output (tied to token_embd when absent)."""
+    create_embd_output(model, ml)
+    model.output_norm_b = ml.create_tensor(tn(T.OUTPUT_NORM, "bias"), (model.hparams.n_embd,),
+                                           model.place.dev_output)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType
 from llm.layer import Layer, create_qkv
 from llm.loader import GGUFMeta, ModelLoader, TensorFlag
@@ -89,7 +89,7 @@ def build_encoder(g: GraphBuilder, *, rope: bool) -> None:
     if m.pos_embd is not None:
         inpL = ops.add(ops.get_rows(m.pos_embd, inp_pos), inpL)
     g.cb(inpL, "inp_embd")
-    inpL = g.cb(g.build_norm(inpL, m.tok_norm, m.tok_norm_b, "norm", -1), "inp_norm")
+    inpL = g.cb(g.build_norm(inpL, m.tok_norm, m.tok_norm_b, LLMNormType.NORM, -1), "inp_norm")
 
     inp_attn = g.build_attn_inp_kv()
     inp_out_ids = g.build_inp_out_ids()
@@ -105,16 +105,19 @@ def build_encoder(g: GraphBuilder, *, rope: bool) -> None:
             cur = ops.get_rows(cur, inp_out_ids)
             inpL = ops.get_rows(inpL, inp_out_ids)
         cur = ops.add(cur, inpL)
-        cur = g.cb(g.build_norm(cur, layer.attn_out_norm, layer.attn_out_norm_b, "norm", il), "attn_out_norm", il)
+        cur = g.build_norm(cur, layer.attn_out_norm, layer.attn_out_norm_b, LLMNormType.NORM, il)
+        cur = g.cb(cur, "attn_out_norm", il)
         ffn_inp = g.cb(cur, "ffn_inp", il)
         if layer.ffn_gate is not None:
-            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il)
+            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
+                              LLMFfnOpType.SILU, LLMFfnGateType.PAR, il)
         else:
-            cur = g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, "gelu", il,
+            cur = g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, LLMFfnOpType.GELU, LLMFfnGateType.SEQ, il,
                               up_b=layer.ffn_up_b, down_b=layer.ffn_down_b)
         g.cb(cur, "ffn_out", il)
         cur = ops.add(cur, ffn_inp)
-        inpL = g.cb(g.build_norm(cur, layer.layer_out_norm, layer.layer_out_norm_b, "norm", il), "l_out", il)
+        cur = g.build_norm(cur, layer.layer_out_norm, layer.layer_out_norm_b, LLMNormType.NORM, il)
+        inpL = g.cb(cur, "l_out", il)
 
     g.build_embd_output(inpL, "result_embd")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType, SWAType
 from llm.layer import Layer, create_attn, create_embd_output, create_ffn
 from llm.loader import GGUFMeta, ModelLoader
@@ -60,23 +60,24 @@ def build_graph(g: GraphBuilder) -> None:
 
     for il in range(hp.n_layer):
         layer = m.layers[il]
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
         q = g.cb(ops.scale(q, hp.f_attention_scale), "Qcur_scaled", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0, il, softcap=softcap)
-        cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, "rms", il), "attn_post_norm", il)
+        cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, LLMNormType.RMS, il), "attn_post_norm", il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:
             cur = ops.get_rows(cur, inp_out_ids)
             inpL = ops.get_rows(inpL, inp_out_ids)
         sa_out = g.cb(ops.add(cur, inpL), "sa_out", il)
 
-        cur = g.cb(g.build_norm(sa_out, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
-        cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "gelu", il), "ffn_out", il)
+        cur = g.cb(g.build_norm(sa_out, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
+        cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
+                               LLMFfnOpType.GELU, LLMFfnGateType.PAR, il), "ffn_out", il)
         # llama.cpp names these with il = -1: "norm" and "ffn_post_norm" (kept for the diff)
-        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", -1), "ffn_post_norm")
+        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, LLMNormType.RMS, -1), "ffn_post_norm")
         inpL = g.cb(ops.add(cur, sa_out), "l_out", il)
 
     g.build_output(inpL, final_softcap=hp.f_final_logit_softcapping)

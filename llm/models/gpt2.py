@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType
-from llm.layer import Layer
+from llm.layer import Layer, create_ln_block, create_ln_output
 from llm.loader import GGUFMeta, ModelLoader
-from llm.models.starcoder2 import create_ln_block, create_ln_output
 
 if TYPE_CHECKING:
     from llm.model import Model
@@ -48,7 +47,7 @@ def build_graph(g: GraphBuilder) -> None:
 
     for il in range(hp.n_layer):
         layer = m.layers[il]
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, "norm", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, LLMNormType.NORM, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         cur = g.build_attn(inp_attn, layer.wo, layer.bo, q, k, v, kq_scale, il)
         if il == hp.n_layer - 1 and inp_out_ids is not None:
@@ -56,10 +55,10 @@ def build_graph(g: GraphBuilder) -> None:
             inpL = ops.get_rows(inpL, inp_out_ids)
         ffn_inp = g.cb(ops.add(cur, inpL), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, layer.ffn_norm_b, "norm", il), "ffn_norm", il)
-        cur = g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, "gelu", il,
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, layer.ffn_norm_b, LLMNormType.NORM, il), "ffn_norm", il)
+        cur = g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, LLMFfnOpType.GELU, LLMFfnGateType.SEQ, il,
                           up_b=layer.ffn_up_b, down_b=layer.ffn_down_b)
         g.cb(cur, "ffn_out", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
-    g.build_output(inpL, norm="norm")
+    g.build_output(inpL, type_norm=LLMNormType.NORM)

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
-from llm.hparams import HParams, RopeType, SWAType, load_swa_pattern
-from llm.layer import Layer, create_qkv
+from llm.graph import GraphBuilder, LLMFfnOpType, LLMNormType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeType, SWAType, load_swa_pattern
+from llm.layer import Layer, create_qkv, load_moe_hparams
 from llm.loader import GGUFMeta, ModelLoader
-from llm.models.qwen3moe import load_moe_hparams
 
 if TYPE_CHECKING:
     from llm.model import Model
@@ -75,7 +74,7 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         inpSA = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
@@ -85,11 +84,12 @@ def build_graph(g: GraphBuilder) -> None:
             inpSA = ops.get_rows(inpSA, inp_out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.attn_post_norm, None, "rms", il), "attn_post_norm", il)
+        cur = g.cb(g.build_norm(ffn_inp, layer.attn_post_norm, None, LLMNormType.RMS, il), "attn_post_norm", il)
         cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                              hp.n_expert, hp.n_expert_used, False, il, gate_inp_b=layer.ffn_gate_inp_b,
+                              hp.n_expert, hp.n_expert_used, LLMFfnOpType.SWIGLU_OAI_MOE, False,
+                              ExpertGatingFuncType.SOFTMAX_WEIGHT, il, gate_inp_b=layer.ffn_gate_inp_b,
                               up_exps_b=layer.ffn_up_exps_b, gate_exps_b=layer.ffn_gate_exps_b,
-                              down_exps_b=layer.ffn_down_exps_b, gating="softmax_weight", act="swiglu_oai")
+                              down_exps_b=layer.ffn_down_exps_b)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
-from llm.hparams import HParams, RopeType
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeType
 from llm.layer import Layer, create_attn, create_embd_output, create_ffn
 from llm.loader import GGUFMeta, ModelLoader, TensorFlag
 
@@ -83,7 +83,7 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         inpSA = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         if inp_pos is not None:
             q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur", il)
@@ -96,16 +96,18 @@ def build_graph(g: GraphBuilder) -> None:
             cur = ops.scale(cur, res_scale)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
         if layer.ffn_gate_inp is None:
-            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il,
+            cur = g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
+                              LLMFfnOpType.SILU, LLMFfnGateType.PAR, il,
                               up_b=layer.ffn_up_b, gate_b=layer.ffn_gate_b, down_b=layer.ffn_down_b)
         else:
             moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
-                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
+                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, True,
+                                      ExpertGatingFuncType.SOFTMAX, il)
             if layer.ffn_up_shexp is not None:
                 shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
-                                         "silu", il), "ffn_shexp", il)
+                                         LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_shexp", il)
                 moe_out = ops.add(moe_out, shexp)
             cur = moe_out
         g.cb(cur, "ffn_out", il)        # as llama.cpp: before the residual scale

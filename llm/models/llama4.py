@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
-from llm.hparams import HParams, RopeType, SWAType, load_swa_pattern
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeType, SWAType, load_swa_pattern
 from llm.layer import Layer, create_attn, create_embd_output
 from llm.loader import GGUFMeta, ModelLoader, TensorFlag
 
@@ -95,7 +95,7 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         inpSA = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         if hp.has_rope(il):
             q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur", il)
@@ -111,15 +111,16 @@ def build_graph(g: GraphBuilder) -> None:
             inpSA = ops.get_rows(inpSA, inp_out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
         if layer.ffn_gate_inp is None:
-            cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il), "ffn_out", il)
+            cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
+                                   LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_out", il)
         else:       # names as llama.cpp's MoE branch (which has no ffn_out)
             moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
-                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, False, il,
-                                      gating="sigmoid", weight_before_ffn=True)
+                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, False,
+                                      ExpertGatingFuncType.SIGMOID, il, weight_before_ffn=True)
             shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
-                                     "silu", il), "ffn_moe_shexp", il)
+                                     LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_moe_shexp", il)
             cur = g.cb(ops.add(moe_out, shexp), "ffn_moe_out_merged", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 

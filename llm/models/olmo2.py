@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType, SWAType, load_swa_pattern
 from llm.layer import Layer, create_embd_output, create_qkv
 from llm.loader import GGUFMeta, ModelLoader
@@ -75,8 +75,8 @@ def build_graph(g: GraphBuilder) -> None:
         # Q/K norms span all heads: normalize [n_embd_head * n_head] rows, then split heads
         q = ops.reshape_2d(q, d * hp.n_head(il), n_tokens)
         k = ops.reshape_2d(k, d * hp.n_head_kv(il), n_tokens)
-        q = g.cb(g.build_norm(q, layer.attn_q_norm, None, "rms", il), "Qcur_normed", il)
-        k = g.cb(g.build_norm(k, layer.attn_k_norm, None, "rms", il), "Kcur_normed", il)
+        q = g.cb(g.build_norm(q, layer.attn_q_norm, None, LLMNormType.RMS, il), "Qcur_normed", il)
+        k = g.cb(g.build_norm(k, layer.attn_k_norm, None, LLMNormType.RMS, il), "Kcur_normed", il)
         q = ops.reshape_3d(q, d, hp.n_head(il), n_tokens)
         k = ops.reshape_3d(k, d, hp.n_head_kv(il), n_tokens)
         rope = g.rope_params(il)
@@ -89,12 +89,13 @@ def build_graph(g: GraphBuilder) -> None:
         if il == hp.n_layer - 1 and inp_out_ids is not None:
             cur = ops.get_rows(cur, inp_out_ids)
             inpSA = ops.get_rows(inpSA, inp_out_ids)
-        cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, "rms", il), "attn_post_norm", il)
+        cur = g.cb(g.build_norm(cur, layer.attn_post_norm, None, LLMNormType.RMS, il), "attn_post_norm", il)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_ffn(ffn_inp, layer.ffn_up, layer.ffn_gate, layer.ffn_down, "silu", il), "ffn_out", il)
+        cur = g.cb(g.build_ffn(ffn_inp, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
+                               LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_out", il)
         # llama.cpp names these with il = -1: "norm" and "ffn_post_norm" (kept for the diff)
-        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, "rms", -1), "ffn_post_norm")
+        cur = g.cb(g.build_norm(cur, layer.ffn_post_norm, None, LLMNormType.RMS, -1), "ffn_post_norm")
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL)

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType
-from llm.layer import Layer
+from llm.layer import Layer, create_ln_block
 from llm.loader import GGUFMeta, ModelLoader
-from llm.models.starcoder2 import create_ln_block
 
 if TYPE_CHECKING:
     from llm.model import Model
@@ -52,7 +51,8 @@ def build_graph(g: GraphBuilder) -> None:
 
     for il in range(hp.n_layer):
         layer = m.layers[il]
-        attn_norm_out = g.cb(g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, "norm", il), "attn_norm", il)
+        attn_norm_out = g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, LLMNormType.NORM, il)
+        attn_norm_out = g.cb(attn_norm_out, "attn_norm", il)
         q, k, v = g.build_qkv(layer, attn_norm_out, il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
@@ -63,10 +63,11 @@ def build_graph(g: GraphBuilder) -> None:
             cur = ops.get_rows(cur, inp_out_ids)
             inpL = ops.get_rows(inpL, inp_out_ids)
             attn_norm_out = ops.get_rows(attn_norm_out, inp_out_ids)
-        ffn_out = g.build_ffn(attn_norm_out, layer.ffn_up, None, layer.ffn_down, "gelu", il,
+        ffn_out = g.build_ffn(attn_norm_out, layer.ffn_up, None, layer.ffn_down,
+                              LLMFfnOpType.GELU, LLMFfnGateType.SEQ, il,
                               up_b=layer.ffn_up_b, down_b=layer.ffn_down_b)
         g.cb(ffn_out, "ffn_out", il)
         cur = ops.add(ops.add(cur, ffn_out), inpL)
         inpL = g.cb(cur, "l_out", il)
 
-    g.build_output(inpL, norm="norm")
+    g.build_output(inpL, type_norm=LLMNormType.NORM)

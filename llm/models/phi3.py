@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType, SWAType
 from llm.layer import Layer, create_embd_output
 from llm.loader import GGUFMeta, ModelLoader, TensorFlag
@@ -60,7 +60,7 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         residual = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(ops.rope_ext(q, inp_pos, layer.rope_freqs, **g.rope_params(il)), "Qcur", il)
         q = g.cb(ops.scale(q, 1.0 / math.sqrt(hp.n_embd_head_k)), "Qcur", il)
@@ -73,8 +73,9 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(ops.add(cur, residual), "ffn_inp", il)
         residual = cur
 
-        cur = g.cb(g.build_norm(cur, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
-        cur = g.cb(g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, "silu", il), "ffn_out", il)
+        cur = g.cb(g.build_norm(cur, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
+        cur = g.cb(g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down,
+                               LLMFfnOpType.SWIGLU, LLMFfnGateType.SEQ, il), "ffn_out", il)
         inpL = g.cb(ops.add(residual, cur), "l_out", il)
 
     g.build_output(inpL)

@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
-from llm.hparams import HParams, RopeType
-from llm.layer import Layer, create_embd_output, create_qkv
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeType
+from llm.layer import Layer, create_embd_output, create_experts, create_qkv, load_moe_hparams
 from llm.loader import GGUFMeta, ModelLoader
-from llm.models.qwen3moe import create_experts, load_moe_hparams
 
 if TYPE_CHECKING:
     from llm.model import Model
@@ -59,7 +58,7 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         inpSA = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
@@ -70,14 +69,15 @@ def build_graph(g: GraphBuilder) -> None:
             inpSA = ops.get_rows(inpSA, inp_out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
         moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
-                                  layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, False, il)
+                                  layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, False,
+                                  ExpertGatingFuncType.SOFTMAX, il)
         shexp_gate_inp = g.need(layer.ffn_gate_inp_shexp, "ffn_gate_inp_shexp", il)
         gate_inp = g.cb(ops.mul_mat(shexp_gate_inp, cur), "ffn_shexp_gate_inp", il)
         gate = g.cb(ops.div(ops.silu(gate_inp), gate_inp), "ffn_shexp_gate", il)
         shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
-                                 "silu", il), "ffn_shexp", il)
+                                 LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_shexp", il)
         shexp = g.cb(ops.mul(shexp, gate), "ffn_shexp_out", il)
         cur = g.cb(ops.add(moe_out, shexp), "ffn_out", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)

@@ -10,36 +10,13 @@ from typing import TYPE_CHECKING
 from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
-from llm.hparams import HParams, RopeType
-from llm.layer import Layer, create_attn, create_embd_output
+from llm.graph import GraphBuilder, LLMFfnOpType, LLMNormType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeType
+from llm.layer import Layer, create_attn, create_embd_output, create_experts, load_moe_hparams
 from llm.loader import GGUFMeta, ModelLoader
 
 if TYPE_CHECKING:
     from llm.model import Model
-
-
-def load_moe_hparams(hp: HParams, ml: GGUFMeta) -> None:
-    """The expert keys every MoE architecture here reads, with llama.cpp's load-time checks."""
-    hp.n_ff_exp = ml.get_key_or_arr(LLMKV.EXPERT_FEED_FORWARD_LENGTH, int, hp.n_layer, [0] * hp.n_layer)[0]
-    if hp.n_expert == 0:
-        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' must be > 0 for {ml.arch_name}")
-    if hp.n_expert_used == 0:
-        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}' must be > 0 for {ml.arch_name}")
-
-
-def n_ff_exp(hp: HParams, il: int) -> int:
-    return hp.n_ff_exp if hp.n_ff_exp else hp.n_ff(il) // hp.n_expert_used
-
-
-def create_experts(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev) -> None:
-    """ffn_norm, the router and the stacked expert matrices [n_embd, n_ff_exp, n_expert]."""
-    n_embd, n_exp, n_ff = hp.n_embd, hp.n_expert, n_ff_exp(hp, il)
-    layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
-    layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
-    layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
-    layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
-    layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
 
 
 def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
@@ -73,11 +50,11 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         inpSA = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, "rms", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
-        q = g.cb(g.build_norm(q, layer.attn_q_norm, None, "rms", il), "Qcur_normed", il)
+        q = g.cb(g.build_norm(q, layer.attn_q_norm, None, LLMNormType.RMS, il), "Qcur_normed", il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
-        k = g.cb(g.build_norm(k, layer.attn_k_norm, None, "rms", il), "Kcur_normed", il)
+        k = g.cb(g.build_norm(k, layer.attn_k_norm, None, LLMNormType.RMS, il), "Kcur_normed", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
 
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, kq_scale, il)
@@ -86,9 +63,10 @@ def build_graph(g: GraphBuilder) -> None:
             inpSA = ops.get_rows(inpSA, inp_out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, "rms", il), "ffn_norm", il)
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
         cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
-                              layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, True, il)
+                              layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, True,
+                              ExpertGatingFuncType.SOFTMAX, il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
     g.build_output(inpL)

@@ -8,11 +8,10 @@ import math
 from typing import TYPE_CHECKING
 
 from ggmlx import ops
-from llm.arch import LLMKV, tn
-from llm.arch import LLMTensor as T
-from llm.graph import GraphBuilder
+from llm.arch import LLMKV
+from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType
-from llm.layer import Layer, create_embd_output, create_qkv
+from llm.layer import Layer, create_ln_block, create_ln_output
 from llm.loader import GGUFMeta, ModelLoader
 
 if TYPE_CHECKING:
@@ -22,31 +21,6 @@ if TYPE_CHECKING:
 def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
     hp.rope_type = RopeType.NEOX
     hp.f_norm_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_EPS, float)
-
-
-def create_ln_block(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev, *, ffn_norm: bool) -> None:
-    """LayerNorm blocks (starcoder2, gpt2, phi2): attn_norm(+b), Q/K/V, wo + bias, ffn_norm(+b)
-    when the FFN has its own norm, and a sequential FFN with biases."""
-    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
-    layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
-    layer.attn_norm_b = ml.create_tensor(tn(T.ATTN_NORM, "bias", il), (n_embd,), dev)
-    create_qkv(layer, ml, il, dev, n_embd, n_embd, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
-    layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (n_embd, n_embd), dev)
-    layer.bo = ml.create_tensor(tn(T.ATTN_OUT, "bias", il), (n_embd,), dev)
-    if ffn_norm:
-        layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
-        layer.ffn_norm_b = ml.create_tensor(tn(T.FFN_NORM, "bias", il), (n_embd,), dev)
-    layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
-    layer.ffn_down_b = ml.create_tensor(tn(T.FFN_DOWN, "bias", il), (n_embd,), dev)
-    layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
-    layer.ffn_up_b = ml.create_tensor(tn(T.FFN_UP, "bias", il), (n_ff,), dev)
-
-
-def create_ln_output(model: Model, ml: ModelLoader) -> None:
-    """token_embd, output_norm with bias, output (tied to token_embd when absent)."""
-    create_embd_output(model, ml)
-    model.output_norm_b = ml.create_tensor(tn(T.OUTPUT_NORM, "bias"), (model.hparams.n_embd,),
-                                           model.place.dev_output)
 
 
 def load_tensors(model: Model, ml: ModelLoader) -> None:
@@ -70,7 +44,7 @@ def build_graph(g: GraphBuilder) -> None:
     for il in range(hp.n_layer):
         layer = m.layers[il]
         inpSA = inpL
-        cur = g.cb(g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, "norm", il), "attn_norm", il)
+        cur = g.cb(g.build_norm(inpL, layer.attn_norm, layer.attn_norm_b, LLMNormType.NORM, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
@@ -80,10 +54,10 @@ def build_graph(g: GraphBuilder) -> None:
             inpSA = ops.get_rows(inpSA, inp_out_ids)
         ffn_inp = g.cb(ops.add(cur, inpSA), "ffn_inp", il)
 
-        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, layer.ffn_norm_b, "norm", il), "ffn_norm", il)
-        cur = g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, "gelu", il,
+        cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, layer.ffn_norm_b, LLMNormType.NORM, il), "ffn_norm", il)
+        cur = g.build_ffn(cur, layer.ffn_up, None, layer.ffn_down, LLMFfnOpType.GELU, LLMFfnGateType.SEQ, il,
                           up_b=layer.ffn_up_b, down_b=layer.ffn_down_b)
         g.cb(cur, "ffn_out", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
 
-    g.build_output(inpL, norm="norm")
+    g.build_output(inpL, type_norm=LLMNormType.NORM)
