@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from llm.arch import LLMKV
 from llm.loader import GGUFMeta
 from llm.tokenizers.bpe import BPETokenizer, parse_merges
-from llm.tokenizers.pretokenize import PRE_TOKENIZERS, pre_tokenizer
+from llm.tokenizers.pretokenize import PRE_TOKENIZERS, PreTokenizerSpec, pre_tokenizer
 from llm.tokenizers.spm import ESCAPED_SPACE, SPMTokenizer
 from llm.tokenizers.ugm import CharsMap, UGMTokenizer
 from llm.tokenizers.unicode import CHAR_TO_BYTE, decode_utf8
@@ -592,6 +592,28 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
     """
     model = ml.get_key(LLMKV.TOKENIZER_MODEL, str)
     pre = ml.get_key(LLMKV.TOKENIZER_PRE, str, "")
+    if model == "gpt2":
+        pre = pre or "default"
+    vtype, special, flags, merges, spec = _model_defaults(ml, model, pre)
+    flags.add_space_prefix = ml.get_key(LLMKV.TOKENIZER_ADD_PREFIX, bool, flags.add_space_prefix)
+    flags.remove_extra_whitespaces = ml.get_key(LLMKV.TOKENIZER_REMOVE_EXTRA_WS, bool, False)
+    texts, token_to_id, scores, attrs = _read_tokens(ml)
+    pad_default = special.pad
+    _read_special_ids(ml, special, flags, len(texts))
+    eog_ids = _recognize_special_texts(texts, attrs, special)
+    _apply_model_attrs(ml, texts, attrs, token_to_id, pre)
+    tokenizer, nl = _make_tokenizer(ml, vtype, texts, token_to_id, scores, attrs, special.unk, flags, merges, spec)
+    special.nl = pad_default if nl is None else nl
+    return Vocab(path=ml.path, type=vtype, tokenizer_model=model, tokenizer_pre=pre or "default",
+                 texts=texts, scores=scores, attrs=attrs, special=special, flags=flags,
+                 eog_ids=eog_ids, n_merges=len(merges), tokenizer=tokenizer, token_to_id=token_to_id)
+
+
+def _model_defaults(ml: GGUFMeta, model: str, pre: str
+                    ) -> tuple[VocabType, SpecialTokens, TokenizerFlags, list[str], PreTokenizerSpec | None]:
+    """What tokenizer.ggml.model implies before any other key is read, as the `if (tokenizer_model
+    == ...)` chain of llama_vocab::impl::load: the vocab type, default special ids and flags, and
+    for BPE its merges and pre-tokenizer."""
     special = SpecialTokens()
     flags = TokenizerFlags()
     merges: list[str] = []
@@ -604,7 +626,6 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
         vtype = VocabType.BPE
         merges = ml.get_arr(LLMKV.TOKENIZER_MERGES, str)
         special.bos, special.eos = 11, 11
-        pre = pre or "default"
         spec = PRE_TOKENIZERS.get(pre)
         if spec is None:
             raise ml.error(f"key '{LLMKV.TOKENIZER_PRE.value}': unknown or unsupported "
@@ -627,9 +648,12 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
     else:
         raise ml.error(f"key '{LLMKV.TOKENIZER_MODEL.value}': tokenizer model '{model}' is not "
                        f"supported yet (supported: 'llama' = SPM, 'gpt2' = BPE, 'bert' = WPM, 't5' = UGM)")
-    flags.add_space_prefix = ml.get_key(LLMKV.TOKENIZER_ADD_PREFIX, bool, flags.add_space_prefix)
-    flags.remove_extra_whitespaces = ml.get_key(LLMKV.TOKENIZER_REMOVE_EXTRA_WS, bool, False)
+    return vtype, special, flags, merges, spec
 
+
+def _read_tokens(ml: GGUFMeta) -> tuple[list[bytes], dict[bytes, int], list[float], list[int]]:
+    """The token texts (an empty one named [EMPTY_i], a duplicate refused), the text -> id map,
+    and each token's score and attributes (from its token type)."""
     raw_texts = ml.get_arr(LLMKV.TOKENIZER_LIST, str)
     n = len(raw_texts)
     # scores and types may list more entries than tokens; only the first n count
@@ -649,10 +673,12 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
                           f"with ids {token_to_id[text]} and {i}")
         token_to_id[text] = i
         texts.append(text)
-    attrs = [_ATTR_OF_TYPE.get(t, 0) for t in types[:n]]
-    score_list = scores[:n]
+    return texts, token_to_id, scores[:n], [_ATTR_OF_TYPE.get(t, 0) for t in types[:n]]
 
-    pad_default = special.pad
+
+def _read_special_ids(ml: GGUFMeta, special: SpecialTokens, flags: TokenizerFlags, n: int) -> None:
+    """The special-token ids and add_bos/eos/sep keys over the model's defaults; a default id
+    beyond the vocabulary is dropped, and adding a token that has no id is refused."""
     for key, name in _SPECIAL_ID_KEYS:
         current = getattr(special, name)
         if current >= n:
@@ -670,38 +696,36 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
         if on and tid == LLAMA_TOKEN_NULL:
             raise ml.error(f"key '{add_key.value}' is true, but '{id_key.value}' is not set")
 
-    eog_ids = _recognize_special_texts(texts, attrs, special)
-    _apply_model_attrs(ml, texts, attrs, token_to_id, pre)
 
-    tokenizer: SPMTokenizer | BPETokenizer | WPMTokenizer | UGMTokenizer
+def _make_tokenizer(ml: GGUFMeta, vtype: VocabType, texts: list[bytes], token_to_id: dict[bytes, int],
+                    scores: list[float], attrs: list[int], unk: int, flags: TokenizerFlags, merges: list[str],
+                    spec: PreTokenizerSpec | None
+                    ) -> tuple[SPMTokenizer | BPETokenizer | WPMTokenizer | UGMTokenizer, int | None]:
+    """The tokenizer of the vocab type and the id of the newline token (None: there is none,
+    the caller falls back to the model's default pad id, as llama.cpp's linefeed_id does)."""
     if vtype == VocabType.SPM:
         byte_tokens = [_spm_byte_token(token_to_id, b) for b in range(256)]
-        tokenizer = SPMTokenizer(token_to_id, score_list, byte_tokens, special.unk)
-        special.nl = byte_tokens[0x0A] if byte_tokens[0x0A] >= 0 else pad_default
-    elif vtype == VocabType.WPM:
+        nl = byte_tokens[0x0A]
+        return SPMTokenizer(token_to_id, scores, byte_tokens, unk), (nl if nl >= 0 else None)
+    if vtype == VocabType.WPM:
         lowercase = ml.get_key(LLMKV.TOKENIZER_NORMALIZER_LOWERCASE, bool, True)
         strip_accents = ml.get_key(LLMKV.TOKENIZER_NORMALIZER_STRIP_ACCENTS, bool, lowercase)
-        tokenizer = WPMTokenizer(token_to_id, special.unk, lowercase, strip_accents)
-        special.nl = pad_default
-    elif vtype == VocabType.UGM:
+        return WPMTokenizer(token_to_id, unk, lowercase, strip_accents), None
+    tokenizer: BPETokenizer | UGMTokenizer
+    if vtype == VocabType.UGM:
         blob = ml.get_arr(LLMKV.TOKENIZER_PRECOMPILED_CHARSMAP, int, [])
         charsmap = CharsMap(bytes(b & 0xFF for b in blob), ml.path) if blob else None
-        tokenizer = UGMTokenizer(texts, score_list, [bool(a & _NORMAL) for a in attrs],
+        tokenizer = UGMTokenizer(texts, scores, [bool(a & _NORMAL) for a in attrs],
                                  [bool(a & _USER_DEFINED) for a in attrs], [bool(a & _UNUSED) for a in attrs],
-                                 special.unk, charsmap, add_space_prefix=flags.add_space_prefix,
+                                 unk, charsmap, add_space_prefix=flags.add_space_prefix,
                                  remove_extra_whitespaces=flags.remove_extra_whitespaces)
-        nl_ids = tokenizer.tokenize(b"\n")
-        special.nl = nl_ids[0] if nl_ids else pad_default
     else:
-        assert spec is not None   # every BPE branch above sets it or raises
+        assert spec is not None   # _model_defaults sets it for BPE or raises
         str_to_id = {t.decode("utf-8", "surrogateescape"): i for i, t in enumerate(texts)}
         tokenizer = BPETokenizer(str_to_id, parse_merges(merges), pre_tokenizer(spec.regexes),
                                  flags.ignore_merges)
-        nl_ids = tokenizer.tokenize(b"\n")
-        special.nl = nl_ids[0] if nl_ids else pad_default
-    return Vocab(path=ml.path, type=vtype, tokenizer_model=model, tokenizer_pre=pre or "default",
-                 texts=texts, scores=score_list, attrs=attrs, special=special, flags=flags,
-                 eog_ids=eog_ids, n_merges=len(merges), tokenizer=tokenizer, token_to_id=token_to_id)
+    nl_ids = tokenizer.tokenize(b"\n")
+    return tokenizer, (nl_ids[0] if nl_ids else None)
 
 
 def _spm_byte_token(token_to_id: dict[bytes, int], b: int) -> int:
