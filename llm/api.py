@@ -2,6 +2,9 @@
 streams and chats, on top of Context, the vocab and the sampler chain."""
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -14,20 +17,23 @@ import jax
 import numpy as np
 
 from llm import cvec, distributed, hub
+from llm import params as params_mod
 from llm.batch import Batch
 from llm.chat import templates as chat_mod
 from llm.chat import tool_calls as tools_mod
-from llm.context import Context, DecodeStatus, bucket
-from llm.generation.speculative import Drafter, DraftModel, PromptLookup, Speculative
+from llm.context import Context, ContextParams, DecodeStatus, bucket
+from llm.generation import core
+from llm.generation.batcher import Batcher, Done, Event, Job
+from llm.generation.core import FINISH_EOG, FINISH_LENGTH, FINISH_STOP, Delta, GenParams, TokenLogprob, logprobs_of  # noqa: F401
+from llm.generation.speculative import DraftModel, PromptLookup, draft_lengths, max_draft
 from llm.hparams import PoolingType
 from llm.model import Model, RowPlan, load_model
+from llm.params import with_parameters
 from llm.prompt_cache import PromptCache
 from llm.research import trace as trace_mod
 from llm.sampling import structured as grammar_mod
-from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
-from llm.serving.batcher import Batcher, Delta, Done, Event, GenParams, Job, TokenLogprob, logprobs_of
+from llm.sampling.samplers import SamplingParams
 
-FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
 FINISH_TOOL_CALLS = "tool_calls"
 
 logger = logging.getLogger(__name__)
@@ -92,22 +98,26 @@ class GenerationChunk:
 class LLM:
     """A loaded model with one context. Known names: see `llm.hub.KNOWN_MODELS`."""
 
-    def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_ctx: int = 2048,
-                 n_batch: int = 512, n_ubatch: int = 512, n_gpu_layers: int = -1, devices=None,
+    @with_parameters(ContextParams)
+    def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_gpu_layers: int = -1, devices=None,
                  split_mode: str = "layer", tensor_split: list[float] | None = None,
                  row_plan: RowPlan | None = None, weight_format: str = "auto",
                  progress_callback: Callable[[float], bool] | None = None,
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
-                 **ctx_kwargs):
+                 cb_eval: Callable | None = None, abort_callback: Callable[[], bool] | None = None,
+                 params: ContextParams | None = None, **kwargs):
+        """The context's settings are ContextParams' fields (n_ctx, n_batch, n_seq_max, ...), as
+        keyword arguments or `params`; cb_eval and abort_callback go to the Context."""
         path = hub.resolve(model)
+        cparams = params_mod.from_kwargs(ContextParams, kwargs, where="LLM", base=params or ContextParams())
         t0 = time.perf_counter()
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                        progress_callback=progress_callback, weight_format=weight_format,
                                        split_mode=split_mode, row_plan=row_plan)
         self.t_load = time.perf_counter() - t0
         if self.model.output is None:       # an encoder gives embeddings only
-            ctx_kwargs.setdefault("embeddings", True)
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, **ctx_kwargs)
+            cparams = dataclasses.replace(cparams, embeddings=True)
+        self.ctx = Context(self.model, cparams, cb_eval=cb_eval, abort_callback=abort_callback)
         if jax.process_count() > 1 and prompt_cache is not None:
             raise ValueError("prompt_cache restores KV state on process 0 only: not available in a multi-host run")
         if jax.process_count() > 1 and jax.process_index() == 0:
@@ -115,14 +125,14 @@ class LLM:
             # (a proxy with the Context interface: every other attribute reads the wrapped one)
             self.ctx = cast(Context, distributed.LeaderContext(self.ctx))
         self.vocab = self.model.vocab
-        self._cached: list[int] = []     # tokens whose K/V are in the cache, in order
-        self._gvocab: grammar_mod.GrammarVocab | None = None     # built on the first constrained request
-        self._save_pending = False
+        # the generation loop of every call; slot 0 holds the conversation of one-prompt calls
+        self._batcher = Batcher(self.ctx, self.vocab)
+        self._last_slot = 0
         self.prompt_cache = (PromptCache(prompt_cache, self.ctx.fingerprint, max_bytes=prompt_cache_bytes)
                              if prompt_cache is not None else None)
         self._busy = threading.Lock()    # held while a generation is live
         self._warned_template = False
-        self._n_ctx, self._n_ubatch = n_ctx, min(n_ubatch, n_batch)
+        self._n_ctx, self._n_ubatch = cparams.n_ctx, min(cparams.n_ubatch, cparams.n_batch)
         self._embd_ctx: dict[PoolingType, Context] = {}
         self._cached_edits: tuple = ()     # the interventions the cached K/V were computed under
         self._tables: dict[bool, dict] = {}      # flash_attn -> named nodes (llm.trace.probe_nodes)
@@ -147,8 +157,7 @@ class LLM:
         if not self._busy.acquire(blocking=False):
             raise LLMBusyError("reset() while a generation on this LLM is live: finish or close() it first")
         try:
-            self.ctx.memory_clear()
-            self._cached = []
+            self._forget()
         finally:
             self._busy.release()
 
@@ -213,19 +222,9 @@ class LLM:
 
     # ---- generation ------------------------------------------------------------------
 
-    def _sampler(self, temperature, top_k, top_p, min_p, repeat_penalty, seed, constraint=None) -> SamplerChain:
-        params = SamplingParams(seed=LLAMA_DEFAULT_SEED if seed is None else seed, temp=temperature,
-                                top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
-        chain = SamplerChain.from_params(params, n_vocab=self.model.n_vocab, n_ctx=self.ctx.n_ctx)
-        if constraint is not None:     # the grammar goes first, as in llama.cpp
-            chain.samplers.insert(0, constraint.sampler(self.grammar_vocab()))
-        return chain
-
     def grammar_vocab(self) -> grammar_mod.GrammarVocab:
-        """The vocabulary as llguidance wants it (built once: about a second for 262144 tokens)."""
-        if self._gvocab is None:
-            self._gvocab = grammar_mod.GrammarVocab(self.model.vocab)
-        return self._gvocab
+        """The vocabulary as llguidance wants it (built once per model, shared with every caller)."""
+        return core.grammar_vocab(self.vocab)
 
     @staticmethod
     def constraint(grammar=None, json_schema=None) -> grammar_mod.GrammarSpec | None:
@@ -241,260 +240,228 @@ class LLM:
             return grammar_mod.spec_json_schema(json_schema)
         return None
 
-    def _keep_prefix(self, tokens: list[int]) -> list[int]:
-        """Keep the cached prefix the prompt shares with the last request; the tokens left to decode."""
-        n_keep = 0
-        for a, b in zip(self._cached, tokens[:-1], strict=False):
-            if a != b:
-                break
-            n_keep += 1
-        if not self.ctx.memory.can_keep(0, n_keep):
-            n_keep = 0      # the sliding-window cache no longer holds what the next token needs
-        self.ctx.memory.seq_rm(0, n_keep, -1)
-        self._cached = self._cached[:n_keep]
-        if (self.prompt_cache is not None and self.ctx.edits is None
-                and n_keep < len(tokens) - 1 - self.prompt_cache.min_tokens):
-            n_restored = self.prompt_cache.restore(self.ctx, tokens[:-1], better_than=n_keep)
-            if n_restored:
-                n_keep, self._cached = n_restored, list(tokens[:n_restored])
-        return tokens[n_keep:]
+    def _gen_params(self, *, max_tokens: int, stop, grammar, json_schema, n: int, logprobs: bool,
+                    top_logprobs: int, speculative, sampling: SamplingParams | None, kwargs: dict,
+                    where: str) -> GenParams:
+        """One request's GenParams from generate/stream's arguments (sampling keyword arguments
+        named as SamplingParams declares them, over `sampling`)."""
+        if not self.ctx.has_logits:
+            raise ValueError(f"model {self.model.path} ({self.model.arch}) has no output layer: it gives "
+                             f"embeddings only (LLM.embed), it cannot generate")
+        sp = params_mod.from_kwargs(SamplingParams, kwargs, where=where, base=sampling or SamplingParams())
+        params = GenParams(max_tokens=max_tokens, sampling=sp, stop=core.stop_strings(stop), n=n,
+                           logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
+                           constraint=self.constraint(grammar, json_schema),
+                           speculative=None if speculative is None else self._drafter(speculative))
+        params.check()
+        return params
 
-    def _eval_prompt(self, rest: list[int]) -> None:
-        """Decode the prompt's tokens after the kept prefix."""
-        for start in range(0, len(rest), self.ctx.n_batch):
-            chunk = rest[start:start + self.ctx.n_batch]
-            flags = np.zeros(len(chunk), bool)
-            if start + len(chunk) == len(rest):
-                flags[-1] = True
-            self._decode(Batch(chunk, logits=flags))
-            self._cached += chunk
-        # worth a new cache entry when this request evaluated a long new stretch; saved once the
-        # request is done (save_prompt_cache), so saving does not delay the first token
-        self._save_pending = (self.prompt_cache is not None and self.ctx.edits is None
-                              and len(rest) >= self.prompt_cache.min_tokens)
-
-    def save_prompt_cache(self) -> None:
-        """Save what the KV cache holds now (prompt and generated tokens) as a prompt-cache entry."""
-        if self.prompt_cache is not None and self._cached and not self.prompt_cache.contains(self._cached):
-            self.prompt_cache.store(self._cached, self.ctx.state_seq_get_data(0, self._cached))
-        self._save_pending = False
-
-    def _decode(self, batch: Batch) -> bool:
-        """False when the context is full; raises on any other failure."""
-        status = self.ctx.decode(batch)
-        if status == DecodeStatus.NO_KV_SLOT:
-            return False
-        if status != DecodeStatus.OK:
-            # a failed decode may have removed tokens (or cleared the cache): forget them too
-            self._cached = self._cached[:self.ctx.memory.seq_pos_max(0) + 1]
-            raise GenerationError(f"decode returned {status.name} ({int(status)}): {self.ctx.last_error}") \
-                from self.ctx.last_exception
-        return True
-
-    def _plain_tokens(self, sampler: SamplerChain) -> Iterator[int]:
-        """Sample, decode the token when the consumer asks for the next one, repeat."""
-        while True:
-            tok = sampler.sample(self.ctx, -1)
-            yield tok
-            if not self._decode(Batch.get_one([tok])):
-                return
-            self._cached.append(tok)
-
-    def _drafter(self, speculative) -> Drafter:
+    def _drafter(self, speculative):
         if isinstance(speculative, str):
             if speculative != "prompt-lookup":
                 raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup, a DraftModel or an "
                                  f"LLM, got {speculative!r}")
-            return PromptLookup()
+            return speculative
         if isinstance(speculative, LLM):
             if speculative.model.n_vocab != self.model.n_vocab:
                 raise ValueError(f"speculative: the draft model has {speculative.model.n_vocab} tokens, "
                                  f"the target {self.model.n_vocab}; they must share the vocabulary")
-            speculative._cached = []       # its context is now the drafter's
+            speculative.reset()       # its context is now the drafter's
             return DraftModel(speculative.ctx)
         if isinstance(speculative, (PromptLookup, DraftModel)):
             return speculative
         raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup, a DraftModel or an LLM, "
                          f"got {type(speculative).__name__}")
 
-    def _chunks(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
-                stop: list[str], edits: trace_mod.GraphEdits | None,
-                drafter: Drafter | None = None) -> Iterator[GenerationChunk]:
-        """The generation under `edits` (interventions compiled into the graphs; none: None).
-        K/V cached under other interventions are dropped, and the prompt cache is not used."""
+    def _graph_edits(self, interventions: trace_mod.Interventions | None) -> trace_mod.GraphEdits | None:
+        """Interventions as GraphEdits, checked on every ubatch size a generation may use."""
+        if not interventions:
+            return None
+        edits = trace_mod.GraphEdits(self.node_table(self.ctx.flash_attn), interventions)
+        sizes = {1}
+        while max(sizes) < self.ctx.n_ubatch:
+            sizes.add(bucket(2 * max(sizes), self.ctx.n_ubatch))
+        edits.check(sorted(sizes))
+        return edits
+
+    @contextlib.contextmanager
+    def _under(self, edits: trace_mod.GraphEdits | None) -> Iterator[None]:
+        """Decode under `edits` (interventions compiled into the graphs; none: None). K/V cached
+        under other interventions are dropped."""
         key = tuple((label, id(iv.fn)) for label, iv in edits.fns.items()) if edits else ()
         if key != self._cached_edits:
-            self.ctx.memory_clear()
-            self._cached = []
+            self._forget()
             self._cached_edits = key
         self.ctx.edits = edits
         try:
-            yield from self._generate(tokens, max_tokens, sampler, stop, drafter)
+            yield
         finally:
             self.ctx.edits = None
 
-    def _generate(self, tokens: list[int], max_tokens: int, sampler: SamplerChain,
-                  stop: list[str], drafter: Drafter | None = None) -> Iterator[GenerationChunk]:
-        """Evaluate the prompt, then sample; one chunk per sampled token, then the final one."""
-        perf0 = self.ctx.perf()
-        rest = self._keep_prefix(tokens)
-        spec = None if drafter is None else Speculative(self.ctx, sampler, drafter, is_eog=self.vocab.is_eog)
-        # every graph this request will use compiles now: none mid-stream, none in the prompt's time
-        self.ctx.reserve_generation(len(rest), max_tokens,
-                                    verify=() if spec is None else tuple(1 + d for d in spec.lengths))
-        t0 = time.perf_counter()
-        self._eval_prompt(rest)
-        t_prompt = time.perf_counter() - t0
-        decoder = self.vocab.stream_decoder()
-        out_tokens: list[int] = []
-        text = ""
-        emitted = 0
-        finish = FINISH_LENGTH
-        hold = max((len(s) for s in stop), default=0)
-        t1 = time.perf_counter()
-        source = self._plain_tokens(sampler) if spec is None else spec.tokens(tokens)
-        for tok in source:
-            if len(out_tokens) >= max_tokens:
-                break
-            if self.vocab.is_eog(tok):
-                finish = FINISH_EOG
-                break
-            out_tokens.append(tok)
-            text += decoder.push(tok)
-            cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-                finish = FINISH_STOP
-                break
-            safe = max(len(text) - hold, emitted)
-            yield GenerationChunk(text[emitted:safe], tok)
-            emitted = safe
-            if len(out_tokens) == max_tokens:
-                break
-        if spec is not None:   # the cache may hold accepted tokens the consumer never took
-            self._cached = (tokens + out_tokens)[:min(spec.n_past, len(tokens) + len(out_tokens))]
-            self.ctx.memory.seq_rm(0, len(self._cached), -1)
-        if self._save_pending:
-            self.save_prompt_cache()
-        if finish != FINISH_STOP:
-            text += decoder.flush()
-        t_gen = time.perf_counter() - t1
+    def _forget(self) -> None:
+        """Clear the KV cache and what the batcher knows it holds."""
+        self.ctx.memory_clear()
+        self._batcher.forget()
+
+    @property
+    def _cached(self) -> list[int]:
+        """The tokens whose K/V the cache holds in slot 0 (the conversation of one-prompt calls)."""
+        return self._batcher.cached.get(0, [])
+
+    def _prepare(self, tokens: list[int], params: GenParams) -> int:
+        """Before a one-prompt job: keep the prefix of the best slot (or restore a longer one from
+        the prompt cache) and compile the graphs the generation will use; returns the number of
+        prompt tokens already in the cache."""
+        slot, n_keep = self._batcher.best_slot(tokens)
+        pc = self.prompt_cache
+        if pc is not None and self.ctx.edits is None and n_keep < len(tokens) - 1 - pc.min_tokens:
+            n_restored = pc.restore(self.ctx, tokens[:-1], seq_id=slot, better_than=n_keep)
+            if n_restored:
+                self._batcher.cached[slot] = list(tokens[:n_restored])
+                n_keep = n_restored
+        self._batcher.keep_prefix(slot, n_keep)
+        verify = () if params.speculative is None else tuple(1 + d for d in draft_lengths(max_draft(self.ctx)))
+        self.ctx.reserve_generation(len(tokens) - n_keep, params.max_tokens or 0, verify=verify)
+        return n_keep
+
+    def save_prompt_cache(self) -> None:
+        """Save what the KV cache holds now (prompt and generated tokens of the last one-prompt
+        call) as a prompt-cache entry."""
+        cached = self._batcher.cached.get(self._last_slot, [])
+        if self.prompt_cache is not None and cached and not self.prompt_cache.contains(cached):
+            self.prompt_cache.store(cached, self.ctx.state_seq_get_data(self._last_slot, cached))
+
+    def _steps(self, jobs: list[Job]) -> Iterator[None]:
+        """Step the batcher until the jobs are done, yielding after each step (their events are
+        in their sinks); the jobs still running when the caller stops are cancelled."""
+        try:
+            while not all(job.finished for job in jobs):
+                self._batcher.step()
+                yield
+        finally:
+            for job in jobs:
+                self._batcher.cancel(job)
+
+    def _stream(self, tokens: list[int], params: GenParams,
+                edits: trace_mod.GraphEdits | None) -> Iterator[GenerationChunk]:
+        """One prompt through the batcher: one chunk per sampled token, then the final one."""
+        with self._under(edits):
+            perf0 = self.ctx.perf()
+            n_keep = self._prepare(tokens, params)
+            events: collections.deque[Event] = collections.deque()
+            job = Job(tokens, params, events.append, cache_prompt=True)
+            self._batcher.submit(job)
+            out = _Collect(1)
+            last_text = ""
+            for _ in self._steps([job]):
+                while events:
+                    ev = events.popleft()
+                    out(ev)
+                    if isinstance(ev, Delta) and ev.tokens and (ev.finish_reason in (None, FINISH_LENGTH)):
+                        yield GenerationChunk(ev.text, ev.tokens[0])
+                    elif isinstance(ev, Delta):
+                        last_text = ev.text
+            if out.failed is not None:
+                raise GenerationError(out.failed)
+            self._last_slot = job.seqs[0].seq_id
+            if self.prompt_cache is not None and edits is None and len(tokens) - n_keep >= self.prompt_cache.min_tokens:
+                self.save_prompt_cache()
+            completion = self._completions(tokens, params, out, perf0)[0]
+        yield GenerationChunk(last_text, None, completion.finish_reason, completion)
+
+    def _completions(self, tokens: list[int], params: GenParams, out: _Collect, perf0: dict) -> list[Completion]:
+        assert out.done is not None
         perf = self.ctx.perf()
-        n_gen = len(out_tokens)
-        completion = Completion(
-            text=text, tokens=out_tokens, n_prompt_tokens=len(tokens), n_completion_tokens=n_gen,
-            finish_reason=finish,
-            timings={"prompt_s": t_prompt, "prompt_tok_s": len(tokens) / t_prompt if t_prompt else 0.0,
-                     "gen_s": t_gen, "gen_tok_s": n_gen / t_gen if t_gen and n_gen else 0.0,
-                     "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
-                     "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load,
-                     **({} if spec is None else {"spec_steps": spec.stats.n_steps, "spec_drafted": spec.stats.n_drafted,
-                                                 "spec_accepted": spec.stats.n_accepted})})
-        yield GenerationChunk(text[emitted:], None, finish, completion)
+        timings = {**out.done.timings, "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
+                   "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load}
+        return [Completion(text=out.text[i], tokens=out.tokens[i], n_prompt_tokens=len(tokens),
+                           n_completion_tokens=len(out.tokens[i]), finish_reason=out.finish[i] or FINISH_LENGTH,
+                           timings=timings, logprobs=out.logprobs[i] if params.logprobs else None)
+                for i in range(params.n)]
 
-    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], max_tokens: int = 128,
-                 temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
-                 repeat_penalty: float = 1.0, seed: int | None = None, stop: str | list[str] | None = None,
-                 grammar=None, json_schema=None, interventions: trace_mod.Interventions | None = None,
-                 n: int = 1, logprobs: bool = False, top_logprobs: int = 0,
-                 speculative=None) -> Completion | list[Completion]:
-        """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
-        string (cut from the text) or max_tokens. `grammar` (GBNF text or an llm.sampling
-        grammar/json_schema/json_object) or `json_schema` (dict) constrain the output;
-        `interventions` ({node pattern: fn}) edit activations inside the graph, as for `trace`.
-
-        A list of prompts gives a list of Completions, generated together by the
-        continuous-batching core (llm.serving): every active sequence advances in the same batch
-        each step, up to the context's n_seq_max at once (LLM(..., n_seq_max=8); each sequence
-        gets n_ctx // n_seq_max cells), the others wait for a free slot. n > 1 gives n samples per
-        prompt (a list, prompt after prompt) sharing the prompt's cells; with a seed, sample i
-        uses seed + i. logprobs: Completion.logprobs holds each generated token's log-probability
-        under the model's distribution before sampling, with the top_logprobs (<= 20) best.
-        These run on the batching core and forget the cached conversation.
-        speculative: "prompt-lookup", an llm.speculative.PromptLookup or DraftModel, or a draft
-        LLM sharing the vocabulary (llm/speculative.py); one prompt, n = 1."""
-        batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-        if batched or n != 1 or logprobs or top_logprobs:
-            for name, v in (("grammar", grammar), ("json_schema", json_schema), ("interventions", interventions),
-                            ("speculative", speculative)):
-                if v is not None:
-                    raise ValueError(f"{name} works on one prompt with n = 1 and no logprobs; "
-                                     "batched generation does not take it")
-            items = cast(list, prompt if batched else [prompt])
-            out = self._generate_batch([self._prompt_tokens(p) for p in items], max_tokens, temperature, top_k,
-                                       top_p, min_p, repeat_penalty, seed, stop, n, logprobs, top_logprobs)
-            return out if batched or n > 1 else out[0]
-        *_, last = self.stream(cast(str | list[int], prompt), max_tokens, temperature, top_k, top_p, min_p,
-                               repeat_penalty, seed, stop, grammar=grammar, json_schema=json_schema,
-                               interventions=interventions, speculative=speculative)
-        assert last.completion is not None
-        return last.completion
-
-    def stream(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8,
-               top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-               seed: int | None = None, stop: str | list[str] | None = None, grammar=None,
-               json_schema=None, interventions: trace_mod.Interventions | None = None,
-               speculative=None) -> Iterator[GenerationChunk]:
-        """GenerationChunks as tokens are generated: their texts join to the completion's text,
-        never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
-        and the Completion. Arguments are checked at once, before the first chunk is asked for."""
-        tokens = self._prompt_tokens(prompt)
-        if len(tokens) >= self.ctx.n_ctx:
-            raise ValueError(f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        stop = _stop_strings(stop)
-        constraint = self.constraint(grammar, json_schema)
-        sampler = self._sampler(temperature, top_k, top_p, min_p, repeat_penalty, seed, constraint)
-        edits = None
-        if interventions:
-            edits = trace_mod.GraphEdits(self.node_table(self.ctx.flash_attn), interventions)
-            edits.check(sorted({1, bucket(min(len(tokens), self.ctx.n_ubatch), self.ctx.n_ubatch)}))
-        drafter = self._drafter(speculative) if speculative is not None else None
-        return self._one_at_a_time(self._chunks(tokens, max_tokens, sampler, stop, edits, drafter))
-
-    def _generate_batch(self, prompts: list[list[int]], max_tokens, temperature, top_k, top_p, min_p,
-                        repeat_penalty, seed, stop, n, logprobs, top_logprobs) -> list[Completion]:
-        """The prompts as jobs of a Batcher on this context, stepped until all are done."""
-        batcher = Batcher(self.ctx, self.vocab)
-        sampling = SamplingParams(seed=LLAMA_DEFAULT_SEED if seed is None else seed, temp=temperature,
-                                  top_k=top_k, top_p=top_p, min_p=min_p, penalty_repeat=repeat_penalty)
-        SamplerChain.from_params(sampling, n_vocab=self.model.n_vocab, n_ctx=batcher.n_ctx_slot)   # checks values
-        params = GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop_strings(stop), n=n,
-                           logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
+    def _generate_batch(self, prompts: list[list[int]], params: GenParams,
+                        edits: trace_mod.GraphEdits | None) -> list[Completion]:
+        """The prompts as jobs of the batcher, stepped until all are done."""
         for toks in prompts:
-            batcher.check(toks, params)
+            self._batcher.check(toks, params)
         if not self._busy.acquire(blocking=False):
             raise LLMBusyError("another generation on this LLM is live: finish it or close() it first")
         try:
-            self.ctx.memory_clear()
-            self._cached = []
-            perf0 = self.ctx.perf()
-            sinks = [_Collect(n) for _ in prompts]
-            jobs = [Job(toks, params, sink) for toks, sink in zip(prompts, sinks, strict=True)]
-            for job in jobs:
-                batcher.submit(job)
-            try:
-                while not all(job.finished for job in jobs):
-                    batcher.step()
-            finally:
+            with self._under(edits):
+                self._forget()          # as documented: batched calls forget the cached conversation
+                perf0 = self.ctx.perf()
+                sinks = [_Collect(params.n) for _ in prompts]
+                jobs = [Job(toks, params, sink) for toks, sink in zip(prompts, sinks, strict=True)]
                 for job in jobs:
-                    batcher.cancel(job)
+                    self._batcher.submit(job)
+                for _ in self._steps(jobs):
+                    pass
         finally:
             self._busy.release()
-        perf = self.ctx.perf()
         out = []
         for toks, sink in zip(prompts, sinks, strict=True):
             if sink.failed is not None:
                 raise GenerationError(sink.failed)
-            assert sink.done is not None
-            timings = {**sink.done.timings, "compile_s": (perf["t_compile_ms"] - perf0["t_compile_ms"]) / 1e3,
-                       "n_compiles": perf["n_compiles"] - perf0["n_compiles"], "load_s": self.t_load}
-            out += [Completion(text=sink.text[i], tokens=sink.tokens[i], n_prompt_tokens=len(toks),
-                               n_completion_tokens=len(sink.tokens[i]), finish_reason=sink.finish[i] or FINISH_LENGTH,
-                               timings=timings, logprobs=sink.logprobs[i] if params.logprobs else None)
-                    for i in range(n)]
+            out += self._completions(toks, params, sink, perf0)
         return out
+
+    @with_parameters(SamplingParams)
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], max_tokens: int = 128, *,
+                 stop: str | list[str] | None = None, grammar=None, json_schema=None,
+                 interventions: trace_mod.Interventions | None = None, n: int = 1, logprobs: bool = False,
+                 top_logprobs: int = 0, speculative=None, sampling: SamplingParams | None = None,
+                 **kwargs) -> Completion | list[Completion]:
+        """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
+        string (cut from the text) or max_tokens. Sampling: the keyword arguments of
+        SamplingParams' fields under llama-server's names (temperature, top_k, top_p, min_p,
+        typical_p, repeat_penalty, dry_multiplier, mirostat, seed, ...; see llm/params.py),
+        over `sampling` (a SamplingParams) when given. `grammar` (GBNF text or an llm.sampling
+        grammar/json_schema/json_object) or `json_schema` (dict) constrain the output;
+        `interventions` ({node pattern: fn}) edit activations inside the graph, as for `trace`.
+
+        A list of prompts gives a list of Completions, generated together by the
+        continuous-batching core: every active sequence advances in the same batch each step, up
+        to the context's n_seq_max at once (LLM(..., n_seq_max=8); each sequence gets
+        n_ctx // n_seq_max cells), the others wait for a free slot. n > 1 gives n samples per
+        prompt (a list, prompt after prompt) sharing the prompt's cells; with a seed, sample i
+        uses seed + i. logprobs: Completion.logprobs holds each generated token's log-probability
+        under the model's distribution before sampling, with the top_logprobs (<= 20) best.
+        speculative: "prompt-lookup", an llm.speculative.PromptLookup or DraftModel, or a draft
+        LLM sharing the vocabulary (llm/generation/speculative.py)."""
+        batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=n,
+                                  logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
+                                  sampling=sampling, kwargs=kwargs, where="generate")
+        if batched or n != 1:
+            items = cast(list, prompt if batched else [prompt])
+            out = self._generate_batch([self._prompt_tokens(p) for p in items], params,
+                                       self._graph_edits(interventions))
+            return out if batched or n > 1 else out[0]
+        *_, last = self._stream_checked(cast(str | list[int], prompt), params, interventions)
+        assert last.completion is not None
+        return last.completion
+
+    @with_parameters(SamplingParams)
+    def stream(self, prompt: str | list[int], max_tokens: int = 128, *, stop: str | list[str] | None = None,
+               grammar=None, json_schema=None, interventions: trace_mod.Interventions | None = None,
+               logprobs: bool = False, top_logprobs: int = 0, speculative=None,
+               sampling: SamplingParams | None = None, **kwargs) -> Iterator[GenerationChunk]:
+        """GenerationChunks as tokens are generated: their texts join to the completion's text,
+        never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
+        and the Completion. Arguments as for generate (one prompt), checked at once, before the
+        first chunk is asked for."""
+        params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=1,
+                                  logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
+                                  sampling=sampling, kwargs=kwargs, where="stream")
+        return self._stream_checked(prompt, params, interventions)
+
+    def _stream_checked(self, prompt: str | list[int], params: GenParams,
+                        interventions: trace_mod.Interventions | None) -> Iterator[GenerationChunk]:
+        tokens = self._prompt_tokens(prompt)
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}")
+        self._batcher.check(tokens, params)
+        return self._one_at_a_time(self._stream(tokens, params, self._graph_edits(interventions)))
 
     def score(self, prompt: str | list[int], continuation: str | list[int]) -> np.ndarray:
         """Log-likelihood of each token of `continuation` after `prompt` (lm-eval's
@@ -514,8 +481,7 @@ class LLM:
         if not self._busy.acquire(blocking=False):
             raise LLMBusyError("another generation on this LLM is live: finish it or close() it first")
         try:
-            self.ctx.memory_clear()
-            self._cached = []
+            self._forget()
             for start in range(0, len(tokens), self.ctx.n_batch):
                 chunk = tokens[start:start + self.ctx.n_batch]
                 pos = np.arange(start, start + len(chunk))
@@ -526,7 +492,7 @@ class LLM:
                         from self.ctx.last_exception
                 rows += list(self.ctx.get_logits()[:int(want.sum())])
         finally:
-            self.ctx.memory_clear()
+            self._forget()
             self._busy.release()
         return np.array([logprobs_of(row, t, 0)[0] for row, t in zip(rows, ctoks, strict=True)])
 
@@ -672,13 +638,3 @@ class LLM:
         g, v = grads[node], vals[node]
         return (g * v).reshape(g.shape[0], -1).sum(axis=1)
 
-
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
-    """stop as a list of non-empty strings (an empty one would end every generation at once)."""
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    for i, s in enumerate(stops):
-        if not isinstance(s, str):
-            raise TypeError(f"stop[{i}] = {s!r} is not a string")
-        if not s:
-            raise ValueError(f"stop[{i}] is an empty string: it would end the generation at once")
-    return stops

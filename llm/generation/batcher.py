@@ -1,32 +1,30 @@
-"""Many generations on one Context at once: llama-server's slots, as a library.
+"""Many generations on one Context at once: llama-server's slots, as a library. This is the
+generation loop of every caller: `LLM.generate/stream/chat` (one job or several), the server's
+`Engine` and speculative decoding.
 
 `Batcher` is the scheduler core. Each `Job` (a prompt and n samples of it) gets n slots;
 a slot is a KV sequence id. Every `step()` builds one batch: the pending token of every
-decoding sequence, then chunks of waiting prompts up to n_batch tokens, so a long prompt
-shares steps with the sequences already generating. After the decode each sequence samples
-its own token with its own sampler chain (its own seed), checks its own stop strings and
-limits, and a sequence that finishes frees its cells at once. A prompt with n > 1 is
-evaluated once and its cells shared with the other samples through seq_cp, as llama.cpp's
-`batched` example does. `LLM.generate([...])` drives a Batcher synchronously.
-
-`Engine` runs a Batcher in one thread that owns the Context. Other threads (the HTTP
-server) submit jobs and cancel them through a queue and get results through each job's
-sink callback. The queue of jobs waiting for slots is bounded: `submit` raises QueueFull at
-once when it is full.
+decoding sequence (with its draft, for speculative decoding), then chunks of waiting prompts
+up to n_batch tokens, so a long prompt shares steps with the sequences already generating.
+After the decode each sequence samples its own token with its own sampler chain (its own
+seed, built by llm.generation.core.build_sampler) and its SeqState checks stop strings and
+limits; a sequence that finishes frees its cells at once. A prompt with n > 1 is evaluated
+once and its cells shared with the other samples through seq_cp, as llama.cpp's `batched`
+example does. A sequence with a drafter decodes its pending token and the draft in one step and
+keeps the drafts its sampler agrees with (common_sampler_sample_and_accept_n).
 
 Each slot owns n_ctx // n_slots cells (llama-server's per-slot context), so the sequences
 running together can never exhaust the cache: a prompt that does not fit a slot is refused,
-and generation stops with finish reason "length" when its slot is full.
+and generation stops with finish reason "length" when its slot is full. A job with
+cache_prompt leaves its cells in its slot when it ends (done or cancelled), and the next job
+takes the free slot that shares the longest prefix with its prompt.
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,17 +33,25 @@ import numpy as np
 from llm.batch import Batch
 from llm.context import DecodeStatus
 from llm.errors import StateError
-from llm.sampling import structured as grammar_mod
-from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams, TokenDataArray
+from llm.generation.core import (
+    FINISH_LENGTH,
+    Delta,
+    GenParams,
+    SeqState,
+    build_sampler,
+)
+from llm.generation.speculative import (
+    Drafter,
+    DraftModel,
+    DraftPolicy,
+    make_drafter,
+    max_draft,
+    n_kept,
+    sample_and_accept_n,
+)
+from llm.sampling.samplers import SamplerChain, TokenDataArray
 
 log = logging.getLogger(__name__)
-
-FINISH_EOG, FINISH_LENGTH, FINISH_STOP = "eog", "length", "stop"
-MAX_TOP_LOGPROBS = 20
-
-
-class QueueFull(RuntimeError):
-    """The engine's queue of waiting requests is full; try again later."""
 
 
 class SlotNotFound(LookupError):
@@ -58,51 +64,6 @@ class SlotBusy(RuntimeError):
 
 class EngineError(RuntimeError):
     """A failure inside the engine while running one request (not a problem with its input)."""
-
-
-@dataclasses.dataclass
-class GenParams:
-    """What one request asks for, besides its prompt."""
-
-    max_tokens: int | None = 128       # None: until end-of-generation or the slot is full
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    stop: Sequence[str] = ()
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    constraint: grammar_mod.GrammarSpec | None = None   # a checked grammar, first in each sample's chain
-
-    def check(self) -> None:
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be non-empty strings")
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    """One generated token's log-probability under the model's distribution before sampling
-    (log-softmax of the raw logits), with the `top` most likely tokens (id, logprob)."""
-
-    token: int
-    piece: bytes
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclasses.dataclass
-class Delta:
-    """New output of sample `index` of a job. The last delta of a sample has its finish reason."""
-
-    index: int
-    text: str
-    tokens: list[int]
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None = None
 
 
 @dataclasses.dataclass
@@ -152,32 +113,21 @@ class Job:
 class _Seq:
     """One sample of a job, in one slot (= KV sequence id)."""
 
-    def __init__(self, job: Job, index: int, seq_id: int, sampler: SamplerChain, decoder):
+    def __init__(self, job: Job, index: int, seq_id: int, sampler: SamplerChain, state: SeqState,
+                 drafter: Drafter | None, policy: DraftPolicy | None):
         self.job = job
         self.index = index
         self.seq_id = seq_id
         self.sampler = sampler
-        self.decoder = decoder
+        self.state = state
+        self.drafter, self.policy = drafter, policy
         self.n_past = 0                    # cells of this sequence in the cache
         self.pending: int | None = None    # sampled token to decode next step
-        self.tokens: list[int] = []
-        self.text = ""
-        self.emitted = 0
         self.done = False
 
-
-def logprobs_of(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """log-softmax of a logits row (float64): the token's value and the k best (id, value),
-    best first (ties: lower id first)."""
-    x = logits.astype(np.float64)
-    m = float(x.max())
-    lse = m + float(np.log(np.exp(x - m).sum()))
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        part = np.argpartition(-x, k - 1)[:k]
-        part = part[np.lexsort((part, -x[part]))]
-        top = [(int(i), float(x[i] - lse)) for i in part]
-    return float(x[token] - lse), top
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens
 
 
 class Batcher:
@@ -191,6 +141,7 @@ class Batcher:
         if not 1 <= self.n_slots <= ctx.n_seq_max:
             raise ValueError(f"n_slots = {self.n_slots} is outside [1, n_seq_max = {ctx.n_seq_max}]")
         self.n_ctx_slot = ctx.n_ctx // self.n_slots
+        self.n_ctx_train = ctx.model.hparams.n_ctx_train
         self.free = list(range(self.n_slots))
         # a finished job with cache_prompt (one sample) leaves its cells in its slot, and such a job
         # takes the free slot that shares the longest prefix with it (llama-server's cache_prompt)
@@ -198,13 +149,6 @@ class Batcher:
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.n_steps = 0
-        self._gvocab: grammar_mod.GrammarVocab | None = None   # built on the first constrained job
-
-    def grammar_vocab(self) -> grammar_mod.GrammarVocab:
-        """The vocabulary as llguidance wants it (built once: about a second for 262144 tokens)."""
-        if self._gvocab is None:
-            self._gvocab = grammar_mod.GrammarVocab(self.vocab)
-        return self._gvocab
 
     def warmup(self) -> int:
         """Compile ahead the graphs the steps will need (decode steps of 1, 2, 4, .. n_slots
@@ -235,6 +179,7 @@ class Batcher:
             if status != DecodeStatus.OK:
                 raise EngineError(f"warmup decode of {n_tokens} tokens failed: {ctx.last_error}")
         ctx.memory_clear()
+        self.cached.clear()
         return ctx.perf()["n_compiles"] - n0
 
     # ---- jobs --------------------------------------------------------------------------
@@ -253,13 +198,19 @@ class Batcher:
                              f"(n_ctx {self.ctx.n_ctx} / {self.n_slots} slots)")
         if params.n > self.n_slots:
             raise ValueError(f"n = {params.n} is more than the {self.n_slots} slots")
+        if params.speculative is not None:
+            make_drafter(params.speculative)      # names a wrong one now
+            if isinstance(params.speculative, DraftModel) and params.n != 1:
+                raise ValueError(f"a DraftModel drafts for one sequence (its own context); n = {params.n}")
+        build_sampler(params, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train)  # checks values
 
     def submit(self, job: Job) -> None:
         self.check(job.tokens, job.params)
         self.waiting.append(job)
 
     def cancel(self, job: Job) -> None:
-        """Stop a job and free its cells; no further events are sent."""
+        """Stop a job (its cells are freed, or kept for its prefix with cache_prompt); no further
+        events are sent."""
         if job.finished:
             return
         if job in self.waiting:
@@ -274,15 +225,17 @@ class Batcher:
         for s in job.seqs:
             if not s.done:
                 s.done = True
-                self._free(s)
+                self._free(s, keep=state != "failed" and job.cache_prompt and len(job.seqs) == 1)
         job.state = state
         job.t_end = time.perf_counter()
         if job in self.running:
             self.running.remove(job)
 
     def _free(self, s: _Seq, keep: bool = False) -> None:
-        if keep:
-            self.cached[s.seq_id] = (s.job.tokens + s.tokens)[:s.n_past]
+        if keep:    # the cells hold the prompt and the output but its last (pending) token
+            n = min(s.n_past, len(s.job.tokens) + len(s.tokens))
+            self.cached[s.seq_id] = (s.job.tokens + s.tokens)[:n]
+            self.ctx.memory.seq_rm(s.seq_id, n, -1)
         else:
             self.ctx.memory.seq_rm(s.seq_id, -1, -1)
             self.cached.pop(s.seq_id, None)
@@ -318,19 +271,35 @@ class Batcher:
         """Drop the prompt cache's bookkeeping (after the cache itself was cleared)."""
         self.cached.clear()
 
-    def _take_slot(self, job: Job) -> tuple[int, int]:
-        """A free slot for the job and how many of its prompt tokens the slot already holds."""
+    def best_slot(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """The free slot whose cells share the longest prefix with tokens[:-1] (that the cache can
+        still keep: a sliding-window cache may have dropped what the next token needs), and its
+        length; the lowest free slot and 0 when none shares any."""
         self.free.sort()
         best, n_keep = self.free[0], 0
+        for seq_id in self.free:
+            n = 0
+            for a, b in zip(self.cached.get(seq_id, ()), tokens[:-1], strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > n_keep and self.ctx.memory.can_keep(seq_id, n):
+                best, n_keep = seq_id, n
+        return best, n_keep
+
+    def keep_prefix(self, slot: int, n: int) -> None:
+        """Cut a free slot's cells (and what it is known to hold) to their first n tokens."""
+        self.ctx.memory.seq_rm(slot, n, -1)
+        if slot in self.cached:
+            self.cached[slot] = self.cached[slot][:n]
+
+    def _take_slot(self, job: Job) -> tuple[int, int]:
+        """A free slot for the job and how many of its prompt tokens the slot already holds."""
         if job.cache_prompt and job.params.n == 1:
-            for seq_id in self.free:
-                n = 0
-                for a, b in zip(self.cached.get(seq_id, ()), job.tokens[:-1], strict=False):
-                    if a != b:
-                        break
-                    n += 1
-                if n > n_keep:
-                    best, n_keep = seq_id, n
+            best, n_keep = self.best_slot(job.tokens)
+        else:
+            self.free.sort()
+            best, n_keep = self.free[0], 0
         self.free.remove(best)
         self.ctx.memory.seq_rm(best, n_keep, -1)
         self.cached.pop(best, None)
@@ -341,15 +310,14 @@ class Batcher:
         while self.waiting and len(self.free) >= self.waiting[0].params.n:
             job = self.waiting.popleft()
             p = job.params
-            seed = p.sampling.seed
+            n_draft = max_draft(self.ctx)
             for i in range(p.n):
-                sp = p.sampling if seed == LLAMA_DEFAULT_SEED or i == 0 else \
-                    dataclasses.replace(p.sampling, seed=(seed + i) & 0xFFFFFFFF)
-                sampler = SamplerChain.from_params(sp, n_vocab=self.ctx.n_vocab)
-                if p.constraint is not None:    # the grammar goes first, as in llama.cpp
-                    sampler.samplers.insert(0, p.constraint.sampler(self.grammar_vocab()))
+                sampler = build_sampler(p, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train,
+                                        index=i)
+                drafter = make_drafter(p.speculative) if p.speculative is not None and n_draft else None
                 seq_id, n_keep = self._take_slot(job)
-                job.seqs.append(_Seq(job, i, seq_id, sampler, self.vocab.stream_decoder()))
+                job.seqs.append(_Seq(job, i, seq_id, sampler, SeqState(p, self.vocab, i), drafter,
+                                     DraftPolicy(n_draft) if drafter is not None else None))
                 if i == 0:
                     job.n_prefilled = job.seqs[0].n_past = n_keep
             job.state = "running"
@@ -358,9 +326,9 @@ class Batcher:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def step(self) -> int:
-        """Admit waiting jobs, decode one batch and sample; returns the number of tokens decoded."""
-        self._admit()
+    def _plan(self) -> tuple[dict[int, _Part], list[int], list[int], list[tuple[int, ...]], list[bool]]:
+        """This step's batch: the decoding sequences' pending tokens (and drafts) first, then
+        prompt chunks in the budget left."""
         tokens: list[int] = []
         pos: list[int] = []
         seq_ids: list[tuple[int, ...]] = []
@@ -374,14 +342,17 @@ class Batcher:
             seq_ids.append((seq_id,))
             wants.append(want)
 
-        for job in self.running:
-            for s in job.seqs:
-                if s.pending is not None:
-                    part = plan.setdefault(job.id, _Part(job))
-                    part.reads.append(([s], len(tokens)))
-                    part.decoding.append(s)
-                    add(part, s.pending, s.n_past, s.seq_id, True)
-        budget = self.ctx.n_batch - len(tokens)
+        decoding = [s for job in self.running for s in job.seqs if s.pending is not None]
+        budget = self.ctx.n_batch - len(decoding)
+        for s in decoding:
+            assert s.pending is not None
+            draft = self._draft(s, budget) if s.drafter is not None else []
+            budget -= len(draft)
+            part = plan.setdefault(s.job.id, _Part(s.job))
+            part.reads.append(([s], len(tokens), draft))
+            part.decoding.append(s)
+            for j, t in enumerate([s.pending, *draft]):
+                add(part, t, s.n_past + j, s.seq_id, True)
         for job in self.running:
             n_left = len(job.tokens) - job.n_prefilled
             if budget <= 0 or n_left == 0:
@@ -392,8 +363,22 @@ class Batcher:
             for j in range(job.n_prefilled, job.n_prefilled + k):
                 add(part, job.tokens[j], j, job.seqs[0].seq_id, j == len(job.tokens) - 1)
             if k == n_left:
-                part.reads.append((job.seqs, len(tokens) - 1))
+                part.reads.append((job.seqs, len(tokens) - 1, []))
             budget -= k
+        return plan, tokens, pos, seq_ids, wants
+
+    def _draft(self, s: _Seq, budget: int) -> list[int]:
+        """Draft tokens to verify after s's pending token, within the slot, the batch and max_tokens."""
+        assert s.drafter is not None and s.policy is not None
+        room = min(self.n_ctx_slot - s.n_past - 2, budget)
+        if s.job.params.max_tokens is not None:
+            room = min(room, s.job.params.max_tokens - len(s.tokens))
+        return s.policy.draft(s.drafter, s.job.tokens + s.tokens, room)
+
+    def step(self) -> int:
+        """Admit waiting jobs, decode one batch and sample; returns the number of tokens decoded."""
+        self._admit()
+        plan, tokens, pos, seq_ids, wants = self._plan()
         if not tokens:
             return 0
         self.n_steps += 1
@@ -407,6 +392,11 @@ class Batcher:
         if status == DecodeStatus.OK:
             for part in plan.values():
                 self._advance(part, lambda i: i)
+            return len(tokens)
+        if len(plan) == 1:        # nothing to isolate: the one job fails with the decode's error
+            part = next(iter(plan.values()))
+            self._rollback(part)
+            self._fail(part.job, f"decode failed: {self.ctx.last_error}")
             return len(tokens)
         # isolate the failure: undo this step's cells, then decode each job's part alone
         log.warning("batched decode failed (%s); retrying its %d jobs one by one", self.ctx.last_error, len(plan))
@@ -432,8 +422,8 @@ class Batcher:
             self.ctx.memory.seq_rm(part.job.seqs[0].seq_id, part.job.n_prefilled, -1)
 
     def _advance(self, part: _Part, row: Callable[[int], int]) -> None:
-        """After a decode: move the job's sequences forward and sample where logits came out.
-        Any exception here fails this job only."""
+        """After a decode: move the job's sequences forward and sample where logits came out
+        (`row`: step batch index -> index in the decoded batch). Any exception here fails this job only."""
         job = part.job
         try:
             for s in part.decoding:
@@ -447,70 +437,79 @@ class Batcher:
                     for s in job.seqs[1:]:
                         self.ctx.memory.seq_cp(first.seq_id, s.seq_id, -1, -1)
                         s.n_past = first.n_past
-            for seqs, i in part.reads:
-                logits = self.ctx.get_logits_ith(row(i))
+            for seqs, i, draft in part.reads:
                 for s in seqs:
                     if s.done:
                         continue
                     if job.params.max_tokens == 0:
-                        self._finish(s, FINISH_LENGTH, [], [])
+                        self._finish(s, s.state.finish(FINISH_LENGTH))
                     else:
-                        self._sample(s, logits)
+                        self._sample(s, [row(i + k) for k in range(1 + len(draft))], draft,
+                                     verify=s in part.decoding)
         except Exception as e:  # one job's failure (sampler, sink, ...) must not stop the others
             log.exception("job %d failed", job.id)
             self._fail(job, f"{type(e).__name__}: {e}")
 
-    def _sample(self, s: _Seq, logits: np.ndarray) -> None:
-        job, p = s.job, s.job.params
-        cur = TokenDataArray.from_logits(logits)
-        s.sampler.apply(cur)
-        token = int(cur.ids[cur.selected])
-        s.sampler.accept(token)
+    def _sample(self, s: _Seq, rows: list[int], draft: list[int], verify: bool) -> None:
+        """Sample s's next token from output row rows[0] or, after a draft, verify it row by row
+        and keep the drafted cells its sampler agrees with; each sampled token goes through the
+        sequence's SeqState (which may end it), the last one becomes the pending token."""
+        job = s.job
+        logits_of: list[np.ndarray] = []
+
+        def sample(k: int) -> int:
+            logits = self.ctx.get_logits_ith(rows[k])
+            cur = TokenDataArray.from_logits(logits)
+            s.sampler.apply(cur)
+            token = int(cur.ids[cur.selected])
+            s.sampler.accept(token)
+            logits_of.append(logits)
+            return token
+
+        samples = sample_and_accept_n(sample, draft, self.vocab.is_eog)
         if not job.t_first:
             job.t_first = time.perf_counter()
-        if self.vocab.is_eog(token):
-            self._finish(s, FINISH_EOG, [], [])
-            return
-        lps = []
-        if p.logprobs:
-            lp, top = logprobs_of(logits, token, p.top_logprobs)
-            lps.append(TokenLogprob(token, self.vocab.token_to_piece(token), lp, top))
-        s.tokens.append(token)
-        s.text += s.decoder.push(token)
-        cut = min((i for i in (s.text.find(x) for x in p.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            s.text = s.text[:cut]
-            self._finish(s, FINISH_STOP, [token], lps)
-            return
-        if (p.max_tokens is not None and len(s.tokens) >= p.max_tokens) or s.n_past + 1 >= self.n_ctx_slot:
-            self._finish(s, FINISH_LENGTH, [token], lps)
-            return
-        s.pending = token
-        hold = max((len(x) for x in p.stop), default=0)
-        safe = max(len(s.text) - hold, s.emitted)
-        job.sink(Delta(s.index, s.text[s.emitted:safe], [token], lps))
-        s.emitted = safe
+        kept = n_kept(samples, draft)
+        if s.policy is not None and verify:
+            s.policy.adapt(len(draft), kept)
+        s.n_past += kept
+        if kept < len(draft):
+            self.ctx.memory.seq_rm(s.seq_id, s.n_past, -1)     # the rejected drafts' cells
+        for k, token in enumerate(samples):
+            full = s.n_past - kept + k + 1 >= self.n_ctx_slot
+            delta = s.state.push(token, logits_of[k], full=full)
+            if s.state.done:
+                self._finish(s, delta)
+                return
+            job.sink(delta)
+        s.pending = samples[-1]
 
-    def _finish(self, s: _Seq, reason: str, tokens: list[int], lps: list[TokenLogprob]) -> None:
+    def _finish(self, s: _Seq, delta: Delta) -> None:
         """End one sample: free its cells now, send its last delta, and end the job with it."""
         job = s.job
-        if reason != FINISH_STOP:
-            s.text += s.decoder.flush()
         s.done = True
         s.pending = None
         self._free(s, keep=job.cache_prompt and len(job.seqs) == 1)
-        job.sink(Delta(s.index, s.text[s.emitted:], tokens, lps, reason))
-        s.emitted = len(s.text)
+        job.sink(delta)
         job.n_done += 1
         if job.n_done == len(job.seqs):
             self._release(job, "done")
-            n_gen = sum(len(x.tokens) for x in job.seqs)
-            t_prompt = (job.t_first or job.t_end) - job.t_start
-            t_gen = job.t_end - (job.t_first or job.t_end)
-            job.sink(Done(len(job.tokens), n_gen, {
-                "queue_s": job.t_start - job.t_submit, "prompt_s": t_prompt, "gen_s": t_gen,
-                "prompt_tok_s": len(job.tokens) / t_prompt if t_prompt > 0 else 0.0,
-                "gen_tok_s": n_gen / t_gen if t_gen > 0 else 0.0}))
+            job.sink(Done(len(job.tokens), sum(len(x.tokens) for x in job.seqs), self._timings(job)))
+
+    @staticmethod
+    def _timings(job: Job) -> dict:
+        n_gen = sum(len(x.tokens) for x in job.seqs)
+        t_prompt = (job.t_first or job.t_end) - job.t_start
+        t_gen = job.t_end - (job.t_first or job.t_end)
+        out = {"queue_s": job.t_start - job.t_submit, "prompt_s": t_prompt, "gen_s": t_gen,
+               "prompt_tok_s": len(job.tokens) / t_prompt if t_prompt > 0 else 0.0,
+               "gen_tok_s": n_gen / t_gen if t_gen > 0 else 0.0}
+        policies = [x.policy for x in job.seqs if x.policy is not None]
+        if policies:
+            out.update(spec_steps=sum(p.stats.n_steps for p in policies),
+                       spec_drafted=sum(p.stats.n_drafted for p in policies),
+                       spec_accepted=sum(p.stats.n_accepted for p in policies))
+        return out
 
     def _fail(self, job: Job, message: str) -> None:
         if job.finished:
@@ -530,101 +529,5 @@ class _Part:
     idx: list[int] = dataclasses.field(default_factory=list)       # its batch indices
     decoding: list[_Seq] = dataclasses.field(default_factory=list)  # samples whose pending token is in
     n_prompt: int = 0                                                # prompt tokens in the batch
-    reads: list[tuple[list[_Seq], int]] = dataclasses.field(default_factory=list)  # who samples which row
-
-
-class Engine:
-    """A Batcher in its own thread, which alone touches the Context. `submit` and `cancel`
-    are thread-safe; events reach each job's sink from the engine thread."""
-
-    def __init__(self, ctx, vocab, *, n_slots: int | None = None, max_queue: int = 16):
-        self.batcher = Batcher(ctx, vocab, n_slots)
-        self.max_queue = max_queue
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._queued: set[Job] = set()      # submitted, not yet given slots
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
-        self.n_failed_steps = 0
-        self.snapshot: dict = self._snapshot()
-
-    def start(self) -> Engine:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._inbox.put(("wake", None))
-        self._thread.join(timeout)
-
-    def submit(self, job: Job) -> None:
-        """Queue a job: ValueError if it can never run, QueueFull if the queue is full."""
-        self.batcher.check(job.tokens, job.params)
-        with self._lock:
-            if len(self._queued) >= self.max_queue:
-                raise QueueFull(f"the queue holds {self.max_queue} waiting requests")
-            self._queued.add(job)
-        self._inbox.put(("submit", job))
-
-    def cancel(self, job: Job) -> None:
-        self._inbox.put(("cancel", job))
-
-    def call(self, fn: Callable[[Batcher], object], timeout: float = 300.0):
-        """Run fn(batcher) on the engine thread, which alone touches the Context, between two
-        steps; returns its result or raises its exception here."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", (fn, fut)))
-        return fut.result(timeout)
-
-    def _handle(self, kind: str, job) -> None:
-        if job is None:        # a wake-up
-            return
-        if kind == "call":
-            fn, fut = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self.batcher))
-                except Exception as e:
-                    fut.set_exception(e)
-        elif kind == "submit":
-            self.batcher.submit(job)
-        elif kind == "cancel":
-            self.batcher.cancel(job)
-            if job.state == "cancelled":
-                log.info("job %d cancelled", job.id)
-
-    def _loop(self) -> None:
-        b = self.batcher
-        while not self._stop.is_set():
-            try:
-                if b.idle:
-                    self._handle(*self._inbox.get())
-                while True:
-                    try:
-                        self._handle(*self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                b._admit()
-                self.snapshot = self._snapshot()   # new requests show as processing before the step runs
-                b.step()
-            except Exception:  # keep serving: fail the running jobs, not the loop
-                self.n_failed_steps += 1
-                log.exception("engine step failed")
-                for job in list(b.running):
-                    b._fail(job, "internal error in the engine step")
-            with self._lock:
-                self._queued = {j for j in self._queued if j.state == "queued"}
-            self.snapshot = self._snapshot()
-
-    def _snapshot(self) -> dict:
-        b = self.batcher
-        slots = [{"id": i, "state": "idle", "job": None, "n_past": 0} for i in range(b.n_slots)]
-        for job in b.running:
-            for s in job.seqs:
-                if not s.done:
-                    slots[s.seq_id] = {"id": s.seq_id, "state": "processing", "job": job.id, "n_past": s.n_past,
-                                       "n_prompt": len(job.tokens), "n_decoded": len(s.tokens)}
-        n_busy = sum(1 for s in slots if s["state"] != "idle")
-        return {"slots_idle": b.n_slots - n_busy, "slots_processing": n_busy, "queue": len(b.waiting),
-                "kv_cells_used": b.ctx.memory.cells.get_used(), "n_ctx": b.ctx.n_ctx, "n_ctx_slot": b.n_ctx_slot,
-                "n_steps": b.n_steps, "slots": slots}
+    # who samples from which batch index, and the draft verified after it
+    reads: list[tuple[list[_Seq], int, list[int]]] = dataclasses.field(default_factory=list)

@@ -161,42 +161,59 @@ def draft_lengths(n_max: int) -> list[int]:
     return out
 
 
-class Speculative:
-    """Token source for a context whose sequence 0 holds `tokens` and whose last decode put
-    the logits of tokens[-1] in output row -1 (what evaluating a prompt leaves).
+def sample_and_accept_n(sample: Callable[[int], int], draft: list[int],
+                        is_eog: Callable[[int], bool]) -> list[int]:
+    """common_sampler_sample_and_accept_n: sample row i (the target's logits after the pending
+    token and draft[:i]) for i = 0, 1, ..; a drafted token is kept while it equals the sample.
+    Returns the samples: the kept drafts, then the target's own next token (unless a kept draft
+    ends the generation). The kept drafts are the prefix where samples[i] == draft[i]."""
+    out: list[int] = []
+    for i in range(len(draft) + 1):
+        tok = sample(i)
+        out.append(tok)
+        if i == len(draft) or tok != draft[i] or is_eog(tok):
+            break
+    return out
 
-    The draft length adapts to the acceptance: a multi-token step costs more than a one-token
-    step (on a CPU about 1.5x for 2 tokens, 2x for 8, 3x for 16), so drafting pays only
-    while most of the draft is kept. A fully kept draft moves one length up, one kept less
-    than half moves one length down, and a rejected single token stops drafting for 1, 2,
-    4, ... 16 steps (reset by the next kept token)."""
 
-    def __init__(self, ctx: Context, sampler: SamplerChain, drafter: Drafter, n_draft: int = 16,
-                 is_eog: Callable[[int], bool] = lambda t: False):
-        if n_draft < 1:
-            raise ValueError(f"n_draft must be >= 1, got {n_draft}")
-        self.ctx, self.sampler, self.drafter = ctx, sampler, drafter
-        self.n_draft = min(n_draft, ctx.n_batch - 1, ctx.n_ubatch - 1) if ctx.n_ubatch > 1 else 0
-        self.lengths = draft_lengths(self.n_draft)
+def n_kept(samples: list[int], draft: list[int]) -> int:
+    """How many drafted tokens sample_and_accept_n kept (their cells stay in the cache)."""
+    n = 0
+    while n < min(len(samples), len(draft)) and samples[n] == draft[n]:
+        n += 1
+    return n
+
+
+class DraftPolicy:
+    """How long the next draft is. A multi-token step costs more than a one-token step (on a
+    CPU about 1.5x for 2 tokens, 2x for 8, 3x for 16), so drafting pays only while most of the
+    draft is kept. A fully kept draft moves one length up, one kept less than half moves one
+    length down, and a rejected single token stops drafting for 1, 2, 4, ... 16 steps (reset by
+    the next kept token). Lengths are draft_lengths(n_draft)."""
+
+    def __init__(self, n_draft: int):
+        self.lengths = draft_lengths(n_draft)
         self.level = min(2, len(self.lengths) - 1)        # start at 7 tokens
         self.pause = 0            # steps left without drafting
         self.backoff = 1          # the next pause
-        self.is_eog = is_eog
         self.stats = SpecStats()
-        self.n_past = 0       # tokens of the sequence held in the KV cache
 
-    def _draft(self, seq: list[int]) -> list[int]:
-        room = self.ctx.n_ctx - self.n_past - 1
+    def draft(self, drafter: Drafter, seq: list[int], room: int) -> list[int]:
+        """The drafter's proposal after seq, cut to a length in `lengths` and to `room`."""
         if not self.lengths or room < 1:
             return []
         if self.pause:
             self.pause -= 1
             return []
-        draft = self.drafter.draft(seq, min(self.lengths[self.level], room))
-        fit = [d for d in self.lengths if d <= len(draft)]
+        draft = drafter.draft(seq, min(self.lengths[self.level], room))
+        fit = [d for d in self.lengths if d <= min(len(draft), room)]
         return draft[:fit[-1]] if fit else []
 
-    def _adapt(self, n_drafted: int, n_accepted: int) -> None:
+    def adapt(self, n_drafted: int, n_accepted: int) -> None:
+        """After a verification: count it and move the length."""
+        self.stats.n_steps += 1
+        self.stats.n_drafted += n_drafted
+        self.stats.n_accepted += n_accepted
         if n_drafted == 0:
             return
         if n_accepted:
@@ -207,6 +224,35 @@ class Speculative:
             if self.level == 0:
                 self.pause, self.backoff = self.backoff, min(2 * self.backoff, 16)
             self.level = max(self.level - 1, 0)
+
+
+def make_drafter(spec) -> Drafter:
+    """A fresh drafter for one sequence from a request's `speculative`: "prompt-lookup", a
+    PromptLookup (copied: it keeps per-sequence state) or a DraftModel (used as is)."""
+    if spec == "prompt-lookup":
+        return PromptLookup()
+    if isinstance(spec, PromptLookup):
+        return PromptLookup(spec.max_ngram_size, spec.num_pred_tokens)
+    if isinstance(spec, DraftModel):
+        return spec
+    raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup or a DraftModel, got {spec!r}")
+
+
+class Speculative:
+    """Token source for a context whose sequence 0 holds `tokens` and whose last decode put
+    the logits of tokens[-1] in output row -1 (what evaluating a prompt leaves): one sequence
+    alone, with the DraftPolicy and verification the batcher uses for each of its sequences."""
+
+    def __init__(self, ctx: Context, sampler: SamplerChain, drafter: Drafter, n_draft: int = 16,
+                 is_eog: Callable[[int], bool] = lambda t: False):
+        if n_draft < 1:
+            raise ValueError(f"n_draft must be >= 1, got {n_draft}")
+        self.ctx, self.sampler, self.drafter = ctx, sampler, drafter
+        self.policy = DraftPolicy(max_draft(ctx, n_draft))
+        self.lengths = self.policy.lengths
+        self.is_eog = is_eog
+        self.stats = self.policy.stats
+        self.n_past = 0       # tokens of the sequence held in the KV cache
 
     def tokens(self, tokens: list[int]) -> Iterator[int]:
         """Sampled tokens, several per target decode when drafts are accepted. Stops at
@@ -220,7 +266,7 @@ class Speculative:
             if self.is_eog(last):
                 return
             seq.append(last)
-            draft = self._draft(seq)
+            draft = self.policy.draft(self.drafter, seq, self.ctx.n_ctx - self.n_past - 1)
             batch = Batch([last] + draft, pos=list(range(self.n_past, self.n_past + 1 + len(draft))),
                           logits=[True] * (1 + len(draft)))
             status = ctx.decode(batch)
@@ -228,25 +274,21 @@ class Speculative:
                 return
             if status != DecodeStatus.OK:
                 raise SpeculativeError(f"verification decode returned {status.name}: {ctx.last_error}")
-            self.stats.n_steps += 1
-            self.stats.n_drafted += len(draft)
-            accepted: list[int] = []
-            tok = sampler.sample(ctx, 0)
-            for i, d in enumerate(draft):
-                if tok != d:
-                    break
-                accepted.append(d)
-                if self.is_eog(d):
-                    break
-                tok = sampler.sample(ctx, i + 1)
-            self.stats.n_accepted += len(accepted)
-            self._adapt(len(draft), len(accepted))
-            self.n_past += 1 + len(accepted)
-            if len(accepted) < len(draft):
+            samples = sample_and_accept_n(lambda i: sampler.sample(ctx, i), draft, self.is_eog)
+            kept = n_kept(samples, draft)
+            self.policy.adapt(len(draft), kept)
+            self.n_past += 1 + kept
+            if kept < len(draft):
                 ctx.memory.seq_rm(0, self.n_past, -1)         # the rejected drafts' cells
-            for t in accepted:
+            for t in samples[:-1]:
                 yield t
-                if self.is_eog(t):
-                    return
                 seq.append(t)
-            last = tok
+            last = samples[-1]
+            if kept == len(samples):          # the last sample was a kept draft: it ended the generation
+                yield last
+                return
+
+
+def max_draft(ctx, n_draft: int = 16) -> int:
+    """The longest draft a context verifies in one ubatch (0: drafting is off)."""
+    return min(n_draft, ctx.n_batch - 1, ctx.n_ubatch - 1) if ctx.n_ubatch > 1 else 0

@@ -983,44 +983,45 @@ class SamplingParams:
 
     Each field is declared once with its llama.cpp flag and llama-server request name (see
     llm/params.py): the CLI, `LLM.generate`'s keyword arguments and the server's request fields
-    come from here. A seed of -1 or LLAMA_DEFAULT_SEED draws a random one."""
+    come from here. Bounds are declared only where llama.cpp refuses a value (it takes top_p 2 or
+    top_k -1 as "off"). A seed of -1 or LLAMA_DEFAULT_SEED draws a random one."""
 
-    seed: int = param(LLAMA_DEFAULT_SEED, flags=("-s", "--seed"), lo=-1, hi=0xFFFFFFFF,
-                      help="RNG seed; -1 or 4294967295 = a random seed")
-    min_keep: int = param(0, flags=("--min-keep",), lo=0, help="tokens each sampler keeps at least (0 = off)")
+    seed: int = param(-1, flags=("-s", "--seed"), lo=-1, hi=0xFFFFFFFF,
+                      help="RNG seed (-1: random)")
+    min_keep: int = param(0, flags=("--min-keep",), help="tokens each sampler keeps at least (0 = off)")
     top_k: int = param(40, flags=("--top-k",), help="top-k sampling (<= 0 = off)")
-    top_p: float = param(0.95, flags=("--top-p",), lo=0.0, hi=1.0, help="top-p sampling (1.0 = off)")
-    min_p: float = param(0.05, flags=("--min-p",), lo=0.0, hi=1.0, help="min-p sampling (0.0 = off)")
-    xtc_probability: float = param(0.0, flags=("--xtc-probability",), lo=0.0, hi=1.0,
+    top_p: float = param(0.95, flags=("--top-p",), help="top-p sampling (1.0 = off)")
+    min_p: float = param(0.05, flags=("--min-p",), help="min-p sampling (0.0 = off)")
+    xtc_probability: float = param(0.0, flags=("--xtc-probability",),
                                    help="xtc probability (0.0 = off)")
-    xtc_threshold: float = param(0.10, flags=("--xtc-threshold",), lo=0.0, hi=1.0,
+    xtc_threshold: float = param(0.10, flags=("--xtc-threshold",),
                                  help="xtc threshold (> 0.5 = off)")
-    typ_p: float = param(1.0, flags=("--typical", "--typical-p"), name="typical_p", lo=0.0,
+    typ_p: float = param(1.0, flags=("--typical", "--typical-p"), name="typical_p",
                          help="locally typical sampling, parameter p (1.0 = off)")
-    temp: float = param(0.80, flags=("--temp", "--temperature"), name="temperature", lo=0.0,
+    temp: float = param(0.80, flags=("--temp", "--temperature"), name="temperature",
                         help="temperature (0 = greedy)")
-    dynatemp_range: float = param(0.0, flags=("--dynatemp-range",), lo=0.0,
+    dynatemp_range: float = param(0.0, flags=("--dynatemp-range",),
                                   help="dynamic temperature range (0.0 = off)")
     dynatemp_exponent: float = param(1.0, flags=("--dynatemp-exp",), name="dynatemp_exponent",
                                      help="dynamic temperature exponent")
     penalty_last_n: int = param(64, flags=("--repeat-last-n",), name="repeat_last_n", lo=-1,
                                 help="last n tokens to consider for the penalties (0 = off, -1 = context size)")
-    penalty_repeat: float = param(1.0, flags=("--repeat-penalty",), name="repeat_penalty", lo=0.0,
+    penalty_repeat: float = param(1.0, flags=("--repeat-penalty",), name="repeat_penalty",
                                   help="penalize repeated tokens (1.0 = off)")
     penalty_freq: float = param(0.0, flags=("--frequency-penalty",), name="frequency_penalty",
                                 help="repeat alpha frequency penalty (0.0 = off)")
     penalty_present: float = param(0.0, flags=("--presence-penalty",), name="presence_penalty",
                                    help="repeat alpha presence penalty (0.0 = off)")
-    dry_multiplier: float = param(0.0, flags=("--dry-multiplier",), lo=0.0, help="DRY sampling multiplier (0.0 = off)")
-    dry_base: float = param(1.75, flags=("--dry-base",), lo=0.0, help="DRY sampling base value (below 1 = off)")
-    dry_allowed_length: int = param(2, flags=("--dry-allowed-length",), lo=0, help="allowed length for DRY sampling")
+    dry_multiplier: float = param(0.0, flags=("--dry-multiplier",), help="DRY sampling multiplier (0.0 = off)")
+    dry_base: float = param(1.75, flags=("--dry-base",), help="DRY sampling base value (below 1 = off)")
+    dry_allowed_length: int = param(2, flags=("--dry-allowed-length",), help="allowed length for DRY sampling")
     dry_penalty_last_n: int = param(64, flags=("--dry-penalty-last-n",), lo=-1,
                                     help="DRY penalty for the last n tokens (0 = off, -1 = context size)")
     mirostat: int = param(0, flags=("--mirostat",), lo=0, hi=2,
                           help="Mirostat sampling (0 = off, 1 = Mirostat, 2 = Mirostat 2.0); replaces the chain")
     top_n_sigma: float = param(-1.0, flags=("--top-nsigma", "--top-n-sigma"), help="top-n-sigma sampling (-1.0 = off)")
-    mirostat_tau: float = param(5.0, flags=("--mirostat-ent",), lo=0.0, help="Mirostat target entropy, parameter tau")
-    mirostat_eta: float = param(0.1, flags=("--mirostat-lr",), lo=0.0, help="Mirostat learning rate, parameter eta")
+    mirostat_tau: float = param(5.0, flags=("--mirostat-ent",), help="Mirostat target entropy, parameter tau")
+    mirostat_eta: float = param(0.1, flags=("--mirostat-lr",), help="Mirostat learning rate, parameter eta")
     dry_sequence_breakers: tuple[str, ...] = param(
         ("\n", ":", "\"", "*"), flags=("--dry-sequence-breaker",), parse=_breaker, append=True, metavar="STRING",
         help="a sequence breaker for DRY sampling (repeatable; replaces the defaults; \"none\" = no breakers)")

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
-from llm.serving.batcher import Engine
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
+from llm.serving.engine import Engine
 from llm.serving.requests import (
     CHAT_ROLES,
     MAX_BODY_BYTES,

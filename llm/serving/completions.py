@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 
-from llm.serving.batcher import FINISH_EOG, Delta, Done, Engine, Failed, GenParams, Job, QueueFull, TokenLogprob
+from llm.generation.batcher import Done, Failed, Job
+from llm.generation.core import FINISH_EOG, Delta, GenParams, TokenLogprob
+from llm.serving.engine import Engine, QueueFull
 from llm.serving.requests import APIError
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from llm.errors import GrammarError
+from llm.generation.core import MAX_TOP_LOGPROBS, GenParams
 from llm.sampling import structured as grammar_mod
 from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplingParams
-from llm.serving.batcher import MAX_TOP_LOGPROBS, GenParams
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16

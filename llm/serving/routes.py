@@ -22,8 +22,10 @@ from starlette.concurrency import run_in_threadpool
 
 from llm.chat.templates import ChatTemplateError
 from llm.errors import StateError
-from llm.serving.batcher import Engine, GenParams, SlotBusy, SlotNotFound
+from llm.generation.batcher import SlotBusy, SlotNotFound
+from llm.generation.core import GenParams
 from llm.serving.completions import Choices, Run, chunks, collect, piece
+from llm.serving.engine import Engine
 from llm.serving.requests import (
     APIError,
     ChatCompletionRequest,

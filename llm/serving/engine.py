@@ -1,0 +1,118 @@
+"""The server's engine: a Batcher (llm.generation.batcher) in one thread that owns the Context.
+
+Other threads (the HTTP handlers) submit jobs and cancel them through a queue and get results
+through each job's sink callback. The queue of jobs waiting for slots is bounded: `submit`
+raises QueueFull at once when it is full.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from llm.generation.batcher import Batcher, Job
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue of waiting requests is full; try again later."""
+
+
+class Engine:
+    """A Batcher in its own thread, which alone touches the Context. `submit` and `cancel`
+    are thread-safe; events reach each job's sink from the engine thread."""
+
+    def __init__(self, ctx, vocab, *, n_slots: int | None = None, max_queue: int = 16):
+        self.batcher = Batcher(ctx, vocab, n_slots)
+        self.max_queue = max_queue
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued: set[Job] = set()      # submitted, not yet given slots
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self.n_failed_steps = 0
+        self.snapshot: dict = self._snapshot()
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job: ValueError if it can never run, QueueFull if the queue is full."""
+        self.batcher.check(job.tokens, job.params)
+        with self._lock:
+            if len(self._queued) >= self.max_queue:
+                raise QueueFull(f"the queue holds {self.max_queue} waiting requests")
+            self._queued.add(job)
+        self._inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.put(("cancel", job))
+
+    def call(self, fn: Callable[[Batcher], object], timeout: float = 300.0):
+        """Run fn(batcher) on the engine thread, which alone touches the Context, between two
+        steps; returns its result or raises its exception here."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut.result(timeout)
+
+    def _handle(self, kind: str, job) -> None:
+        if job is None:        # a wake-up
+            return
+        if kind == "call":
+            fn, fut = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.batcher))
+                except Exception as e:
+                    fut.set_exception(e)
+        elif kind == "submit":
+            self.batcher.submit(job)
+        elif kind == "cancel":
+            self.batcher.cancel(job)
+            if job.state == "cancelled":
+                log.info("job %d cancelled", job.id)
+
+    def _loop(self) -> None:
+        b = self.batcher
+        while not self._stop.is_set():
+            try:
+                if b.idle:
+                    self._handle(*self._inbox.get())
+                while True:
+                    try:
+                        self._handle(*self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                b._admit()
+                self.snapshot = self._snapshot()   # new requests show as processing before the step runs
+                b.step()
+            except Exception:  # keep serving: fail the running jobs, not the loop
+                self.n_failed_steps += 1
+                log.exception("engine step failed")
+                for job in list(b.running):
+                    b._fail(job, "internal error in the engine step")
+            with self._lock:
+                self._queued = {j for j in self._queued if j.state == "queued"}
+            self.snapshot = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        b = self.batcher
+        slots = [{"id": i, "state": "idle", "job": None, "n_past": 0} for i in range(b.n_slots)]
+        for job in b.running:
+            for s in job.seqs:
+                if not s.done:
+                    slots[s.seq_id] = {"id": s.seq_id, "state": "processing", "job": job.id, "n_past": s.n_past,
+                                       "n_prompt": len(job.tokens), "n_decoded": len(s.tokens)}
+        n_busy = sum(1 for s in slots if s["state"] != "idle")
+        return {"slots_idle": b.n_slots - n_busy, "slots_processing": n_busy, "queue": len(b.waiting),
+                "kv_cells_used": b.ctx.memory.cells.get_used(), "n_ctx": b.ctx.n_ctx, "n_ctx_slot": b.n_ctx_slot,
+                "n_steps": b.n_steps, "slots": slots}
