@@ -3,7 +3,8 @@
 - table logic and the ctypes reader, always;
 - stored llama.cpp activations (tests/data/activations, written by make_activations.py):
   every committed synthetic model's named nodes, and SmolLM2 / Gemma3 per layer and position;
-- live llama.cpp through llama-cpp-python, skipped cleanly without it.
+- live llama.cpp through llama-cpp-python (in a child process: tests/test_llamacpp_child.py
+  checks its crash and error paths), skipped cleanly without it.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Node-by-node diff against llama.cpp (graph-dump debugging).
 
 `python -m llm diff-llamacpp -m MODEL -p PROMPT [--nodes PATTERN]` runs the prompt through
-llama.cpp (llama-cpp-python, the optional extra `.[compare]`) with an eval callback that
-reads every named tensor (the `ggml_tensor` struct through ctypes), runs the same tokens
+llama.cpp (llama-cpp-python, the optional extra `.[compare]`) in a child process
+(llm.research.llamacpp_child: a crash of llama.cpp is a LlamaCppCrashed here) with an eval
+callback that reads every named tensor (the `ggml_tensor` struct through ctypes), runs the same tokens
 through `LLM.trace`, and prints one row per node name present on both sides: shape,
 cosine, max |d|, relative error (||ours - theirs|| / ||theirs||), marking the first node
 whose error jumps. A name that sits on a different node than in llama.cpp shows up as a
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-INSTALL_HINT = "diff-llamacpp needs llama-cpp-python: pip install 'ggmlx[compare]' (or pip install llama-cpp-python)"
+from llm.research import llamacpp_child
+from llm.research.llamacpp_child import LlamaCppCrashed, llama_cpp_available
+
+INSTALL_HINT = f"diff-llamacpp needs llama-cpp-python: {llamacpp_child.INSTALL_HINT}"
 JUMP_FACTOR = 10.0
 JUMP_FLOOR = 1e-4
 
@@ -201,12 +205,23 @@ def _log_sink(level, text, _user):
     """llama.cpp's log lines: dropped (its graph-build chatter would bury the table)."""
 
 
-def run_llamacpp(model_path: str, tokens: list[int], patterns: list[str], flash_attn: bool,
+def run_llamacpp(model_path: str | os.PathLike, tokens: Sequence[int], patterns: Sequence[str], flash_attn: bool,
                  n_threads: int = 2, control_vector: np.ndarray | None = None
                  ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """llama.cpp's named tensors matching patterns ({name or name#k: values}) and its logits
     [n_tokens, n_vocab], for one decode of all tokens (F32 KV cache, all logits).
-    control_vector: [n_layer, n_embd] rows added to l_out-il (llama_set_adapter_cvec)."""
+    control_vector: [n_layer, n_embd] rows added to l_out-il (llama_set_adapter_cvec).
+
+    llama.cpp runs in a child process: LlamaCppCrashed if it dies there, LlamaCppMissing
+    without llama-cpp-python."""
+    llamacpp_child.require_llama_cpp()
+    return llamacpp_child.call(_llamacpp_decode, str(model_path), list(tokens), list(patterns), flash_attn,
+                               n_threads, control_vector, model_path=model_path)
+
+
+def _llamacpp_decode(model_path: str, tokens: list[int], patterns: list[str], flash_attn: bool,
+                     n_threads: int, control_vector: np.ndarray | None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """run_llamacpp's work, in the child process (llama.cpp loaded in this process)."""
     import llama_cpp as lc
 
     seen: dict[str, int] = {}
@@ -302,14 +317,6 @@ def diff(model_path: str, prompt: str | list[int], patterns: list[str], flash_at
     return rows, only_ours, only_theirs, extra
 
 
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def main(a) -> int:
     if not llama_cpp_available():
         print(INSTALL_HINT, file=sys.stderr)
@@ -319,7 +326,11 @@ def main(a) -> int:
     if a.f32_twin:
         path = str(f32_twin_path(path))
     patterns = [p.strip() for p in a.nodes.split(",") if p.strip()]
-    rows, only_ours, only_theirs, extra = diff(path, a.prompt, patterns, a.flash_attn, a.threads)
+    try:
+        rows, only_ours, only_theirs, extra = diff(path, a.prompt, patterns, a.flash_attn, a.threads)
+    except LlamaCppCrashed as e:
+        print(f"diff-llamacpp: {e}", file=sys.stderr)
+        return 1
     print(f"model: {path}\ntokens: {extra['tokens']}\nattention: {'fused' if a.flash_attn else 'unfused'}, "
           f"KV cache F32 on both sides")
     print(format_table(rows, only_ours, only_theirs))
