@@ -82,13 +82,8 @@ class _Saved:
 
 
 def _rng_owners(sampler) -> list:
-    """The samplers in `sampler` (a chain or one sampler) that own a Mersenne Twister."""
-    from llm.sampling.samplers import Dist, SamplerChain, Xtc, _MirostatBase
-
-    if sampler is None:
-        return []
-    members = sampler.samplers if isinstance(sampler, SamplerChain) else [sampler]
-    return [s for s in members if isinstance(s, (Dist, Xtc, _MirostatBase))]
+    """The Mersenne Twisters of `sampler` (a chain or one sampler; it says which it owns)."""
+    return [] if sampler is None else sampler.rngs()
 
 
 def _u32(n: int) -> bytes:
@@ -139,8 +134,8 @@ def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | N
               np.ascontiguousarray(logits, "<f4").tobytes()]
     owners = _rng_owners(sampler)
     parts.append(_u32(len(owners)))
-    for s in owners:
-        st = s.rng._bits.state["state"]
+    for rng in owners:
+        st = rng._bits.state["state"]
         parts += [np.asarray(st["key"], "<u4").tobytes(), _u32(int(st["pos"]))]
     for k, v in zip(mem.k_l, mem.v_l, strict=True):
         parts += [_rows(k, cells).tobytes(), _rows(v, cells).tobytes()]
@@ -316,8 +311,8 @@ def _write_rows(mem, cells: np.ndarray, saved: _Saved) -> None:
 
 
 def _restore_rngs(saved: _Saved, sampler) -> None:
-    for s, (key, mt_pos) in zip(_rng_owners(sampler), saved.rngs, strict=False):
-        s.rng._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": mt_pos}}
+    for rng, (key, mt_pos) in zip(_rng_owners(sampler), saved.rngs, strict=False):
+        rng._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": mt_pos}}
 
 
 def apply_full(ctx, saved: _Saved, sampler=None) -> None:

@@ -41,12 +41,7 @@ CORE_PACKAGES = ("llm.models", "llm.tokenizers")
 UPPER = ("llm.serving", "llm.research", "llm.cli", "llm.api", "llm.__main__")
 
 LAYERS = ("ggmlx", "core", "middle", "upper")
-INVERSIONS = {
-    ("llm.state", "llm.sampling.samplers"):
-        "llm/state.py's _rng_owners imports the sampler classes to find their RNGs; instead the samplers "
-        "say which they own (Sampler.rngs() -> [] on the base, [self.rng] on Dist, Xtc and the Mirostats, "
-        "the members' concatenation on SamplerChain) and state.py calls sampler.rngs() on what it is given",
-}
+INVERSIONS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

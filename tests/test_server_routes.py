@@ -89,8 +89,9 @@ def test_sampling_params_defaults_are_llama_cpp_defaults():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"temperature": 2.5}, "temperature"), ({"top_p": "x"}, "top_p"), ({"top_k": -1}, "top_k"),
-    ({"min_p": True}, "min_p"), ({"frequency_penalty": 3}, "frequency_penalty"), ({"seed": 1.5}, "seed"),
+    ({"temperature": "hot"}, "temperature"), ({"top_p": "x"}, "top_p"), ({"mirostat": 3}, "mirostat"),
+    ({"min_p": True}, "min_p"), ({"repeat_last_n": -2}, "repeat_last_n"), ({"seed": 1.5}, "seed"),
+    ({"samplers": ["top_k", "nope"]}, "samplers"), ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
     ({"logit_bias": {"10": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
 ])
 def test_sampling_params_errors_name_the_field(body, param):

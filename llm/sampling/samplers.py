@@ -275,6 +275,10 @@ class Sampler(abc.ABC):
     def reset(self) -> None:
         """Forget history and reseed, as at construction."""
 
+    def rngs(self) -> list:
+        """The random generators this sampler owns (saved and restored with the context state)."""
+        return []
+
     def clone(self) -> Sampler:
         """An independent copy with the same parameters and state (RNG, history)."""
         return copy.deepcopy(self)
@@ -329,6 +333,9 @@ class Dist(Sampler):
         cur.selected = min(int(np.searchsorted(buf, total * rnd, side="left")), cur.size - 1)
         np.divide(e, total, out=buf)            # float p / double sum, rounded back to float
         cur.p = buf.astype(_F32)
+
+    def rngs(self) -> list:
+        return [self.rng]
 
     def reset(self) -> None:
         self.seed_cur = _rng_seed(self.seed)
@@ -510,6 +517,9 @@ class Xtc(Sampler):
         if cur.size - pos_last >= self.min_keep and pos_last > 0:
             cur.keep(slice(pos_last, None), sorted=True)
 
+    def rngs(self) -> list:
+        return [self.rng]
+
     def reset(self) -> None:
         self.seed_cur = _rng_seed(self.seed)
         self.rng.seed(self.seed_cur)
@@ -553,6 +563,9 @@ class _MirostatBase(Sampler):
         cur.selected = idx
         surprise = -np.log2(cur.p[idx])
         self.mu = _F32(self.mu - _F32(self.eta) * (surprise - _F32(self.tau)))
+
+    def rngs(self) -> list:
+        return [self.rng]
 
     def reset(self) -> None:
         self.mu = _F32(2.0) * _F32(self.tau)
@@ -1073,6 +1086,9 @@ class SamplerChain(Sampler):
     def reset(self) -> None:
         for smpl in self.samplers:
             smpl.reset()
+
+    def rngs(self) -> list:
+        return [rng for smpl in self.samplers for rng in smpl.rngs()]
 
     def clone(self) -> SamplerChain:
         return SamplerChain([smpl.clone() for smpl in self.samplers])

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from llm import params
 from llm.errors import GrammarError
 from llm.generation.core import MAX_TOP_LOGPROBS, GenParams
 from llm.sampling import structured as grammar_mod
-from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplingParams
+from llm.sampling.samplers import SamplingParams
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
@@ -162,18 +163,22 @@ def stream_fields(body: dict) -> tuple[bool, bool]:
 # ---- generation --------------------------------------------------------------------------
 
 def sampling_params(body: dict, n_vocab: int) -> SamplingParams:
-    """SamplingParams from the OpenAI fields and llama.cpp's top_k, min_p, repeat_penalty."""
-    seed = _int(body, "seed", None)
-    return SamplingParams(
-        seed=LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF,
-        temp=_num(body, "temperature", 0.8, 0.0, 2.0),
-        top_p=_num(body, "top_p", 0.95, 0.0, 1.0),
-        top_k=_int(body, "top_k", 40, lo=0),
-        min_p=_num(body, "min_p", 0.05, 0.0, 1.0),
-        penalty_repeat=_num(body, "repeat_penalty", 1.0, 0.0, 10.0),
-        penalty_freq=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        penalty_present=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(body, n_vocab))
+    """SamplingParams from the request fields its fields declare (llama-server's names:
+    temperature, top_k, top_p, min_p, typical_p, repeat_penalty, dry_multiplier, mirostat, seed,
+    samplers, ...; see llm/params.py); logit_bias is checked against the vocabulary here."""
+    try:
+        values = params.from_json(SamplingParams, {k: v for k, v in body.items() if k != "logit_bias"})
+    except params.ParamError as e:
+        raise bad(e.name, str(e)) from None
+    return SamplingParams(**values, logit_bias=_logit_bias(body, n_vocab))
+
+
+def _speculative(body: dict) -> str | None:
+    """`speculative`: "prompt-lookup" drafts each sample's next tokens from its prompt and output."""
+    v = body.get("speculative")
+    if v is not None and v != "prompt-lookup":
+        raise bad("speculative", f"'speculative' must be \"prompt-lookup\" or null, got {json.dumps(v)[:50]}")
+    return v
 
 
 def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenParams:
@@ -199,7 +204,7 @@ def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenPara
     except GrammarError as e:
         raise bad("response_format", f"'response_format' is invalid: {e}") from None
     return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
-                     top_logprobs=top, constraint=constraint)
+                     top_logprobs=top, constraint=constraint, speculative=_speculative(body))
 
 
 # ---- inputs ------------------------------------------------------------------------------
