@@ -125,6 +125,7 @@ def test_cli_generate_and_info(smollm2_path):
     assert "arch: llama" in info.stdout and "Q4_1" in info.stdout
 
 
+@pytest.mark.slow
 def test_cli_missing_model_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "llm", "generate", "-m", str(tmp_path / "nope.gguf"), "-p", "x"],
                          capture_output=True, text=True, timeout=120)

@@ -94,6 +94,7 @@ def test_prefill_ubatch7_and_token_by_token_agree(models, refs, arch: str):
     assert ctx1.perf()["n_eval"] == 32 and ctx7.perf()["n_p_eval"] == 32
 
 
+@pytest.mark.slow
 def test_outputs_only_for_requested_rows(llama, ref):
     ctx = new_ctx(llama)
     flags = np.zeros(20, bool)

@@ -89,6 +89,7 @@ def test_read_tensor_follows_ggml_strides():
     assert ctypes.sizeof(D.GGMLTensor) == 336                 # sizeof(struct ggml_tensor) on 64-bit
 
 
+@pytest.mark.slow
 def test_without_llama_cpp_python_prints_how_to_install_and_exits_2():
     code = ("import sys; sys.modules['llama_cpp'] = None; from llm.cli.commands import main; "
             "sys.exit(main(['diff-llamacpp', '-p', 'hi']))")

@@ -58,6 +58,7 @@ def test_embeddings_context_keeps_logits(tiny):
     np.testing.assert_allclose(ctx.get_embeddings() @ out.T, plain.get_logits(), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_embed_batches_over_sequences(tiny, tmp_path):
     m = llm.LLM(tiny.path, n_ctx=64, n_ubatch=32)
     seqs = [prompt_tokens(n, seed=n) for n in (12, 5, 9, 3, 20)]

@@ -121,6 +121,7 @@ def test_seq_state_holds_back_a_stop_string_and_cuts_it(m):
 
 # ---- what the one loop gives every caller ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_batched_generate_with_a_json_schema_gives_schema_valid_completions(m):
     out = m.generate(["Person:", "Another person:"], max_tokens=64, json_schema=SCHEMA, temperature=1.0, seed=3)
     assert len(out) == 2
@@ -128,6 +129,7 @@ def test_batched_generate_with_a_json_schema_gives_schema_valid_completions(m):
         jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_interventions_work_with_several_sequences(m, m1):
     prompts = ["once upon a time", "the quick brown fox"]
 
@@ -142,6 +144,7 @@ def test_interventions_work_with_several_sequences(m, m1):
     assert [c.tokens for c in singles] != [c.tokens for c in plain]     # the intervention did something
 
 
+@pytest.mark.slow
 def test_speculative_decoding_batched_is_greedy_identical(m, m1):
     prompts = ["a b c d a b c d a b c d a b", "one two three one two three one two"]
     ref = m.generate(prompts, max_tokens=24, **GREEDY)
@@ -162,6 +165,7 @@ def test_stream_chunks_join_to_the_completion_with_logprobs(m1):
     assert lp.top[0][0] == done.tokens[0] and np.isclose(lp.top[0][1], lp.logprob)
 
 
+@pytest.mark.slow
 def test_server_accepts_speculative(m):
     engine = Engine(m.ctx, m.vocab, n_slots=2).start()
     try:

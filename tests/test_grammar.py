@@ -89,6 +89,7 @@ def test_invalid_schema_raises(schema, error):
         sampling.json_schema(schema)
 
 
+@pytest.mark.slow
 def test_huge_schema_fails_or_finishes_quickly():
     props = {f"field_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(20)]} for i in range(4000)}
     schema = {"type": "object", "properties": props, "required": list(props)[:10]}

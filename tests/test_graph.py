@@ -319,6 +319,7 @@ MOE_GATING = {ExpertGatingFuncType.SOFTMAX: True, ExpertGatingFuncType.SIGMOID: 
 
 
 @pytest.mark.parametrize("type_op, gating_op", list(itertools.product(LLMFfnOpType, ExpertGatingFuncType)))
+@pytest.mark.slow
 def test_build_moe_ffn_lowers_or_refuses_every_op_and_gating(type_op, gating_op):
     act_name, gating_ok = MOE_OPS[type_op], MOE_GATING[gating_op]
     g, x, xv = _builder()

@@ -55,6 +55,7 @@ def _run(mode: str, tmp_path: Path, xla_flags: str | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_has_no_side_effects_and_init_is_idempotent(tmp_path):
     r = _run("init_twice", tmp_path)
     assert r["after_import"] == [None, None]
@@ -63,6 +64,7 @@ def test_import_has_no_side_effects_and_init_is_idempotent(tmp_path):
     assert r["ok"]
 
 
+@pytest.mark.slow
 def test_init_after_jax_started_without_the_flag_warns_once_and_works(tmp_path):
     """Listing jax.devices() to choose them before load_model is a normal thing to do: the
     flag can no longer apply, which costs speed, not correctness, so it is one warning."""

@@ -86,6 +86,7 @@ def test_mul_mat_small_n_matches_float64(t, fmt, n):
 @needs_native
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 12, native.MAX_N])
 @case_params
+@pytest.mark.slow
 def test_native_matches_float64_and_xla_path(t, fmt, n):
     w = _weight(t, 37, 512, seed=int(t) * 10 + n, fmt=fmt)
     x = np.random.default_rng(n).standard_normal((n, 512)).astype(np.float32)

@@ -102,6 +102,7 @@ def _decode_logits(path, type_k: str, swa_full: bool = True) -> np.ndarray:
 @needs_native
 @pytest.mark.parametrize("arch,type_k,swa_full", [("llama", "f32", True), ("llama", "f16", True),
                                                   ("gemma3", "f32", True), ("gemma3", "f32", False)])
+@pytest.mark.slow
 def test_decode_logits_match_the_xla_path(tmp_path, monkeypatch, arch, type_k, swa_full):
     spec = tiny_model.TinySpec(arch=arch, n_layer=6 if arch == "gemma3" else 2,
                                n_head_kv=1 if arch == "gemma3" else 2, seed=3)

@@ -115,6 +115,7 @@ def test_bad_base_file(model):
         ppl.kl_divergence(new_ctx(model, 1), io.BytesIO(b"not a logits file"), bos=1, n_batch=N_CTX)
 
 
+@pytest.mark.slow
 def test_cli_prints_llama_perplexity_lines(model_path, tmp_path, capsys):
     base = tmp_path / "base.kld"
     assert cli.main(["perplexity", "-m", str(model_path), "-f", str(TEXT), "-c", str(N_CTX), "-b", str(2 * N_CTX),

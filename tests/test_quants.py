@@ -163,6 +163,7 @@ def test_synthetic_models_every_tensor_matches_gguf_py():
 
 
 @pytest.mark.parametrize("t", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+@pytest.mark.slow
 def test_jax_matches_numpy_inside_jit(t):
     data, ne = random_tensor(t, seed=1000 + int(t))
     if t == GGMLType.MXFP4:

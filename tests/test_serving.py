@@ -107,6 +107,7 @@ def test_batched_greedy_equals_one_at_a_time(model):
     assert b.ctx.memory.cells.get_used() == 0
 
 
+@pytest.mark.slow
 def test_n_samples_share_the_prompt_cells(model):
     b = new_batcher(model)
     prompt = PROMPTS[1]
@@ -192,6 +193,7 @@ def test_check_rejects_what_can_never_run(model):
         b.check(PROMPTS[0], GenParams(max_tokens=-1))
 
 
+@pytest.mark.slow
 def test_a_failing_job_leaves_the_others_running(model):
     b = new_batcher(model)
     ok, ref = Sink(), Sink()

@@ -66,6 +66,7 @@ class WrongDrafter:
         return [(self.plain[i] + 1) % self.n_vocab if i < len(self.plain) else 0] * n_max
 
 
+@pytest.mark.slow
 def test_rejected_drafts_shrink_and_pause_drafting(target):
     prompt = repetitive_prompt()
     plain = target.generate(prompt, max_tokens=32, temperature=0.0).tokens

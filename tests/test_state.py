@@ -88,6 +88,7 @@ def test_file_round_trip_is_exact(model, tmp_path, cache):
         assert np.abs(got - want).max() == 0
 
 
+@pytest.mark.slow
 def test_get_set_data_and_sampler_rng(model):
     ctx = new_ctx(model)
     prefill(ctx, TOKENS)

@@ -225,6 +225,7 @@ SYNTHETIC = Path(__file__).parent / "data" / "synthetic"
 
 
 @pytest.mark.parametrize("model", ["tiny-Q4_1", "synth-llama-Q4_0", "synth-gemma3-Q4_K_M"])
+@pytest.mark.slow
 def test_int4_model_logits_match_int8(tmp_path, model):
     """A model's logits under int4 equal int8's within f32 rounding: a 20-token prefill (the
     chunked XLA path) then one-token steps (the native kernel where built). The Q4_K_M model
