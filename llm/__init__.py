@@ -15,7 +15,7 @@ import sys
 _EXPORTS = {
     "LLM": "llm.api", "Completion": "llm.api", "GenerationChunk": "llm.api",
     "Batch": "llm.batch", "BatchError": "llm.batch",
-    "Context": "llm.context", "DecodeStatus": "llm.context",
+    "Context": "llm.context", "ContextParams": "llm.context", "DecodeStatus": "llm.context",
     "GrammarError": "llm.errors", "LoadCancelled": "llm.errors", "ModelLoadError": "llm.errors",
     "StateError": "llm.errors",
     "Model": "llm.model", "RowPlan": "llm.model", "load_model": "llm.model",

@@ -13,7 +13,7 @@ import llm
 
 TOP_LEVEL = ["LLM", "Completion", "GenerationChunk", "Batch", "BatchError", "Context", "DecodeStatus",
              "GrammarError", "LoadCancelled", "ModelLoadError", "StateError", "Model", "RowPlan", "load_model",
-             "LogitLens", "Trace", "StepProfile", "profile", "SamplingParams"]
+             "LogitLens", "Trace", "StepProfile", "profile", "SamplingParams", "ContextParams"]
 
 # llama_sampler_init_* (llama.h) -> the keyword names llama.cpp gives their parameters
 SAMPLER_CONSTRUCTORS = {
@@ -33,7 +33,20 @@ MODULE_NAMES = {
     "llm.hub": ["resolve", "DEFAULT_MODEL"],
     "llm.loader": ["GGUFMeta", "ModelLoader"],
     "llm.errors": ["MetadataError", "ModelLoadError", "GrammarError", "StateError", "LoadCancelled"],
-    "llm.context": ["Context", "bucket", "DecodeStatus"],
+    "llm.context": ["Context", "ContextParams", "bucket", "DecodeStatus"],
+    # issue 27: one declaration per parameter, the generation core, block-option enums, the server's routes
+    "llm.params": ["param", "Arg", "ParamError", "add_arguments", "from_namespace", "from_kwargs", "from_json",
+                   "with_parameters", "fields_of"],
+    "llm.generation.core": ["GenParams", "SeqState", "build_sampler", "grammar_vocab", "Delta", "TokenLogprob",
+                            "logprobs_of", "stop_strings"],
+    "llm.generation.batcher": ["Batcher", "Job", "Done", "Failed"],
+    "llm.generation.speculative": ["PromptLookup", "DraftModel", "Speculative", "DraftPolicy", "sample_and_accept_n"],
+    "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType"],
+    "llm.hparams": ["ExpertGatingFuncType"],
+    "llm.arch": ["ArchBuilder"],
+    "llm.serving.routes": ["router"],
+    "llm.serving.engine": ["Engine", "QueueFull"],
+    "llm.research.llamacpp_child": ["LlamaCppCrashed"],
     "llm.kv_cache": ["kv_bytes_per_device"],
     "llm.serving": ["Batcher", "Engine", "GenParams", "Job", "Delta", "Done", "logprobs_of"],
     "llm.chat": ["render", "ChatTemplateError"],
