@@ -358,16 +358,7 @@ class GraphBuilder:
             g = self.cb(ops.mul_mat(self.need(gate, "ffn_gate", il), cur), "ffn_gate", il)
             if gate_b is not None:
                 g = self.cb(ops.add(g, gate_b), "ffn_gate_b", il)
-            if type_op is LLMFfnOpType.SILU:
-                cur = self.cb(ops.swiglu_split(g, tmp), "ffn_swiglu", il)
-            elif type_op is LLMFfnOpType.GELU:
-                cur = self.cb(ops.geglu_split(g, tmp), "ffn_geglu", il)
-            elif type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
-                cur = self.cb(ops.swiglu_oai(g, tmp, 1.702, 7.0), "ffn_swiglu_oai", il)
-            elif type_op is LLMFfnOpType.SWIGLU or type_op is LLMFfnOpType.GEGLU:
-                raise _unsupported("build_ffn", "type_op", type_op, "its gate is fused into ffn_up (type_gate SEQ)")
-            else:
-                assert_never(type_op)
+            cur = self._gated(g, tmp, type_op, "ffn", il, "build_ffn", "its gate is fused into ffn_up (type_gate SEQ)")
         elif type_gate is LLMFfnGateType.SEQ:
             if gate is not None:
                 raise _unsupported("build_ffn", "type_gate", type_gate, "a sequential FFN has no ffn_gate here")
@@ -389,6 +380,20 @@ class GraphBuilder:
         if down_b is not None:       # as llama.cpp: the biased result is the caller's to name
             cur = ops.add(cur, down_b)
         return cur
+
+    def _gated(self, gate: Tensor, up: Tensor, type_op: LLMFfnOpType, prefix: str, il: int, where: str,
+               fused: str) -> Tensor:
+        """act(gate) * up for a separate gate (llama.cpp's LLM_FFN_PAR), named <prefix>_swiglu etc.;
+        the fused ops SWIGLU / GEGLU need their gate inside up, which `fused` says is not so here."""
+        if type_op is LLMFfnOpType.SILU:
+            return self.cb(ops.swiglu_split(gate, up), f"{prefix}_swiglu", il)
+        if type_op is LLMFfnOpType.GELU:
+            return self.cb(ops.geglu_split(gate, up), f"{prefix}_geglu", il)
+        if type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
+            return self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), f"{prefix}_swiglu_oai", il)
+        if type_op is LLMFfnOpType.SWIGLU or type_op is LLMFfnOpType.GEGLU:
+            raise _unsupported(where, "type_op", type_op, fused)
+        assert_never(type_op)
 
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
@@ -455,16 +460,8 @@ class GraphBuilder:
         up = add_id(up, up_exps_b, "ffn_moe_up_biased")
         gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
         gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
-        if type_op is LLMFfnOpType.SILU:
-            par = self.cb(ops.swiglu_split(gate, up), "ffn_moe_swiglu", il)
-        elif type_op is LLMFfnOpType.GELU:
-            par = self.cb(ops.geglu_split(gate, up), "ffn_moe_geglu", il)
-        elif type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
-            par = self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), "ffn_moe_swiglu_oai", il)
-        elif type_op is LLMFfnOpType.SWIGLU or type_op is LLMFfnOpType.GEGLU:
-            raise _unsupported("build_moe_ffn", "type_op", type_op, "experts have separate gate and up matrices")
-        else:
-            assert_never(type_op)
+        par = self._gated(gate, up, type_op, "ffn_moe", il, "build_moe_ffn",
+                          "experts have separate gate and up matrices")
         experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
         experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
         if not weight_before_ffn:
