@@ -202,7 +202,11 @@ class Batcher:
             make_drafter(params.speculative)      # names a wrong one now
             if isinstance(params.speculative, DraftModel) and params.n != 1:
                 raise ValueError(f"a DraftModel drafts for one sequence (its own context); n = {params.n}")
-        build_sampler(params, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train)  # checks values
+        # the chain is built here, in the request's own error path, and a grammar computes its first
+        # mask: a bad value or a grammar llguidance cannot run ($ref cycles) fails this request, not a step
+        chain = build_sampler(params, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train)
+        if params.constraint is not None:
+            chain.samplers[0].apply(TokenDataArray.from_logits(np.zeros(n_vocab, np.float32)))
 
     def submit(self, job: Job) -> None:
         self.check(job.tokens, job.params)

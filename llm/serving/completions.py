@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 
+from llm.errors import GrammarError
 from llm.generation.batcher import Done, Failed, Job
 from llm.generation.core import FINISH_EOG, Delta, GenParams, TokenLogprob
 from llm.serving.engine import Engine, QueueFull
@@ -50,6 +51,11 @@ class Run:
             self.cancel()
             raise APIError(503, f"server busy: {e}", type="server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
+        except GrammarError as e:       # checked when the job is admitted: its first mask
+            self.cancel()
+            what = self.jobs[0].params.constraint
+            param = "grammar" if what is not None and what.what == "grammar" else "response_format"
+            raise APIError(400, f"'{param}' cannot be used: {e}", param=param) from None
         except ValueError as e:
             self.cancel()
             raise APIError(400, str(e), param="prompt") from None

@@ -199,13 +199,26 @@ def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenPara
         logprobs = top is not None
         top = top or 0
     sampling = sampling_params(body, n_vocab)
+    return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
+                     top_logprobs=top, constraint=_constraint(body), speculative=_speculative(body))
+
+
+def _constraint(body: dict) -> grammar_mod.GrammarSpec | None:
+    """`response_format` (OpenAI) or `grammar` (GBNF text, as llama-server takes it), not both."""
+    gbnf = body.get("grammar")
+    if gbnf is not None:
+        if not isinstance(gbnf, str):
+            raise bad("grammar", f"'grammar' must be GBNF text (a string), got {json.dumps(gbnf)[:50]}")
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise bad("grammar", "'grammar' and 'response_format' both constrain the output: pass one")
+        try:
+            return grammar_mod.spec_gbnf(gbnf)
+        except GrammarError as e:
+            raise bad("grammar", f"'grammar' is invalid: {e}") from None
     try:
-        constraint = grammar_mod.spec_response_format(body.get("response_format"))
+        return grammar_mod.spec_response_format(body.get("response_format"))
     except GrammarError as e:
         raise bad("response_format", f"'response_format' is invalid: {e}") from None
-    return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
-                     top_logprobs=top, constraint=constraint, speculative=_speculative(body))
-
 
 # ---- inputs ------------------------------------------------------------------------------
 
