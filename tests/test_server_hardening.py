@@ -55,3 +55,13 @@ def test_requests_refused_at_admission_leave_the_server_serving(client):
     assert r.status_code == 200, r.text
     health = client.get("/health").json()
     assert health["queue"] == 0 and health["slots_processing"] == 0 and health["kv_cells_used"] == 0
+
+
+def test_embedding_inputs_are_limited(client):
+    r = client.post("/v1/embeddings", json={"input": ["hello"] * 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert "at most 2048" in r.json()["error"]["message"]
+    r = client.post("/v1/embeddings", json={"input": [[1] * 200] * 2000})
+    assert r.status_code == 400 and "more than 300000 tokens" in r.json()["error"]["message"]
+    r = client.post("/v1/embeddings", json={"input": ["hello", "world"]})
+    assert r.status_code == 200, r.text

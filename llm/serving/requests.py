@@ -27,6 +27,9 @@ from llm.sampling.samplers import SamplingParams
 
 MAX_BODY_BYTES = 8 << 20
 MAX_STOP = 16
+# OpenAI's limits for one embeddings request: inputs, and tokens over all of them
+MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_TOKENS = 300_000
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Tokenize = Callable[[str], list[int]]
@@ -236,7 +239,10 @@ def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int) -> list[list[
         raise err
     if _token_list(v):
         v = [v]
-    out = []
+    if len(v) > MAX_EMBEDDING_INPUTS:
+        raise bad("input", f"'input' has {len(v)} items; at most {MAX_EMBEDDING_INPUTS} per request")
+    out: list[list[int]] = []
+    n_tokens = 0
     for x in v:
         if isinstance(x, str) and x:
             out.append(tokenize(x))
@@ -246,6 +252,9 @@ def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int) -> list[list[
             out.append(list(x))
         else:
             raise err
+        n_tokens += len(out[-1])
+        if n_tokens > MAX_EMBEDDING_TOKENS:
+            raise bad("input", f"'input' has more than {MAX_EMBEDDING_TOKENS} tokens; split it over requests")
     return out
 
 
