@@ -328,3 +328,19 @@ def test_slot_save_restore(server, model_id):
     assert bad.status_code == 404 and bad.json()["error"]["param"] == "id_slot"
     bad = httpx.post(server.url + "/slots/0?action=save", json={"filename": "../x.bin"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "filename"
+
+
+@pytest.mark.slow
+def test_a_non_streaming_client_that_leaves_frees_its_slot(server, model_id):
+    """Issue 35: the job of a client that hangs up before the answer is cancelled (the API-key
+    middleware is plain ASGI, so the handler sees the disconnect) and its slot is free within
+    a few seconds, not when max_tokens is reached."""
+    body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 1.0,
+            "seed": 1, "stop": ["never-in-the-output-xyz"]}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(30, read=2.0)) as c:
+        c.post(server.url + "/v1/completions", json=body)
+    t0 = time.monotonic()
+    with httpx.Client(timeout=10) as c:
+        while c.get(server.url + "/health").json()["slots_processing"]:
+            assert time.monotonic() - t0 < 5, "the slot of the client that left is still busy"
+            time.sleep(0.1)

@@ -60,15 +60,24 @@ async def internal_error(request: Request, e: Exception):
     return APIError(500, f"internal server error: {type(e).__name__}", type="server_error").response()
 
 
-async def check_api_key(request: Request, call_next):
-    """With an API key set, every route but /health needs `Authorization: Bearer KEY`."""
-    api_key = request.app.state.server.api_key
-    if api_key is not None and request.url.path != "/health":
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                            code="invalid_api_key").response()
-    return await call_next(request)
+class APIKeyMiddleware:
+    """With an API key set, every route but /health needs `Authorization: Bearer KEY`. A plain
+    ASGI middleware: Starlette's BaseHTTPMiddleware would hide a client's disconnect from the
+    handlers, so a non-streaming request whose client left would run on to max_tokens."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.expected is not None and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                    code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
@@ -79,7 +88,7 @@ def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str,
     app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, Exception: internal_error})
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
                                    api_key=api_key, slot_save_path=slot_save_path)
-    app.middleware("http")(check_api_key)
+    app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(router)
     return app
 
