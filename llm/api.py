@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -545,13 +546,48 @@ class LLM:
                                bos_token=v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
                                eos_token=v.token_get_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else "")
 
-    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    special_in_content: bool = False) -> list[int]:
         """The rendered conversation as tokens; the template writes BOS itself where the
-        model wants it, else it is added here."""
-        tokens = self.tokenize(self.render_chat(messages, tools=tools), add_special=False, parse_special=True)
+        model wants it, else it is added here. Message content is text, as OpenAI's API treats
+        it: a control token spelled in it (`<|im_end|>`) stays text, only the template's own
+        markup has control tokens, unless special_in_content."""
+        text = self.render_chat(messages, tools=tools)
+        contents = [c for m in messages if isinstance(c := m.get("content"), str)]
+        if special_in_content or not any(self._spells_special(c) for c in contents):
+            tokens = self.tokenize(text, add_special=False, parse_special=True)
+        else:
+            tokens = self._markup_and_content_tokens(messages, tools)
         if self.vocab.add_bos and (not tokens or tokens[0] != self.vocab.bos):
             tokens = [self.vocab.bos] + tokens
         return tokens
+
+    def _spells_special(self, text: str) -> bool:
+        return self.tokenize(text, add_special=False, parse_special=True) != \
+            self.tokenize(text, add_special=False, parse_special=False)
+
+    def _markup_and_content_tokens(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """Render with a placeholder per content, then tokenize the template's markup with its
+        control tokens and each content as plain text."""
+        marks: dict[str, str] = {}
+        placed = []
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                key = f"\ue000{len(marks)}\ue001"
+                marks[key] = m["content"]
+                m = {**m, "content": key}
+            placed.append(m)
+        parts = re.split("(\ue000\\d+\ue001)", self.render_chat(placed, tools=tools))
+        if sorted(p for p in parts if p in marks) != sorted(marks):
+            logger.warning("the chat template changes message content: control tokens in it are parsed")
+            return self.tokenize(self.render_chat(messages, tools=tools), add_special=False, parse_special=True)
+        out: list[int] = []
+        for p in parts:
+            if p in marks:
+                out += self.tokenize(marks[p], add_special=False, parse_special=False)
+            elif p:
+                out += self.tokenize(p, add_special=False, parse_special=True)
+        return out
 
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice="auto", **kw) -> Completion:
         """Render the model's chat template for messages and generate the assistant reply
