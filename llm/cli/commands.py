@@ -437,7 +437,7 @@ def cmd_serve(a) -> int:
     engine.start()
     name = model_name_of(llm.model.path)
     app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
-                     slot_save_path=a.slot_save_path)
+                     slot_save_path=a.slot_save_path, special_in_content=a.special_in_content)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
           f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
     try:
@@ -559,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="directory for POST /slots/{id}?action=save|restore (off without it)")
+    p.add_argument("--special-in-content", action="store_true",
+                   help="parse control tokens spelled in message content (default: content is text)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling the step graphs before serving")
     p.add_argument("--kv-bucket", type=int, default=0,

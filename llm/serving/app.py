@@ -81,13 +81,15 @@ class APIKeyMiddleware:
 
 
 def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
-               api_key: str | None = None, slot_save_path: str | Path | None = None) -> FastAPI:
+               api_key: str | None = None, slot_save_path: str | Path | None = None,
+               special_in_content: bool = False) -> FastAPI:
     """The FastAPI app serving `llm` (an llm.LLM, for the vocab, chat template and embeddings)
     through `engine` (running on llm.ctx). Slots are saved to and restored from files in
     `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server."""
     app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, Exception: internal_error})
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
-                                   api_key=api_key, slot_save_path=slot_save_path)
+                                   api_key=api_key, slot_save_path=slot_save_path,
+                                   special_in_content=special_in_content)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(router)
     return app

@@ -9,6 +9,7 @@ error. Work on the Context goes to the engine thread: `engine.call(fn)` for one-
 from __future__ import annotations
 
 import base64
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class ServerState:
     aliases: tuple[str, ...] = ()
     api_key: str | None = None
     slot_save_path: str | Path | None = None
+    special_in_content: bool = False      # parse control tokens spelled in message content (--special-in-content)
     created: int = field(default_factory=lambda: int(time.time()))
     embed_lock: threading.Lock = field(default_factory=threading.Lock)   # LLM.embed builds its context on first use
 
@@ -202,7 +204,8 @@ async def chat_completions(request: Request):
     server.check_model(body)
     req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens)
     try:
-        tokens = await run_in_threadpool(server.llm.chat_tokens, req.messages)
+        tokens = await run_in_threadpool(functools.partial(server.llm.chat_tokens, req.messages,
+                                                           special_in_content=server.special_in_content))
     except ChatTemplateError as e:
         raise bad("messages", f"the chat template failed for these messages: {e}") from None
     check_prompt_length(server, tokens, "messages")
