@@ -216,6 +216,7 @@ def test_stream_reuses_the_cached_prompt(smol):
     assert smol.ctx.perf()["n_p_eval"] - before < n_prompt - 4
 
 
+@pytest.mark.slow
 def test_control_tokens_in_message_content_stay_text(smol):
     """Issue 35: content spelling the template's markup does not open a new turn; its tokens
     are its tokens as plain text (special_in_content=True restores llama.cpp's parsing)."""

@@ -155,6 +155,7 @@ def test_speculative_decoding_batched_is_greedy_identical(m, m1):
     assert single.tokens == ref[0].tokens
 
 
+@pytest.mark.slow
 def test_stream_chunks_join_to_the_completion_with_logprobs(m1):
     chunks = list(m1.stream("hello there", max_tokens=12, logprobs=True, top_logprobs=2, **GREEDY))
     done = chunks[-1].completion

@@ -25,6 +25,7 @@ def client(tmp_path_factory):
     engine.stop()
 
 
+@pytest.mark.slow
 def test_grammar_in_the_body_constrains_the_output(client):
     for seed in (0, 1, 2):
         r = client.post("/v1/completions", json={"prompt": "answer:", "max_tokens": 8, "temperature": 1.0,
@@ -45,6 +46,7 @@ def test_a_constraint_that_cannot_run_is_a_400(client, body, param):
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.slow
 def test_requests_refused_at_admission_leave_the_server_serving(client):
     bad = [{"repeat_penalty": 0}, {"response_format": CYCLE}] * 12     # more than the queue holds
     for b in bad:
@@ -57,6 +59,7 @@ def test_requests_refused_at_admission_leave_the_server_serving(client):
     assert health["queue"] == 0 and health["slots_processing"] == 0 and health["kv_cells_used"] == 0
 
 
+@pytest.mark.slow
 def test_embedding_inputs_are_limited(client):
     r = client.post("/v1/embeddings", json={"input": ["hello"] * 5000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
