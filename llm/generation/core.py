@@ -109,6 +109,18 @@ def grammar_vocab(vocab) -> grammar_mod.GrammarVocab:
     return gv
 
 
+_TOKEN_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_pieces(vocab) -> list[bytes]:
+    """Every token's text (DRY matches its sequence breakers against them): built once per model,
+    not twice per request (the admission check and the job each build a chain)."""
+    pieces = _TOKEN_PIECES.get(vocab)
+    if pieces is None:
+        pieces = _TOKEN_PIECES[vocab] = [vocab.token_to_piece(i, special=True) for i in range(vocab.n_tokens)]
+    return pieces
+
+
 def build_sampler(params: GenParams, *, vocab, n_ctx: int, n_ctx_train: int, index: int = 0) -> SamplerChain:
     """common_sampler_init for sample `index` of a request: its grammar first (as llama.cpp), then
     the chain of its SamplingParams; with a fixed seed, sample i draws with seed + i. `n_ctx` is
@@ -119,7 +131,7 @@ def build_sampler(params: GenParams, *, vocab, n_ctx: int, n_ctx_train: int, ind
     dry_on = sp.dry_multiplier != 0.0 and "dry" in sp.samplers
     chain = SamplerChain.from_params(
         sp, n_vocab=vocab.n_tokens, n_ctx=n_ctx, n_ctx_train=n_ctx_train,
-        token_pieces=[vocab.token_to_piece(i, special=True) for i in range(vocab.n_tokens)] if dry_on else None,
+        token_pieces=token_pieces(vocab) if dry_on else None,
         tokenize=lambda s: vocab.tokenize(s, add_special=False, parse_special=False))
     if params.constraint is not None:
         chain.samplers.insert(0, params.constraint.sampler(grammar_vocab(vocab)))
