@@ -44,6 +44,10 @@ class GenerationError(RuntimeError):
     """decode failed during generation (the message carries the context's error)."""
 
 
+class EmbedAborted(GenerationError):
+    """LLM.embed was stopped by its abort_callback."""
+
+
 class LLMBusyError(RuntimeError):
     """A generation or reset on an LLM while another generation on it is live (an unfinished
     stream, or a call in another thread): one LLM holds one conversation in its cache."""
@@ -173,7 +177,8 @@ class LLM:
     # ---- embeddings ------------------------------------------------------------------
 
     def embed(self, texts: str | list[str] | list[list[int]], normalize: bool = True,
-              pooling_type: str | int | None = None, max_seqs: int = 8) -> np.ndarray:
+              pooling_type: str | int | None = None, max_seqs: int = 8, *,
+              abort_callback: Callable[[], bool] | None = None) -> np.ndarray:
         """One embedding per text, [n, n_embd] float32 (rank pooling: [n, n_cls_out] scores).
 
         Texts are tokenized with the model's special tokens and decoded several sequences
@@ -181,6 +186,8 @@ class LLM:
         its own tokens. `pooling_type` defaults to the model's; a model whose default is
         "none" (decoders) is pooled with "mean". `normalize` scales each vector to unit L2
         norm (not applied to rank scores). A text longer than n_ubatch tokens: ValueError.
+        `abort_callback` is asked before each batch; True stops with EmbedAborted (a server
+        whose client left).
         """
         single = isinstance(texts, str)
         items = [texts] if single else list(texts)
@@ -193,19 +200,22 @@ class LLM:
                                               pooling_type=pooling)
         ctx = self._embd_ctx[pooling]
         seqs = [list(t) if not isinstance(t, str) else self.vocab.tokenize(t, True, True) for t in items]
+        room = min(ctx.n_ubatch, ctx.n_ctx)    # a group is one ubatch, and its cells fit the cache
         for i, toks in enumerate(seqs):
             if not toks:
                 raise ValueError(f"embed: text {i} has no tokens")
-            if len(toks) > ctx.n_ubatch:
-                raise ValueError(f"embed: text {i} has {len(toks)} tokens, more than n_ubatch = {ctx.n_ubatch} "
-                                 f"(a sequence must be pooled in one ubatch)")
+            if len(toks) > room:
+                raise ValueError(f"embed: text {i} has {len(toks)} tokens, more than {room} (n_ubatch "
+                                 f"{ctx.n_ubatch}, n_ctx {ctx.n_ctx}: a sequence must be pooled in one ubatch)")
         out: list[np.ndarray] = []
         i = 0
         with ctx.lock:      # one embed at a time on this context: each group clears it first
             while i < len(seqs):
+                if abort_callback is not None and abort_callback():
+                    raise EmbedAborted(f"embed: aborted after {i} of {len(seqs)} texts")
                 group = [seqs[i]]
                 while (i + len(group) < len(seqs) and len(group) < ctx.n_seq_max
-                       and sum(map(len, group)) + len(seqs[i + len(group)]) <= ctx.n_ubatch):
+                       and sum(map(len, group)) + len(seqs[i + len(group)]) <= room):
                     group.append(seqs[i + len(group)])
                 ctx.memory_clear()
                 tokens = np.concatenate([np.asarray(t, np.int32) for t in group])

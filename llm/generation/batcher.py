@@ -49,6 +49,7 @@ from llm.generation.speculative import (
     n_kept,
     sample_and_accept_n,
 )
+from llm.params import ParamError
 from llm.sampling.samplers import SamplerChain, TokenDataArray
 
 log = logging.getLogger(__name__)
@@ -185,23 +186,28 @@ class Batcher:
     # ---- jobs --------------------------------------------------------------------------
 
     def check(self, tokens: Sequence[int], params: GenParams) -> None:
-        """ValueError naming what is wrong if the job can never run here."""
+        """A ParamError (a ValueError) naming the field that is wrong ("prompt", "n", a sampler's
+        "repeat_penalty", ...) if the job can never run here."""
         params.check()
         if not tokens:
-            raise ValueError("the prompt is empty (no tokens)")
+            raise ParamError("prompt", "the prompt is empty (no tokens)")
         n_vocab = self.vocab.n_tokens
         bad = [t for t in tokens if not 0 <= t < n_vocab]
         if bad:
-            raise ValueError(f"prompt token {bad[0]} is out of range [0, {n_vocab})")
+            raise ParamError("prompt", f"prompt token {bad[0]} is out of range [0, {n_vocab})")
         if len(tokens) >= self.n_ctx_slot:
-            raise ValueError(f"the prompt has {len(tokens)} tokens; a slot holds {self.n_ctx_slot} "
-                             f"(n_ctx {self.ctx.n_ctx} / {self.n_slots} slots)")
+            raise ParamError("prompt", f"the prompt has {len(tokens)} tokens; a slot holds {self.n_ctx_slot} "
+                                       f"(n_ctx {self.ctx.n_ctx} / {self.n_slots} slots)")
         if params.n > self.n_slots:
-            raise ValueError(f"n = {params.n} is more than the {self.n_slots} slots")
+            raise ParamError("n", f"n = {params.n} is more than the {self.n_slots} slots")
         if params.speculative is not None:
-            make_drafter(params.speculative)      # names a wrong one now
+            try:
+                make_drafter(params.speculative)      # names a wrong one now
+            except ValueError as e:
+                raise ParamError("speculative", str(e)) from None
             if isinstance(params.speculative, DraftModel) and params.n != 1:
-                raise ValueError(f"a DraftModel drafts for one sequence (its own context); n = {params.n}")
+                raise ParamError("speculative", f"a DraftModel drafts for one sequence (its own context); "
+                                                f"n = {params.n}")
         # the chain is built here, in the request's own error path, and a grammar computes its first
         # mask: a bad value or a grammar llguidance cannot run ($ref cycles) fails this request, not a step
         chain = build_sampler(params, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train)
@@ -209,7 +215,11 @@ class Batcher:
             chain.samplers[0].apply(TokenDataArray.from_logits(np.zeros(n_vocab, np.float32)))
 
     def submit(self, job: Job) -> None:
+        """Queue a checked job; its max_tokens is capped by what its slot can hold after the prompt."""
         self.check(job.tokens, job.params)
+        room = self.n_ctx_slot - len(job.tokens)
+        if job.params.max_tokens is not None and job.params.max_tokens > room:
+            job.params = dataclasses.replace(job.params, max_tokens=room)
         self.waiting.append(job)
 
     def cancel(self, job: Job) -> None:
@@ -310,23 +320,31 @@ class Batcher:
         return best, n_keep
 
     def _admit(self) -> None:
-        """Give waiting jobs their slots, first come first served."""
+        """Give waiting jobs their slots, first come first served; a job whose setup fails fails alone."""
         while self.waiting and len(self.free) >= self.waiting[0].params.n:
             job = self.waiting.popleft()
-            p = job.params
-            n_draft = max_draft(self.ctx)
-            for i in range(p.n):
-                sampler = build_sampler(p, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train,
-                                        index=i)
-                drafter = make_drafter(p.speculative) if p.speculative is not None and n_draft else None
-                seq_id, n_keep = self._take_slot(job)
-                job.seqs.append(_Seq(job, i, seq_id, sampler, SeqState(p, self.vocab, i), drafter,
-                                     DraftPolicy(n_draft) if drafter is not None else None))
-                if i == 0:
-                    job.n_prefilled = job.seqs[0].n_past = n_keep
             job.state = "running"
             job.t_start = time.perf_counter()
             self.running.append(job)
+            try:
+                self._start(job)
+            except Exception as e:
+                log.exception("job %d failed at admission", job.id)
+                self._fail(job, f"{type(e).__name__}: {e}")
+
+    def _start(self, job: Job) -> None:
+        """Build each sample's sampler chain and drafter and give it a slot."""
+        p = job.params
+        n_draft = max_draft(self.ctx)
+        for i in range(p.n):
+            sampler = build_sampler(p, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train, index=i)
+            drafter = make_drafter(p.speculative) if p.speculative is not None and n_draft else None
+            state = SeqState(p, self.vocab, i)
+            seq_id, n_keep = self._take_slot(job)       # last: nothing below can fail with the slot taken
+            job.seqs.append(_Seq(job, i, seq_id, sampler, state, drafter,
+                                 DraftPolicy(n_draft) if drafter is not None else None))
+            if i == 0:
+                job.n_prefilled = job.seqs[0].n_past = n_keep
 
     # ---- one step ----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from llm.params import param
+from llm.params import ParamError, param
 from llm.sampling import structured as grammar_mod
 from llm.sampling.samplers import LLAMA_DEFAULT_SEED, SamplerChain, SamplingParams
 
@@ -37,15 +37,17 @@ class GenParams:
     speculative: Any = None
 
     def check(self) -> None:
+        """A ParamError naming the field that is wrong."""
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 0):
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise ParamError("n", f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+            raise ParamError("top_logprobs",
+                             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be non-empty strings")
+            raise ParamError("stop", "stop must be non-empty strings")
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:

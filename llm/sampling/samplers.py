@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from llm import params as params_mod
 from llm.params import param
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -1118,24 +1120,30 @@ class SamplerChain(Sampler):
         size n_ctx (needed only then) and values below -1 are refused. n_ctx_train,
         token_pieces and tokenize are only needed when DRY is enabled.
         """
-        params = dataclasses.replace(
-            params, penalty_last_n=_last_n("penalty_last_n", params.penalty_last_n, n_ctx),
-            dry_penalty_last_n=_last_n("dry_penalty_last_n", params.dry_penalty_last_n, n_ctx))
+        with _blame(params, "penalty_last_n"):
+            last_n = _last_n("penalty_last_n", params.penalty_last_n, n_ctx)
+        with _blame(params, "dry_penalty_last_n"):
+            dry_last_n = _last_n("dry_penalty_last_n", params.dry_penalty_last_n, n_ctx)
+        params = dataclasses.replace(params, penalty_last_n=last_n, dry_penalty_last_n=dry_last_n)
         chain = cls()
         if params.logit_bias:
-            chain.add(LogitBias(n_vocab, params.logit_bias))
+            with _blame(params, "logit_bias"):
+                chain.add(LogitBias(n_vocab, params.logit_bias))
         if params.mirostat == 0:
             for kind in params.samplers:
-                chain.add(_from_params(kind, params, n_ctx_train, token_pieces, tokenize))
+                with _blame(params, *_SAMPLER_FIELDS.get(kind, ("samplers",))):
+                    chain.add(_from_params(kind, params, n_ctx_train, token_pieces, tokenize))
             chain.add(Dist(params.seed))
-        elif params.mirostat == 1:
-            chain.add(Temp(params.temp))
-            chain.add(Mirostat(n_vocab, params.seed, params.mirostat_tau, params.mirostat_eta, 100))
-        elif params.mirostat == 2:
-            chain.add(Temp(params.temp))
-            chain.add(MirostatV2(params.seed, params.mirostat_tau, params.mirostat_eta))
+        elif params.mirostat in (1, 2):
+            with _blame(params, "temp"):
+                chain.add(Temp(params.temp))
+            with _blame(params, "mirostat_tau", "mirostat_eta"):
+                if params.mirostat == 1:
+                    chain.add(Mirostat(n_vocab, params.seed, params.mirostat_tau, params.mirostat_eta, 100))
+                else:
+                    chain.add(MirostatV2(params.seed, params.mirostat_tau, params.mirostat_eta))
         else:
-            raise ValueError(f"mirostat must be 0, 1 or 2, got {params.mirostat!r}")
+            raise params_mod.ParamError("mirostat", f"mirostat must be 0, 1 or 2, got {params.mirostat!r}")
         return chain
 
     @classmethod
@@ -1143,6 +1151,36 @@ class SamplerChain(Sampler):
         """llama.cpp's default chain: penalties, dry, top-n-sigma, top-k 40, typical, top-p 0.95,
         min-p 0.05, xtc, temp 0.8, dist (the disabled ones are no-ops, as in llama.cpp)."""
         return cls.from_params(SamplingParams(seed=seed), n_vocab=n_vocab)
+
+
+# the SamplingParams fields each sampler of the chain is built from, for naming the one a
+# sampler refuses (a ParamError carries the request / keyword name: "repeat_penalty", ...)
+_SAMPLER_FIELDS = {
+    "penalties": ("penalty_repeat", "penalty_freq", "penalty_present", "penalty_last_n"),
+    "dry": ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers"),
+    "top_n_sigma": ("top_n_sigma",),
+    "top_k": ("top_k",),
+    "typ_p": ("typ_p", "min_keep"),
+    "top_p": ("top_p", "min_keep"),
+    "min_p": ("min_p", "min_keep"),
+    "xtc": ("xtc_probability", "xtc_threshold", "min_keep"),
+    "temperature": ("temp", "dynatemp_range", "dynatemp_exponent"),
+}
+
+
+@contextlib.contextmanager
+def _blame(params: SamplingParams, *fields: str) -> Iterator[None]:
+    """Re-raise a sampler's ValueError as a ParamError naming the field it came from: the first of
+    `fields` set away from its default (the first of them when none is)."""
+    try:
+        yield
+    except params_mod.ParamError:
+        raise
+    except ValueError as e:
+        declared = {f.name: (f, arg) for f, arg in params_mod.fields_of(SamplingParams)}
+        changed = [n for n in fields if getattr(params, n) != params_mod.default_of(declared[n][0])]
+        f, arg = declared[(changed or list(fields))[0]]
+        raise params_mod.ParamError(params_mod.name_of(f, arg), str(e)) from None
 
 
 def _last_n(name: str, value: int, n_ctx: int) -> int:

@@ -18,6 +18,7 @@ from fastapi import Request
 from llm.errors import GrammarError
 from llm.generation.batcher import Done, Failed, Job
 from llm.generation.core import FINISH_EOG, Delta, GenParams, TokenLogprob
+from llm.params import ParamError
 from llm.serving.engine import Engine, QueueFull
 from llm.serving.requests import APIError
 
@@ -29,8 +30,10 @@ Event = tuple[int, object]      # (index of the prompt, the job's event)
 class Run:
     """The jobs of one HTTP request (one per prompt), their events merged into one queue."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], params: GenParams, cache_prompt: bool = False):
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: GenParams, cache_prompt: bool = False, *,
+                 prompt_field: str = "prompt"):
         self.engine = engine
+        self.prompt_field = prompt_field    # the request field the prompt came from ("messages" for chat)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.jobs = [Job(toks, params, self._sink(k), cache_prompt=cache_prompt) for k, toks in enumerate(prompts)]
@@ -56,9 +59,13 @@ class Run:
             what = self.jobs[0].params.constraint
             param = "grammar" if what is not None and what.what == "grammar" else "response_format"
             raise APIError(400, f"'{param}' cannot be used: {e}", param=param) from None
-        except ValueError as e:
+        except ParamError as e:        # the batcher's check names the field
             self.cancel()
-            raise APIError(400, str(e), param="prompt") from None
+            param = self.prompt_field if e.name == "prompt" else e.name
+            raise APIError(400, str(e), param=param) from None
+        except ValueError as e:        # any other refusal of the job's settings
+            self.cancel()
+            raise APIError(400, str(e)) from None
 
     def cancel(self) -> None:
         for job in self.jobs:

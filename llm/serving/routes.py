@@ -8,8 +8,10 @@ error. Work on the Context goes to the engine thread: `engine.call(fn)` for one-
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from llm.api import EmbedAborted
 from llm.chat.templates import ChatTemplateError
 from llm.errors import StateError
 from llm.generation.batcher import SlotBusy, SlotNotFound
@@ -43,6 +46,8 @@ from llm.state import slot_path
 
 if TYPE_CHECKING:
     from llm.api import LLM
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -73,9 +78,10 @@ class ServerState:
         """A prompt's tokens (special tokens added and parsed)."""
         return self.vocab.tokenize(text, True, True)
 
-    def embed(self, tokens: list[list[int]]) -> np.ndarray:
+    def embed(self, tokens: list[list[int]], gone: threading.Event) -> np.ndarray:
+        """Embeddings of the inputs, stopped (EmbedAborted) between batches once `gone` is set."""
         with self.embed_lock:
-            return self.llm.embed(tokens, normalize=True)
+            return self.llm.embed(tokens, normalize=True, abort_callback=gone.is_set)
 
 
 def server_of(request: Request) -> ServerState:
@@ -140,16 +146,30 @@ async def models(request: Request):
                                         "owned_by": "ggmlx"}]}
 
 
+async def watch_disconnect(request: Request, gone: threading.Event, every: float = 0.5) -> None:
+    """Set `gone` when the client of a non-streaming request hangs up (polled every `every` s)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every)
+    gone.set()
+
+
 @router.post("/v1/embeddings")
 async def embeddings(request: Request):
     server = server_of(request)
     body = await read_json(request)
     server.check_model(body)
     req = await run_in_threadpool(EmbeddingRequest.parse, body, server.tokenize, n_vocab=server.vocab.n_tokens)
+    gone = threading.Event()
+    watch = asyncio.create_task(watch_disconnect(request, gone))
     try:
-        vecs = await run_in_threadpool(server.embed, req.inputs)
+        vecs = await run_in_threadpool(server.embed, req.inputs, gone)
+    except EmbedAborted:
+        log.info("/v1/embeddings: the client left; stopped after a batch")
+        raise asyncio.CancelledError("client disconnected") from None
     except ValueError as e:
         raise bad("input", str(e)) from None
+    finally:
+        watch.cancel()
     data = []
     for i, v in enumerate(vecs):
         emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
@@ -188,7 +208,7 @@ def check_prompt_length(server: ServerState, tokens: list[int], param: str) -> N
 async def generate(request: Request, server: ServerState, prompts: list[list[int]], params: GenParams, *,
                    chat: bool, stream: bool, include_usage: bool, cache_prompt: bool):
     """Run one job per prompt; the completion as one JSON object, or streamed as SSE."""
-    run = Run(server.engine, prompts, params, cache_prompt)
+    run = Run(server.engine, prompts, params, cache_prompt, prompt_field="messages" if chat else "prompt")
     pending = await run.start(request)
     choices = Choices(len(prompts), params, chat=chat, stream=stream, vocab=server.vocab,
                       model_name=server.model_name)
