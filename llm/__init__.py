@@ -22,6 +22,7 @@ _EXPORTS = {
     "SamplingParams": "llm.sampling",
     "LogitLens": "llm.research.trace", "Trace": "llm.research.trace",
     "StepProfile": "llm.research.profiler", "profile": "llm.research.profiler",
+    "LoraAdapter": "llm.adapter", "adapter_lora_init": "llm.adapter",
 }
 
 # Modules that issue 27 moved into subpackages: their old paths stay importable (public contract).

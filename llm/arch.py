@@ -119,6 +119,9 @@ class LLMKV(enum.Enum):
     GENERAL_LICENSE = "general.license"
     GENERAL_SOURCE_URL = "general.source.url"
     GENERAL_SOURCE_HF_REPO = "general.source.huggingface.repository"
+    ADAPTER_TYPE = "adapter.type"
+    ADAPTER_LORA_ALPHA = "adapter.lora.alpha"
+    ADAPTER_ALORA_INVOCATION_TOKENS = "adapter.alora.invocation_tokens"
 
     VOCAB_SIZE = "%s.vocab_size"
     CONTEXT_LENGTH = "%s.context_length"

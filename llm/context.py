@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -27,6 +27,7 @@ from ggmlx.types import GGMLType
 from ggmlx.weights import materialize
 from llm import params as params_mod
 from llm import state
+from llm.adapter import LoraAdapter, LoraScales
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.errors import StateError
 from llm.graph import GraphBuilder, GraphHook, GraphParams, rope_params
@@ -119,6 +120,15 @@ class ContextParams:
     reserve: tuple[int, ...] = param((), help="ubatch sizes to compile ahead when the context is made")
 
 
+def _lora_scales(scales: tuple, n: int, where: str) -> tuple[float, ...]:
+    if len(scales) != n:
+        raise ValueError(f"{where}: {len(scales)} scales for {n} adapters")
+    for i, v in enumerate(scales):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}: scales[{i}] = {v!r} is not a finite number")
+    return tuple(float(v) for v in scales)
+
+
 class Context:
     """A model plus its KV cache and runtime state; see docs/design.md for the contract."""
 
@@ -163,6 +173,9 @@ class Context:
         self.flash_attn = flash_attn       # False: the unfused attention path (kq_soft_max nodes)
         # interventions / captures (a GraphHook: llm.research.trace.GraphEdits) for the next decodes
         self.edits: GraphHook | None = None
+        # LoRA adapters applied to every decode and their scales (set_adapters_lora; one object
+        # for the context's life, read by the graphs' InpLora)
+        self.lora = LoraScales()
         self.memory = KVCache(model, n_ctx, n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=self.n_ubatch,
                               swa_full=p.swa_full)
         # one lock for the cache and the context: a decode and a sequence operation from
@@ -192,6 +205,42 @@ class Context:
         self._perf = Perf(time.perf_counter())
         if p.reserve:
             self.reserve(p.reserve)
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+
+    @locked
+    def set_adapters_lora(self, adapters: Sequence[LoraAdapter], scales: Sequence[float]) -> None:
+        """llama_set_adapters_lora: apply these adapters (loaded for this model by
+        llm.adapter_lora_init) with these scales to the following decodes; an empty list removes
+        them. The same adapters with other scales reuse the compiled graphs (scales are inputs);
+        sequences' own scales (set_adapter_scales_seq) are dropped when the set changes."""
+        adapters, scales = tuple(adapters), tuple(scales)
+        if len(adapters) != len(scales):
+            raise ValueError(f"set_adapters_lora: {len(adapters)} adapters but {len(scales)} scales")
+        for i, a in enumerate(adapters):
+            if not isinstance(a, LoraAdapter):
+                raise TypeError(f"set_adapters_lora: adapters[{i}] is {type(a).__name__}, not an llm.LoraAdapter")
+            if a.model is not self.model:
+                raise ValueError(f"set_adapters_lora: adapters[{i}] ({a.path}) was loaded for another model")
+        if len(set(map(id, adapters))) != len(adapters):
+            raise ValueError("set_adapters_lora: an adapter is listed twice")
+        checked = _lora_scales(scales, len(adapters), "set_adapters_lora")
+        if adapters != self.lora.adapters:
+            self.lora.seq.clear()
+        # changed in place: the graphs' InpLora read this object at each decode
+        self.lora.adapters, self.lora.scales = adapters, checked
+
+    @locked
+    def set_adapter_scales_seq(self, seq_id: int, scales: Sequence[float] | None) -> None:
+        """The scales of the applied adapters for sequence `seq_id`'s tokens alone (one per
+        adapter, in set_adapters_lora's order; 0 leaves an adapter off), or None to use the
+        context's again: sequences with different adapters decode in one batch."""
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"set_adapter_scales_seq: seq_id {seq_id!r} is not in [0, {self.n_seq_max})")
+        if scales is None:
+            self.lora.seq.pop(seq_id, None)
+        else:
+            self.lora.seq[seq_id] = _lora_scales(tuple(scales), len(self.lora.adapters), "set_adapter_scales_seq")
 
     @locked
     def reserve(self, n_tokens: tuple[int, ...] = (1,), n_kv: tuple[int, ...] | None = None) -> int:
@@ -239,6 +288,7 @@ class Context:
         """The shape of a ubatch of n_tokens that outputs the last token's logits."""
         return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False,
                            embeddings=self.embeddings, flash_attn=self.flash_attn, edits=self.edits,
+                           loras=self.lora.adapters,
                            n_kv_swa=self._n_kv_swa())
 
     def _reserve(self, shapes: list[GraphParams]) -> int:
@@ -340,7 +390,7 @@ class Context:
         n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, n_min, 1), n_tokens)
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
                            embd_input=ub.embd is not None, embeddings=self.embeddings,
-                           flash_attn=self.flash_attn, edits=self.edits,
+                           flash_attn=self.flash_attn, edits=self.edits, loras=self.lora.adapters,
                            n_kv_swa=self._n_kv_swa())
 
     @staticmethod
@@ -360,7 +410,7 @@ class Context:
 
     def _build(self, params: GraphParams) -> tuple[GraphBuilder, Plan]:
         """Build and plan the graph of one shape, and keep it (the last GRAPHS_KEPT shapes)."""
-        g = GraphBuilder(self.model, self.memory, params)
+        g = GraphBuilder(self.model, self.memory, params, lora=self.lora)
         self.model.builder.build_graph(g)
         if params.edits is not None:
             params.edits.apply(g)
@@ -627,14 +677,6 @@ class Context:
         return self.state_seq_set_data(self._read_state(path, seq=True), dest_seq_id, where=str(path))
 
     def _read_state(self, path, *, seq: bool) -> bytes:
-        """The file's bytes, refused before reading when it is larger than any state of this context."""
-        try:
-            size = os.path.getsize(path)
-            limit = state.max_state_bytes(self, seq=seq)
-            if size > limit:
-                raise StateError(f"{path}: {size} bytes is too large for this context "
-                                 f"(at most {limit} for n_ctx = {self.n_ctx})")
-            with open(path, "rb") as f:
-                return f.read(limit + 1)
-        except OSError as e:
-            raise StateError(f"{path}: cannot read: {e.strerror or e}") from None
+        """The file's bytes (a regular file, not a link), refused before reading when it is larger
+        than any state of this context."""
+        return state.read_file(path, state.max_state_bytes(self, seq=seq))

@@ -15,11 +15,13 @@ from ggmlx import ops, types
 from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
+from llm.adapter import TOKEN_EMBD
 from llm.errors import ModelLoadError
 from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType
 from llm.layer import Layer
 
 if TYPE_CHECKING:
+    from llm.adapter import LoraAdapter, LoraScales
     from llm.kv_cache import KVCache
     from llm.kv_cells import SlotInfo
     from llm.model import Model
@@ -94,6 +96,9 @@ class GraphParams:
     # graph, so a graph is reused only under the same edits
     edits: GraphHook | None = None
     n_kv_swa: int = 0      # cells the sliding-window layers read from their own cache (0: none)
+    # the LoRA adapters applied (llm.adapter.LoraAdapter, compared by identity); their scales
+    # are inputs (InpLora), so only the set selects a graph
+    loras: tuple[LoraAdapter, ...] = ()
 
 
 class GraphInput:
@@ -164,6 +169,22 @@ class InpAttnScale(GraphInput):
         values[self.scale] = s.reshape(self.params.n_tokens, 1, 1)
 
 
+class InpLora(GraphInput):
+    """Each adapter's scale per token, [1, n_tokens] (a sequence's own scales or the context's;
+    0 on padding), read by build_lora_mm: changing a scale changes an input, not the graph."""
+
+    def __init__(self, params: GraphParams, scales: LoraScales):
+        super().__init__(params)
+        self.scales = scales
+        self.scale = [new_input(F32, (1, params.n_tokens), f"inp_lora_scale-{k}") for k in range(len(params.loras))]
+
+    def set_input(self, ub, values: dict) -> None:
+        n = self.params.n_tokens
+        per = self.scales.per_token(ub.seq_id, n)
+        for k, t in enumerate(self.scale):
+            values[t] = per[k].reshape(n, 1)
+
+
 class InpOutIds(GraphInput):
     """Rows of the last layer that reach the output projection (padded with row 0)."""
 
@@ -225,8 +246,14 @@ class GraphBuilder:
     """State of one graph build (llm_graph_context): the model, params, inputs and the
     graph being expanded."""
 
-    def __init__(self, model: Model, kv: KVCache, params: GraphParams):
+    def __init__(self, model: Model, kv: KVCache, params: GraphParams, *, lora: LoraScales | None = None):
+        if params.loras and (lora is None or lora.adapters != params.loras):
+            raise ValueError("GraphBuilder: params.loras needs the LoraScales of those adapters (lora=)")
         self.model = model
+        self.lora = lora
+        self.inp_lora: InpLora | None = None
+        self.inp_out_ids: Tensor | None = None
+        self._lora_scale: dict[tuple[int, int], Tensor] = {}
         self.hparams = model.hparams
         self.kv = kv
         self.params = params
@@ -263,6 +290,14 @@ class GraphBuilder:
         self.inputs.append(inp)
         if inp.tokens is not None:
             cur = ops.get_rows(tok_embd, inp.tokens)
+            for k, adapter in enumerate(self.params.loras):    # the pair is flipped: rows of A by token
+                lw = adapter.get_weight(tok_embd.name)
+                if lw is None:
+                    continue
+                ax = ops.get_rows(lw.a, inp.tokens).set_name(f"{tok_embd.name}.lora_ax-{k}")
+                delta = ops.scale(ops.mul_mat(lw.b, ax), lw.alpha_scale(adapter.alpha))
+                delta = ops.mul(delta, self.lora_scale(k, self.n_tokens)).set_name(f"{tok_embd.name}.lora-{k}")
+                cur = ops.add(cur, delta)
         else:
             assert inp.embd is not None   # InpEmbd holds one of the two
             cur = inp.embd
@@ -285,6 +320,7 @@ class GraphBuilder:
             return None
         inp = InpOutIds(self.params)
         self.inputs.append(inp)
+        self.inp_out_ids = inp.out_ids
         return inp.out_ids
 
     def build_attn_inp_kv(self) -> InpAttnKV:
@@ -292,6 +328,60 @@ class GraphBuilder:
         self.inp_attn = InpAttnKV(self.params, self.kv, with_swa)
         self.inputs.append(self.inp_attn)
         return self.inp_attn
+
+    # ---- LoRA ------------------------------------------------------------------------
+
+    def lora_scale(self, k: int, n_rows: int) -> Tensor:
+        """Adapter k's per-token scales [1, n_rows]: the input, or its output rows once the last
+        layer kept only those (n_rows == n_outputs)."""
+        key = (k, n_rows)
+        if key in self._lora_scale:
+            return self._lora_scale[key]
+        if self.inp_lora is None:
+            assert self.lora is not None        # checked in __init__
+            self.inp_lora = InpLora(self.params, self.lora)
+            self.inputs.append(self.inp_lora)
+        s = self.inp_lora.scale[k]
+        if n_rows != self.n_tokens:
+            if self.inp_out_ids is None or n_rows != self.n_outputs:
+                raise ValueError(f"build_lora_mm: {n_rows} rows are neither the ubatch's {self.n_tokens} tokens "
+                                 f"nor its {self.n_outputs} outputs")
+            s = ops.get_rows(s, self.inp_out_ids)
+        self._lora_scale[key] = s
+        return s
+
+    def build_lora_mm(self, w: Tensor, cur: Tensor) -> Tensor:
+        """mul_mat(w, cur) plus, for each adapter with a pair for w, scale * alpha / r * B (A cur)
+        (llama.cpp's build_lora_mm), named `<weight>.lora_ax-k` and `<weight>.lora-k`. The
+        token embedding's pair applies to the lookup only (build_inp_embd), not to a tied output."""
+        res = ops.mul_mat(w, cur)
+        if w.name == TOKEN_EMBD:
+            return res
+        for k, adapter in enumerate(self.params.loras):
+            lw = adapter.get_weight(w.name)
+            if lw is None:
+                continue
+            ax = ops.mul_mat(lw.a, cur).set_name(f"{w.name}.lora_ax-{k}")
+            delta = ops.scale(ops.mul_mat(lw.b, ax), lw.alpha_scale(adapter.alpha))
+            delta = ops.mul(delta, self.lora_scale(k, cur.ne[1])).set_name(f"{w.name}.lora-{k}")
+            res = ops.add(res, delta)
+        return res
+
+    def build_lora_mm_id(self, w: Tensor, cur: Tensor, ids: Tensor) -> Tensor:
+        """mul_mat_id(w, cur, ids) plus each adapter's expert pairs, B_e (A_e cur) for the chosen
+        experts e (llama.cpp's build_lora_mm_id); cur [n_in, 1 or n_used, n_tokens]."""
+        res = ops.mul_mat_id(w, cur, ids)
+        for k, adapter in enumerate(self.params.loras):
+            lw = adapter.get_weight(w.name)
+            if lw is None:
+                continue
+            ax = ops.mul_mat_id(lw.a, cur, ids).set_name(f"{w.name}.lora_ax-{k}")
+            delta = ops.scale(ops.mul_mat_id(lw.b, ax, ids), lw.alpha_scale(adapter.alpha))
+            n_rows = cur.ne[2]
+            scale = ops.reshape_3d(self.lora_scale(k, n_rows), 1, 1, n_rows)
+            delta = ops.mul(delta, scale).set_name(f"{w.name}.lora-{k}")
+            res = ops.add(res, delta)
+        return res
 
     # ---- blocks ----------------------------------------------------------------------
 
@@ -321,7 +411,7 @@ class GraphBuilder:
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if layer.wqkv is not None:
-            qkv = self.cb(ops.mul_mat(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
+            qkv = self.cb(self.build_lora_mm(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
             if layer.bqkv is not None:
                 qkv = self.cb(ops.add(qkv, layer.bqkv), "wqkv_b", il)
             row = qkv.nb[1]
@@ -335,7 +425,7 @@ class GraphBuilder:
         for name, w, b, d, n in (("Qcur", layer.wq, layer.bq, d_k, n_head),
                                  ("Kcur", layer.wk, layer.bk, d_k, n_head_kv),
                                  ("Vcur", layer.wv, layer.bv, d_v, n_head_kv)):
-            t = self.cb(ops.mul_mat(self.need(w, name, il), cur), name, il)
+            t = self.cb(self.build_lora_mm(self.need(w, name, il), cur), name, il)
             if b is not None:
                 t = self.cb(ops.add(t, b), name, il)
             out.append(self.cb(ops.reshape_3d(t, d, n, self.n_tokens), name, il))
@@ -351,11 +441,11 @@ class GraphBuilder:
         _option("type_op", type_op, LLMFfnOpType)
         _option("type_gate", type_gate, LLMFfnGateType)
         up, down = self.need(up, "ffn_up", il), self.need(down, "ffn_down", il)
-        tmp = self.cb(ops.mul_mat(up, cur), "ffn_up", il)
+        tmp = self.cb(self.build_lora_mm(up, cur), "ffn_up", il)
         if up_b is not None:
             tmp = self.cb(ops.add(tmp, up_b), "ffn_up_b", il)
         if type_gate is LLMFfnGateType.PAR:
-            g = self.cb(ops.mul_mat(self.need(gate, "ffn_gate", il), cur), "ffn_gate", il)
+            g = self.cb(self.build_lora_mm(self.need(gate, "ffn_gate", il), cur), "ffn_gate", il)
             if gate_b is not None:
                 g = self.cb(ops.add(g, gate_b), "ffn_gate_b", il)
             cur = self._gated(g, tmp, type_op, "ffn", il, "build_ffn", "its gate is fused into ffn_up (type_gate SEQ)")
@@ -376,7 +466,7 @@ class GraphBuilder:
                 assert_never(type_op)
         else:
             assert_never(type_gate)
-        cur = self.cb(ops.mul_mat(down, cur), "ffn_down", il)
+        cur = self.cb(self.build_lora_mm(down, cur), "ffn_down", il)
         if down_b is not None:       # as llama.cpp: the biased result is the caller's to name
             cur = ops.add(cur, down_b)
         return cur
@@ -415,7 +505,7 @@ class GraphBuilder:
         up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
         down_exps = self.need(down_exps, "ffn_down_exps", il)
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
-        logits = self.cb(ops.mul_mat(gate_inp, cur), "ffn_moe_logits", il)
+        logits = self.cb(self.build_lora_mm(gate_inp, cur), "ffn_moe_logits", il)
         if gate_inp_b is not None:
             logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
         if gating_op is ExpertGatingFuncType.SOFTMAX:
@@ -456,13 +546,13 @@ class GraphBuilder:
             for _ in range(n_expert_used - 1):
                 repeated = ops.concat(repeated, x, 1)
             x = self.cb(ops.mul(repeated, w), "ffn_moe_weighted", il)
-        up = self.cb(ops.mul_mat_id(up_exps, x, selected), "ffn_moe_up", il)
+        up = self.cb(self.build_lora_mm_id(up_exps, x, selected), "ffn_moe_up", il)
         up = add_id(up, up_exps_b, "ffn_moe_up_biased")
-        gate = self.cb(ops.mul_mat_id(gate_exps, x, selected), "ffn_moe_gate", il)
+        gate = self.cb(self.build_lora_mm_id(gate_exps, x, selected), "ffn_moe_gate", il)
         gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
         par = self._gated(gate, up, type_op, "ffn_moe", il, "build_moe_ffn",
                           "experts have separate gate and up matrices")
-        experts = self.cb(ops.mul_mat_id(down_exps, par, selected), "ffn_moe_down", il)
+        experts = self.cb(self.build_lora_mm_id(down_exps, par, selected), "ffn_moe_down", il)
         experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
         if not weight_before_ffn:
             experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
@@ -511,7 +601,7 @@ class GraphBuilder:
         else:
             cur = self.build_attn_mha(q, k, v, mask, kq_scale, softcap, il)
         self.cb(cur, "kqv_out", il)
-        cur = ops.mul_mat(self.need(wo, "attn_output", il), cur)
+        cur = self.build_lora_mm(self.need(wo, "attn_output", il), cur)
         if bo is not None:
             cur = ops.add(cur, bo)
         return self.cb(cur, "attn_out", il)
@@ -550,7 +640,7 @@ class GraphBuilder:
         `logit_scale`, soft-capped if asked."""
         m = self.model
         cur = self.build_embd_output(self.build_norm(cur, m.output_norm, m.output_norm_b, type_norm, -1))
-        cur = ops.mul_mat(self.need(m.output, "output"), cur)
+        cur = self.build_lora_mm(self.need(m.output, "output"), cur)
         if m.output_b is not None:
             cur = ops.add(cur, m.output_b)
         if logit_scale != 1.0:

@@ -13,7 +13,8 @@ import llm
 
 TOP_LEVEL = ["LLM", "Completion", "GenerationChunk", "Batch", "BatchError", "Context", "DecodeStatus",
              "GrammarError", "LoadCancelled", "ModelLoadError", "StateError", "Model", "RowPlan", "load_model",
-             "LogitLens", "Trace", "StepProfile", "profile", "SamplingParams", "ContextParams"]
+             "LogitLens", "Trace", "StepProfile", "profile", "SamplingParams", "ContextParams",
+             "LoraAdapter", "adapter_lora_init"]
 
 # llama_sampler_init_* (llama.h) -> the keyword names llama.cpp gives their parameters
 SAMPLER_CONSTRUCTORS = {
@@ -59,12 +60,16 @@ MODULE_NAMES = {
     "llm.diff_llamacpp": [],
     "llm.plot": ["logit_lens", "attention", "attention_grid", "saliency", "token_labels"],
     "llm.tools": ["parse_reply"],
+    # issue 31: LoRA adapters
+    "llm.adapter": ["LoraAdapter", "LoraWeight", "LoraScales", "adapter_lora_init", "write_lora", "fuse"],
+    # issue 35: embeddings stop when the client leaves
+    "llm.api": ["EmbedAborted", "GenerationError"],
 }
 
 METHODS = {
     "llm.api:LLM": ["generate", "stream", "chat", "score", "embed", "tokenize", "reset"],
     "llm.context:Context": ["decode", "get_logits_ith", "get_embeddings_seq", "get_embeddings_ith",
-                            "state_save_file", "state_load_file"],
+                            "state_save_file", "state_load_file", "set_adapters_lora", "set_adapter_scales_seq"],
     "llm.batch:Batch": ["get_one"],
 }
 

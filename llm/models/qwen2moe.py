@@ -74,7 +74,7 @@ def build_graph(g: GraphBuilder) -> None:
                                   layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, False,
                                   ExpertGatingFuncType.SOFTMAX, il)
         shexp_gate_inp = g.need(layer.ffn_gate_inp_shexp, "ffn_gate_inp_shexp", il)
-        gate_inp = g.cb(ops.mul_mat(shexp_gate_inp, cur), "ffn_shexp_gate_inp", il)
+        gate_inp = g.cb(g.build_lora_mm(shexp_gate_inp, cur), "ffn_shexp_gate_inp", il)
         gate = g.cb(ops.div(ops.silu(gate_inp), gate_inp), "ffn_shexp_gate", il)
         shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
                                  LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_shexp", il)
