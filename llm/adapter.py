@@ -122,6 +122,13 @@ def _pairs(path: str, f: gguf.GGUFReader) -> dict[str, tuple[gguf.TensorInfo, gg
     return {name: (a[name], b[name]) for name in sorted(a)}
 
 
+def _alpha(path: str, kv: dict) -> float:
+    alpha = kv.get(LLMKV.ADAPTER_LORA_ALPHA.value, 0.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha):
+        raise ModelLoadError(f"{path}: '{LLMKV.ADAPTER_LORA_ALPHA.value}' must be a number, got {alpha!r}")
+    return float(alpha)
+
+
 def _check_meta(path: str, f: gguf.GGUFReader, model: Model) -> tuple[float, tuple[int, ...]]:
     kv = f.kv
     if kv.get(LLMKV.GENERAL_TYPE.value) != "adapter":
@@ -134,9 +141,7 @@ def _check_meta(path: str, f: gguf.GGUFReader, model: Model) -> tuple[float, tup
     if kv.get(LLMKV.ADAPTER_TYPE.value) != "lora":
         raise ModelLoadError(f"{path}: '{LLMKV.ADAPTER_TYPE.value}' must be 'lora', got "
                              f"{kv.get(LLMKV.ADAPTER_TYPE.value)!r}")
-    alpha = kv.get(LLMKV.ADAPTER_LORA_ALPHA.value, 0.0)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha):
-        raise ModelLoadError(f"{path}: '{LLMKV.ADAPTER_LORA_ALPHA.value}' must be a number, got {alpha!r}")
+    alpha = _alpha(path, kv)
     tokens = kv.get(LLMKV.ADAPTER_ALORA_INVOCATION_TOKENS.value, ())
     if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) for t in tokens):
         raise ModelLoadError(f"{path}: '{LLMKV.ADAPTER_ALORA_INVOCATION_TOKENS.value}' must be an array of "
@@ -256,7 +261,7 @@ def fuse(model_path: str | os.PathLike, out_path: str | os.PathLike,
                 if f.kv.get(LLMKV.GENERAL_ARCHITECTURE.value) != arch:
                     raise ModelLoadError(f"{path}: the adapter is for architecture "
                                          f"{f.kv.get(LLMKV.GENERAL_ARCHITECTURE.value)!r}, {model_path} is {arch!r}")
-                alpha = float(f.kv.get(LLMKV.ADAPTER_LORA_ALPHA.value, 0.0))
+                alpha = _alpha(str(path), f.kv)
                 for name, (a, b) in _pairs(str(path), f).items():
                     if name not in base.tensors:
                         raise ModelLoadError(f"{path}: LoRA tensor '{name}' does not exist in {model_path}")
