@@ -13,12 +13,19 @@ first runs --warmup seconds unmeasured, so compiles of new batch shapes stay out
 numbers. Targets (issue 13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8
 clients < 2 s with 64-token prompts.
 
---soak S runs the clients for S seconds once and reports errors, the server's RSS growth
-(first minute -> end) and the KV cells in use once idle (must be 0).
+--soak S runs the clients for S seconds once, with disconnects (issue 35): --disconnect-frac of
+the clients (default 0.25) leave each of their requests, half of them streamed and closed after
+a random number of tokens, half not streamed and hung up after a random 0.2-3 s. It reports
+requests done, left and failed, errors by kind, the server's RSS growth (first quarter of the
+run, at most a minute -> end), the KV cells used, the slots processing and the queue once idle
+(all must be 0) and a greedy reference answer before and after (must be the same), then PASS
+or FAIL (exit status 1):
+  python benchmarks/bench_serve.py -m smollm2-135m -np 8 --soak 120 --clients 32
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import socket
@@ -78,7 +85,15 @@ class Stats:
         self.itl: list[float] = []
         self.tokens = 0
         self.requests = 0
+        self.left = collections.Counter()        # requests a client left on purpose, by kind
+        self.error_kinds = collections.Counter()
         self.errors: list[str] = []
+
+    def error(self, cid: int, e: Exception) -> None:
+        kind = str(e).split(":")[0] if isinstance(e, RuntimeError) else type(e).__name__
+        with self.lock:
+            self.error_kinds[kind] += 1
+            self.errors.append(f"client {cid}: {type(e).__name__}: {e}")
 
 
 def prompt_of(tokenize_url: str, k: int, n_tokens: int) -> list[int]:
@@ -88,61 +103,96 @@ def prompt_of(tokenize_url: str, k: int, n_tokens: int) -> list[int]:
     return toks[:n_tokens]
 
 
-def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counter: list[int]) -> None:
+def stream(c: httpx.Client, url: str, body: dict, t_end: float, leave_after: int | None):
+    """One streamed completion: (tokens, TTFT, gaps, left). With `leave_after`, the client closes
+    the connection after that many tokens (left = True)."""
+    t0 = last = time.perf_counter()
+    ttft: float | None = None
+    gaps: list[float] = []
+    n = 0
+    with c.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']['message']}")
+            now = time.perf_counter()
+            if now > t_end:
+                break
+            n += 1
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+            if leave_after is not None and n >= leave_after:
+                return n, ttft, gaps, True      # leaving the block closes the connection mid-stream
+    return n, ttft, gaps, False
+
+
+def hang_up(url: str, body: dict, delay: float) -> bool:
+    """A non-streaming completion whose client hangs up after `delay` seconds (True), unless the
+    answer came first (False)."""
+    try:
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False},
+                       timeout=httpx.Timeout(300, read=delay))
+    except httpx.ReadTimeout:
+        return True
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+    return False
+
+
+def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counter: list[int], leaves: bool) -> None:
+    """Requests one after the other until t_end. A client that `leaves` disconnects from each of
+    its requests: half of them streamed and closed after a random number of tokens, half not
+    streamed and hung up after a random delay."""
     # clients start spread over --stagger seconds, as real users do (all at the same instant,
     # every prompt lands in one step and the clients stay in lockstep)
     time.sleep(a.stagger * cid / max(a.n_clients, 1))
+    rng = np.random.default_rng(1000 + cid)
     with httpx.Client(timeout=300) as c:
         while time.perf_counter() < t_end:
             with stats.lock:
                 counter[0] += 1
                 k = counter[0]
-            prompt = prompt_of(url + "/tokenize", k, a.prompt_tokens)
-            body = {"model": model, "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0.8, "seed": k,
-                    "stream": True}
-            t0 = time.perf_counter()
-            last = None
-            ttft = None
-            gaps = []
-            n = 0
+            body = {"model": model, "max_tokens": a.max_tokens, "temperature": 0.8, "seed": k, "stream": True}
             try:
-                with c.stream("POST", url + "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        r.read()
-                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            raise RuntimeError(chunk["error"]["message"])
-                        now = time.perf_counter()
-                        if now > t_end:
-                            break
-                        n += 1
-                        if ttft is None:
-                            ttft = now - t0
-                        else:
-                            gaps.append(now - last)
-                        last = now
+                body["prompt"] = prompt_of(url + "/tokenize", k, a.prompt_tokens)
+                if leaves and rng.random() < 0.5:
+                    if hang_up(url, body, float(rng.uniform(0.2, 3.0))):
+                        with stats.lock:
+                            stats.left["non-streaming, hung up"] += 1
+                        continue
+                    n, ttft, gaps, left = 0, None, [], False
+                else:
+                    leave_after = int(rng.integers(1, a.max_tokens)) if leaves else None
+                    n, ttft, gaps, left = stream(c, url, body, t_end, leave_after)
             except Exception as e:  # an error is a result here: count it and go on
-                with stats.lock:
-                    stats.errors.append(f"client {cid}: {e}")
+                stats.error(cid, e)
                 time.sleep(0.5)
                 continue
             with stats.lock:
                 stats.tokens += n
-                stats.requests += 1
+                if left:
+                    stats.left["streaming, closed mid-stream"] += 1
+                else:
+                    stats.requests += 1
                 if ttft is not None:
                     stats.ttft.append(ttft)
                 stats.itl += gaps
 
 
-def run(url: str, model: str, a, n_clients: int, seconds: float, counter: list[int]) -> Stats:
+def run(url: str, model: str, a, n_clients: int, seconds: float, counter: list[int], leavers: int = 0) -> Stats:
+    """n_clients clients for `seconds`; the first `leavers` of them disconnect from their requests."""
     stats = Stats()
     a.n_clients = n_clients
     t_end = time.perf_counter() + seconds
-    threads = [threading.Thread(target=client, args=(url, model, a, stats, t_end, i, counter))
+    threads = [threading.Thread(target=client, args=(url, model, a, stats, t_end, i, counter, i < leavers))
                for i in range(n_clients)]
     for t in threads:
         t.start()
@@ -179,6 +229,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--stagger", type=float, default=2.0, help="clients start spread over this many seconds")
     ap.add_argument("--soak", type=float, default=0.0, help="seconds of one soak run at --clients")
+    ap.add_argument("--disconnect-frac", type=float, default=0.25,
+                    help="soak: the fraction of clients that disconnect from each of their requests")
+    ap.add_argument("--max-rss-growth", type=float, default=20.0,
+                    help="soak: FAIL when the server's RSS grows more than this many percent")
     ap.add_argument("--server-log", default="/tmp/bench_serve_server.log")
     a = ap.parse_args()
     proc = None
@@ -219,39 +273,77 @@ def main() -> int:
     return 0
 
 
-def soak(url: str, model: str, a, n: int, proc, counter) -> int:
-    pid = proc.pid if proc is not None else None
-    if a.warmup:
-        run(url, model, a, n, a.warmup, counter)
-    samples: list[tuple[float, float]] = []
-    stop = threading.Event()
+def greedy(url: str, model: str) -> str:
+    """A reference answer: 16 greedy tokens of a fixed prompt."""
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "The capital of France is",
+                                                  "max_tokens": 16, "temperature": 0}, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
 
-    def sample_rss():
+
+class RSSSampler(threading.Thread):
+    """The server's RSS every 5 s while it runs: (seconds since start, MiB)."""
+
+    def __init__(self, pid: int | None):
+        super().__init__()
+        self.pid, self.stop = pid, threading.Event()
+        self.samples: list[tuple[float, float]] = []
+
+    def run(self) -> None:
         t0 = time.perf_counter()
-        while not stop.wait(5.0):
-            if pid is not None:
-                samples.append((time.perf_counter() - t0, rss_mib(pid)))
+        while self.pid is not None and not self.stop.wait(5.0):
+            self.samples.append((time.perf_counter() - t0, rss_mib(self.pid)))
 
-    th = threading.Thread(target=sample_rss)
-    th.start()
-    s = run(url, model, a, n, a.soak, counter)
-    stop.set()
-    th.join()
+    def growth(self, seconds: float) -> tuple[float, float, float] | None:
+        """(MiB over the first quarter (at most a minute), MiB at the end, growth in %), or None."""
+        if not self.samples:
+            return None
+        first = [r for t, r in self.samples if t <= min(60.0, seconds / 4)] or [self.samples[0][1]]
+        r0, r1 = float(np.mean(first)), self.samples[-1][1]
+        return r0, r1, (r1 / r0 - 1) * 100
+
+
+def soak(url: str, model: str, a, n: int, proc, counter) -> int:
+    """n clients for --soak seconds, --disconnect-frac of them leaving their requests; PASS when no
+    request failed, the server is idle afterwards (no slot processing, no KV cells, empty queue),
+    its RSS grew less than --max-rss-growth and the greedy reference answer is unchanged."""
+    leavers = round(a.disconnect_frac * n)
+    before = greedy(url, model)
+    if a.warmup:
+        run(url, model, a, n, a.warmup, counter, leavers)
+        wait_idle(url)
+    rss = RSSSampler(proc.pid if proc is not None else None)
+    rss.start()
+    s = run(url, model, a, n, a.soak, counter, leavers)
+    t_end = time.perf_counter()
     h = wait_idle(url)
-    print(f"soak: {n} clients for {a.soak:g} s: {s.requests} requests, {s.tokens} tokens "
-          f"({s.tokens / a.soak:.1f} tok/s), {len(s.errors)} errors")
+    idle_s = time.perf_counter() - t_end
+    rss.stop.set()
+    rss.join()
+    after = greedy(url, model)
+    print(f"soak: {n} clients ({leavers} disconnecting) for {a.soak:g} s, -np {a.parallel}, max_tokens {a.max_tokens}")
+    print(f"requests: {s.requests} done, {sum(s.left.values())} left on purpose "
+          f"({', '.join(f'{v} {k}' for k, v in s.left.items()) or 'none'}), {len(s.errors)} failed; "
+          f"{s.tokens} tokens ({s.tokens / a.soak:.1f} tok/s)")
+    print(f"errors by kind: {dict(s.error_kinds) or 'none'}")
     for e in s.errors[:5]:
         print("   error:", e)
-    if samples:
-        first = [r for t, r in samples if t <= 60] or [samples[0][1]]
-        r0, r1 = float(np.mean(first)), samples[-1][1]
-        print(f"server RSS: {r0:.0f} MiB (first minute) -> {r1:.0f} MiB at the end ({(r1 / r0 - 1) * 100:+.1f}%), "
-              f"max {max(r for _, r in samples):.0f} MiB")
+    growth = rss.growth(a.soak)
+    if growth is not None:
+        print(f"server RSS: {growth[0]:.0f} MiB (first quarter) -> {growth[1]:.0f} MiB at the end "
+              f"({growth[2]:+.1f}%), max {max(r for _, r in rss.samples):.0f} MiB")
     print(f"TTFT p50 {pct(s.ttft, 50):.3f}s p95 {pct(s.ttft, 95):.3f}s; ITL p50 {pct(s.itl, 50) * 1e3:.0f}ms "
           f"p95 {pct(s.itl, 95) * 1e3:.0f}ms")
-    print(f"idle after the soak: kv_cells_used {h['kv_cells_used']}, slots_processing {h['slots_processing']}, "
-          f"queue {h['queue']}")
-    return 0
+    print(f"idle {idle_s:.1f} s after the soak: kv_cells_used {h['kv_cells_used']}, "
+          f"slots_processing {h['slots_processing']}, queue {h['queue']}")
+    print(f"greedy reference: {before!r} before, {after!r} after ({'same' if after == before else 'CHANGED'})")
+    failed = [what for what, bad in [
+        (f"{len(s.errors)} requests failed", s.errors),
+        ("not idle", h["kv_cells_used"] or h["slots_processing"] or h["queue"]),
+        (f"RSS grew over {a.max_rss_growth:g}%", growth is not None and growth[2] > a.max_rss_growth),
+        ("the greedy answer changed", after != before)] if bad]
+    print("PASS" if not failed else f"FAIL: {'; '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
