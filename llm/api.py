@@ -19,6 +19,7 @@ import numpy as np
 
 from llm import cvec, distributed, hub
 from llm import params as params_mod
+from llm.adapter import LoraAdapter, adapter_lora_init
 from llm.batch import Batch
 from llm.chat import templates as chat_mod
 from llm.chat import tool_calls as tools_mod
@@ -110,9 +111,11 @@ class LLM:
                  progress_callback: Callable[[float], bool] | None = None,
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  cb_eval: Callable | None = None, abort_callback: Callable[[], bool] | None = None,
+                 lora: Sequence[tuple[str | os.PathLike, float]] = (),
                  params: ContextParams | None = None, **kwargs):
         """The context's settings are ContextParams' fields (n_ctx, n_batch, n_seq_max, ...), as
-        keyword arguments or `params`; cb_eval and abort_callback go to the Context."""
+        keyword arguments or `params`; cb_eval and abort_callback go to the Context. `lora`:
+        LoRA adapter files and their scales (llama.cpp's --lora-scaled), applied to every call."""
         path = hub.resolve(model)
         cparams = params_mod.from_kwargs(ContextParams, kwargs, where="LLM", base=params or ContextParams())
         t0 = time.perf_counter()
@@ -143,6 +146,9 @@ class LLM:
         self._tables: dict[bool, dict] = {}      # flash_attn -> named nodes (llm.trace.probe_nodes)
         self._trace_ctx: Context | None = None
         self.grad_programs: dict = {}            # compiled gradient functions (llm.trace)
+        self.adapters: list[LoraAdapter] = []      # loaded by `lora` or set_adapters_lora, in the context's order
+        if lora:
+            self.set_adapters_lora([p for p, _ in lora], [s for _, s in lora])
 
     def follow(self) -> int:
         """On a process other than 0 of a multi-host run: run process 0's batches until it
@@ -155,6 +161,22 @@ class LLM:
         """On process 0 of a multi-host run: let the following processes return from follow()."""
         if isinstance(self.ctx, distributed.LeaderContext):
             self.ctx.stop_followers()
+
+    def set_adapters_lora(self, adapters: Sequence[LoraAdapter | str | os.PathLike], scales: Sequence[float]) -> None:
+        """Apply these LoRA adapters (loaded ones, or GGUF paths to load) with these scales to the
+        following calls (llama_set_adapters_lora; an empty list removes them). The cached
+        conversation was computed without them, so it is forgotten."""
+        if len(adapters) != len(scales):
+            raise ValueError(f"set_adapters_lora: {len(adapters)} adapters but {len(scales)} scales")
+        if not self._busy.acquire(blocking=False):
+            raise LLMBusyError("set_adapters_lora() while a generation on this LLM is live")
+        try:
+            loaded = [a if isinstance(a, LoraAdapter) else adapter_lora_init(self.model, a) for a in adapters]
+            self._forget()
+            self._batcher.set_adapters_lora(loaded, scales)
+            self.adapters = loaded
+        finally:
+            self._busy.release()
 
     def reset(self) -> None:
         """Forget the cached conversation: clear the KV cache (llama-cpp-python's Llama.reset).
@@ -252,8 +274,8 @@ class LLM:
         return None
 
     def _gen_params(self, *, max_tokens: int, stop, grammar, json_schema, n: int, logprobs: bool,
-                    top_logprobs: int, speculative, sampling: SamplingParams | None, kwargs: dict,
-                    where: str) -> GenParams:
+                    top_logprobs: int, speculative, sampling: SamplingParams | None,
+                    lora: Sequence[float] | None = None, kwargs: dict, where: str) -> GenParams:
         """One request's GenParams from generate/stream's arguments (sampling keyword arguments
         named as SamplingParams declares them, over `sampling`)."""
         if not self.ctx.has_logits:
@@ -263,7 +285,8 @@ class LLM:
         params = GenParams(max_tokens=max_tokens, sampling=sp, stop=core.stop_strings(stop), n=n,
                            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
                            constraint=self.constraint(grammar, json_schema),
-                           speculative=None if speculative is None else self._drafter(speculative))
+                           speculative=None if speculative is None else self._drafter(speculative),
+                           lora=None if lora is None else tuple(lora))
         params.check()
         return params
 
@@ -323,9 +346,10 @@ class LLM:
         """Before a one-prompt job: keep the prefix of the best slot (or restore a longer one from
         the prompt cache) and compile the graphs the generation will use; returns the number of
         prompt tokens already in the cache."""
-        slot, n_keep = self._batcher.best_slot(tokens)
+        slot, n_keep = self._batcher.best_slot(tokens, params.lora)
         pc = self.prompt_cache
-        if pc is not None and self.ctx.edits is None and n_keep < len(tokens) - 1 - pc.min_tokens:
+        if (pc is not None and self.ctx.edits is None and not self.ctx.lora.adapters
+                and n_keep < len(tokens) - 1 - pc.min_tokens):
             n_restored = pc.restore(self.ctx, tokens[:-1], seq_id=slot, better_than=n_keep)
             if n_restored:
                 self._batcher.cached[slot] = list(tokens[:n_restored])
@@ -339,7 +363,8 @@ class LLM:
         """Save what the KV cache holds now (prompt and generated tokens of the last one-prompt
         call) as a prompt-cache entry."""
         cached = self._batcher.cached.get(self._last_slot, [])
-        if self.prompt_cache is not None and cached and not self.prompt_cache.contains(cached):
+        if (self.prompt_cache is not None and cached and not self.ctx.lora.adapters
+                and not self.prompt_cache.contains(cached)):        # the cache's K/V are of the bare model
             self.prompt_cache.store(cached, self.ctx.state_seq_get_data(self._last_slot, cached))
 
     def _steps(self, jobs: list[Job]) -> Iterator[None]:
@@ -421,7 +446,7 @@ class LLM:
                  stop: str | list[str] | None = None, grammar=None, json_schema=None,
                  interventions: trace_mod.Interventions | None = None, n: int = 1, logprobs: bool = False,
                  top_logprobs: int = 0, speculative=None, sampling: SamplingParams | None = None,
-                 **kwargs) -> Completion | list[Completion]:
+                 lora: Sequence[float] | None = None, **kwargs) -> Completion | list[Completion]:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens. Sampling: the keyword arguments of
         SamplingParams' fields under llama-server's names (temperature, top_k, top_p, min_p,
@@ -438,11 +463,12 @@ class LLM:
         uses seed + i. logprobs: Completion.logprobs holds each generated token's log-probability
         under the model's distribution before sampling, with the top_logprobs (<= 20) best.
         speculative: "prompt-lookup", an llm.speculative.PromptLookup or DraftModel, or a draft
-        LLM sharing the vocabulary (llm/generation/speculative.py)."""
+        LLM sharing the vocabulary (llm/generation/speculative.py). lora: this call's scale of
+        each adapter in `self.adapters` (0 leaves one off), instead of those set for the LLM."""
         batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=n,
                                   logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
-                                  sampling=sampling, kwargs=kwargs, where="generate")
+                                  sampling=sampling, lora=lora, kwargs=kwargs, where="generate")
         if batched or n != 1:
             items = cast(list, prompt if batched else [prompt])
             out = self._generate_batch([self._prompt_tokens(p) for p in items], params,
@@ -456,14 +482,15 @@ class LLM:
     def stream(self, prompt: str | list[int], max_tokens: int = 128, *, stop: str | list[str] | None = None,
                grammar=None, json_schema=None, interventions: trace_mod.Interventions | None = None,
                logprobs: bool = False, top_logprobs: int = 0, speculative=None,
-               sampling: SamplingParams | None = None, **kwargs) -> Iterator[GenerationChunk]:
+               sampling: SamplingParams | None = None, lora: Sequence[float] | None = None,
+               **kwargs) -> Iterator[GenerationChunk]:
         """GenerationChunks as tokens are generated: their texts join to the completion's text,
         never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
         and the Completion. Arguments as for generate (one prompt), checked at once, before the
         first chunk is asked for."""
         params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=1,
                                   logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
-                                  sampling=sampling, kwargs=kwargs, where="stream")
+                                  sampling=sampling, lora=lora, kwargs=kwargs, where="stream")
         return self._stream_checked(prompt, params, interventions)
 
     def _stream_checked(self, prompt: str | list[int], params: GenParams,

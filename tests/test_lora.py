@@ -174,3 +174,43 @@ def test_set_adapters_checks_its_arguments(files, model):
         ctx.set_adapter_scales_seq(5, [1.0])
     with pytest.raises(ValueError, match="2 scales for 1 adapters"):
         ctx.set_adapter_scales_seq(0, [1.0, 1.0])
+
+
+def test_llm_with_an_adapter_generates_as_the_merged_model(files):
+    merged = files["dir"] / "merged-llm.gguf"
+    fuse(files["base"], merged, [(files["one"], 0.6)])
+    kw = dict(temperature=0.0)
+    want = llm.LLM(merged, n_ctx=128, n_seq_max=2).generate(prompt_tokens(6), 12, temperature=0.0).tokens
+    bare = llm.LLM(files["base"], n_ctx=128, n_seq_max=2)
+    base_tokens = bare.generate(prompt_tokens(6), 12, temperature=0.0).tokens
+    m = llm.LLM(files["base"], lora=[(files["one"], 0.6)], n_ctx=128, n_seq_max=2)
+    assert [a.path for a in m.adapters] == [str(files["one"])]
+    assert m.generate(prompt_tokens(6), 12, **kw).tokens == want
+    assert m.generate(prompt_tokens(6), 12, lora=[0.0], **kw).tokens == base_tokens    # per call: off
+    both = m.generate([prompt_tokens(6), prompt_tokens(6)], 12, **kw)                   # batched
+    assert [c.tokens for c in both] == [want, want]
+    m.set_adapters_lora([], [])
+    assert m.generate(prompt_tokens(6), 12, **kw).tokens == base_tokens
+    with pytest.raises(ValueError, match="lora"):
+        bare.generate(prompt_tokens(6), 4, lora=[1.0])          # no adapters to scale
+
+
+def test_jobs_with_different_adapter_scales_batch_together(files):
+    from llm.generation.batcher import Batcher, Job
+    from llm.generation.core import Delta, GenParams
+    from llm.sampling.samplers import SamplingParams
+    m = llm.LLM(files["base"], lora=[(files["one"], 1.0)], n_ctx=128, n_seq_max=2)
+    greedy = SamplingParams(temp=0.0)
+
+    def run(*scales):
+        b = Batcher(m.ctx, m.vocab)
+        sinks = [[] for _ in scales]
+        for s, sink in zip(scales, sinks, strict=True):
+            b.submit(Job(prompt_tokens(7, seed=4), GenParams(max_tokens=10, sampling=greedy, lora=s), sink.append))
+        while not b.idle:
+            b.step()
+        return [[t for e in sink if isinstance(e, Delta) for t in e.tokens] for sink in sinks]
+
+    (on,), (off,) = run((1.0,)), run((0.0,))
+    assert on != off
+    assert run((1.0,), (0.0,)) == [on, off]

@@ -147,6 +147,7 @@ class Batcher:
         # a finished job with cache_prompt (one sample) leaves its cells in its slot, and such a job
         # takes the free slot that shares the longest prefix with it (llama-server's cache_prompt)
         self.cached: dict[int, list[int]] = {}     # free slot -> the tokens its cells hold
+        self.cached_lora: dict[int, tuple[float, ...]] = {}   # ... and the adapter scales they were computed with
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.n_steps = 0
@@ -181,6 +182,7 @@ class Batcher:
                 raise EngineError(f"warmup decode of {n_tokens} tokens failed: {ctx.last_error}")
         ctx.memory_clear()
         self.cached.clear()
+        self.cached_lora.clear()
         return ctx.perf()["n_compiles"] - n0
 
     # ---- jobs --------------------------------------------------------------------------
@@ -200,6 +202,9 @@ class Batcher:
                                        f"(n_ctx {self.ctx.n_ctx} / {self.n_slots} slots)")
         if params.n > self.n_slots:
             raise ParamError("n", f"n = {params.n} is more than the {self.n_slots} slots")
+        n_adapters = len(self.ctx.lora.adapters)
+        if params.lora is not None and len(params.lora) != n_adapters:
+            raise ParamError("lora", f"lora gives {len(params.lora)} scales; the context has {n_adapters} adapters")
         if params.speculative is not None:
             try:
                 make_drafter(params.speculative)      # names a wrong one now
@@ -249,11 +254,27 @@ class Batcher:
         if keep:    # the cells hold the prompt and the output but its last (pending) token
             n = min(s.n_past, len(s.job.tokens) + len(s.tokens))
             self.cached[s.seq_id] = (s.job.tokens + s.tokens)[:n]
+            self.cached_lora[s.seq_id] = self.lora_key(s.job.params)
             self.ctx.memory.seq_rm(s.seq_id, n, -1)
         else:
             self.ctx.memory.seq_rm(s.seq_id, -1, -1)
             self.cached.pop(s.seq_id, None)
+            self.cached_lora.pop(s.seq_id, None)
+        self.ctx.set_adapter_scales_seq(s.seq_id, None)
         self.free.append(s.seq_id)
+
+    def lora_key(self, params: GenParams) -> tuple[float, ...]:
+        """The adapter scales a job's cells are computed with (its own, or the context's)."""
+        return self.ctx.lora.scales if params.lora is None else tuple(params.lora)
+
+    def set_adapters_lora(self, adapters, scales) -> None:
+        """Change the context's adapters or scales between steps; the cached prefixes of free
+        slots were computed under the old ones, so they are dropped."""
+        self.ctx.set_adapters_lora(adapters, scales)
+        for slot in self.free:
+            self.ctx.memory.seq_rm(slot, -1, -1)
+        self.cached.clear()
+        self.cached_lora.clear()
 
     def _idle_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
@@ -275,6 +296,7 @@ class Batcher:
         self._idle_slot(slot)
         tokens = self.ctx.state_seq_load_file(path, slot)
         self.cached.pop(slot, None)
+        self.cached_lora.pop(slot, None)
         if len(tokens) >= self.n_ctx_slot:
             self.ctx.memory.seq_rm(slot, -1, -1)
             raise StateError(f"{path}: {len(tokens)} tokens do not fit a slot of {self.n_ctx_slot}")
@@ -284,14 +306,19 @@ class Batcher:
     def forget(self) -> None:
         """Drop the prompt cache's bookkeeping (after the cache itself was cleared)."""
         self.cached.clear()
+        self.cached_lora.clear()
 
-    def best_slot(self, tokens: Sequence[int]) -> tuple[int, int]:
+    def best_slot(self, tokens: Sequence[int], lora: tuple[float, ...] | None = None) -> tuple[int, int]:
         """The free slot whose cells share the longest prefix with tokens[:-1] (that the cache can
-        still keep: a sliding-window cache may have dropped what the next token needs), and its
-        length; the lowest free slot and 0 when none shares any."""
+        still keep: a sliding-window cache may have dropped what the next token needs) and were
+        computed with the adapter scales `lora` (default: the context's), and its length; the
+        lowest free slot and 0 when none shares any."""
         self.free.sort()
         best, n_keep = self.free[0], 0
+        key = self.ctx.lora.scales if lora is None else tuple(lora)
         for seq_id in self.free:
+            if self.cached_lora.get(seq_id, self.ctx.lora.scales) != key:
+                continue
             n = 0
             for a, b in zip(self.cached.get(seq_id, ()), tokens[:-1], strict=False):
                 if a != b:
@@ -310,13 +337,15 @@ class Batcher:
     def _take_slot(self, job: Job) -> tuple[int, int]:
         """A free slot for the job and how many of its prompt tokens the slot already holds."""
         if job.cache_prompt and job.params.n == 1:
-            best, n_keep = self.best_slot(job.tokens)
+            best, n_keep = self.best_slot(job.tokens, job.params.lora)
         else:
             self.free.sort()
             best, n_keep = self.free[0], 0
+        self.ctx.set_adapter_scales_seq(best, job.params.lora)     # first: it checks the scales
         self.free.remove(best)
         self.ctx.memory.seq_rm(best, n_keep, -1)
         self.cached.pop(best, None)
+        self.cached_lora.pop(best, None)
         return best, n_keep
 
     def _admit(self) -> None:

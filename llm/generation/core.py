@@ -6,6 +6,7 @@ mlx-lm's generate_step and BatchGenerator share one stop matcher. A feature land
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,8 @@ class GenParams:
     # a drafter for speculative decoding: "prompt-lookup", an llm.speculative.PromptLookup (copied per
     # sample) or DraftModel (n = 1)
     speculative: Any = None
+    # this request's scales of the context's LoRA adapters, one per adapter (None: the context's)
+    lora: tuple[float, ...] | None = None
 
     def check(self) -> None:
         """A ParamError naming the field that is wrong."""
@@ -48,6 +51,9 @@ class GenParams:
                              f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ParamError("stop", "stop must be non-empty strings")
+        if self.lora is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             and math.isfinite(v) for v in self.lora):
+            raise ParamError("lora", f"lora scales must be finite numbers, got {self.lora!r}")
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
