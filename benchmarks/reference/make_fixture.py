@@ -791,10 +791,12 @@ class LlamaCpp:
     def close(self) -> None:
         self.L.llama_model_free(self.model)
 
-    def run(self, tokens: np.ndarray, *, embeddings: bool = False, pooling: str = "none"):
+    def run(self, tokens: np.ndarray, *, embeddings: bool = False, pooling: str = "none",
+            loras: tuple[tuple[Path, float], ...] = ()):
         """One decode of all tokens (seq 0, positions 0..T-1, every token an output): the
         logits [T, n_vocab] (None for an encoder) and the embeddings ([T, n_embd] per token,
-        or the pooled vector of seq 0)."""
+        or the pooled vector of seq 0); `loras`: LoRA adapter files and scales applied
+        (llama_adapter_lora_init + llama_set_adapters_lora)."""
         L = self.L
         cp = L.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = N_CTX
@@ -808,6 +810,14 @@ class LlamaCpp:
         ctx = L.llama_init_from_model(self.model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
+        adapters = [L.llama_adapter_lora_init(self.model, str(p).encode()) for p, _ in loras]
+        if not all(adapters):
+            raise RuntimeError(f"llama.cpp could not load the LoRA adapters {[str(p) for p, _ in loras]}")
+        if adapters:
+            arr = (L.llama_adapter_lora_p_ctypes * len(adapters))(*adapters)
+            scales = (ctypes.c_float * len(adapters))(*[s for _, s in loras])
+            if L.llama_set_adapters_lora(ctx, arr, len(adapters), scales) != 0:
+                raise RuntimeError("llama_set_adapters_lora failed")
         n = len(tokens)
         batch = L.llama_batch_init(n, 0, 1)
         try:
@@ -838,6 +848,8 @@ class LlamaCpp:
         finally:
             L.llama_batch_free(batch)
             L.llama_free(ctx)
+            for a in adapters:
+                L.llama_adapter_lora_free(a)
 
 
 def oracle_arrays(paths: dict[str, Path], spec: ArchSpec, tmp: Path) -> dict[str, np.ndarray]:
