@@ -167,3 +167,17 @@ def test_embeddings_stop_when_the_client_leaves(tmp_path):
         server.should_exit = True
         th.join(10)
         engine.stop()
+
+
+def test_a_cancelled_waiting_job_gives_its_queue_place_back_at_once(model):
+    """A client that leaves while its job waits must not hold a queue place until the engine's
+    current step ends (32 clients with hang-ups got 503 queue_full)."""
+    from llm.serving import QueueFull
+    ctx = llm.Context(model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, kv_bucket=128)
+    engine = Engine(ctx, model.vocab, n_slots=1, max_queue=1)     # not started: nothing runs
+    first = Job(prompt_tokens(5), GenParams(max_tokens=4, sampling=GREEDY), lambda ev: None)
+    engine.submit(first)
+    with pytest.raises(QueueFull):
+        engine.submit(Job(prompt_tokens(5), GenParams(max_tokens=4, sampling=GREEDY), lambda ev: None))
+    engine.cancel(first)
+    engine.submit(Job(prompt_tokens(6), GenParams(max_tokens=4, sampling=GREEDY), lambda ev: None))

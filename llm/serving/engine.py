@@ -55,6 +55,10 @@ class Engine:
         self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
+        """Stop a job; a job still waiting gives its queue place back at once (its client left),
+        not after the engine's current step."""
+        with self._lock:
+            self._queued.discard(job)
         self._inbox.put(("cancel", job))
 
     def call(self, fn: Callable[[Batcher], object], timeout: float = 300.0):
