@@ -214,3 +214,26 @@ def test_jobs_with_different_adapter_scales_batch_together(files):
     (on,), (off,) = run((1.0,)), run((0.0,))
     assert on != off
     assert run((1.0,), (0.0,)) == [on, off]
+
+
+def test_expert_adapters_match_the_merged_weights(tmp_path):
+    """build_lora_mm_id: a pair per expert ([n_in, r, n_expert] and [r, n_out, n_expert]) on the
+    experts of a MoE model, and the router through build_lora_mm."""
+    from pathlib import Path
+    base = Path(__file__).parent / "data" / "fixtures" / "qwen3moe-F32.gguf"
+    rng = np.random.default_rng(7)
+    pairs = {}
+    for name, (n_in, n_out) in (("blk.0.ffn_up_exps.weight", (64, 32)), ("blk.1.ffn_down_exps.weight", (32, 64)),
+                                ("blk.0.ffn_gate_exps.weight", (64, 32))):
+        pairs[name] = (rng.standard_normal((4, RANK, n_in)) * 0.3, rng.standard_normal((4, n_out, RANK)) * 0.3)
+    pairs["blk.1.ffn_gate_inp.weight"] = (rng.standard_normal((RANK, 64)) * 0.3, rng.standard_normal((4, RANK)) * 0.3)
+    adapter = tmp_path / "moe.gguf"
+    write_lora(adapter, "qwen3moe", pairs, alpha=2.0)
+    merged = tmp_path / "merged.gguf"
+    assert fuse(base, merged, [(adapter, 0.7)]) == 4
+    model = llm.load_model(base)
+    tokens = prompt_tokens(8, seed=5)
+    got = logits_of(model, tokens, adapters=[adapter_lora_init(model, adapter)], scales=[0.7])
+    want = logits_of(llm.load_model(merged), tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(got - logits_of(model, tokens)).max() > 0.05
