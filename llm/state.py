@@ -20,16 +20,20 @@ The crc32 over the body catches a flipped byte anywhere; every count is still ch
 against the context before anything is allocated from it (as the GGUF reader does), so a
 crafted file with a matching checksum fails with StateError too. Loading validates all of
 it first and only then touches the context, so a failed load leaves the context unchanged.
-Files are written to a temporary file in the same directory and renamed into place.
+Files are written to a temporary file in the same directory and renamed into place, and read
+with O_NOFOLLOW: a state file is a regular file, never a symbolic link (a link planted in the
+server's slot directory would otherwise be followed). A bad file's error never shows its bytes.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import secrets
+import stat
 import struct
-import tempfile
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +49,11 @@ VERSION = 1
 KIND_FULL, KIND_SEQ = 0, 1
 _HEADER = struct.Struct("<8sIIQI")
 _MT_WORDS = 624
+NAME_MAX = 255                  # bytes in one file name (Linux, macOS)
+# write_atomic's temporary file is the name + "." + 8 hex digits + ".tmp"
+_TMP_RANDOM_BYTES = 4
+_TMP_SUFFIX = ".tmp"
+MAX_SLOT_FILENAME_BYTES = NAME_MAX - len(".") - 2 * _TMP_RANDOM_BYTES - len(_TMP_SUFFIX)
 
 
 def model_fingerprint(model) -> bytes:
@@ -145,9 +154,11 @@ def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | N
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file next to `path`, fsync, then rename over it."""
+    """Write to a new temporary file next to `path` (O_EXCL | O_NOFOLLOW: never through a link),
+    fsync, then rename over it (a link at `path` is replaced, not followed)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(_TMP_RANDOM_BYTES)}{_TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -155,8 +166,30 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def read_file(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file `path`, opened with O_NOFOLLOW (and O_NONBLOCK, so a FIFO
+    does not block the open); StateError for a link, a file that is not a regular file, one
+    larger than `limit` bytes (refused before reading) or one that cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateError(f"{path}: is a symbolic link; a state file must be a regular file") from None
+        raise StateError(f"{path}: cannot read: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise StateError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise StateError(f"{path}: {st.st_size} bytes is too large for this context (at most {limit})")
+        try:
+            return f.read(limit + 1)
+        except OSError as e:
+            raise StateError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def max_state_bytes(ctx, *, seq: bool) -> int:
@@ -170,12 +203,30 @@ def max_state_bytes(ctx, *, seq: bool) -> int:
 
 def slot_path(directory: str | os.PathLike, filename: str) -> Path:
     """Where llama-server's `POST /slots/{id}?action=save|restore {"filename"}` reads or writes:
-    a plain file name inside `directory` (--slot-save-path); StateError for anything else."""
-    if (not isinstance(filename, str) or not filename or len(filename) > 255 or filename in (".", "..")
+    a plain file name inside `directory` (--slot-save-path) of at most MAX_SLOT_FILENAME_BYTES
+    (its temporary file must fit NAME_MAX too), and not a link or other non-regular file there;
+    StateError for anything else."""
+    if (not isinstance(filename, str) or not filename or filename in (".", "..")
             or any(c in filename for c in '/\\:\0') or filename != filename.strip()
             or any(ord(c) < 32 for c in filename)):
-        raise StateError(f"slot filename {filename!r}: expected a plain file name")
-    return Path(directory) / filename
+        shown = repr(filename)[:60] if isinstance(filename, str) else type(filename).__name__
+        raise StateError(f"slot filename {shown}: expected a plain file name")
+    try:
+        n_bytes = len(filename.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise StateError("slot filename: not valid Unicode; expected a plain file name") from None
+    if n_bytes > MAX_SLOT_FILENAME_BYTES:
+        raise StateError(f"slot filename of {n_bytes} bytes is too long: expected a plain file name of at most "
+                         f"{MAX_SLOT_FILENAME_BYTES} bytes")
+    path = Path(directory) / filename
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise StateError(f"slot filename {filename!r}: {what} in the slot directory; expected a plain file name")
+    return path
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -221,7 +272,7 @@ def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sample
         raise StateError(f"{where}: truncated: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
     magic, version, got_kind, n_body, crc = _HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise StateError(f"{where}: not a ggmlx state (magic {magic!r}, expected {MAGIC!r})")
+        raise StateError(f"{where}: not a ggmlx state (it does not start with {MAGIC!r})")
     if version != VERSION:
         raise StateError(f"{where}: format version {version}, this build reads version {VERSION}")
     if got_kind != kind:
