@@ -16,9 +16,10 @@ Lark dialect.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ LIMITS: dict[str, Any] = dict(max_grammar_size=500_000, max_lexer_states=250_000
                               initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_items_in_row=2000)
 # a grammar text larger than this is refused before it is parsed
 MAX_GRAMMAR_BYTES = 4 << 20
+# a JSON schema whose objects and arrays nest deeper than this is refused before it is checked
+# (the schema checks recurse: a 3000-level schema overflowed Python's stack)
+MAX_SCHEMA_DEPTH = 64
+_TOO_DEEP = f"json_schema: objects and arrays nested more than {MAX_SCHEMA_DEPTH} levels deep"
 # JSON output on one line with ", " and ": " between items: small models otherwise drift
 # into long runs of whitespace, which the schema allows but which eat max_tokens
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -161,6 +166,37 @@ def gbnf_to_lark(gbnf: str, root: str = "root") -> str:
     return gbnf_mod.to_lark(gbnf, root)
 
 
+@contextlib.contextmanager
+def _no_recursion_error(what: str) -> Iterator[None]:
+    """A RecursionError while a grammar is converted or checked is a GrammarError (a 400 for a
+    server), not a crash: the depth bounds should keep it from happening at all."""
+    try:
+        yield
+    except RecursionError:
+        raise GrammarError(f"{what}: nested too deeply to convert") from None
+
+
+def schema_depth(schema: object) -> int:
+    """How deep the objects and arrays of a (parsed) JSON schema nest; an explicit stack, no
+    recursion, since the schema may be anything."""
+    deepest = 0
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children: Iterable[object]
+        if isinstance(node, Mapping):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
 
@@ -181,8 +217,12 @@ def _check_schema(schema) -> dict | bool:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise GrammarError(f"json_schema: not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError(_TOO_DEEP) from None
     if not isinstance(schema, Mapping) and not isinstance(schema, bool):
         raise GrammarError(f"json_schema: expected a JSON object (dict), got {type(schema).__name__}")
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(_TOO_DEEP)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -205,23 +245,27 @@ class GrammarSpec:
 
 
 def spec_gbnf(gbnf: str, root: str = "root") -> GrammarSpec:
-    lark = gbnf_to_lark(gbnf, root)
-    return GrammarSpec(_checked(llguidance.LLMatcher.grammar_from_lark(lark), "grammar"), "grammar")
+    with _no_recursion_error("grammar"):
+        lark = gbnf_to_lark(gbnf, root)
+        return GrammarSpec(_checked(llguidance.LLMatcher.grammar_from_lark(lark), "grammar"), "grammar")
 
 
 def spec_json_schema(schema) -> GrammarSpec:
-    schema = _check_schema(schema)
-    try:
-        text = json.dumps(schema)
-    except (TypeError, ValueError) as e:
-        raise GrammarError(f"json_schema: cannot serialize: {e}") from None
-    if len(text) > MAX_GRAMMAR_BYTES:
-        raise GrammarError(f"json_schema: {len(text)} bytes is more than the {MAX_GRAMMAR_BYTES} allowed")
-    try:
-        g = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-    except ValueError as e:
-        raise GrammarError(f"json_schema: {e}") from None
-    return GrammarSpec(_checked(g, "json_schema"), "json_schema")
+    """A JSON schema (a dict, or its JSON text) as a grammar; GrammarError names what is wrong,
+    including a schema nested more than MAX_SCHEMA_DEPTH levels deep."""
+    with _no_recursion_error("json_schema"):
+        schema = _check_schema(schema)
+        try:
+            text = json.dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"json_schema: cannot serialize: {e}") from None
+        if len(text) > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"json_schema: {len(text)} bytes is more than the {MAX_GRAMMAR_BYTES} allowed")
+        try:
+            g = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(f"json_schema: {e}") from None
+        return GrammarSpec(_checked(g, "json_schema"), "json_schema")
 
 
 def spec_json_object() -> GrammarSpec:
