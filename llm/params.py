@@ -277,3 +277,19 @@ def from_json(cls: type, body: dict[str, Any]) -> dict[str, Any]:
 def request_defaults(cls: type) -> dict[str, Any]:
     """{request field: default} of cls (what a request that leaves them out gets)."""
     return {name_of(f, arg): default_of(f) for f, arg in fields_of(cls) if arg.request}
+
+
+# ---- the server's settings -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ServerTimeouts:
+    """The HTTP server's read timeouts in seconds (`serve` flags; llm.serving.protocol and
+    llm.serving.requests.read_json apply them). Declared here, not with the server, so that the
+    command line builds without the `server` extra installed."""
+
+    timeout: float = param(600.0, flags=("-to", "--timeout"), lo=0.001, request=False,
+                           help="seconds a request body may go without data before the request is a 408 "
+                                "(llama-server's read timeout)")
+    header_timeout: float = param(60.0, flags=("--timeout-header",), lo=0.001, request=False,
+                                  help="seconds a connection has to send a complete request head, after "
+                                       "connecting or after its previous response")

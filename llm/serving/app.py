@@ -13,8 +13,10 @@ are written by llm.serving.completions and streamed by llm.serving.sse.
 
 Bad input gets an OpenAI-style error object {"error": {"message", "type", "param", "code"}}:
 400 for malformed or invalid fields, 401 without the API key, 404 for an unknown slot, 409
-for a busy one, 413 for a body over 8 MiB, 503 with Retry-After when the queue is full, 500
-when the engine fails inside a request (only that request; the engine keeps serving the others).
+for a busy one, 408 for a body that stops arriving (serve --timeout), 413 for a body over 8 MiB,
+503 with Retry-After when the queue is full, 500 when the engine fails inside a request (only
+that request; the engine keeps serving the others). Error messages show no absolute paths.
+A connection whose request head does not arrive in time is closed (llm.serving.protocol).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
+from llm.params import ServerTimeouts
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
 from llm.serving.engine import Engine
 from llm.serving.requests import (
@@ -36,6 +39,7 @@ from llm.serving.requests import (
     completion_prompts,
     embedding_inputs,
     gen_params,
+    max_token_bytes,
     read_json,
 )
 from llm.serving.routes import ServerState, router
@@ -82,11 +86,15 @@ class APIKeyMiddleware:
 
 def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
                api_key: str | None = None, slot_save_path: str | Path | None = None,
-               special_in_content: bool = False) -> FastAPI:
+               special_in_content: bool = False, timeouts: ServerTimeouts | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an llm.LLM, for the vocab, chat template and embeddings)
     through `engine` (running on llm.ctx). Slots are saved to and restored from files in
-    `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server."""
+    `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server; a
+    request body that goes `timeouts.timeout` seconds without data is a 408 (default:
+    ServerTimeouts(); the header timeout is the HTTP protocol's, llm.serving.protocol)."""
     app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, Exception: internal_error})
+    app.state.body_timeout = (timeouts or ServerTimeouts()).timeout
+    max_token_bytes(llm.vocab)      # computed once here, not on the event loop by the first request
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
                                    api_key=api_key, slot_save_path=slot_save_path,
                                    special_in_content=special_in_content)

@@ -9,23 +9,40 @@ Another API's shape (Anthropic's /v1/messages, say) gets its own dataclass next 
 built from the same readers.
 
 Parsers that tokenize take the tokenizer as an argument and are called off the event loop.
+Given the vocabulary and the token limit, they first refuse a text whose byte length alone
+proves it has too many tokens (`max_token_bytes`), so a huge prompt is not tokenized for nothing.
+
+`read_json` bounds what a body may be before any field is read: its size, how fast it arrives,
+its nesting depth, and text that is not Unicode (a lone surrogate escape such as "\\ud800").
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import re
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from llm import params
 from llm.errors import GrammarError
 from llm.generation.core import MAX_TOP_LOGPROBS, GenParams
 from llm.sampling import structured as grammar_mod
 from llm.sampling.samplers import SamplingParams
+from llm.tokenizers.bpe import BPETokenizer
+from llm.tokenizers.spm import SPMTokenizer
+from llm.tokenizers.unicode import byte_encode
+from llm.vocab import TokenAttr, Vocab
 
 MAX_BODY_BYTES = 8 << 20
+# JSON containers nested deeper than this in a body are refused (json.loads recurses, and so do
+# the schema checks after it)
+MAX_JSON_DEPTH = 64
 MAX_STOP = 16
 # OpenAI's limits for one embeddings request: inputs, and tokens over all of them
 MAX_EMBEDDING_INPUTS = 2048
@@ -34,12 +51,25 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Tokenize = Callable[[str], list[int]]
 
+# an absolute filesystem path in an error message, quoted (as OSError shows it: it may hold
+# spaces; group 2 is its last part) or bare (not a URL's "//host", nor "a/b" inside a word;
+# group 1 is its last part)
+_QUOTED_PATH = re.compile(r"(['\"])/(?:[^'\"\n]*/)?([^'\"\n/]*)\1")
+_BARE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"`,;()\[\]{}<>]+/)*([^\s/'\"`,;:()\[\]{}<>]+)")
+
+
+def scrub_paths(message: str) -> str:
+    """The message with every absolute path replaced by its last component: an error body must
+    not show the server's directories (the slot directory, the model's path)."""
+    return _BARE_PATH.sub(r"\1", _QUOTED_PATH.sub(r"\1\2\1", message))
+
 
 class APIError(Exception):
     """An error answered as an OpenAI error object."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict | None = None):
+        message = scrub_paths(message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -56,23 +86,87 @@ def bad(param: str, message: str) -> APIError:
 
 
 async def read_json(request: Request) -> dict:
-    """The JSON object in the body; 413 past MAX_BODY_BYTES, 400 when it is not JSON."""
+    """The JSON object in the body: 413 past MAX_BODY_BYTES, 408 when no data comes for the
+    server's body timeout (`app.state.body_timeout`, serve --timeout), 400 when it is not JSON,
+    is nested deeper than MAX_JSON_DEPTH or holds a string that is not Unicode."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise APIError(413, f"request body of {size} bytes is over the {MAX_BODY_BYTES} byte limit",
                        code="request_too_large")
+    timeout = request.app.state.body_timeout
     body = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), timeout)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise APIError(408, f"no request body data for {timeout:g} s", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"request body is over the {MAX_BODY_BYTES} byte limit", code="request_too_large")
+    return await run_in_threadpool(parse_json, bytes(body))
+
+
+def parse_json(body: bytes) -> dict:
+    """The body's JSON object, checked by check_json. Run off the event loop: an 8 MiB body of
+    millions of small values takes seconds to parse and walk."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON in the request body: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                       code="json_too_deep") from None
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_json(obj)
     return obj
+
+
+def check_json(obj: dict) -> None:
+    """APIError 400 when the parsed body `obj` nests containers deeper than MAX_JSON_DEPTH or
+    holds a string or key that is not valid Unicode (a lone surrogate: JSON can spell one as an
+    escape, and UTF-8 cannot encode it), naming where. Depth-first without recursion: a stack of
+    the open containers' iterators and the keys that lead to them."""
+    keys: list[str | int] = []
+    iterators: list = [iter(obj.items())]
+    while iterators:
+        for key, v in iterators[-1]:
+            if isinstance(key, str):
+                _check_text(key, keys, key)
+            if isinstance(v, str):
+                _check_text(v, keys, key)
+            elif isinstance(v, (dict, list)) and v:
+                if len(iterators) == MAX_JSON_DEPTH:
+                    top = _json_path(keys[:1])
+                    raise APIError(400, f"'{top}' is nested deeper than {MAX_JSON_DEPTH} levels", param=top,
+                                   code="json_too_deep")
+                keys.append(key)
+                iterators.append(iter(v.items() if isinstance(v, dict) else enumerate(v)))
+                break
+        else:
+            iterators.pop()
+            if keys:
+                keys.pop()
+
+
+def _check_text(s: str, keys: list[str | int], key: str | int) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        path = _json_path([*keys, key])
+        raise APIError(400, f"'{path}' holds the lone surrogate \\u{ord(s[e.start]):04x} at character {e.start}: "
+                            "not valid Unicode text", param=path, code="invalid_unicode") from None
+
+
+def _json_path(keys: list[str | int]) -> str:
+    """`messages[0].content` for the keys leading there (keys that are not Unicode escaped)."""
+    parts = [f"[{k}]" if isinstance(k, int) else "." + k.encode("utf-8", "backslashreplace").decode("utf-8")
+             for k in keys]
+    return "".join(parts).removeprefix(".")
 
 
 # ---- request fields ----------------------------------------------------------------------
@@ -225,12 +319,61 @@ def _constraint(body: dict) -> grammar_mod.GrammarSpec | None:
 
 # ---- inputs ------------------------------------------------------------------------------
 
+_MAX_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_token_bytes(vocab: Vocab) -> int | None:
+    """The most bytes of text one token stands for (None where no bound holds), once per vocabulary:
+    a text of B bytes has at least B / max_token_bytes tokens, so a prompt that surely cannot fit
+    is refused before it is tokenized (a 7.5 MB prompt took 9.5 s to tokenize).
+
+    A token stands for at most its GGUF text's length in bytes (SPM spells a space as the 3-byte
+    U+2581, byte-level BPE a byte as a 1- or 2-byte character; a byte or unknown token stands for
+    one byte), provided tokenizing drops no byte of the text; see `_keeps_every_byte`. A very long
+    token only makes the bound looser, never wrong.
+    """
+    if vocab not in _MAX_TOKEN_BYTES:
+        _MAX_TOKEN_BYTES[vocab] = max(1, max(map(len, vocab.texts))) if _keeps_every_byte(vocab) else None
+    return _MAX_TOKEN_BYTES[vocab]
+
+
+def _keeps_every_byte(vocab: Vocab) -> bool:
+    """Whether every byte of a text ends up in some token. Not where a token strips the whitespace
+    around it (LSTRIP / RSTRIP), nor for WPM and UGM (they normalize whitespace and accents away),
+    nor where BPE lacks a byte's character or a merge's result (that symbol is dropped), nor where
+    SPM has neither a byte token nor an unknown token for some byte."""
+    if any(a & (TokenAttr.LSTRIP | TokenAttr.RSTRIP) for a in vocab.attrs):
+        return False
+    tok = vocab.tokenizer
+    if isinstance(tok, BPETokenizer):
+        return (all(byte_encode(bytes([b])) in tok.token_to_id for b in range(256))
+                and all(a + b in tok.token_to_id for a, b in tok.ranks))
+    if isinstance(tok, SPMTokenizer):
+        return all(tok.byte_fallback)
+    return False
+
+
+def min_tokens(text: str, vocab: Vocab | None) -> int:
+    """A lower bound on the number of tokens of `text` (0 without a vocabulary or a bound)."""
+    most = None if vocab is None else max_token_bytes(vocab)
+    return 0 if most is None else math.ceil(len(text.encode("utf-8")) / most)
+
+
+def _too_long(param: str, n_min: int, n_ctx: int) -> APIError:
+    return APIError(400, f"the prompt has at least {n_min} tokens (from its length in bytes); a slot holds {n_ctx}",
+                    param=param, code="context_length_exceeded")
+
+
 def _token_list(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int) -> list[list[int]]:
-    """`input` as a string, a list of token ids, or a list of strings / token lists."""
+def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int, *, vocab: Vocab | None = None,
+                     max_input_tokens: int | None = None) -> list[list[int]]:
+    """`input` as a string, a list of token ids, or a list of strings / token lists. With `vocab`,
+    inputs that surely hold more than MAX_EMBEDDING_TOKENS tokens, or one input more than
+    `max_input_tokens` (LLM.embed pools an input in one ubatch), are refused before anything is
+    tokenized."""
     v = body.get("input")
     err = bad("input", "'input' must be a non-empty string, a list of token ids, or a list of those")
     if isinstance(v, str):
@@ -241,6 +384,13 @@ def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int) -> list[list[
         v = [v]
     if len(v) > MAX_EMBEDDING_INPUTS:
         raise bad("input", f"'input' has {len(v)} items; at most {MAX_EMBEDDING_INPUTS} per request")
+    at_least = [min_tokens(x, vocab) if isinstance(x, str) else len(x) if isinstance(x, list) else 0 for x in v]
+    if sum(at_least) > MAX_EMBEDDING_TOKENS:
+        raise bad("input", f"'input' has more than {MAX_EMBEDDING_TOKENS} tokens; split it over requests")
+    for i, n in enumerate(at_least):
+        if max_input_tokens is not None and n > max_input_tokens:
+            raise bad("input", f"'input' item {i} has at least {n} tokens; an input may have {max_input_tokens} "
+                               "(it is pooled in one ubatch)")
     out: list[list[int]] = []
     n_tokens = 0
     for x in v:
@@ -283,10 +433,28 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def completion_prompts(body: dict, tokenize: Tokenize) -> list[list[int]]:
-    """`prompt` as a string, a list of token ids, or a list of either (one job each)."""
+def check_chat_bytes(messages: list[dict], vocab: Vocab | None, n_ctx_slot: int | None) -> None:
+    """context_length_exceeded, before the template runs, for messages that surely do not fit a
+    slot. A chat template renders the content of every user, system and tool message, trimmed at
+    most; an assistant message is not counted, as a template may cut it (Qwen3's drops the
+    reasoning of earlier turns). The markup only adds tokens."""
+    if n_ctx_slot is None:
+        return
+    n = min_tokens("".join(m["content"].strip() for m in messages if m["role"] != "assistant"), vocab)
+    if n >= n_ctx_slot:
+        raise _too_long("messages", n, n_ctx_slot)
+
+
+def completion_prompts(body: dict, tokenize: Tokenize, *, vocab: Vocab | None = None,
+                       n_ctx_slot: int | None = None) -> list[list[int]]:
+    """`prompt` as a string, a list of token ids, or a list of either (one job each). With `vocab`,
+    a string that surely has `n_ctx_slot` tokens or more is refused before any is tokenized."""
     p = body.get("prompt")
     err = bad("prompt", "'prompt' must be a string, a list of token ids, or a list of strings / token lists")
+    for text in [p] if isinstance(p, str) else p if isinstance(p, list) else []:
+        n = min_tokens(text, vocab) if isinstance(text, str) else 0
+        if n_ctx_slot is not None and n >= n_ctx_slot:
+            raise _too_long("prompt", n, n_ctx_slot)
     if isinstance(p, str):
         return [tokenize(p)]
     if not isinstance(p, list) or not p:
@@ -317,8 +485,10 @@ class ChatCompletionRequest:
     cache_prompt: bool
 
     @classmethod
-    def parse(cls, body: dict, *, n_slots: int, n_vocab: int) -> ChatCompletionRequest:
+    def parse(cls, body: dict, *, n_slots: int, n_vocab: int, vocab: Vocab | None = None,
+              n_ctx_slot: int | None = None) -> ChatCompletionRequest:
         messages = chat_messages(body)
+        check_chat_bytes(messages, vocab, n_ctx_slot)
         params = gen_params(body, chat=True, n_slots=n_slots, n_vocab=n_vocab)
         stream, include_usage = stream_fields(body)
         return cls(messages, params, stream, include_usage, _bool(body, "cache_prompt", False))
@@ -335,10 +505,11 @@ class CompletionRequest:
     cache_prompt: bool
 
     @classmethod
-    def parse(cls, body: dict, tokenize: Tokenize, *, n_slots: int, n_vocab: int) -> CompletionRequest:
+    def parse(cls, body: dict, tokenize: Tokenize, *, n_slots: int, n_vocab: int, vocab: Vocab | None = None,
+              n_ctx_slot: int | None = None) -> CompletionRequest:
         params = gen_params(body, chat=False, n_slots=n_slots, n_vocab=n_vocab)
         stream, include_usage = stream_fields(body)
-        prompts = completion_prompts(body, tokenize)
+        prompts = completion_prompts(body, tokenize, vocab=vocab, n_ctx_slot=n_ctx_slot)
         return cls(prompts, params, stream, include_usage, _bool(body, "cache_prompt", False))
 
 
@@ -350,11 +521,12 @@ class EmbeddingRequest:
     encoding_format: str        # "float" or "base64"
 
     @classmethod
-    def parse(cls, body: dict, tokenize: Tokenize, *, n_vocab: int) -> EmbeddingRequest:
+    def parse(cls, body: dict, tokenize: Tokenize, *, n_vocab: int, vocab: Vocab | None = None,
+              max_input_tokens: int | None = None) -> EmbeddingRequest:
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise bad("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {json.dumps(fmt)[:50]}")
-        return cls(embedding_inputs(body, tokenize, n_vocab), fmt)
+        return cls(embedding_inputs(body, tokenize, n_vocab, vocab=vocab, max_input_tokens=max_input_tokens), fmt)
 
 
 @dataclass(frozen=True)
