@@ -423,9 +423,11 @@ def cmd_serve(a) -> int:
     from llm.api import LLM
     from llm.serving.app import create_app, model_name_of
     from llm.serving.engine import Engine
+    from llm.serving.protocol import header_timeout_protocol
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.parallel < 1:
         raise ValueError(f"-np must be >= 1, got {a.parallel}")
+    timeouts = params.from_namespace(params.ServerTimeouts, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
               weight_format=a.weight_format, progress_callback=_progress(a))
@@ -437,11 +439,12 @@ def cmd_serve(a) -> int:
     engine.start()
     name = model_name_of(llm.model.path)
     app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
-                     slot_save_path=a.slot_save_path, special_in_content=a.special_in_content)
+                     slot_save_path=a.slot_save_path, special_in_content=a.special_in_content, timeouts=timeouts)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
           f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=5,
+                    http=header_timeout_protocol(timeouts.header_timeout))
     finally:
         engine.stop()
     return 0
@@ -565,6 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip compiling the step graphs before serving")
     p.add_argument("--kv-bucket", type=int, default=0,
                    help="KV length graphs are padded to (default n_ctx / 4: few shapes to compile)")
+    params.add_arguments(p, params.ServerTimeouts)
     _add_ctx(p)
     p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)
     return ap
