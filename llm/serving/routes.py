@@ -158,7 +158,9 @@ async def embeddings(request: Request):
     server = server_of(request)
     body = await read_json(request)
     server.check_model(body)
-    req = await run_in_threadpool(EmbeddingRequest.parse, body, server.tokenize, n_vocab=server.vocab.n_tokens)
+    req = await run_in_threadpool(EmbeddingRequest.parse, body, server.tokenize, n_vocab=server.vocab.n_tokens,
+                                  vocab=server.vocab,
+                                  max_input_tokens=min(server.llm.ctx.n_ubatch, server.llm.ctx.n_ctx))
     gone = threading.Event()
     watch = asyncio.create_task(watch_disconnect(request, gone))
     try:
@@ -222,7 +224,8 @@ async def chat_completions(request: Request):
     server = server_of(request)
     body = await read_json(request)
     server.check_model(body)
-    req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens)
+    req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
+                                      vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot)
     try:
         tokens = await run_in_threadpool(functools.partial(server.llm.chat_tokens, req.messages,
                                                            special_in_content=server.special_in_content))
@@ -239,7 +242,8 @@ async def completions(request: Request):
     body = await read_json(request)
     server.check_model(body)
     req = await run_in_threadpool(CompletionRequest.parse, body, server.tokenize,
-                                  n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens)
+                                  n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
+                                  vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot)
     for p in req.prompts:
         check_prompt_length(server, p, "prompt")
     return await generate(request, server, req.prompts, req.params, chat=False, stream=req.stream,
