@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llm.params import ServerTimeouts
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
@@ -57,6 +58,14 @@ log = logging.getLogger(__name__)
 
 async def api_error(request: Request, e: APIError):
     return e.response()
+
+
+async def http_error(request: Request, e: StarletteHTTPException):
+    """Starlette's own errors (no such route: 404, wrong method: 405) in the API's error shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    message = (f"no route {request.method} {request.url.path}" if e.status_code in (404, 405)
+               else str(e.detail))
+    return APIError(e.status_code, message, code=code, headers=dict(e.headers or {})).response()
 
 
 async def internal_error(request: Request, e: Exception):
@@ -92,7 +101,8 @@ def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str,
     `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server; a
     request body that goes `timeouts.timeout` seconds without data is a 408 (default:
     ServerTimeouts(); the header timeout is the HTTP protocol's, llm.serving.protocol)."""
-    app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, Exception: internal_error})
+    app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, StarletteHTTPException: http_error,
+                                                                       Exception: internal_error})
     app.state.body_timeout = (timeouts or ServerTimeouts()).timeout
     max_token_bytes(llm.vocab)      # computed once here, not on the event loop by the first request
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),

@@ -24,6 +24,7 @@ import re
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -89,6 +90,16 @@ async def read_json(request: Request) -> dict:
     """The JSON object in the body: 413 past MAX_BODY_BYTES, 408 when no data comes for the
     server's body timeout (`app.state.body_timeout`, serve --timeout), 400 when it is not JSON,
     is nested deeper than MAX_JSON_DEPTH or holds a string that is not Unicode."""
+    return await run_in_threadpool(parse_json, await read_body(request))
+
+
+async def read_json_list(request: Request) -> list:
+    """A body that is a JSON array (POST /lora-adapters), with read_json's limits."""
+    return await run_in_threadpool(parse_json, await read_body(request), array=True)
+
+
+async def read_body(request: Request) -> bytes:
+    """The body's bytes, with the size limit and the body timeout."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise APIError(413, f"request body of {size} bytes is over the {MAX_BODY_BYTES} byte limit",
@@ -107,26 +118,36 @@ async def read_json(request: Request) -> dict:
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"request body is over the {MAX_BODY_BYTES} byte limit", code="request_too_large")
-    return await run_in_threadpool(parse_json, bytes(body))
+    return bytes(body)
 
 
-def parse_json(body: bytes) -> dict:
-    """The body's JSON object, checked by check_json. Run off the event loop: an 8 MiB body of
-    millions of small values takes seconds to parse and walk."""
+def _non_finite(literal: str):
+    """json.loads' hook for NaN / Infinity / -Infinity: not JSON (RFC 8259), so refused."""
+    raise APIError(400, f"malformed JSON in the request body: {literal} is not a JSON number")
+
+
+def parse_json(body: bytes, *, array: bool = False):
+    """The body's JSON object (a JSON array with `array`), checked by check_json. Run off the
+    event loop: an 8 MiB body of millions of small values takes seconds to parse and walk."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, parse_constant=_non_finite)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON in the request body: {e}") from None
     except RecursionError:
         raise APIError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels",
                        code="json_too_deep") from None
+    if array:
+        if not isinstance(obj, list):
+            raise APIError(400, "the request body must be a JSON array")
+        check_json(dict(enumerate(obj)))
+        return obj
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_json(obj)
     return obj
 
 
-def check_json(obj: dict) -> None:
+def check_json(obj: dict[str, Any] | dict[int, Any]) -> None:
     """APIError 400 when the parsed body `obj` nests containers deeper than MAX_JSON_DEPTH or
     holds a string or key that is not valid Unicode (a lone surrogate: JSON can spell one as an
     escape, and UTF-8 cannot encode it), naming where. Depth-first without recursion: a stack of

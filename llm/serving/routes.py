@@ -105,7 +105,7 @@ async def slots(request: Request):
 async def slot_action(slot: str, request: Request, action: str = ""):
     """llama-server's slot save/restore: the slot's cells to or from a file in --slot-save-path."""
     server = server_of(request)
-    if not slot.isdigit():
+    if not (slot.isascii() and slot.isdigit() and len(slot) <= 9):       # '²'.isdigit(); int() of 5,000 digits
         raise APIError(404, f"slot {slot!r} does not exist", param="id_slot", code="slot_not_found")
     slot_id = int(slot)
     if action not in ("save", "restore"):
