@@ -109,6 +109,26 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     p.add_argument("--process-id", type=int, default=None, help="multi-host run: this process (or JAX_PROCESS_ID)")
 
 
+def _add_lora(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's LoRA flags (common/arg.cpp): adapters applied to every request."""
+    p.add_argument("--lora", action="append", default=[], metavar="FNAME",
+                   help="path to a LoRA adapter (a llama.cpp LoRA GGUF); repeatable")
+    p.add_argument("--lora-scaled", action="append", nargs=2, default=[], metavar=("FNAME", "SCALE"),
+                   help="path to a LoRA adapter with a user-defined scale; repeatable")
+    p.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the LoRA adapters without applying them (scale 0; the server's POST "
+                        "/lora-adapters or a request's 'lora' applies them)")
+
+
+def _lora(a) -> list[tuple[str, float]]:
+    """(path, scale) of the --lora / --lora-scaled adapters."""
+    try:
+        files = [(f, 1.0) for f in a.lora] + [(f, float(s)) for f, s in a.lora_scaled]
+    except ValueError:
+        raise UsageError(f"--lora-scaled SCALE must be a number, got {a.lora_scaled}") from None
+    return [(f, 0.0) for f, _ in files] if a.lora_init_without_apply else files
+
+
 def _ctx_params(a, **extra):
     """The ContextParams of the command line's context flags (and `extra` fields)."""
     from llm.context import ContextParams
@@ -184,7 +204,7 @@ def _open(a):
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     llm = LLM(path, params=_ctx_params(a), weight_format=a.weight_format, split_mode=a.split_mode,
               tensor_split=tensor_split, row_plan=_row_plan(a), progress_callback=_progress(a),
-              abort_callback=a.interrupt.abort)
+              abort_callback=a.interrupt.abort, lora=_lora(a))
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
     if n_train and a.n_ctx > n_train:
@@ -430,7 +450,7 @@ def cmd_serve(a) -> int:
     timeouts = params.from_namespace(params.ServerTimeouts, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
-              weight_format=a.weight_format, progress_callback=_progress(a))
+              weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a))
     engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size)
     if a.warmup:
         t0 = time.perf_counter()
@@ -512,12 +532,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("-p", "--prompt", required=True, help="the text to continue")
     _add_ctx(p)
+    _add_lora(p)
     _add_sampling(p)
     p.set_defaults(fn=cmd_generate)
     p = add("chat", "interactive multi-turn chat (Ctrl-D to quit)")
     _add_model(p, default=hub.DEFAULT_CHAT_MODEL)     # an instruction-tuned model, with a chat template
     p.add_argument("--system", default=None, help="system message")
     _add_ctx(p)
+    _add_lora(p)
     _add_sampling(p)
     p.set_defaults(fn=cmd_chat)
     p = add("info", "metadata, hparams, tensor types and memory of a model")
@@ -570,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV length graphs are padded to (default n_ctx / 4: few shapes to compile)")
     params.add_arguments(p, params.ServerTimeouts)
     _add_ctx(p)
+    _add_lora(p)
     p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)
     return ap
 

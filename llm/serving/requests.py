@@ -299,9 +299,31 @@ def _speculative(body: dict) -> str | None:
     return v
 
 
-def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenParams:
+def lora_scales(entries, n_adapters: int, field: str = "lora") -> tuple[float, ...]:
+    """llama-server's adapter list [{"id": i, "scale": s}, ...] as one scale per loaded adapter;
+    an adapter not in the list gets 0 (as llama-server's parse_lora_request)."""
+    if not isinstance(entries, list):
+        raise bad(field, f"'{field}' must be a list of {{\"id\": int, \"scale\": number}}")
+    scales = [0.0] * n_adapters
+    for i, e in enumerate(entries):
+        where = f"{field}[{i}]"
+        if not isinstance(e, dict):
+            raise bad(where, f"'{where}' must be an object {{\"id\": int, \"scale\": number}}")
+        k, v = e.get("id"), e.get("scale", 0.0)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n_adapters:
+            raise bad(f"{where}.id", f"'{where}.id' must be the id of a loaded adapter (0..{n_adapters - 1}), "
+                                     f"got {json.dumps(k)[:50]}" if n_adapters else
+                      "the server has no LoRA adapters (start it with --lora FILE)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(f"{where}.scale", f"'{where}.scale' must be a number, got {json.dumps(v)[:50]}")
+        scales[k] = float(v)
+    return tuple(scales)
+
+
+def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int, n_adapters: int = 0) -> GenParams:
     """GenParams from the OpenAI fields: length, choices, logprobs (chat's or the legacy
-    completions' spelling), sampling, response_format and stop."""
+    completions' spelling), sampling, response_format and stop; llama-server's `lora` (this
+    request's scales of the server's adapters)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None if chat else 16, lo=1)
     n = _int(body, "n", 1, lo=1)
@@ -317,8 +339,9 @@ def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int) -> GenPara
         logprobs = top is not None
         top = top or 0
     sampling = sampling_params(body, n_vocab)
+    lora = None if body.get("lora") is None else lora_scales(body["lora"], n_adapters)
     return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
-                     top_logprobs=top, constraint=_constraint(body), speculative=_speculative(body))
+                     top_logprobs=top, constraint=_constraint(body), speculative=_speculative(body), lora=lora)
 
 
 def _constraint(body: dict) -> grammar_mod.GrammarSpec | None:
@@ -507,10 +530,10 @@ class ChatCompletionRequest:
 
     @classmethod
     def parse(cls, body: dict, *, n_slots: int, n_vocab: int, vocab: Vocab | None = None,
-              n_ctx_slot: int | None = None) -> ChatCompletionRequest:
+              n_ctx_slot: int | None = None, n_adapters: int = 0) -> ChatCompletionRequest:
         messages = chat_messages(body)
         check_chat_bytes(messages, vocab, n_ctx_slot)
-        params = gen_params(body, chat=True, n_slots=n_slots, n_vocab=n_vocab)
+        params = gen_params(body, chat=True, n_slots=n_slots, n_vocab=n_vocab, n_adapters=n_adapters)
         stream, include_usage = stream_fields(body)
         return cls(messages, params, stream, include_usage, _bool(body, "cache_prompt", False))
 
@@ -527,8 +550,8 @@ class CompletionRequest:
 
     @classmethod
     def parse(cls, body: dict, tokenize: Tokenize, *, n_slots: int, n_vocab: int, vocab: Vocab | None = None,
-              n_ctx_slot: int | None = None) -> CompletionRequest:
-        params = gen_params(body, chat=False, n_slots=n_slots, n_vocab=n_vocab)
+              n_ctx_slot: int | None = None, n_adapters: int = 0) -> CompletionRequest:
+        params = gen_params(body, chat=False, n_slots=n_slots, n_vocab=n_vocab, n_adapters=n_adapters)
         stream, include_usage = stream_fields(body)
         prompts = completion_prompts(body, tokenize, vocab=vocab, n_ctx_slot=n_ctx_slot)
         return cls(prompts, params, stream, include_usage, _bool(body, "cache_prompt", False))

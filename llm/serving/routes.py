@@ -39,7 +39,9 @@ from llm.serving.requests import (
     TokenizeRequest,
     bad,
     check_model,
+    lora_scales,
     read_json,
+    read_json_list,
 )
 from llm.serving.sse import sse_response
 from llm.state import slot_path
@@ -137,6 +139,40 @@ async def slot_action(slot: str, request: Request, action: str = ""):
             "timings": {("save_ms" if action == "save" else "restore_ms"): ms}}
 
 
+# ---- LoRA adapters -----------------------------------------------------------------------
+
+def adapter_list(server: ServerState) -> list[dict]:
+    """llama-server's GET /lora-adapters entries: id, file name, the scale every request without
+    its own `lora` uses, and the adapter's task name / prompt prefix when its metadata has them."""
+    lora = server.engine.batcher.ctx.lora
+    out = []
+    for i, (a, scale) in enumerate(zip(server.llm.adapters, lora.scales, strict=True)):
+        entry: dict = {"id": i, "path": Path(a.path).name, "scale": scale}
+        for key in ("task_name", "prompt_prefix"):
+            v = a.meta_val_str(f"adapter.lora.{key}")
+            if v is not None:
+                entry[key] = v
+        out.append(entry)
+    return out
+
+
+@router.get("/lora-adapters")
+async def lora_adapters(request: Request):
+    return adapter_list(server_of(request))
+
+
+@router.post("/lora-adapters")
+async def set_lora_adapters(request: Request):
+    """Set the scales every request without its own `lora` uses: [{"id": 0, "scale": 0.5}, ...];
+    an adapter not listed gets 0, as in llama-server. Runs on the engine thread between steps;
+    the slots' cached prompts were computed under the old scales and are dropped."""
+    server = server_of(request)
+    scales = lora_scales(await read_json_list(request), len(server.llm.adapters), field="body")
+    adapters = list(server.llm.adapters)
+    await run_in_threadpool(server.engine.call, lambda b: b.set_adapters_lora(adapters, scales))
+    return {"success": True}
+
+
 # ---- models, embeddings, tokens ----------------------------------------------------------
 
 @router.get("/v1/models")
@@ -225,7 +261,8 @@ async def chat_completions(request: Request):
     body = await read_json(request)
     server.check_model(body)
     req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
-                                      vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot)
+                                      vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot,
+                                      n_adapters=len(server.llm.adapters))
     try:
         tokens = await run_in_threadpool(functools.partial(server.llm.chat_tokens, req.messages,
                                                            special_in_content=server.special_in_content))
@@ -243,7 +280,8 @@ async def completions(request: Request):
     server.check_model(body)
     req = await run_in_threadpool(CompletionRequest.parse, body, server.tokenize,
                                   n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
-                                  vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot)
+                                  vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot,
+                                  n_adapters=len(server.llm.adapters))
     for p in req.prompts:
         check_prompt_length(server, p, "prompt")
     return await generate(request, server, req.prompts, req.params, chat=False, stream=req.stream,
