@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from llm import params
 from llm.errors import GrammarError
@@ -112,6 +113,9 @@ async def read_body(request: Request) -> bytes:
             chunk = await asyncio.wait_for(anext(chunks), timeout)
         except StopAsyncIteration:
             break
+        except ClientDisconnect:      # nobody is left to answer; not a server error
+            raise APIError(400, "the client disconnected while sending the request body",
+                           code="client_disconnected") from None
         except TimeoutError:
             raise APIError(408, f"no request body data for {timeout:g} s", code="request_timeout",
                            headers={"Connection": "close"}) from None
@@ -264,7 +268,8 @@ def check_model(body: dict, names: Collection[str], model_name: str) -> None:
     if not isinstance(m, str):
         raise bad("model", "'model' must be a string")
     if m not in names:
-        raise APIError(400, f"the model '{m}' does not exist; this server has '{model_name}'",
+        shown = m if len(m) <= 100 else m[:100] + "..."
+        raise APIError(400, f"the model '{shown}' does not exist; this server has '{model_name}'",
                        param="model", code="model_not_found")
 
 
