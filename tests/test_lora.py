@@ -237,3 +237,19 @@ def test_expert_adapters_match_the_merged_weights(tmp_path):
     want = logits_of(llm.load_model(merged), tokens)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert np.abs(got - logits_of(model, tokens)).max() > 0.05
+
+
+def test_control_vectors_compose_with_adapters(files):
+    from llm import cvec
+    directions = {il: np.random.default_rng(il).standard_normal(SPEC.n_embd).astype(np.float32) for il in (1,)}
+    cv = files["dir"] / "cvec.gguf"
+    cvec.write(cv, directions, arch="llama")
+    merged = files["dir"] / "merged-cvec.gguf"
+    fuse(files["base"], merged, [(files["one"], 1.0)])
+    kw = dict(temperature=0.0)
+    want_m = llm.LLM(merged, n_ctx=128)
+    want = want_m.generate(prompt_tokens(6), 10, interventions=want_m.control_vector([(cv, 2.0)]), **kw).tokens
+    m = llm.LLM(files["base"], lora=[(files["one"], 1.0)], n_ctx=128)
+    got = m.generate(prompt_tokens(6), 10, interventions=m.control_vector([(cv, 2.0)]), **kw).tokens
+    plain = m.generate(prompt_tokens(6), 10, **kw).tokens
+    assert got == want and got != plain
