@@ -265,6 +265,40 @@ def spec_granitemoe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def parallel_block(w: Weights, p: str, d: Dims) -> None:
+    """Command-R's layer: one LayerNorm (no bias) before both attention and the gated FFN."""
+    w.norm(p + "attn_norm.weight", d.n_embd)
+    attn_qkv(w, p, d)
+    w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+    w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+    w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+    w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+
+
+def spec_command_r(d: Dims, w: Weights) -> dict:
+    a = "command-r"
+    kv = base_kv(a, d, rms=False)
+    kv[f"{a}.logit_scale"] = 0.25
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd, scale=2.0)      # also the output head (tied)
+    w.norm("output_norm.weight", d.n_embd)
+    for il in range(d.n_layer):
+        parallel_block(w, f"blk.{il}.", d)
+    return kv
+
+
+def spec_cohere2(d: Dims, w: Weights) -> dict:
+    d = dataclasses.replace(d, n_layer=4)      # layers 0-2 slide (window 4), layer 3 is global without rope
+    a = "cohere2"
+    kv = base_kv(a, d, rms=False)
+    kv[f"{a}.logit_scale"] = 0.25
+    kv[f"{a}.attention.sliding_window"] = 4
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd, scale=2.0)
+    w.norm("output_norm.weight", d.n_embd)
+    for il in range(d.n_layer):
+        parallel_block(w, f"blk.{il}.", d)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -505,6 +539,8 @@ ARCHS: dict[str, ArchSpec] = {
     "exaone": ArchSpec(spec_exaone, 113),
     "llama4": ArchSpec(spec_llama4, 114),
     "granitemoe": ArchSpec(spec_granitemoe, 115),
+    "command-r": ArchSpec(spec_command_r, 116),
+    "cohere2": ArchSpec(spec_cohere2, 117),
 }
 
 

@@ -11,6 +11,8 @@ from llm.arch import ArchBuilder, LLMArch, arch_from_name  # noqa: F401  (ArchBu
 from llm.errors import ModelLoadError
 from llm.models import (
     bert,
+    cohere2,
+    command_r,
     exaone,
     gemma2,
     gemma3,
@@ -55,6 +57,8 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.EXAONE: exaone,
     LLMArch.LLAMA4: llama4,
     LLMArch.GRANITE_MOE: granitemoe,
+    LLMArch.COMMAND_R: command_r,
+    LLMArch.COHERE2: cohere2,
 }
 
 
