@@ -5,19 +5,21 @@ from __future__ import annotations
 
 from llm.arch import LLMKV
 from llm.graph import GraphBuilder, LLMNormType
-from llm.hparams import HParams, RopeType, SWAType
+from llm.hparams import HParams, RopeType, SWAType, load_swa_pattern
 from llm.loader import GGUFMeta
 from llm.models.command_r import build_block, load_tensors
 
 __all__ = ["build_graph", "load_hparams", "load_tensors"]
 
-SWA_PATTERN = 4         # llama.cpp's set_swa_pattern(4): layers 0-2 of every 4 slide, layer 3 is global
+SWA_PATTERN = 4         # llama.cpp's default: layers 0-2 of every 4 slide, layer 3 is global
 
 
 def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
     hp.rope_type = RopeType.NORM
     hp.swa_type = SWAType.STANDARD
-    hp.set_swa_pattern(SWA_PATTERN)
+    load_swa_pattern(hp, ml, SWA_PATTERN)
+    hp.rope_freq_base_train_swa = ml.get_key(LLMKV.ROPE_FREQ_BASE_SWA, float, hp.rope_freq_base_train)
+    hp.rope_freq_scale_train_swa = hp.rope_freq_scale_train
     hp.n_swa = ml.get_key(LLMKV.ATTENTION_SLIDING_WINDOW, int)
     hp.f_logit_scale = ml.get_key(LLMKV.LOGIT_SCALE, float)
     hp.f_norm_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_EPS, float)

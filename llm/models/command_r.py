@@ -1,7 +1,8 @@
 """Command-R (Cohere's c4ai-command-r): llama.cpp's src/models/command-r.cpp.
 
 A parallel block: attention and the SiLU-gated FFN both read the same LayerNorm'd input (no
-bias), and the layer output is residual + attention + FFN. The output head is always the
+bias), and the layer output is residual + attention + FFN. Q/K/V are separate or fused, with
+optional biases (create_tensor_qkv). The output head is always the
 token embedding (tied), its logits multiplied by `logit_scale`. Models of 64 layers and more
 LayerNorm each query and key head (weights [head_dim, n_head]) before rope."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
 from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
 from llm.hparams import HParams, RopeType
-from llm.layer import Layer, create_attn
+from llm.layer import Layer, create_qkv
 from llm.loader import GGUFMeta, ModelLoader, TensorFlag
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ QK_NORM_LAYERS = 64        # llama.cpp: the q/k norms exist from this many layer
 
 def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
     hp.rope_type = RopeType.NORM
-    hp.f_logit_scale = ml.get_key(LLMKV.LOGIT_SCALE, float)
+    hp.f_logit_scale = ml.get_key(LLMKV.LOGIT_SCALE, float, 0.0)      # 0: logits as they are
     hp.f_norm_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_EPS, float)
 
 
@@ -40,12 +41,14 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
     for il in range(hp.n_layer):
         dev = model.place.dev_layer[il]
         layer = Layer()
-        create_attn(layer, ml, hp, il, dev)
+        layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (hp.n_embd,), dev)
         if hp.n_layer >= QK_NORM_LAYERS:
             layer.attn_q_norm = ml.create_tensor(tn(T.ATTN_Q_NORM, "weight", il), (hp.n_embd_head_k, hp.n_head(il)),
                                                  dev)
             layer.attn_k_norm = ml.create_tensor(tn(T.ATTN_K_NORM, "weight", il),
                                                  (hp.n_embd_head_k, hp.n_head_kv(il)), dev)
+        create_qkv(layer, ml, il, dev, hp.n_embd, hp.n_embd, hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il))
+        layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd, hp.n_embd), dev)
         n_ff = hp.n_ff(il)      # no ffn_norm: the FFN reads attn_norm's output
         layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (hp.n_embd, n_ff), dev)
         layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, hp.n_embd), dev)
@@ -69,7 +72,7 @@ def build_block(g: GraphBuilder, layer: Layer, inpL, inp_pos, inp_attn, inp_out_
     if rope:
         k = ops.rope_ext(k, inp_pos, None, **g.rope_params(il))
     q, k = g.cb(q, "Qcur", il), g.cb(k, "Kcur", il)
-    cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0 / math.sqrt(hp.n_embd_head_k), il)
+    cur = g.build_attn(inp_attn, layer.wo, layer.bo, q, k, v, 1.0 / math.sqrt(hp.n_embd_head_k), il)
     if il == hp.n_layer - 1 and inp_out_ids is not None:
         cur = ops.get_rows(cur, inp_out_ids)
         inpL = ops.get_rows(inpL, inp_out_ids)
