@@ -101,8 +101,8 @@ def test_arch_from_name():
 
 
 def test_registry():
-    assert registered_archs() == ["bert", "cohere2", "command-r", "exaone", "gemma2", "gemma3", "gpt-oss", "gpt2",
-                                  "granite", "granitemoe", "llama", "llama4", "mistral3", "nomic-bert", "olmo2",
+    assert registered_archs() == ["bert", "cohere2", "command-r", "exaone", "gemma2", "gemma3", "glm4", "gpt-oss",
+                                  "gpt2", "granite", "granitemoe", "llama", "llama4", "mistral3", "nomic-bert", "olmo2",
                                   "phi2", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "smollm3", "starcoder2"]
     assert get_arch("qwen3") is models.qwen3
     assert all(ARCHS[arch_from_name(name)] is get_arch(name) for name in registered_archs())

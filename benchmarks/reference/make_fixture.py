@@ -299,6 +299,25 @@ def spec_cohere2(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_glm4(d: Dims, w: Weights) -> dict:
+    a = "glm4"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.dimension_count"] = d.head_dim // 2       # partial rotary, as GLM-4's 0.5
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d, bias=True)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", 2 * d.n_ff, d.n_embd)           # [gate; up]
+        w.norm(p + "post_ffw_norm.weight", d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -541,6 +560,7 @@ ARCHS: dict[str, ArchSpec] = {
     "granitemoe": ArchSpec(spec_granitemoe, 115),
     "command-r": ArchSpec(spec_command_r, 116),
     "cohere2": ArchSpec(spec_cohere2, 117),
+    "glm4": ArchSpec(spec_glm4, 118),
 }
 
 

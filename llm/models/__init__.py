@@ -16,6 +16,7 @@ from llm.models import (
     exaone,
     gemma2,
     gemma3,
+    glm4,
     gpt2,
     gpt_oss,
     granite,
@@ -59,6 +60,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.GRANITE_MOE: granitemoe,
     LLMArch.COMMAND_R: command_r,
     LLMArch.COHERE2: cohere2,
+    LLMArch.GLM4: glm4,
 }
 
 
