@@ -108,6 +108,6 @@ def test_registry():
     assert all(ARCHS[arch_from_name(name)] is get_arch(name) for name in registered_archs())
     with pytest.raises(ModelLoadError, match="unknown model architecture: 'nope'"):
         get_arch("nope")
-    with pytest.raises(ModelLoadError, match="'mamba' is not supported.*gemma2, gemma3, gpt-oss.*nearest supported"):
+    with pytest.raises(ModelLoadError, match="'mamba' is not supported.*gemma2, gemma3, glm4, gpt-oss.*nearest supported"):
         get_arch("mamba")
 
