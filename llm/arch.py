@@ -89,6 +89,11 @@ class LLMArch(enum.Enum):
     SMOLLM3 = "smollm3"
     MISTRAL3 = "mistral3"
     OPENAI_MOE = "gpt-oss"
+    ERNIE4_5 = "ernie4_5"
+    ERNIE4_5_MOE = "ernie4_5-moe"
+    GLM4_MOE = "glm4moe"
+    SEED_OSS = "seed_oss"
+    EXAONE4 = "exaone4"
 
 
 def arch_from_name(name: str) -> LLMArch:

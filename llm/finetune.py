@@ -535,9 +535,14 @@ def _cross_entropy(logits: jax.Array, targets: jax.Array, weight: jax.Array) -> 
 
 
 def _schedule(config: LoraConfig) -> optax.Schedule:
-    """Linear warm-up from 0 over `warmup` steps, then cosine decay to 0 at step `iters`."""
-    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup,
-                                              max(config.iters, config.warmup + 1))
+    """The learning rate by update count (step - 1): a linear warm-up to the peak at step
+    `warmup` (peak * step / warmup), then a cosine decay to 0 at step `iters`. A warm-up of
+    at most one step is the decay alone: optax logs an empty warm-up through absl, whose first
+    message configures the process's root logger."""
+    lr, w = config.learning_rate, config.warmup
+    if w <= 1:
+        return optax.cosine_decay_schedule(lr, config.iters)
+    return optax.warmup_cosine_decay_schedule(lr / w, lr, w - 1, max(config.iters, w))
 
 
 class _Trainer:

@@ -490,15 +490,18 @@ class GraphBuilder:
                       n_expert_used: int, type_op: LLMFfnOpType, norm_w: bool,
                       gating_op: ExpertGatingFuncType, il: int, *, gate_inp_b: Tensor | None = None,
                       up_exps_b: Tensor | None = None, gate_exps_b: Tensor | None = None,
-                      down_exps_b: Tensor | None = None, weight_before_ffn: bool = False) -> Tensor:
+                      down_exps_b: Tensor | None = None, exp_probs_b: Tensor | None = None,
+                      w_scale: float = 0.0, weight_before_ffn: bool = False) -> Tensor:
         """Mixture of experts (build_moe_ffn). gating_op SOFTMAX: weights are the softmax
         probabilities of the chosen experts (renormalized when norm_w); SOFTMAX_WEIGHT
         (gpt-oss): experts chosen by raw logits, their logits softmaxed; SIGMOID (llama4):
         experts chosen by raw logits, weighted by their sigmoid. Every expert is gated in
         parallel: type_op SILU (SwiGLU), GELU (GeGLU) or SWIGLU_OAI_MOE (gpt-oss's clamped
         SwiGLU). Router and expert biases are optional (the expert biases indexed by the chosen
-        experts: ggml_add_id). weight_before_ffn (llama4) scales each expert's input instead of
-        its output."""
+        experts: ggml_add_id). exp_probs_b (DeepSeek-V3's selection bias) is added to the
+        probabilities only to choose the experts, their weights stay unbiased; w_scale (other
+        than 0 and 1) scales the weights after any renormalization. weight_before_ffn (llama4)
+        scales each expert's input instead of its output."""
         _option("type_op", type_op, LLMFfnOpType)
         _option("gating_op", gating_op, ExpertGatingFuncType)
         gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
@@ -510,8 +513,8 @@ class GraphBuilder:
             logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
         if gating_op is ExpertGatingFuncType.SOFTMAX:
             probs = selection = ops.soft_max(logits)
-        elif gating_op is ExpertGatingFuncType.SIGMOID:
-            probs, selection = ops.sigmoid(logits), logits
+        elif gating_op is ExpertGatingFuncType.SIGMOID:     # llama4 selects by logits: the same order
+            probs = selection = ops.sigmoid(logits)
         elif gating_op is ExpertGatingFuncType.SOFTMAX_WEIGHT:
             probs = selection = logits
         elif gating_op is ExpertGatingFuncType.NONE:
@@ -519,6 +522,8 @@ class GraphBuilder:
         else:
             assert_never(gating_op)
         self.cb(probs, "ffn_moe_probs", il)
+        if exp_probs_b is not None:
+            selection = self.cb(ops.add(probs, exp_probs_b), "ffn_moe_probs_biased", il)
         selected = self.cb(ops.top_k(selection, n_expert_used), "ffn_moe_topk", il)
         w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         self.cb(w, "ffn_moe_weights", il)
@@ -532,6 +537,8 @@ class GraphBuilder:
             w = ops.div(w, w_sum)
             w = ops.reshape_3d(w, 1, n_expert_used, n_tokens)
             self.cb(w, "ffn_moe_weights_norm", il)
+        if w_scale not in (0.0, 1.0):
+            w = self.cb(ops.scale(w, w_scale), "ffn_moe_weights_scaled", il)
         flat_selected = ops.reshape_1d(selected, n_expert_used * n_tokens)
 
         def add_id(x: Tensor, b: Tensor | None, name: str) -> Tensor:

@@ -66,6 +66,7 @@ class Layer:
     ffn_gate_exps_b: Tensor | None = None
     ffn_up_exps_b: Tensor | None = None
     ffn_down_exps_b: Tensor | None = None
+    ffn_exp_probs_b: Tensor | None = None     # DeepSeek-V3-style expert selection bias
 
 
 def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:

@@ -293,3 +293,14 @@ class ServerTimeouts:
     header_timeout: float = param(60.0, flags=("--timeout-header",), lo=0.001, request=False,
                                   help="seconds a connection has to send a complete request head, after "
                                        "connecting or after its previous response")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerEndpoints:
+    """The server's optional routes (`serve` flags, llama-server's): Prometheus metrics at
+    GET /metrics (off by default, as there) and the chat page at / (on)."""
+
+    metrics: bool = param(False, flags=("--metrics",), request=False,
+                          help="answer GET /metrics (Prometheus text, llama-server's metric names)")
+    webui: bool = param(True, flags=("--webui",), request=False,
+                        help="serve the chat page at / (--no-webui: / is a 404)")

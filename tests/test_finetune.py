@@ -99,6 +99,15 @@ def test_validation_loss_falls(trained):
     assert json.loads(json.dumps(r.report()))["val_loss_end"] == r.val_loss_end
 
 
+def test_warm_up_then_cosine_decay():
+    lr = ft._schedule(ft.LoraConfig(learning_rate=1.0, warmup=4, iters=12))
+    got = [float(lr(k)) for k in range(12)]
+    np.testing.assert_allclose(got[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
+    assert all(a > b for a, b in zip(got[3:], got[4:], strict=False)) and got[-1] < 0.05
+    flat = ft._schedule(ft.LoraConfig(learning_rate=1.0, iters=12))
+    assert float(flat(0)) == 1.0 and float(flat(6)) == pytest.approx(0.5)
+
+
 def test_no_recompiles_after_the_first_step(trained):
     compiles = trained["compiles"]
     assert compiles[-1] == compiles[0], f"XLA compiled during training: {compiles}"

@@ -318,6 +318,44 @@ def spec_glm4(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_ernie4_5(d: Dims, w: Weights) -> dict:
+    kv = base_kv("ernie4_5", d)
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        llama_block(w, f"blk.{il}.", d)
+    return kv
+
+
+def spec_ernie4_5_moe(d: Dims, w: Weights) -> dict:
+    """One dense layer, then a softmax MoE with a selection bias and a shared expert."""
+    a = "ernie4_5-moe"
+    kv = base_kv(a, d)
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = 32
+    kv[f"{a}.expert_shared_feed_forward_length"] = 48
+    kv[f"{a}.interleave_moe_layer_step"] = 1
+    kv[f"{a}.leading_dense_block_count"] = 1
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        if il == 0:
+            llama_block(w, p, d)
+            continue
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        moe(w, p, d, 32)
+        w.bias(p + "exp_probs_b.bias", d.n_expert, scale=0.5)
+        w.mat(p + "ffn_gate_shexp.weight", 48, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, 48)
+        w.mat(p + "ffn_up_shexp.weight", 48, d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -561,6 +599,8 @@ ARCHS: dict[str, ArchSpec] = {
     "command-r": ArchSpec(spec_command_r, 116),
     "cohere2": ArchSpec(spec_cohere2, 117),
     "glm4": ArchSpec(spec_glm4, 118),
+    "ernie4_5": ArchSpec(spec_ernie4_5, 119),
+    "ernie4_5-moe": ArchSpec(spec_ernie4_5_moe, 120),
 }
 
 

@@ -448,6 +448,7 @@ def cmd_serve(a) -> int:
     if a.parallel < 1:
         raise ValueError(f"-np must be >= 1, got {a.parallel}")
     timeouts = params.from_namespace(params.ServerTimeouts, a)
+    endpoints = params.from_namespace(params.ServerEndpoints, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
               weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a))
@@ -459,7 +460,8 @@ def cmd_serve(a) -> int:
     engine.start()
     name = model_name_of(llm.model.path)
     app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
-                     slot_save_path=a.slot_save_path, special_in_content=a.special_in_content, timeouts=timeouts)
+                     slot_save_path=a.slot_save_path, special_in_content=a.special_in_content, timeouts=timeouts,
+                     endpoints=endpoints)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
           f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
     try:
@@ -591,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bucket", type=int, default=0,
                    help="KV length graphs are padded to (default n_ctx / 4: few shapes to compile)")
     params.add_arguments(p, params.ServerTimeouts)
+    params.add_arguments(p, params.ServerEndpoints)
     _add_ctx(p)
     _add_lora(p)
     p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)

@@ -101,6 +101,7 @@ class Job:
         self.sink = sink
         self.seqs: list[_Seq] = []
         self.n_prefilled = 0           # prompt tokens of the first sample already decoded
+        self.n_cached = 0              # prompt tokens its slot already held (cache_prompt): never decoded
         self.n_done = 0
         self.state = "queued"          # queued -> running -> done | failed | cancelled
         self.t_submit = time.perf_counter()
@@ -373,7 +374,7 @@ class Batcher:
             job.seqs.append(_Seq(job, i, seq_id, sampler, state, drafter,
                                  DraftPolicy(n_draft) if drafter is not None else None))
             if i == 0:
-                job.n_prefilled = job.seqs[0].n_past = n_keep
+                job.n_prefilled = job.n_cached = job.seqs[0].n_past = n_keep
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -552,7 +553,7 @@ class Batcher:
         n_gen = sum(len(x.tokens) for x in job.seqs)
         t_prompt = (job.t_first or job.t_end) - job.t_start
         t_gen = job.t_end - (job.t_first or job.t_end)
-        out = {"queue_s": job.t_start - job.t_submit, "prompt_s": t_prompt, "gen_s": t_gen,
+        out = {"queue_s": job.t_start - job.t_submit, "prompt_s": t_prompt, "gen_s": t_gen, "cache_n": job.n_cached,
                "prompt_tok_s": len(job.tokens) / t_prompt if t_prompt > 0 else 0.0,
                "gen_tok_s": n_gen / t_gen if t_gen > 0 else 0.0}
         policies = [x.policy for x in job.seqs if x.policy is not None]

@@ -13,6 +13,8 @@ from llm.models import (
     bert,
     cohere2,
     command_r,
+    ernie4_5,
+    ernie4_5_moe,
     exaone,
     gemma2,
     gemma3,
@@ -61,6 +63,8 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.COMMAND_R: command_r,
     LLMArch.COHERE2: cohere2,
     LLMArch.GLM4: glm4,
+    LLMArch.ERNIE4_5: ernie4_5,
+    LLMArch.ERNIE4_5_MOE: ernie4_5_moe,
 }
 
 

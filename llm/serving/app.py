@@ -3,7 +3,9 @@
 Routes: POST /v1/chat/completions and /v1/completions (SSE with `stream: true`; a
 `response_format` constrains the output to JSON or a JSON schema), POST /v1/embeddings, GET
 /v1/models, GET /health, GET /slots, POST /slots/{id}?action=save|restore (with
---slot-save-path), POST /tokenize and /detokenize (as llama-server has them). Requests go to
+--slot-save-path), POST /tokenize and /detokenize, GET /props and /metrics (with --metrics;
+llm.serving.info) as llama-server has them, and the chat page at / (llm.serving.webui; off
+with --no-webui). Requests go to
 an `llm.serving.Engine`, which batches all running requests in one thread; the handlers wait
 on an asyncio queue fed from that thread. Slot save/restore runs on that thread too.
 
@@ -28,7 +30,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llm.params import ServerTimeouts
+from llm.params import ServerEndpoints, ServerTimeouts
+from llm.serving import info, webui
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
 from llm.serving.engine import Engine
 from llm.serving.requests import (
@@ -74,16 +77,18 @@ async def internal_error(request: Request, e: Exception):
 
 
 class APIKeyMiddleware:
-    """With an API key set, every route but /health needs `Authorization: Bearer KEY`. A plain
-    ASGI middleware: Starlette's BaseHTTPMiddleware would hide a client's disconnect from the
-    handlers, so a non-streaming request whose client left would run on to max_tokens."""
+    """With an API key set, every route but the `public` ones (/health, the chat page's files)
+    needs `Authorization: Bearer KEY`. A plain ASGI middleware: Starlette's BaseHTTPMiddleware
+    would hide a client's disconnect from the handlers, so a non-streaming request whose client
+    left would run on to max_tokens."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | None, public: tuple[str, ...] = ("/health",)):
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.public = frozenset(public)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.expected is not None and scope["path"] != "/health":
+        if scope["type"] == "http" and self.expected is not None and scope["path"] not in self.public:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
@@ -95,21 +100,28 @@ class APIKeyMiddleware:
 
 def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
                api_key: str | None = None, slot_save_path: str | Path | None = None,
-               special_in_content: bool = False, timeouts: ServerTimeouts | None = None) -> FastAPI:
+               special_in_content: bool = False, timeouts: ServerTimeouts | None = None,
+               endpoints: ServerEndpoints | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an llm.LLM, for the vocab, chat template and embeddings)
     through `engine` (running on llm.ctx). Slots are saved to and restored from files in
     `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server; a
     request body that goes `timeouts.timeout` seconds without data is a 408 (default:
-    ServerTimeouts(); the header timeout is the HTTP protocol's, llm.serving.protocol)."""
+    ServerTimeouts(); the header timeout is the HTTP protocol's, llm.serving.protocol).
+    `endpoints` turns /metrics and the chat page on or off (default: ServerEndpoints())."""
     app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, StarletteHTTPException: http_error,
                                                                        Exception: internal_error})
     app.state.body_timeout = (timeouts or ServerTimeouts()).timeout
+    app.state.endpoints = endpoints = endpoints or ServerEndpoints()
     max_token_bytes(llm.vocab)      # computed once here, not on the event loop by the first request
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
                                    api_key=api_key, slot_save_path=slot_save_path,
                                    special_in_content=special_in_content)
-    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                       public=("/health", *webui.PAGES) if endpoints.webui else ("/health",))
     app.include_router(router)
+    app.include_router(info.router)
+    if endpoints.webui:
+        app.include_router(webui.router)
     return app
 
 

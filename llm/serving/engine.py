@@ -2,7 +2,8 @@
 
 Other threads (the HTTP handlers) submit jobs and cancel them through a queue and get results
 through each job's sink callback. The queue of jobs waiting for slots is bounded: `submit`
-raises QueueFull at once when it is full.
+raises QueueFull at once when it is full. The engine thread also keeps the counters of
+/metrics (`metrics`, llm.serving.metrics): each job's Done event and each decode step.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from llm.generation.batcher import Batcher, Job
+from llm.generation.batcher import Batcher, Done, Event, Job
+from llm.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.n_failed_steps = 0
+        self.metrics = Metrics()
         self.snapshot: dict = self._snapshot()
 
     def start(self) -> Engine:
@@ -52,7 +55,17 @@ class Engine:
             if len(self._queued) >= self.max_queue:
                 raise QueueFull(f"the queue holds {self.max_queue} waiting requests")
             self._queued.add(job)
+        job.sink = self._counted(job, job.sink)
         self._inbox.put(("submit", job))
+
+    def _counted(self, job: Job, sink: Callable[[Event], None]) -> Callable[[Event], None]:
+        """The job's sink, which first counts its Done in the metrics (on the engine thread, so
+        the counters include a request before its client has the answer)."""
+        def count_then_send(ev: Event) -> None:
+            if isinstance(ev, Done):
+                self.metrics.on_done(ev, max(len(job.tokens) + len(s.tokens) for s in job.seqs))
+            sink(ev)
+        return count_then_send
 
     def cancel(self, job: Job) -> None:
         """Stop a job; a job still waiting gives its queue place back at once (its client left),
@@ -98,7 +111,8 @@ class Engine:
                         break
                 b._admit()
                 self.snapshot = self._snapshot()   # new requests show as processing before the step runs
-                b.step()
+                if b.step():
+                    self.metrics.on_decode(self.snapshot["slots_processing"])
             except Exception:  # keep serving: fail the running jobs, not the loop
                 self.n_failed_steps += 1
                 log.exception("engine step failed")
