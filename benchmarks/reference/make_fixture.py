@@ -356,6 +356,22 @@ def spec_ernie4_5_moe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_seed_oss(d: Dims, w: Weights) -> dict:
+    kv = base_kv("seed_oss", d)
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        attn_qkv(w, p, d, bias=True)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -601,6 +617,7 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4": ArchSpec(spec_glm4, 118),
     "ernie4_5": ArchSpec(spec_ernie4_5, 119),
     "ernie4_5-moe": ArchSpec(spec_ernie4_5_moe, 120),
+    "seed_oss": ArchSpec(spec_seed_oss, 121),
 }
 
 

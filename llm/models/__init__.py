@@ -34,6 +34,7 @@ from llm.models import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    seed_oss,
     smollm3,
     starcoder2,
 )
@@ -65,6 +66,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.GLM4: glm4,
     LLMArch.ERNIE4_5: ernie4_5,
     LLMArch.ERNIE4_5_MOE: ernie4_5_moe,
+    LLMArch.SEED_OSS: seed_oss,
 }
 
 
