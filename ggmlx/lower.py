@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ggmlx import ops as ops_mod
 from ggmlx import types, weights
-from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, GLU_SWIGLU_OAI, ROPE_TYPE_NEOX, SORT_DESC
+from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, GLU_SWIGLU_OAI, ROPE_TYPE_NORMAL, SORT_DESC
 from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, np_dtype
 from ggmlx.types import GGMLType
 
@@ -116,7 +117,7 @@ def _rope_cache(pos, ff, p):
     """ggml's rope cache as the two factors of x * c + swap(x) * s, both [1, T, 1, n_dims]:
     c holds cos of each rotated pair at both of its elements, s -sin at the first and sin at
     the second (swap exchanges the two elements of every pair, see _rope)."""
-    n_dims, mode, n_ctx_orig, base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = p
+    n_dims, mode, n_ctx_orig, base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = p[:9]
     half = n_dims // 2
     theta_scale = np.float32(base) ** np.float32(-2.0 / n_dims)
     # ggml advances theta = pos by repeated f32 multiplication by theta_scale. Here pos times
@@ -126,7 +127,8 @@ def _rope_cache(pos, ff, p):
     powers = np.ones(half, np.float32)
     for i in range(1, half):
         powers[i] = powers[i - 1] * theta_scale
-    theta_extrap = _f32(pos)[:, None] * powers[None, :]         # [T, half]
+    pos = _f32(pos)
+    theta_extrap = (pos if pos.ndim == 2 else pos[:, None]) * powers[None, :]      # [T, half]
     if ff is not None:
         theta_extrap = theta_extrap / _f32(ff).reshape(-1)[:half]
     theta_interp = freq_scale * theta_extrap
@@ -144,7 +146,7 @@ def _rope_cache(pos, ff, p):
         theta = theta_interp
     cos = (jnp.cos(theta) * mscale)[None, :, None, :]          # [1, T, 1, half]
     sin = (jnp.sin(theta) * mscale)[None, :, None, :]
-    if mode == ROPE_TYPE_NEOX:                                   # pair i: elements i and i + half
+    if mode != ROPE_TYPE_NORMAL:                                 # pair i: elements i and i + half
         return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
     shape = cos.shape[:-1] + (n_dims,)                           # pair i: elements 2i and 2i + 1
     return (jnp.stack([cos, cos], axis=-1).reshape(shape), jnp.stack([-sin, sin], axis=-1).reshape(shape))
@@ -159,7 +161,7 @@ def _rope(x, c, s, p):
     half = n_dims // 2
     x = _f32(x)
     rot, rest = x[..., :n_dims], x[..., n_dims:]
-    if mode == ROPE_TYPE_NEOX:
+    if mode != ROPE_TYPE_NORMAL:
         swapped = jnp.concatenate([rot[..., half:], rot[..., :half]], axis=-1)
     else:
         swapped = rot.reshape(rot.shape[:-1] + (half, 2))[..., ::-1].reshape(rot.shape)
@@ -506,7 +508,12 @@ def lower_rope(n: Tensor, env):
         # kernels per Gemma3 layer were the theta recurrence recomputed (llm bench --profile);
         # the barrier keeps XLA from fusing (and so recomputing) it into every rope
         ff = _value_f32(env, s[2]) if len(s) > 2 else None
-        env[key] = jax.lax.optimization_barrier(_rope_cache(_value(env, s[1]).reshape(-1), ff, n.op_params))
+        pos = _value(env, s[1]).reshape(-1)
+        p = n.op_params
+        if len(p) > 9:          # rope_multi: each pair's position from its stream of [t; h; w; e]
+            streams = ops_mod.mrope_streams(p[0], p[9:13], p[1])
+            pos = pos.reshape(4, -1)[streams].T                     # [T, half]
+        env[key] = jax.lax.optimization_barrier(_rope_cache(pos, ff, p))
     c, sn = env[key]
     return _rope(_value(env, s[0]), c, sn, n.op_params)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ggmlx import types
 from ggmlx.tensor import Op, Tensor, new_tensor, pad_ne
 from ggmlx.types import GGMLType
@@ -18,6 +20,8 @@ I32 = GGMLType.I32
 # rope modes (ggml.h)
 ROPE_TYPE_NORMAL = 0
 ROPE_TYPE_NEOX = 2
+ROPE_TYPE_MROPE = 8        # ggml_rope_multi: Qwen2-VL's sections of t/h/w/e positions, NEOX pairs
+ROPE_TYPE_IMROPE = 40      # Qwen3-VL's interleaved sections
 
 # glu ops (ggml_glu_op)
 GLU_REGLU, GLU_GEGLU, GLU_SWIGLU, GLU_SWIGLU_OAI = "reglu", "geglu", "swiglu", "swiglu_oai"
@@ -267,6 +271,49 @@ def rope_ext(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, mode: int, n_c
     params = (int(n_dims), int(mode), int(n_ctx_orig), float(freq_base), float(freq_scale),
               float(ext_factor), float(attn_factor), float(beta_fast), float(beta_slow))
     return _node(Op.ROPE, F32, a.ne, src, params)
+
+
+def rope_multi(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, sections: tuple[int, int, int, int], mode: int,
+               n_ctx_orig: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+               beta_fast: float, beta_slow: float) -> Tensor:
+    """ggml_rope_multi (M-RoPE): as rope_ext with NEOX pairs, but each rotated pair takes its
+    position from one of four streams, positions I32 b [4 * n_tokens] = t, h, w, e blocks of
+    n_tokens. Pair i's stream: MROPE by sections (the first sections[0] pairs of each
+    sum(sections) run t, the next h, w, then e); IMROPE interleaved (pair i % 3 cycles t, h, w
+    within 3 * sections[k], else e). -> a.ne."""
+    if mode not in (ROPE_TYPE_MROPE, ROPE_TYPE_IMROPE):
+        raise ValueError(f"rope_multi: unsupported mode {mode}")
+    counts = tuple(int(v) for v in sections)
+    if len(counts) != 4 or min(counts) < 0 or not any(counts[:3]):
+        _fail("rope_multi", f"sections {counts} must be 4 counts >= 0 with t, h or w > 0", a)
+    if b.type != I32 or b.ne[0] != 4 * a.ne[2] or b.nrows() != 1:
+        _fail("rope_multi", "positions must be I32 [4 * ne2 of a]", a, b)
+    if n_dims <= 0 or n_dims % 2 or n_dims > a.ne[0] or sum(counts) > a.ne[0]:
+        _fail("rope_multi", f"n_dims {n_dims} must be even and <= ne0, sections summing <= ne0", a)
+    src: tuple[Tensor, ...] = (a, b)
+    if c is not None:
+        if c.ne[0] < n_dims // 2:
+            _fail("rope_multi", "freq_factors needs n_dims/2 entries", c, a)
+        src = (a, b, c)
+    _float("rope_multi", a)
+    params = (int(n_dims), int(mode), int(n_ctx_orig), float(freq_base), float(freq_scale),
+              float(ext_factor), float(attn_factor), float(beta_fast), float(beta_slow), *counts)
+    return _node(Op.ROPE, F32, a.ne, src, params)
+
+
+def mrope_streams(n_dims: int, sections: tuple[int, ...], mode: int) -> np.ndarray:
+    """The position stream (0 t, 1 h, 2 w, 3 e) each rotated pair of rope_multi reads."""
+    total = sum(sections)
+    s0, s1, s2 = sections[:3]
+    out = np.empty(n_dims // 2, np.int64)
+    for i in range(n_dims // 2):
+        k = i % total
+        if mode == ROPE_TYPE_IMROPE:
+            out[i] = (1 if k % 3 == 1 and k < 3 * s1 else 2 if k % 3 == 2 and k < 3 * s2
+                      else 0 if k % 3 == 0 and k < 3 * s0 else 3)
+        else:
+            out[i] = 0 if k < s0 else 1 if k < s0 + s1 else 2 if k < s0 + s1 + s2 else 3
+    return out
 
 
 def soft_max_ext(a: Tensor, mask: Tensor | None, scale: float, max_bias: float) -> Tensor:

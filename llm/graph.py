@@ -17,7 +17,7 @@ from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.adapter import TOKEN_EMBD
 from llm.errors import ModelLoadError
-from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType, RopeType
 from llm.layer import Layer
 
 if TYPE_CHECKING:
@@ -142,14 +142,19 @@ class InpEmbd(GraphInput):
 
 
 class InpPos(GraphInput):
-    def __init__(self, params: GraphParams):
+    """Token positions [n_tokens]; for M-RoPE models (n_pos_per_embd 4) the t, h, w, e streams
+    [4 * n_tokens], a text token at (p, p, p, 0) as llama.cpp sets them."""
+
+    def __init__(self, params: GraphParams, n_pos_per_embd: int = 1):
         super().__init__(params)
-        self.pos = new_input(I32, (params.n_tokens,), "inp_pos")
+        self.n_pos_per_embd = n_pos_per_embd
+        self.pos = new_input(I32, (params.n_tokens * n_pos_per_embd,), "inp_pos")
 
     def set_input(self, ub, values: dict) -> None:
-        p = np.zeros(self.params.n_tokens, np.int32)
-        p[:ub.n_tokens] = ub.pos
-        values[self.pos] = p
+        n = self.params.n_tokens
+        p = np.zeros((self.n_pos_per_embd, n), np.int32)
+        p[:min(3, self.n_pos_per_embd), :ub.n_tokens] = ub.pos
+        values[self.pos] = p.reshape(-1)
 
 
 class InpAttnScale(GraphInput):
@@ -230,6 +235,12 @@ class InpAttnKV(GraphInput):
             values[self.kq_mask_swa] = self.kv.mask(ub, n, n_kv_swa, swa=True)
 
 
+def rope_multi_params(hp: HParams, il: int) -> dict:
+    """rope_multi arguments for layer il: rope_params' with the model's sections and mode."""
+    p = rope_params(hp, il)
+    return dict(p, sections=tuple(hp.rope_sections), mode=int(hp.rope_type))
+
+
 def rope_params(hp: HParams, il: int) -> dict:
     """rope_ext arguments for layer il; sliding-window layers may have their own base. YaRN
     follows cparams' default: ext_factor < 0 means "on exactly when the model uses YaRN"."""
@@ -269,6 +280,9 @@ class GraphBuilder:
     def rope_params(self, il: int) -> dict:
         return rope_params(self.hparams, il)
 
+    def rope_multi_params(self, il: int) -> dict:
+        return rope_multi_params(self.hparams, il)
+
     def need(self, w: Tensor | None, what: str, il: int = -1) -> Tensor:
         """A weight the graph cannot do without; the loader declares these as required, so a
         None here is a builder bug, reported by name rather than as a failure deep in an op."""
@@ -304,7 +318,8 @@ class GraphBuilder:
         return self.cb(cur, "inp_embd")
 
     def build_inp_pos(self) -> Tensor:
-        inp = InpPos(self.params)
+        mrope = self.hparams.rope_type in (RopeType.MROPE, RopeType.IMROPE)
+        inp = InpPos(self.params, 4 if mrope else 1)
         self.inputs.append(inp)
         return inp.pos
 

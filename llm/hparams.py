@@ -141,6 +141,7 @@ class HParams:
     n_token_types: int = 0            # BERT-style token types (tokenizer.ggml.token_type_count)
     n_moe_layer_step: int = 0         # llama4: every n-th layer is a mixture of experts
     n_layer_dense_lead: int = 0       # the first layers with a dense FFN (ernie4_5-moe, deepseek2, glm4moe)
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)    # M-RoPE pairs per t, h, w, e stream
     use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
 
     f_norm_eps: float = 0.0

@@ -389,7 +389,8 @@ def ref_rope(x, pos, ff, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_fa
     pair index i < n_dims/2 by theta = pos * base^(-2i/n_dims) / ff[i], with YaRN mixing."""
     half = n_dims // 2
     i = np.arange(half, dtype=np.float64)
-    theta_extrap = pos[:, None].astype(np.float64) * freq_base ** (-2.0 * i / n_dims)
+    pos = pos.astype(np.float64)
+    theta_extrap = (pos if pos.ndim == 2 else pos[:, None]) * freq_base ** (-2.0 * i / n_dims)
     if ff is not None:
         theta_extrap = theta_extrap / ff[:half]
     theta_interp = freq_scale * theta_extrap
@@ -455,6 +456,48 @@ def test_rope_ext():
 
 
 @pytest.mark.slow
+def ref_streams(n_dims, sections, mode):
+    """ggml's mrope cache: the position stream of each pair, written out from its definition."""
+    total, out = sum(sections), []
+    for i in range(n_dims // 2):
+        k = i % total
+        if mode == ops.ROPE_TYPE_IMROPE:
+            choice = [t for t, ok in ((1, k % 3 == 1 and k < 3 * sections[1]), (2, k % 3 == 2 and k < 3 * sections[2]),
+                                      (0, k % 3 == 0 and k < 3 * sections[0])) if ok]
+            out.append(choice[0] if choice else 3)
+        else:
+            bounds = np.cumsum(sections)
+            out.append(int(np.searchsorted(bounds, k, side="right")))
+    return np.asarray(out)
+
+
+def test_rope_multi():
+    """M-RoPE against float64: sections (Qwen2-VL) and interleaved (Qwen3-VL), with YaRN and
+    freq factors; pair i rotates by its stream's position."""
+    rng = np.random.default_rng(11)
+    D, H, n_tok = 16, 2, 4
+    x = new_input(T.F32, (D, H, n_tok), "Qcur")
+    xv = rand(rng, (D, H, n_tok))
+    pos = new_input(T.I32, (4 * n_tok,), "pos")
+    pv = np.array([[0, 1, 5, 9], [3, 3, 4, 8], [7, 2, 2, 1], [0, 0, 6, 2]], np.int32)     # t, h, w, e
+    ff = new_input(T.F32, (D // 2,), "rope_freqs")
+    ffv = rand(rng, (D // 2,), 1.0, 4.0).reshape(-1)
+    cases = [(16, (2, 1, 1, 0), ops.ROPE_TYPE_MROPE, 0, 10000.0, 1.0, 0.0, False),
+             (16, (1, 2, 1, 1), ops.ROPE_TYPE_MROPE, 64, 1e6, 0.5, 1.0, True),
+             (16, (3, 2, 2, 0), ops.ROPE_TYPE_IMROPE, 0, 5e6, 1.0, 0.0, False),
+             (12, (2, 2, 1, 0), ops.ROPE_TYPE_IMROPE, 128, 10000.0, 0.25, 1.0, True)]
+    outs = [ops.rope_multi(x, pos, ff if use_ff else None, n, sec, mode, n_orig, base, fs, ext, 1.0, 32.0, 1.0)
+            for n, sec, mode, n_orig, base, fs, ext, use_ff in cases]
+    vals = run(outs, {x: xv, pos: pv.reshape(1, 1, 1, -1), ff: ffv})
+    for v, (n, sec, mode, n_orig, base, fs, ext, use_ff) in zip(vals, cases, strict=True):
+        streams = ref_streams(n, sec, mode)
+        assert (ops.mrope_streams(n, sec, mode) == streams).all()
+        per_pair = pv[streams].T                                # [T, n/2]
+        ref = ref_rope(xv, per_pair, ffv if use_ff else None, n, ops.ROPE_TYPE_NEOX, n_orig, base, fs, ext, 1.0,
+                       32.0, 1.0)
+        check(f"rope_multi {sec} mode {mode}", v, ref)
+
+
 def test_rope_ext_head_dim_128():
     """A real head size at positions up to 4096; theta is an f32 power series as in ggml's
     rope cache, whose error against float64 grows with the position (NMSE ~4e-7 at 32k, the

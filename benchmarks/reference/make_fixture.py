@@ -372,6 +372,26 @@ def spec_seed_oss(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_qwen2vl(d: Dims, w: Weights) -> dict:
+    """Qwen2-VL's text tower: M-RoPE over sections of t/h/w pairs (head 16: 8 pairs)."""
+    a = "qwen2vl"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.dimension_sections"] = [3, 3, 2, 0]
+    kv[f"{a}.attention.layer_norm_rms_epsilon"] = 1e-12       # llama.cpp 0.3.36 normalizes with 0 here
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d, bias=True)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -618,6 +638,7 @@ ARCHS: dict[str, ArchSpec] = {
     "ernie4_5": ArchSpec(spec_ernie4_5, 119),
     "ernie4_5-moe": ArchSpec(spec_ernie4_5_moe, 120),
     "seed_oss": ArchSpec(spec_seed_oss, 121),
+    "qwen2vl": ArchSpec(spec_qwen2vl, 122),
 }
 
 

@@ -32,6 +32,7 @@ from llm.models import (
     phi3,
     qwen2,
     qwen2moe,
+    qwen2vl,
     qwen3,
     qwen3moe,
     seed_oss,
@@ -67,6 +68,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.ERNIE4_5: ernie4_5,
     LLMArch.ERNIE4_5_MOE: ernie4_5_moe,
     LLMArch.SEED_OSS: seed_oss,
+    LLMArch.QWEN2VL: qwen2vl,
 }
 
 
