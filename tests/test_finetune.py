@@ -224,12 +224,13 @@ def test_dataset_errors_name_the_file_and_line(tmp_path, model):
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_adapter(files, model, tmp_path):
-    # Adam's first step moves every entry by ~lr: 1e20 overflows the next forward pass
+    # Adam's first step moves every entry by ~lr: 1e20 overflows the next forward pass (an llm.LLM
+    # trains as its model does)
     config = ft.LoraConfig(rank=4, alpha=8.0, learning_rate=1e20, iters=5, batch_size=4, num_layers=-1)
     path = tmp_path / "nan.gguf"
     with pytest.raises(ft.TrainingError, match=r"step 2: the training loss is nan; training stopped, the "
                                                r"starting adapter, written to .*nan.gguf") as e:
-        ft.train(model, rows(16, seed=0), rows(4, seed=1), config, adapter_path=path)
+        ft.train(llm.LLM(files["base"], n_ctx=64), rows(16, seed=0), rows(4, seed=1), config, adapter_path=path)
     assert e.value.step == 2 and e.value.result.steps == 1
     adapter = adapter_lora_init(model, path)
     kept = e.value.result.adapter
