@@ -46,6 +46,7 @@ class LLMArch(enum.Enum):
     QWEN2 = "qwen2"
     QWEN2MOE = "qwen2moe"
     QWEN2VL = "qwen2vl"
+    QWEN3VL = "qwen3vl"
     QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
     PHI2 = "phi2"
@@ -170,6 +171,7 @@ class LLMKV(enum.Enum):
 
     ROPE_DIMENSION_COUNT = "%s.rope.dimension_count"
     ROPE_DIMENSION_SECTIONS = "%s.rope.dimension_sections"
+    NUM_DEEPSTACK_LAYERS = "%s.n_deepstack_layers"
     ROPE_FREQ_BASE = "%s.rope.freq_base"
     ROPE_FREQ_BASE_SWA = "%s.rope.freq_base_swa"
     ROPE_SCALE_LINEAR = "%s.rope.scale_linear"

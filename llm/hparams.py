@@ -142,6 +142,7 @@ class HParams:
     n_moe_layer_step: int = 0         # llama4: every n-th layer is a mixture of experts
     n_layer_dense_lead: int = 0       # the first layers with a dense FFN (ernie4_5-moe, deepseek2, glm4moe)
     rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)    # M-RoPE pairs per t, h, w, e stream
+    n_deepstack_layers: int = 0       # qwen3vl: layers that add a slice of an image's wider embedding
     use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
 
     f_norm_eps: float = 0.0

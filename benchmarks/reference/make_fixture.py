@@ -392,6 +392,29 @@ def spec_qwen2vl(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_qwen3vl(d: Dims, w: Weights) -> dict:
+    """Qwen3-VL's text tower: IMROPE (head 16: 8 pairs, sections 3/3/1: pair 5 takes the e
+    stream, unrotated for text) and two DeepStack layers (text adds nothing)."""
+    a = "qwen3vl"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.dimension_sections"] = [3, 3, 1, 0]
+    kv[f"{a}.n_deepstack_layers"] = 2
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -639,6 +662,7 @@ ARCHS: dict[str, ArchSpec] = {
     "ernie4_5-moe": ArchSpec(spec_ernie4_5_moe, 120),
     "seed_oss": ArchSpec(spec_seed_oss, 121),
     "qwen2vl": ArchSpec(spec_qwen2vl, 122),
+    "qwen3vl": ArchSpec(spec_qwen3vl, 123),
 }
 
 

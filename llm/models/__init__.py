@@ -35,6 +35,7 @@ from llm.models import (
     qwen2vl,
     qwen3,
     qwen3moe,
+    qwen3vl,
     seed_oss,
     smollm3,
     starcoder2,
@@ -69,6 +70,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.ERNIE4_5_MOE: ernie4_5_moe,
     LLMArch.SEED_OSS: seed_oss,
     LLMArch.QWEN2VL: qwen2vl,
+    LLMArch.QWEN3VL: qwen3vl,
 }
 
 
