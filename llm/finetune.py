@@ -656,6 +656,7 @@ class TrainResult:
     alpha: float
     adapter: Pairs = field(repr=False)
     name: str = ""
+    test_loss: float | None = None            # on the whole test set after training, when given
 
     def save(self, path: str | os.PathLike) -> None:
         """The adapter as a llama.cpp LoRA GGUF (llm.adapter_lora_init and llama.cpp load it)."""
@@ -721,7 +722,7 @@ def _validate(tr: _Trainer, pr: _Progress, valid: list[Example], step: int) -> f
     return loss
 
 
-def _loop(tr: _Trainer, train_ex: list[Example], valid_ex: list[Example],
+def _loop(tr: _Trainer, train_ex: list[Example], valid_ex: list[Example], test_ex: list[Example],
           callback: Callable[[StepInfo], bool | None] | None, adapter_path: str | os.PathLike | None) -> TrainResult:
     c = tr.config
     pr = _Progress()
@@ -760,6 +761,8 @@ def _loop(tr: _Trainer, train_ex: list[Example], valid_ex: list[Example],
     if pr.val_loss[-1][0] != len(pr.train_loss):
         _validate(tr, pr, valid_ex, len(pr.train_loss))
     result = _result(tr, pr)
+    if test_ex:
+        result.test_loss = tr.evaluate(test_ex, -1)
     if adapter_path is not None:
         result.save(adapter_path)
     return result
@@ -768,13 +771,14 @@ def _loop(tr: _Trainer, train_ex: list[Example], valid_ex: list[Example],
 def train(model: Model | LLM, train_data: Data, valid_data: Data, config: LoraConfig | None = None, *,
           callback: Callable[[StepInfo], bool | None] | None = None,
           resume_adapter_file: str | os.PathLike | None = None,
-          adapter_path: str | os.PathLike | None = None) -> TrainResult:
+          adapter_path: str | os.PathLike | None = None, test_data: Data | None = None) -> TrainResult:
     """Train a LoRA adapter of `model` (an llm.Model or llm.LLM, its weights frozen in their
     held format) on train_data, validated on valid_data (each a JSONL path or rows as dicts,
     mlx-lm's formats). `callback` sees a StepInfo after every step and stops the run by
     returning False; resume_adapter_file continues from an adapter GGUF (its weights, rank and
     alpha); adapter_path is written every save_every steps, at the end, and with the last good
-    adapter when a step's loss is not finite (TrainingError)."""
+    adapter when a step's loss is not finite (TrainingError). With test_data, the result's
+    test_loss is the trained adapter's loss on all of it."""
     config = dataclasses.replace(config) if config is not None else LoraConfig()
     params_mod.check(config)
     m = model if isinstance(model, Model) else model.model
@@ -782,10 +786,11 @@ def train(model: Model | LLM, train_data: Data, valid_data: Data, config: LoraCo
         raise ValueError(f"{m.path} ({m.arch}) has no output layer: there are no logits to train on")
     train_ex = _examples(m, train_data, "train", config)
     valid_ex = _examples(m, valid_data, "valid", config)
-    seq_len = seq_length(train_ex + valid_ex, config.max_seq_length)
+    test_ex = _examples(m, test_data, "test", config) if test_data is not None else []
+    seq_len = seq_length(train_ex + valid_ex + test_ex, config.max_seq_length)
     if resume_adapter_file is not None:
         pairs, alpha = read_pairs(m, resume_adapter_file)
         log.info("resuming from %s: %d adapted weights, alpha %g", resume_adapter_file, len(pairs), alpha)
     else:
         pairs, alpha = init_pairs(m, adapted_weights(m, config), config.rank, config.seed), config.alpha
-    return _loop(_Trainer(m, config, pairs, alpha, seq_len), train_ex, valid_ex, callback, adapter_path)
+    return _loop(_Trainer(m, config, pairs, alpha, seq_len), train_ex, valid_ex, test_ex, callback, adapter_path)

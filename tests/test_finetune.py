@@ -54,6 +54,7 @@ def files(tmp_path_factory):
     data.mkdir()
     write_jsonl(data / "train.jsonl", rows(64, seed=0))
     write_jsonl(data / "valid.jsonl", rows(8, seed=1))
+    write_jsonl(data / "test.jsonl", rows(4, seed=2))
     return {"dir": d, "data": data, "base": write_model(d / "base.gguf", SPEC)}
 
 
@@ -247,19 +248,19 @@ def test_cli_resumes_and_reports(files, trained, tmp_path, capsys):
     a = ap.parse_args(["finetune", "-m", str(files["base"]), "--data", str(files["data"]), "--iters", "4",
                        "--batch-size", "4", "--learning-rate", "1e-3", "--steps-per-eval", "2", "--val-batches", "-1",
                        "--resume-adapter-file", str(trained["path"]), "--adapter-path", str(out),
-                       "--report", str(report)])
+                       "--report", str(report), "--test"])
     a.interrupt = Interrupt()
     assert a.fn(a) == 0
     err = capsys.readouterr()
     lines = [ln for ln in err.err.splitlines() if ln.startswith("step ")]
     assert lines[0].startswith("step 1/4 | loss ") and "tok/s | eta" in lines[0]
     assert sum("val loss" in ln for ln in lines) == 2
-    assert "val loss" in err.out and str(out) in err.out
+    assert "val loss" in err.out and str(out) in err.out and "test loss" in err.out
     rep = json.loads(report.read_text())
     assert {"val_loss_start", "val_loss_end", "train_loss", "tokens_per_s", "peak_rss_mb"} <= set(rep)
     # resumed: it starts where the first run ended
     assert rep["val_loss_start"] == pytest.approx(trained["result"].val_loss_end, rel=1e-3, abs=1e-4)
-    assert len(rep["train_loss"]) == 4
+    assert len(rep["train_loss"]) == 4 and rep["test_loss"] < 0.1
     assert adapter_lora_init(llm.load_model(files["base"]), out).alpha == 8.0
 
 

@@ -31,6 +31,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="continue training this adapter (its weights, rank and alpha)")
     p.add_argument("--report", default=None, metavar="FILE.json",
                    help="write val_loss_start, val_loss_end, train_loss, tokens_per_s, peak_rss_mb, ... as JSON")
+    p.add_argument("--test", action="store_true", help="after training, report the loss on DIR/test.jsonl")
     p.add_argument("--fuse", default=None, metavar="OUT.gguf",
                    help="also write the model with the adapter merged into its weights")
     p.add_argument("--fuse-type", choices=("f16", "f32"), default="f16",
@@ -73,10 +74,13 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     path = hub.model_file(a.model)
     data = load_data(a.data)
+    if a.test and "test" not in data:
+        raise UsageError(f"--test: {a.data} has no test.jsonl")
     model = load_model(path, weight_format=a.weight_format, progress_callback=lambda f: not a.interrupt.flag)
     try:
         result = train(model, data["train"], data["valid"], config, callback=_progress(a),
-                       resume_adapter_file=a.resume_adapter_file, adapter_path=a.adapter_path)
+                       resume_adapter_file=a.resume_adapter_file, adapter_path=a.adapter_path,
+                       test_data=data["test"] if a.test else None)
     except TrainingError as e:
         _write_report(a.report, e.result)
         raise
@@ -85,6 +89,8 @@ def run(a: argparse.Namespace) -> int:
     print(f"val loss {result.val_loss_start:.4f} -> {result.val_loss_end:.4f} ({ratio:.2f} of the start) in "
           f"{result.steps} steps of {config.batch_size} x {result.seq_len} tokens; {result.tokens_per_s:.0f} tok/s; "
           f"peak RSS {result.peak_rss_mb:.0f} MB; adapter {a.adapter_path}")
+    if result.test_loss is not None:
+        print(f"test loss {result.test_loss:.4f}")
     if a.interrupt.flag:
         raise KeyboardInterrupt     # the adapter of the steps done is written
     if a.fuse is not None:
