@@ -172,6 +172,7 @@ class LLMKV(enum.Enum):
     ROPE_DIMENSION_COUNT = "%s.rope.dimension_count"
     ROPE_DIMENSION_SECTIONS = "%s.rope.dimension_sections"
     NUM_DEEPSTACK_LAYERS = "%s.n_deepstack_layers"
+    NEXTN_PREDICT_LAYERS = "%s.nextn_predict_layers"
     ROPE_FREQ_BASE = "%s.rope.freq_base"
     ROPE_FREQ_BASE_SWA = "%s.rope.freq_base_swa"
     ROPE_SCALE_LINEAR = "%s.rope.scale_linear"

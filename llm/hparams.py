@@ -143,6 +143,10 @@ class HParams:
     n_layer_dense_lead: int = 0       # the first layers with a dense FFN (ernie4_5-moe, deepseek2, glm4moe)
     rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)    # M-RoPE pairs per t, h, w, e stream
     n_deepstack_layers: int = 0       # qwen3vl: layers that add a slice of an image's wider embedding
+    n_layer_nextn: int = 0            # MTP blocks after the trunk, in block_count but not run (glm4moe)
+    n_expert_shared: int = 0          # shared experts beside the routed ones (glm4moe, deepseek2)
+    expert_weights_norm: bool = False  # renormalize the chosen experts' weights (glm4moe, deepseek2)
+    expert_gating_func: int = 0       # ExpertGatingFuncType value from `%s.expert_gating_func`
     use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
 
     f_norm_eps: float = 0.0
@@ -194,6 +198,17 @@ class HParams:
             if len(getattr(self, name)) != self.n_layer:
                 raise ValueError(f"HParams.{name} has {len(getattr(self, name))} entries, "
                                  f"expected n_layer = {self.n_layer}")
+
+    def drop_nextn_layers(self, n: int) -> None:
+        """Leave the last n blocks (MTP / NextN layers, counted in block_count) out of the
+        trunk, as llama.cpp's n_layer() = n_layer_all - n_layer_nextn."""
+        if not 0 <= n < self.n_layer:
+            raise ValueError(f"{n} NextN layers of {self.n_layer} blocks: the trunk would be empty")
+        self.n_layer_nextn = n
+        if n:
+            self.n_layer -= n
+            for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers"):
+                setattr(self, name, getattr(self, name)[:self.n_layer])
 
     def _layer(self, il: int) -> int:
         if not 0 <= il < self.n_layer:

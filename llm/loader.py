@@ -207,6 +207,13 @@ class ModelLoader(GGUFMeta):
             self._used.add(name)
         return t
 
+    def skip_tensors(self, prefix: str) -> int:
+        """Claim every tensor whose name starts with `prefix` without loading it (llama.cpp's
+        TENSOR_SKIP: an MTP / NextN block the graph does not run); returns how many."""
+        names = [n for n in self.weights_map if n.startswith(prefix)]
+        self._used.update(names)
+        return len(names)
+
     def check_all_used(self) -> None:
         """Every tensor in the file must have been claimed (llama.cpp's done_getting_tensors)."""
         unused = [n for n in self.weights_map if n not in self._used]

@@ -415,6 +415,50 @@ def spec_qwen3vl(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_glm4moe(d: Dims, w: Weights) -> dict:
+    """GLM-4.5: a dense layer, a sigmoid MoE layer (selection bias, renormalized and scaled
+    weights, a shared expert), half-head NEOX rope, Q/K norms, and a NextN (MTP) block after
+    the trunk that neither engine runs."""
+    a = "glm4moe"
+    d = dataclasses.replace(d, n_layer=3)
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.dimension_count"] = d.head_dim // 2
+    kv[f"{a}.nextn_predict_layers"] = 1
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = 32
+    kv[f"{a}.expert_shared_count"] = 1
+    kv[f"{a}.leading_dense_block_count"] = 1
+    kv[f"{a}.expert_weights_scale"] = 2.5
+    kv[f"{a}.expert_weights_norm"] = True
+    kv[f"{a}.expert_gating_func"] = 2
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d, bias=True)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        if il == 0:
+            w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+            continue
+        moe(w, p, d, 32)
+        w.bias(p + "exp_probs_b.bias", d.n_expert, scale=0.5)
+        w.mat(p + "ffn_gate_shexp.weight", 32, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, 32)
+        w.mat(p + "ffn_up_shexp.weight", 32, d.n_embd)
+        if il == d.n_layer - 1:             # the MTP block
+            w.mat(p + "nextn.eh_proj.weight", d.n_embd, 2 * d.n_embd)
+            w.norm(p + "nextn.enorm.weight", d.n_embd)
+            w.norm(p + "nextn.hnorm.weight", d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -663,6 +707,7 @@ ARCHS: dict[str, ArchSpec] = {
     "seed_oss": ArchSpec(spec_seed_oss, 121),
     "qwen2vl": ArchSpec(spec_qwen2vl, 122),
     "qwen3vl": ArchSpec(spec_qwen3vl, 123),
+    "glm4moe": ArchSpec(spec_glm4moe, 124),
 }
 
 

@@ -19,6 +19,7 @@ from llm.models import (
     gemma2,
     gemma3,
     glm4,
+    glm4moe,
     gpt2,
     gpt_oss,
     granite,
@@ -71,6 +72,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.SEED_OSS: seed_oss,
     LLMArch.QWEN2VL: qwen2vl,
     LLMArch.QWEN3VL: qwen3vl,
+    LLMArch.GLM4_MOE: glm4moe,
 }
 
 
