@@ -87,7 +87,7 @@ def trained(files, model):
 
 def test_validation_loss_falls(trained):
     r = trained["result"]
-    # measured: 9.81 -> 0.0024 in 30 steps of 4 x 24 tokens
+    # measured: 9.72 -> 0.0019 in 30 steps of 4 x 24 tokens (train loss 9.44 -> 0.0018)
     assert r.val_loss_end <= 0.6 * r.val_loss_start
     assert r.val_loss_start > 5.0 and r.val_loss_end < 0.1
     assert [s for s, _ in r.val_loss] == [0, 10, 20, 30]
@@ -179,12 +179,12 @@ def test_gradient_matches_finite_differences_and_the_loss_the_decoded_one(model_
         minus, _ = vg({k: p[k] - eps * direction[k] for k in p})
         fd = (float(plus) - float(minus)) / (2 * eps)
         analytic = sum(float(jnp.vdot(grad[k], direction[k])) for k in p)
-        assert abs(fd - analytic) < tol, (fd, analytic)        # measured: 4.149 vs 4.149, 0.03562 vs 0.03563
+        assert abs(fd - analytic) < tol, (fd, analytic)        # measured: 4.1555 vs 4.1571, 0.03500 vs 0.03498
     # the packed step (two sequences of one ubatch, kept apart by the KV mask) computes the loss
     # that decoding each example alone with the adapter file gives
     write_lora(tmp_path / "a.gguf", "llama", pairs, alpha=6.0)
     ref = decoded_loss(model, adapter_lora_init(model, tmp_path / "a.gguf"), examples)
-    assert float(val) == pytest.approx(ref, rel=1e-4)
+    assert float(val) == pytest.approx(ref, rel=1e-4)      # measured: 9.754212 vs 9.754212
 
 
 def test_encode_weights_completions_and_assistant_turns(model):
