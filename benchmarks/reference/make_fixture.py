@@ -459,6 +459,27 @@ def spec_glm4moe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_olmoe(d: Dims, w: Weights) -> dict:
+    """OLMoE: full-width Q/K norms (so as many KV heads as heads), softmax experts of width n_ff."""
+    a = "olmoe"
+    d = dataclasses.replace(d, n_head_kv=d.n_head, n_ff=32)
+    kv = base_kv(a, d)
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_q_norm.weight", d.n_embd)
+        w.norm(p + "attn_k_norm.weight", d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        moe(w, p, d, d.n_ff)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -708,6 +729,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen2vl": ArchSpec(spec_qwen2vl, 122),
     "qwen3vl": ArchSpec(spec_qwen3vl, 123),
     "glm4moe": ArchSpec(spec_glm4moe, 124),
+    "olmoe": ArchSpec(spec_olmoe, 125),
 }
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
 from llm import distributed, hub, params
-from llm.cli import bench
+from llm.cli import bench, finetune
 from llm.errors import UsageError
 from llm.research import diff_llamacpp
 
@@ -449,6 +449,7 @@ def cmd_serve(a) -> int:
         raise ValueError(f"-np must be >= 1, got {a.parallel}")
     timeouts = params.from_namespace(params.ServerTimeouts, a)
     endpoints = params.from_namespace(params.ServerEndpoints, a)
+    reasoning = params.from_namespace(params.ReasoningParams, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
               weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a))
@@ -461,7 +462,7 @@ def cmd_serve(a) -> int:
     name = model_name_of(llm.model.path)
     app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
                      slot_save_path=a.slot_save_path, special_in_content=a.special_in_content, timeouts=timeouts,
-                     endpoints=endpoints)
+                     endpoints=endpoints, reasoning=reasoning)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
           f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
     try:
@@ -556,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")
     p.set_defaults(fn=cmd_pull)
     bench.add_parser(sub)
+    finetune.add_parser(sub)
     diff_llamacpp.add_parser(sub)
     p = add("dump-graph", "print the compute graph of one decode")
     _add_model(p)
@@ -594,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV length graphs are padded to (default n_ctx / 4: few shapes to compile)")
     params.add_arguments(p, params.ServerTimeouts)
     params.add_arguments(p, params.ServerEndpoints)
+    params.add_arguments(p, params.ReasoningParams)
     _add_ctx(p)
     _add_lora(p)
     p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)

@@ -29,6 +29,7 @@ from llm.models import (
     mistral3,
     nomic_bert,
     olmo2,
+    olmoe,
     phi2,
     phi3,
     qwen2,
@@ -73,6 +74,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.QWEN2VL: qwen2vl,
     LLMArch.QWEN3VL: qwen3vl,
     LLMArch.GLM4_MOE: glm4moe,
+    LLMArch.OLMOE: olmoe,
 }
 
 
