@@ -480,6 +480,32 @@ def spec_olmoe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_exaone4(d: Dims, w: Weights) -> dict:
+    """EXAONE 4 (the small variant: rope on every layer, no window), with a NextN block."""
+    a = "exaone4"
+    d = dataclasses.replace(d, n_layer=3)
+    kv = base_kv(a, d)
+    kv[f"{a}.nextn_predict_layers"] = 1
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.norm(p + "post_ffw_norm.weight", d.n_embd)
+        if il == d.n_layer - 1:
+            w.mat(p + "nextn.eh_proj.weight", d.n_embd, 2 * d.n_embd)
+            w.norm(p + "nextn.enorm.weight", d.n_embd)
+            w.norm(p + "nextn.hnorm.weight", d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -730,6 +756,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3vl": ArchSpec(spec_qwen3vl, 123),
     "glm4moe": ArchSpec(spec_glm4moe, 124),
     "olmoe": ArchSpec(spec_olmoe, 125),
+    "exaone4": ArchSpec(spec_exaone4, 126),
 }
 
 

@@ -16,6 +16,7 @@ from llm.models import (
     ernie4_5,
     ernie4_5_moe,
     exaone,
+    exaone4,
     gemma2,
     gemma3,
     glm4,
@@ -75,6 +76,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.QWEN3VL: qwen3vl,
     LLMArch.GLM4_MOE: glm4moe,
     LLMArch.OLMOE: olmoe,
+    LLMArch.EXAONE4: exaone4,
 }
 
 
