@@ -628,11 +628,43 @@ class GraphBuilder:
             cur = ops.add(cur, bo)
         return self.cb(cur, "attn_out", il)
 
+    def build_attn_mla(self, inp: InpAttnKV, wo: Tensor | None, q_cur: Tensor, k_cur: Tensor, n_embd_v: int,
+                       v_mla: Tensor | None, kq_scale: float, il: int) -> Tensor:
+        """Multi-head latent attention with the absorption (llama.cpp's build_attn over
+        build_attn_inp_k): the layer's cache holds each token's latent k_cur [D_k, 1, n_tokens]
+        (the compressed KV, then its roped part: one KV head), V is a view of each cached row's
+        first n_embd_v values, and the attention output [n_embd_v, n_head, n_tokens] is
+        decompressed per head by v_mla (wv_b [n_embd_v, d_v, n_head]) before wo. q_cur
+        [D_k, n_head, n_tokens] carries the queries absorbed into the latent space."""
+        d_k = self.hparams.n_embd_head_k
+        k_cache = self.kv.k_l[il]
+        for t in (q_cur, k_cur):
+            self.gf.build_forward_expand(t)
+        if not k_cur.is_contiguous():
+            k_cur = ops.cont(k_cur)
+        k_upd = self.cb(ops.set_rows(k_cache, ops.reshape_2d(k_cur, d_k, self.n_tokens), inp.k_idxs), "k_cache_upd", il)
+        rs = types.row_size(k_cache.type, d_k)
+        k = ops.view_4d(k_upd, d_k, 1, self.n_kv, 1, rs, rs, rs * self.n_kv, 0)
+        v = ops.view_4d(k_upd, n_embd_v, 1, self.n_kv, 1, rs, rs, rs * self.n_kv, 0)
+        q, k, v = ops.permute(q_cur, 0, 2, 1, 3), ops.permute(k, 0, 2, 1, 3), ops.permute(v, 0, 2, 1, 3)
+        n_head = q_cur.ne[1]
+        if self.params.flash_attn:
+            cur = self.cb(ops.flash_attn_ext(q, k, v, inp.kq_mask, kq_scale, 0.0, 0.0, None), "__fattn__", il)
+            if v_mla is not None:       # [n_embd_v, n_head, T] -> per head [d_v, n_head, T]
+                cur = self.cb(ops.mul_mat(v_mla, ops.permute(cur, 0, 2, 1, 3)), "fattn_mla", il)
+                cur = ops.cont(ops.permute(cur, 0, 2, 1, 3))
+            cur = ops.reshape_2d(cur, cur.ne[0] * n_head, self.n_tokens)
+        else:
+            cur = self.build_attn_mha(q, k, v, inp.kq_mask, kq_scale, 0.0, il, v_mla=v_mla)
+        self.cb(cur, "kqv_out", il)
+        return self.build_lora_mm(self.need(wo, "attn_output", il), cur)
+
     def build_attn_mha(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kq_scale: float,
-                       softcap: float, il: int) -> Tensor:
+                       softcap: float, il: int, *, v_mla: Tensor | None = None) -> Tensor:
         """Attention as separate nodes, so the probabilities can be read (`kq_soft_max-il`,
         [n_kv, n_tokens, n_head]); q [D, n_tokens, n_head], k [D, n_kv, n_head_kv], v
-        [Dv, n_kv, n_head_kv] -> [Dv * n_head, n_tokens]."""
+        [Dv, n_kv, n_head_kv] -> [Dv * n_head, n_tokens]; with MLA's v_mla the per-head output
+        is decompressed first (kqv_mla)."""
         kq = self.cb(ops.mul_mat(k, q), "kq", il)
         if softcap > 0.0:
             kq = self.cb(ops.scale(kq, kq_scale / softcap), "kq_scaled_1", il)
@@ -642,6 +674,8 @@ class GraphBuilder:
         kq = self.cb(ops.soft_max_ext(kq, mask, kq_scale, 0.0), "kq_soft_max", il)
         vt = ops.cont(ops.permute(v, 1, 0, 2, 3))                 # [n_kv, Dv, n_head_kv]
         kqv = self.cb(ops.mul_mat(vt, kq), "kqv", il)               # [Dv, n_tokens, n_head]
+        if v_mla is not None:
+            kqv = self.cb(ops.mul_mat(v_mla, kqv), "kqv_mla", il)
         cur = ops.permute(kqv, 0, 2, 1, 3)
         return ops.cont_2d(cur, kqv.ne[0] * kqv.ne[2], self.n_tokens)
 

@@ -147,6 +147,12 @@ class HParams:
     n_expert_shared: int = 0          # shared experts beside the routed ones (glm4moe, deepseek2)
     expert_weights_norm: bool = False  # renormalize the chosen experts' weights (glm4moe, deepseek2)
     expert_gating_func: int = 0       # ExpertGatingFuncType value from `%s.expert_gating_func`
+    # multi-head latent attention (deepseek2): Q and KV ranks, the per-head K/V sizes after
+    # decompression; the cache then holds each token's latent (n_embd_head_k = kv rank + rope)
+    n_lora_q: int = 0
+    n_lora_kv: int = 0
+    n_embd_head_k_mla: int = 0
+    n_embd_head_v_mla: int = 0
     use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
 
     f_norm_eps: float = 0.0
@@ -198,6 +204,11 @@ class HParams:
             if len(getattr(self, name)) != self.n_layer:
                 raise ValueError(f"HParams.{name} has {len(getattr(self, name))} entries, "
                                  f"expected n_layer = {self.n_layer}")
+
+    @property
+    def is_mla(self) -> bool:
+        """llama_hparams::is_mla: the cache holds the compressed latent, V is a view of K."""
+        return self.n_embd_head_k_mla != 0 and self.n_embd_head_v_mla != 0
 
     def drop_nextn_layers(self, n: int) -> None:
         """Leave the last n blocks (MTP / NextN layers, counted in block_count) out of the

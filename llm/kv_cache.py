@@ -77,8 +77,9 @@ def kv_bytes_per_device(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -
     share = len(mesh_devices) if pl.kv_split else 1
     need: dict[jax.Device, int] = {}
     for il in range(hp.n_layer):
+        n_v = 0 if hp.is_mla else hp.n_embd_v_gqa(il)       # MLA: V is a view of the latent in K
         n = n_ctx * (hp.n_embd_k_gqa(il) * np.dtype(np_dtype(type_k)).itemsize
-                     + hp.n_embd_v_gqa(il) * np.dtype(np_dtype(type_v)).itemsize)
+                     + n_v * np.dtype(np_dtype(type_v)).itemsize)
         for dev in mesh_devices or [pl.dev_layer[il]]:
             need[dev] = need.get(dev, 0) + n // share
     return need
@@ -122,7 +123,8 @@ def estimate_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "
     arguments of swa_cache_size (n_seq_max, n_ubatch, kv_bucket, swa_full)."""
     n_swa_cells = swa_cache_size(hp, n_ctx, **swa) or n_ctx
     esz_k, esz_v = (np.dtype(np_dtype(KV_TYPES[t])).itemsize for t in (type_k, type_v))
-    return sum((n_swa_cells if hp.is_swa(il) else n_ctx) * (hp.n_embd_k_gqa(il) * esz_k + hp.n_embd_v_gqa(il) * esz_v)
+    n_v = [0 if hp.is_mla else hp.n_embd_v_gqa(il) for il in range(hp.n_layer)]
+    return sum((n_swa_cells if hp.is_swa(il) else n_ctx) * (hp.n_embd_k_gqa(il) * esz_k + n_v[il] * esz_v)
                for il in range(hp.n_layer))
 
 
@@ -153,7 +155,7 @@ class KVCache:
         for il in range(hp.n_layer):
             size = self.n_ctx_of(il)
             k = new_state(tk, (hp.n_embd_k_gqa(il), size), f"cache_k_l{il}")
-            v = new_state(tv, (hp.n_embd_v_gqa(il), size), f"cache_v_l{il}")
+            v = new_state(tv, (0 if hp.is_mla else hp.n_embd_v_gqa(il), size), f"cache_v_l{il}")   # MLA: V is in K
             for buf in (k, v):
                 self._device[buf] = self._place.dev_layer[il]
                 buf.data = self._zeros(buf)

@@ -35,6 +35,14 @@ class Layer:
     bo: Tensor | None = None
     attn_q_norm: Tensor | None = None
     attn_k_norm: Tensor | None = None
+    # multi-head latent attention (deepseek2): low-rank Q, the compressed KV and its per-head halves
+    wq_a: Tensor | None = None
+    wq_b: Tensor | None = None
+    attn_q_a_norm: Tensor | None = None
+    wkv_a_mqa: Tensor | None = None
+    attn_kv_a_norm: Tensor | None = None
+    wk_b: Tensor | None = None
+    wv_b: Tensor | None = None
     attn_post_norm: Tensor | None = None
     ffn_norm: Tensor | None = None
     ffn_gate: Tensor | None = None

@@ -506,6 +506,51 @@ def spec_exaone4(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_deepseek2(d: Dims, w: Weights) -> dict:
+    """DeepSeek-V3-style MLA (q rank 32, kv rank 32, 8 rope + 8 no-rope dims per head, 16 per
+    value head; the cache row is 32 + 8), a dense layer, then sigmoid experts with a selection
+    bias, renormalized and scaled, plus a shared expert."""
+    a = "deepseek2"
+    q_rank, kv_rank, n_rot, nope, v_head, n_ff_exp = 32, 32, 8, 8, 16, 16
+    kv = base_kv(a, d)
+    kv.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": kv_rank + n_rot,
+               f"{a}.attention.value_length": kv_rank, f"{a}.attention.key_length_mla": nope + n_rot,
+               f"{a}.attention.value_length_mla": v_head, f"{a}.attention.q_lora_rank": q_rank,
+               f"{a}.attention.kv_lora_rank": kv_rank, f"{a}.rope.dimension_count": n_rot,
+               f"{a}.leading_dense_block_count": 1, f"{a}.expert_count": d.n_expert,
+               f"{a}.expert_used_count": d.n_expert_used, f"{a}.expert_feed_forward_length": n_ff_exp,
+               f"{a}.expert_shared_count": 1, f"{a}.expert_weights_scale": 2.5, f"{a}.expert_weights_norm": True,
+               f"{a}.expert_gating_func": 2})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "attn_q_a_norm.weight", q_rank)
+        w.norm(p + "attn_kv_a_norm.weight", kv_rank)
+        w.mat(p + "attn_q_a.weight", q_rank, d.n_embd)
+        w.mat(p + "attn_q_b.weight", d.n_head * (nope + n_rot), q_rank)
+        w.mat(p + "attn_kv_a_mqa.weight", kv_rank + n_rot, d.n_embd)
+        w.mat(p + "attn_k_b.weight", kv_rank, nope, n_exp=d.n_head)        # [n_head, kv_rank, nope]
+        w.mat(p + "attn_v_b.weight", v_head, kv_rank, n_exp=d.n_head)      # [n_head, v_head, kv_rank]
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_head * v_head)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        if il == 0:
+            w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+            continue
+        w.mat(p + "ffn_gate_inp.weight", d.n_expert, d.n_embd, gain=4.0)
+        w.bias(p + "exp_probs_b.bias", d.n_expert, scale=0.5)
+        w.mat(p + "ffn_down_exps.weight", d.n_embd, n_ff_exp, n_exp=d.n_expert)
+        w.mat(p + "ffn_gate_exps.weight", n_ff_exp, d.n_embd, n_exp=d.n_expert)
+        w.mat(p + "ffn_up_exps.weight", n_ff_exp, d.n_embd, n_exp=d.n_expert)
+        w.mat(p + "ffn_gate_shexp.weight", n_ff_exp, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, n_ff_exp)
+        w.mat(p + "ffn_up_shexp.weight", n_ff_exp, d.n_embd)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -757,6 +802,7 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4moe": ArchSpec(spec_glm4moe, 124),
     "olmoe": ArchSpec(spec_olmoe, 125),
     "exaone4": ArchSpec(spec_exaone4, 126),
+    "deepseek2": ArchSpec(spec_deepseek2, 127),
 }
 
 

@@ -13,6 +13,7 @@ from llm.models import (
     bert,
     cohere2,
     command_r,
+    deepseek2,
     ernie4_5,
     ernie4_5_moe,
     exaone,
@@ -77,6 +78,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.GLM4_MOE: glm4moe,
     LLMArch.OLMOE: olmoe,
     LLMArch.EXAONE4: exaone4,
+    LLMArch.DEEPSEEK2: deepseek2,
 }
 
 
