@@ -4,17 +4,18 @@
 - `dequantize_jax(blocks, type, ne)`: the same inside jit, from the packed blocks on a
   device (layout: ggmlx.quants.jax_dequant; `weights.to_device` puts them there).
 - `int8.to_int8(blocks, type, n_rows)`: the exact int8 form of the linear block types.
-- `quantize(x, type)` / `quantize_jax(x, type)`: the legacy block quantizers, bit-exact
-  with ggml's reference quantizers.
+- `quantize(x, type)`: every type in QUANTIZE_TYPES (F32, F16, BF16, the legacy types,
+  Q2_K..Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4), bit-exact with ggml_quantize_chunk
+  without an importance matrix; `quantize_jax(x, type)`: the legacy types on device.
 
 Dequantization covers F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL,
 IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 and MXFP4.
 """
 from .jax_dequant import dequantize_jax
 from .numpy_ref import SUPPORTED_TYPES, dequantize
-from .quantizers import QUANTIZE_KERNELS, QUANTIZE_TYPES, quantize, quantize_jax
+from .quantizers import QUANTIZE_KERNELS, QUANTIZE_TYPES, quantize, quantize_jax, validate_row_data
 
 __all__ = [
     "SUPPORTED_TYPES", "QUANTIZE_TYPES", "QUANTIZE_KERNELS",
-    "dequantize", "dequantize_jax", "quantize", "quantize_jax",
+    "dequantize", "dequantize_jax", "quantize", "quantize_jax", "validate_row_data",
 ]

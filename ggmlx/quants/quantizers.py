@@ -1,9 +1,11 @@
-"""Quantizers for the legacy block types, bit-exact with ggml's quantize_row_*_ref.
+"""Quantizers, bit-exact with the ones ggml's ggml_quantize_chunk runs without an importance matrix.
 
-One kernel per type, written for numpy and jax.numpy alike (see ggmlx.quants.kernels):
-float32 [n_blocks, 32] -> uint8 [n_blocks, type_size]. `quantize` runs them on the host
-and returns file bytes; `quantize_jax` runs them on device (inside jit too, e.g. for a
-quantized KV cache) and returns the device layout that `dequantize_jax` reads.
+The legacy block types have one kernel each, written for numpy and jax.numpy alike (see
+ggmlx.quants.kernels): float32 [n_blocks, 32] -> uint8 [n_blocks, type_size]. `quantize` runs
+them on the host and returns file bytes; `quantize_jax` runs them on device (inside jit too,
+e.g. for a quantized KV cache) and returns the device layout that `dequantize_jax` reads.
+The K-quants, IQ4, ternary and MXFP4 types have host (numpy) kernels only
+(ggmlx.quants.kquants, ggmlx.quants.nlquants): their searches loop over trial scales.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import numpy as np
 from ..types import GGMLType, TypeSizeError, block_size, type_size
 from .jax_dequant import JAX
 from .kernels import NUMPY, ArrayOps
+from .kquants import KQUANT_KERNELS, HostKernel
+from .nlquants import NL_KERNELS
 from .numpy_ref import CHUNK_ELEMENTS
 
 F32 = np.float32
@@ -131,7 +135,11 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(nan, quiet, rounded)
 
 
-QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS)
+# Host-only kernels: float32 blocks [n, block_size] -> uint8 [n, type_size].
+HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS}
+
+QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS,
+                                        *HOST_KERNELS)
 
 
 def _check_quantize(x_shape: tuple[int, ...], t: GGMLType | int, what: str, allowed) -> GGMLType:
@@ -151,8 +159,9 @@ def _check_quantize(x_shape: tuple[int, ...], t: GGMLType | int, what: str, allo
 def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
     """float32 array [..., ne0] -> uint8 [..., row bytes]: the GGUF bytes of each row.
 
-    Bit-exact with ggml's quantize_row_*_ref (and gguf-py's quantize). Non-finite input
-    raises ValueError (ggml's result for it is undefined).
+    Bit-exact with ggml_quantize_chunk without an importance matrix (for the legacy types
+    also with gguf-py's quantize). Non-finite input raises ValueError (ggml's result for it
+    is undefined).
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     t = _check_quantize(x.shape, type, "quantize", QUANTIZE_TYPES)
@@ -165,14 +174,19 @@ def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
         return _bf16_bits(x).view(np.uint8).reshape(*x.shape[:-1], -1)
     if not np.isfinite(x).all():
         raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
-    kernel = QUANTIZE_KERNELS[t]
     blocks = x.reshape(-1, block_size(t))
     out = np.empty((blocks.shape[0], type_size(t)), dtype=np.uint8)
     step = CHUNK_ELEMENTS // block_size(t)
-    with np.errstate(over="ignore"):  # a scale beyond the f16 range is stored as inf, as in ggml
+    with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond the f16 range is inf, as in ggml
         for start in range(0, blocks.shape[0], step):
-            out[start:start + step] = kernel(NUMPY, blocks[start:start + step])
+            out[start:start + step] = _kernel(t, blocks[start:start + step])
     return out.reshape(*x.shape[:-1], -1)
+
+
+def _kernel(t: GGMLType, blocks: np.ndarray) -> np.ndarray:
+    if t in HOST_KERNELS:
+        return HOST_KERNELS[t](blocks)
+    return QUANTIZE_KERNELS[t](NUMPY, blocks)
 
 
 def quantize_jax(x, type: GGMLType | int):
@@ -185,3 +199,30 @@ def quantize_jax(x, type: GGMLType | int):
     t = _check_quantize(tuple(x.shape), type, "quantize_jax", tuple(QUANTIZE_KERNELS))
     q = QUANTIZE_KERNELS[t](JAX, x.reshape(-1, block_size(t)))
     return q.reshape(*x.shape[:-1], x.shape[-1] // block_size(t), type_size(t))
+
+
+# Byte offsets of the f16 scale fields of each block (d, and m / dmin where the type has one).
+_SCALE_FIELDS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
+    GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,),
+}
+
+
+def validate_row_data(data: np.ndarray, type: GGMLType | int) -> bool:
+    """ggml_validate_row_data: no NaN or infinity among the values (float types) or the block
+    scales (quant types). uint8 bytes of whole blocks."""
+    t = GGMLType(type)
+    if t == GGMLType.F32:
+        return bool(np.isfinite(data.view(np.float32)).all())
+    if t == GGMLType.F16:
+        return bool(np.isfinite(data.view(np.float16)).all())
+    if t == GGMLType.BF16:
+        return bool(((data.view(np.uint16) & 0x7F80) != 0x7F80).all())
+    blocks = data.reshape(-1, type_size(t))
+    for off in _SCALE_FIELDS.get(t, ()):
+        if not np.isfinite(np.ascontiguousarray(blocks[:, off:off + 2]).view(np.float16)).all():
+            return False
+    return True
+

@@ -1,0 +1,352 @@
+"""Host quantizers for the K-quant, IQ4, ternary and MXFP4 types, bit-exact with ggml.
+
+Each follows the function ggml's `ggml_quantize_chunk` calls without an importance matrix
+(`quantize_row_q*_K_ref`, `quantize_iq4_nl` / `quantize_iq4_xs` with ntry 7,
+`quantize_row_tq*_0_ref`, `quantize_row_mxfp4_ref`): float32 blocks [n, block_size] ->
+uint8 [n, type_size], the block structs of ggml-common.h.
+
+Why this gives the same bytes: ggml computes in float32, one rounding per operation, no
+fused multiply-add (ggml-base is built without FMA), and sums elements one after another.
+Here the blocks are vectorised and the elements are the leading axis ([elements, blocks]),
+so every operation is the same float32 operation as in C, in the same order:
+`seq_sum` adds the rows of a C-contiguous array one after another (numpy's reduction over a
+non-contiguous axis is that loop, not a pairwise sum), and `nearest_int` is ggml's
+`nearest_int` bit trick itself, so out-of-range values give ggml's result too.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..types import GGMLType
+
+F32 = np.float32
+GROUP_MAX_EPS = F32(1e-15)
+_ROUND_MAGIC = F32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer in the low mantissa bits
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: round half to even through the float32 mantissa, as int32."""
+    bits = (v + _ROUND_MAGIC).view(np.int32)
+    return (bits & 0x007FFFFF) - 0x00400000
+
+
+def seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sum over axis 0, adding row after row (C's `for (i...) s += a[i]`), float32."""
+    return np.add.reduce(np.ascontiguousarray(a), axis=0)
+
+
+def elements_first(x: np.ndarray, n: int) -> np.ndarray:
+    """Blocks [nb, k] -> groups of n elements as [n, nb * k / n], contiguous (C's inner loop first)."""
+    return np.ascontiguousarray(x.reshape(-1, n).T)
+
+
+def groups_last(a: np.ndarray, nb: int) -> np.ndarray:
+    """The inverse of `elements_first` for one value per element: [n, nb * g] -> [nb, g * n]."""
+    return np.ascontiguousarray(a.T).reshape(nb, -1)
+
+
+def signed_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Over axis 0: the largest |x| and the element holding it, as C's `if (ax > amax)` loop
+    from 0 finds them (the first one on ties; NaN never taken; (0, 0) when nothing is above 0)."""
+    a = np.abs(x)
+    a = np.where(a > 0, a, F32(0))
+    i = np.argmax(a, axis=0)[None]
+    amax = np.take_along_axis(a, i, axis=0)[0]
+    return amax, np.where(amax > 0, np.take_along_axis(x, i, axis=0)[0], F32(0))
+
+
+def _max0(a: np.ndarray, axis: int) -> np.ndarray:
+    """C's `m = 0; if (v > m) m = v;` over an axis: the largest positive value, NaN skipped."""
+    return np.where(a > 0, a, F32(0)).max(axis=axis)
+
+
+def f16(v: np.ndarray) -> np.ndarray:
+    """float32 -> float16 (round to nearest even, as GGML_FP32_TO_FP16)."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16)
+
+
+def f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float16 [n] -> its 2 little-endian bytes [n, 2]."""
+    return np.ascontiguousarray(v.astype(np.float16)).view(np.uint8).reshape(-1, 2)
+
+
+def _pack_crumbs(q: np.ndarray, n_bytes: int) -> np.ndarray:
+    """q [nb, 4 * n_bytes] in 0..3 -> bytes: byte j holds q[j], q[j + n], q[j + 2n], q[j + 3n] from bit 0."""
+    q = q.astype(np.uint8).reshape(q.shape[0], -1, 4, n_bytes)
+    out = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    return out.reshape(q.shape[0], -1)
+
+
+def pack_nibble_pairs(q: np.ndarray, n_bytes: int) -> np.ndarray:
+    """q [nb, 2 * k * n_bytes] in 0..15 -> per run of 2 * n_bytes: q[j] | q[j + n_bytes] << 4."""
+    q = q.astype(np.uint8).reshape(q.shape[0], -1, 2, n_bytes)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], -1)
+
+
+def _k_scale_bytes(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins [nb, 8] -> the 12 bytes get_scale_min_k4 reads."""
+    lo_s, hi_s, lo_m, hi_m = ls[:, :4], ls[:, 4:], lm[:, :4], lm[:, 4:]
+    return np.concatenate([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6),
+                           (hi_s & 0xF) | ((hi_m & 0xF) << 4)], axis=1).astype(np.uint8)
+
+
+# --- make_qkx2_quants: affine (scale, min) fit of a group, the Q2_K / Q4_K / Q5_K core ---------
+
+
+def _qkx2_error(x, w, L, scale, mn, use_mad: bool):
+    diff = (scale * L + mn) - x
+    return seq_sum(w * (np.abs(diff) if use_mad else diff * diff))
+
+
+def _qkx2_step(x, w, sums, mn, mx, iscale_num: np.float32, nmax: int, use_mad: bool):
+    """One trial scale of make_qkx2_quants: its quants, scale, min and error ([n, m] groups)."""
+    sum_w, sum_x = sums
+    iscale = iscale_num / (mx - mn)
+    laux = np.clip(nearest_int(iscale * (x - mn)), 0, nmax).astype(F32)
+    wl = w * laux
+    sum_l, sum_l2, sum_xl = seq_sum(wl), seq_sum(wl * laux), seq_sum(wl * x)
+    det = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+    this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+    positive = this_min > 0
+    this_min = np.where(positive, F32(0), this_min)
+    this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
+    err = _qkx2_error(x, w, laux, this_scale, this_min, use_mad)
+    return laux, this_scale, this_min, err, det > 0
+
+
+def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
+                     use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Groups x, weights w [n, m] -> (L [n, m] in 0..nmax as float32, scale [m], -min [m])."""
+    mn = x.min(axis=0)
+    mn = np.where(mn > 0, F32(0), mn)
+    mx = x.max(axis=0)
+    flat = mx == mn
+    sums = (seq_sum(w), seq_sum(w * x))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(nmax) / (mx - mn)
+        scale = F32(1) / iscale
+        L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax).astype(F32)
+        best = _qkx2_error(x, w, L, scale, mn, use_mad)
+        for step in range(nstep + 1):
+            num = F32(F32(rmin) + F32(rdelta) * F32(step)) + F32(nmax)
+            laux, this_scale, this_min, err, ok = _qkx2_step(x, w, sums, mn, mx, num, nmax, use_mad)
+            better = ok & (err < best)
+            L = np.where(better, laux, L)
+            best = np.where(better, err, best)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    L = np.where(flat, F32(0), L)
+    return L, np.where(flat, F32(0), scale), -mn
+
+
+# --- make_qx_quants (rmse_type 1, no importance): symmetric fit, the Q6_K core -------------------
+
+
+def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Groups x [n, m], weights x*x -> (L [n, m] in 0..2*nmax-1 as int32, scale [m])."""
+    amax, mx = signed_absmax(x)
+    zero = amax < GROUP_MAX_EPS
+    wx = (x * x) * x
+    w = x * x
+
+    def trial(iscale):
+        q = np.clip(nearest_int(iscale * x), -nmax, nmax - 1)
+        lf = q.astype(F32)
+        return q, seq_sum(wx * lf), seq_sum((w * lf) * lf)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q, sumlx, suml2 = trial(F32(-nmax) / mx)
+        L = q + nmax
+        scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
+        best = scale * sumlx
+        for step in (*range(-9, 0), *range(1, 10)):
+            q, sumlx, suml2 = trial(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            L = np.where(better, q + nmax, L)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    return np.where(zero, 0, L), np.where(zero, F32(0), scale)
+
+
+# --- make_q3_quants (do_rmse): symmetric fit refined one element at a time, the Q3_K core --------
+
+
+def _q3_refine(x, w, L, sumlx, suml2, nmax: int):
+    """Five passes of make_q3_quants' coordinate descent; L [n, m] int32, sums [m]."""
+    n = x.shape[0]
+    for _ in range(5):
+        for i in range(n):
+            xi, wi, li = x[i], w[i], L[i].astype(F32)
+            wx = wi * xi
+            slx = sumlx - wx * li
+            sl2 = suml2 - (wi * li) * li
+            new_l = np.clip(nearest_int((xi * sl2) / slx), -nmax, nmax - 1)
+            nf = new_l.astype(F32)
+            slx2 = slx + wx * nf
+            sl22 = sl2 + (wi * nf) * nf
+            take = ((slx > 0) & (new_l != L[i]) & (sl22 > 0)
+                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+            L[i] = np.where(take, new_l, L[i])
+            sumlx = np.where(take, slx2, sumlx)
+            suml2 = np.where(take, sl22, suml2)
+    return L, sumlx, suml2
+
+
+def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Groups x [n, m] -> (L [n, m] in 0..2*nmax-1 as int32, scale [m]) (make_q3_quants, do_rmse)."""
+    amax, mx = signed_absmax(x)
+    zero = amax < GROUP_MAX_EPS
+    w = x * x
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        L = np.clip(nearest_int((F32(-nmax) / mx) * x), -nmax, nmax - 1)
+        lf = L.astype(F32)
+        sumlx = seq_sum((w * x) * lf)
+        suml2 = seq_sum((w * lf) * lf)
+        L, sumlx, suml2 = _q3_refine(x, w, L, sumlx, suml2, nmax)
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    return np.where(zero, 0, L + nmax), np.where(zero, F32(0), scale)
+
+
+# --- the K-quant blocks ------------------------------------------------------------------------
+
+
+def _requant(x: np.ndarray, L: np.ndarray, d: np.ndarray, dm: np.ndarray | None, lo: int, hi: int,
+             offset: int = 0) -> np.ndarray:
+    """Quants again from the stored (f16-rounded) group scales: nearest_int((x + dm) / d) (or
+    x / d) limited to lo..hi, plus offset; groups with d == 0 keep L. x, L [n, m]; d, dm [m]."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(nearest_int((x if dm is None else x + dm) / d), lo, hi) + offset
+    return np.where(d != 0, q, L).astype(np.uint8)
+
+
+def _affine_superblock(scales, mins, qmax: int):
+    """Q4_K / Q5_K: group scales and mins [nb, 8] -> 6-bit codes, f16 d and dmin (as float16)."""
+    max_scale, max_min = _max0(scales, 1), _max0(mins, 1)
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, F32(qmax) / max_scale, F32(0))
+        inv_min = np.where(max_min > 0, F32(qmax) / max_min, F32(0))
+    ls = np.minimum(nearest_int(inv_scale[:, None] * scales) & 0xFF, qmax)
+    lm = np.minimum(nearest_int(inv_min[:, None] * mins) & 0xFF, qmax)
+    return ls, lm, f16(max_scale / F32(qmax)), f16(max_min / F32(qmax))
+
+
+def _q45_k(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """Shared body of Q4_K and Q5_K: (L [nb, 256], 12 scale bytes, d, dmin as float16)."""
+    nb = x.shape[0]
+    xt = elements_first(x, 32)
+    av_x = np.sqrt(seq_sum(xt * xt) / F32(32))
+    L, scales, mins = make_qkx2_quants(xt, av_x + np.abs(xt), nmax, rmin, rdelta, nstep, False)
+    ls, lm, d, dmin = _affine_superblock(scales.reshape(nb, 8), mins.reshape(nb, 8), 63)
+    dg = (d.astype(F32)[:, None] * ls.astype(F32)).reshape(-1)
+    dmg = (dmin.astype(F32)[:, None] * lm.astype(F32)).reshape(-1)
+    return groups_last(_requant(xt, L, dg, dmg, 0, nmax), nb), _k_scale_bytes(ls, lm), d, dmin
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """block_q4_K: d, dmin, scales[12], qs[128] (quantize_row_q4_K_ref)."""
+    L, sc, d, dmin = _q45_k(x, 15, -1.0, 0.1, 20)
+    return np.concatenate([f16_bytes(d), f16_bytes(dmin), sc, pack_nibble_pairs(L, 32)], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """block_q5_K: d, dmin, scales[12], qh[32], qs[128] (quantize_row_q5_K_ref)."""
+    L, sc, d, dmin = _q45_k(x, 31, -0.5, 0.1, 15)
+    nb = x.shape[0]
+    high = (L >> 4).reshape(nb, 8, 32)
+    qh = np.zeros((nb, 32), np.uint8)
+    for k in range(8):
+        qh |= high[:, k] << k
+    return np.concatenate([f16_bytes(d), f16_bytes(dmin), sc, qh, pack_nibble_pairs(L & 0xF, 32)], axis=1)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """block_q2_K: scales[16] (scale | min << 4), qs[64], d, dmin (quantize_row_q2_K_ref)."""
+    nb = x.shape[0]
+    xt = elements_first(x, 16)
+    L, scales, mins = make_qkx2_quants(xt, np.abs(xt), 3, -0.5, 0.1, 15, True)
+    scales, mins = scales.reshape(nb, 16), mins.reshape(nb, 16)
+    max_scale, max_min = _max0(scales, 1), _max0(mins, 1)
+    with np.errstate(divide="ignore"):
+        q_s = nearest_int((F32(15) / max_scale)[:, None] * scales)
+        q_m = nearest_int((F32(15) / max_min)[:, None] * mins)
+    sc = np.where(max_scale[:, None] > 0, q_s, 0) & 0xFF
+    sc = (sc | np.where(max_min[:, None] > 0, q_m << 4, 0)) & 0xFF
+    d = np.where(max_scale > 0, f16(max_scale / F32(15)), np.float16(0))
+    dmin = np.where(max_min > 0, f16(max_min / F32(15)), np.float16(0))
+    dg = (d.astype(F32)[:, None] * (sc & 0xF).astype(F32)).reshape(-1)
+    dmg = (dmin.astype(F32)[:, None] * (sc >> 4).astype(F32)).reshape(-1)
+    L = groups_last(_requant(xt, L, dg, dmg, 0, 3), nb)
+    return np.concatenate([sc.astype(np.uint8), _pack_crumbs(L, 32), f16_bytes(d), f16_bytes(dmin)], axis=1)
+
+
+def _q3_scale_bytes(q: np.ndarray) -> np.ndarray:
+    """Sixteen 6-bit codes [nb, 16] -> the 12 bytes of block_q3_K.scales."""
+    low = (q & 0xF).astype(np.uint8)
+    high = (q >> 4).astype(np.uint8).reshape(-1, 4, 4)      # [nb, j // 4, j % 4]
+    top = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
+    return np.concatenate([low[:, :8] | (low[:, 8:] << 4), top], axis=1)
+
+
+def _high_bit_mask(L: np.ndarray) -> np.ndarray:
+    """hmask[32] of Q3_K: bit k of byte m is set when quant 32 * k + m is above 3."""
+    nb = L.shape[0]
+    high = (L > 3).astype(np.uint8).reshape(nb, 8, 32)
+    out = np.zeros((nb, 32), np.uint8)
+    for k in range(8):
+        out |= high[:, k] << k
+    return out
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """block_q3_K: hmask[32], qs[64], scales[12], d (quantize_row_q3_K_ref)."""
+    nb = x.shape[0]
+    xt = elements_first(x, 16)
+    L, scales = make_q3_quants(xt, 4)
+    scales = scales.reshape(nb, 16)
+    amax, max_scale = signed_absmax(scales.T)
+    has = max_scale != 0
+    with np.errstate(divide="ignore"):
+        iscale = F32(-32) / max_scale
+        q = np.clip(((nearest_int(iscale[:, None] * scales) + 128) & 0xFF) - 128, -32, 31) + 32
+        d = np.where(has, f16(F32(1) / iscale), np.float16(0))
+    q = np.where(has[:, None], q, 32)
+    dg = (d.astype(F32)[:, None] * (q - 32).astype(F32)).reshape(-1)
+    L = groups_last(_requant(xt, L, dg, None, -4, 3, 4), nb)
+    sc = np.where(has[:, None], _q3_scale_bytes(q), np.uint8(0))
+    return np.concatenate([_high_bit_mask(L), _pack_crumbs(L & 3, 32), sc, f16_bytes(d)], axis=1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """block_q6_K: ql[128], qh[64], scales[16] int8, d (quantize_row_q6_K_ref)."""
+    nb = x.shape[0]
+    xt = elements_first(x, 16)
+    L, scales = make_qx_quants(xt, 32)
+    scales = scales.reshape(nb, 16)
+    amax, max_scale = signed_absmax(scales.T)
+    zero = amax < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = F32(-128) / max_scale
+        d = f16(F32(1) / iscale)
+        sc = ((np.minimum(127, nearest_int(iscale[:, None] * scales)) + 128) & 0xFF) - 128
+    dg = (d.astype(F32)[:, None] * sc.astype(F32)).reshape(-1)
+    L = groups_last(_requant(xt, L, dg, None, -32, 31, 32), nb)
+    ql = pack_nibble_pairs(L & 0xF, 64)
+    qh = _pack_crumbs(L >> 4, 32)
+    out = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), f16_bytes(d)], axis=1)
+    out[zero] = 0
+    return out
+
+
+HostKernel = Callable[[np.ndarray], np.ndarray]
+
+KQUANT_KERNELS: dict[GGMLType, HostKernel] = {
+    GGMLType.Q2_K: quantize_q2_k,
+    GGMLType.Q3_K: quantize_q3_k,
+    GGMLType.Q4_K: quantize_q4_k,
+    GGMLType.Q5_K: quantize_q5_k,
+    GGMLType.Q6_K: quantize_q6_k,
+}
