@@ -28,6 +28,7 @@ import os
 import re
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -684,7 +685,8 @@ class _PendingTensor:
     name: bytes
     type: GGMLType
     ne: tuple[int, ...]
-    data: np.ndarray        # contiguous uint8 bytes
+    nbytes: int
+    data: np.ndarray | None     # contiguous uint8 bytes; None: asked from `write`'s tensor_data
 
 
 class GGUFWriter:
@@ -741,30 +743,41 @@ class GGUFWriter:
         must be exactly what `type` needs for `ne` (raw quant blocks: pass uint8 data, type
         and ne).
         """
-        encoded = name.encode("utf-8")
-        if len(encoded) >= GGML_MAX_NAME:
-            raise ValueError(f"tensor name {name!r} is {len(encoded)} bytes, must be under {GGML_MAX_NAME}")
-        if name in self._tensor_names:
-            raise ValueError(f"duplicate tensor name {name!r}")
         data = np.ascontiguousarray(data)
         if type is None:
             if data.dtype not in _DTYPE_GGML_TYPE and data.dtype.name != "bfloat16":
                 raise ValueError(f"tensor {name!r}: no ggml type for dtype {data.dtype}; pass type")
             type = GGMLType.BF16 if data.dtype.name == "bfloat16" else _DTYPE_GGML_TYPE[data.dtype]
-        type = GGMLType(type)
         ne = tuple(int(d) for d in (reversed(data.shape) if ne is None else ne))
+        raw = data.reshape(-1).view(np.uint8)
+        t = self._declare(name, type, ne)
+        if raw.size != t.nbytes:
+            raise ValueError(f"tensor {name!r}: data has {raw.size} bytes, {t.type.name} with "
+                             f"ne {ne} needs {t.nbytes}")
+        t.data = raw
+        self._tensors.append(t)
+        self._tensor_names.add(name)
+
+    def add_tensor_info(self, name: str, type: GGMLType, ne: tuple[int, ...]) -> None:
+        """Add a tensor whose bytes `write` asks `tensor_data` for, one tensor at a time, so a
+        file larger than memory is written without holding its tensors (llama-quantize's way)."""
+        self._tensors.append(self._declare(name, type, tuple(int(d) for d in ne)))
+        self._tensor_names.add(name)
+
+    def _declare(self, name: str, type: GGMLType, ne: tuple[int, ...]) -> _PendingTensor:
+        encoded = name.encode("utf-8")
+        if len(encoded) >= GGML_MAX_NAME:
+            raise ValueError(f"tensor name {name!r} is {len(encoded)} bytes, must be under {GGML_MAX_NAME}")
+        if name in self._tensor_names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        type = GGMLType(type)
         if len(ne) > GGML_MAX_DIMS:
             raise ValueError(f"tensor {name!r}: {len(ne)} dimensions, at most {GGML_MAX_DIMS}")
         try:
             expected = types.nbytes(type, ne + (1,) * (GGML_MAX_DIMS - len(ne)))
         except types.TypeSizeError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
-        raw = data.reshape(-1).view(np.uint8)
-        if raw.size != expected:
-            raise ValueError(f"tensor {name!r}: data has {raw.size} bytes, {type.name} with "
-                             f"ne {ne} needs {expected}")
-        self._tensors.append(_PendingTensor(encoded, type, ne, raw))
-        self._tensor_names.add(name)
+        return _PendingTensor(encoded, type, ne, expected, None)
 
     def alignment(self) -> int:
         """The data alignment `write` will use, checked as the reader checks it."""
@@ -777,22 +790,37 @@ class GGUFWriter:
                              f"{GGUF_MAX_ALIGNMENT}, got {value!r} ({vtype.name})")
         return a
 
-    def write(self, path: str | os.PathLike) -> None:
+    def write(self, path: str | os.PathLike,
+              tensor_data: Callable[[str], np.ndarray] | None = None) -> None:
+        """Write the file. `tensor_data(name)` gives the bytes (uint8) of each tensor added by
+        `add_tensor_info`, in file order."""
         alignment = self.alignment()
         infos = []
         offset = 0
         for t in self._tensors:
             infos.append(struct.pack("<Q", len(t.name)) + t.name + struct.pack("<I", len(t.ne))
                          + struct.pack(f"<{len(t.ne)}q", *t.ne) + struct.pack("<IQ", t.type, offset))
-            offset += _pad(t.data.size, alignment)
+            offset += _pad(t.nbytes, alignment)
         head = b"".join([GGUF_MAGIC, struct.pack("<IQQ", self.version, len(self._tensors), len(self._kv)),
                          *self._kv.values(), *infos])
         with open(path, "wb") as fh:
             fh.write(head)
             fh.write(bytes(_pad(len(head), alignment) - len(head)))
             for t in self._tensors:
-                fh.write(t.data.data)
-                fh.write(bytes(_pad(t.data.size, alignment) - t.data.size))
+                data = t.data if t.data is not None else self._streamed(t, tensor_data)
+                fh.write(data.data)
+                fh.write(bytes(_pad(t.nbytes, alignment) - t.nbytes))
+
+    @staticmethod
+    def _streamed(t: _PendingTensor, tensor_data: Callable[[str], np.ndarray] | None) -> np.ndarray:
+        name = t.name.decode("utf-8")
+        if tensor_data is None:
+            raise ValueError(f"tensor {name!r} was added without data: pass write(tensor_data=...)")
+        data = np.ascontiguousarray(tensor_data(name)).reshape(-1).view(np.uint8)
+        if data.size != t.nbytes:
+            raise ValueError(f"tensor {name!r}: tensor_data gave {data.size} bytes, {t.type.name} with "
+                             f"ne {t.ne} needs {t.nbytes}")
+        return data
 
 
 def _format_value(value, vtype: GGUFValueType, limit: int = 60) -> str:

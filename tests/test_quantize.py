@@ -1,0 +1,335 @@
+"""llm quantize against llama.cpp's llama-quantize: the same types and the same bytes.
+
+The references are hashes of llama.cpp's own output (llama-cpp-python's llama_model_quantize and
+ggml_quantize_chunk), committed in tests/data/quantize/reference.json by
+tests/data/quantize/make_reference.py; the inputs are rebuilt here from seeds, so no
+llama-cpp-python is needed to run these tests.
+
+- every quantizer on seeded rows (random at several scales, and edge rows: zeros, constants,
+  ties, one outlier, tiny and large magnitudes, near powers of two), per row;
+- model_quantize on small models made to reach the type-choice rules (8 layers with GQA 4 for
+  use_more_bits; tied embeddings with rows of 96 and 200 columns for the fallbacks and F16; an
+  8-expert MoE with 3-d expert tensors; falcon with a fused QKV), for every file type
+  llama-quantize offers: whole output files by sha256, and per tensor type and hash;
+- a split model, with --keep-split (two output files) and without (one);
+- the refusals: unknown types, requantizing, a missing importance matrix, an unwritable output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_model import TinySpec, model_kv, model_tensors, vocab_kv
+
+from ggmlx import gguf, quants
+from ggmlx.types import GGMLType
+from llm.quantize import (
+    FTYPE_NAMES,
+    LlamaFType,
+    QuantizeError,
+    QuantizeParams,
+    model_quantize,
+    parse_ftype,
+    parse_ggml_type,
+)
+
+REF_PATH = Path(__file__).parent / "data" / "quantize" / "reference.json"
+ROW_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+             "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16")
+# File types whose quantizers are not implemented yet (llama.cpp makes them without an imatrix).
+NOT_IMPLEMENTED = {"IQ3_S", "IQ3_M"}
+# Every name llama-quantize takes, without its aliases (Q3_K = Q3_K_M, Q4_K = Q4_K_M, Q5_K = Q5_K_M).
+FTYPES = tuple(n for n in FTYPE_NAMES if n not in ("Q3_K", "Q4_K", "Q5_K"))
+QUICK = {("llama-gqa4", "Q4_K_M"), ("gemma3-tied", "Q3_K_M"), ("moe8", "MXFP4_MOE"), ("falcon-qkv", "IQ4_XS"),
+         ("gemma3-tied", "Q4_0"), ("moe8", "Q2_K"), ("falcon-qkv", "Q6_K")}
+
+
+def sha(data) -> str:
+    return hashlib.sha256(np.ascontiguousarray(data).view(np.uint8).tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return json.loads(REF_PATH.read_text())
+
+
+# ---- inputs, rebuilt from seeds -------------------------------------------------------------
+
+
+def quantizer_rows() -> np.ndarray:
+    """float32 [n, 512]: seeded random rows at several scales, then edge rows."""
+    rng = np.random.default_rng(20240)
+    n = 512
+    rows = [rng.standard_normal(n) * s for s in (1.0, 0.02, 1e-6, 3e4)]
+    rows += [rng.laplace(size=n) * 0.05, rng.uniform(-1, 1, n), np.abs(rng.standard_normal(n)),
+             -np.abs(rng.standard_normal(n)), rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)]
+    outlier = rng.standard_normal(n) * 0.01
+    outlier[37] = 5.0
+    half = rng.standard_normal(n)
+    half[:128] = 0
+    near_pow2 = np.ldexp(1.0 - rng.integers(0, 3, n) * 2.0 ** -24, rng.integers(-8, 8, n))
+    rows += [np.zeros(n), np.full(n, 1.5), np.full(n, -2.0), np.tile([1.0, -1.0], n // 2),
+             rng.integers(-8, 9, n).astype(np.float64), outlier, half, rng.standard_normal(n) * 1e-30,
+             near_pow2 * np.where(rng.random(n) < 0.5, -1, 1), np.full(n, 3e-5)]
+    return np.stack(rows).astype(np.float32)
+
+
+def write_gguf(path: Path, kv: dict[str, object], tensors: dict[str, np.ndarray]) -> Path:
+    w = gguf.GGUFWriter()
+    for k, v in kv.items():
+        w.add_kv(k, v)
+    for k, v, vtype, atype in vocab_kv():
+        w.add_kv(k, v, vtype, atype)
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
+    w.write(path)
+    return path
+
+
+def write_split(prefix: Path, kv: dict[str, object], tensors: dict[str, np.ndarray], n_split: int) -> Path:
+    """A model split over n_split files as gguf-split writes it (keys in the first only)."""
+    names = list(tensors)
+    for i in range(n_split):
+        w = gguf.GGUFWriter()
+        if i == 0:
+            for k, v in kv.items():
+                w.add_kv(k, v)
+            for k, v, vtype, atype in vocab_kv():
+                w.add_kv(k, v, vtype, atype)
+        w.add_kv("split.no", i, gguf.GGUFValueType.UINT16)
+        w.add_kv("split.count", n_split, gguf.GGUFValueType.UINT16)
+        w.add_kv("split.tensors.count", len(names), gguf.GGUFValueType.INT32)
+        for name in names[i::n_split]:
+            w.add_tensor(name, tensors[name])
+        w.write(gguf.split_path(prefix, i, n_split))
+    return Path(gguf.split_path(prefix, 0, n_split))
+
+
+def _mat(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+
+def _hparams(arch: str, n_layer: int, n_embd: int, n_ff: int, n_head_kv: int) -> dict[str, object]:
+    return {"general.architecture": arch, "general.name": f"quantize test {arch}",
+            f"{arch}.context_length": 256, f"{arch}.embedding_length": n_embd, f"{arch}.block_count": n_layer,
+            f"{arch}.feed_forward_length": n_ff, f"{arch}.attention.head_count": 4,
+            f"{arch}.attention.head_count_kv": n_head_kv}
+
+
+def moe8_model(seed: int = 41, n_layer: int = 2, e: int = 256, f: int = 128, n_exp: int = 8):
+    """A Mixtral-like llama with 8 experts (3-d expert tensors; down's 128 columns fall back)."""
+    rng = np.random.default_rng(seed)
+    kv = _hparams("llama", n_layer, e, f, 2)
+    kv.update({"llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.dimension_count": 64,
+               "llama.expert_count": n_exp, "llama.expert_used_count": 2, "llama.vocab_size": 512})
+    t = {"token_embd.weight": _mat(rng, 512, e), "output_norm.weight": np.ones(e, np.float32),
+         "output.weight": _mat(rng, 512, e)}
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        t[p + "attn_norm.weight"] = np.ones(e, np.float32)
+        t[p + "attn_q.weight"] = _mat(rng, e, e)
+        t[p + "attn_k.weight"] = _mat(rng, 128, e)
+        t[p + "attn_v.weight"] = _mat(rng, 128, e)
+        t[p + "attn_output.weight"] = _mat(rng, e, e)
+        t[p + "ffn_norm.weight"] = np.ones(e, np.float32)
+        t[p + "ffn_gate_inp.weight"] = _mat(rng, n_exp, e)
+        t[p + "ffn_gate_exps.weight"] = _mat(rng, n_exp, f, e)
+        t[p + "ffn_up_exps.weight"] = _mat(rng, n_exp, f, e)
+        t[p + "ffn_down_exps.weight"] = _mat(rng, n_exp, e, f)
+    return kv, t
+
+
+def falcon_model(seed: int = 42, n_layer: int = 4, e: int = 256, f: int = 512):
+    """Falcon (its own output and FFN rules) with a fused attn_qkv (GQA 4)."""
+    rng = np.random.default_rng(seed)
+    kv = _hparams("falcon", n_layer, e, f, 1)
+    kv["falcon.attention.layer_norm_epsilon"] = 1e-5
+    t = {"token_embd.weight": _mat(rng, 512, e), "output_norm.weight": np.ones(e, np.float32),
+         "output_norm.bias": np.zeros(e, np.float32), "output.weight": _mat(rng, 512, e)}
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        t[p + "attn_norm.weight"] = np.ones(e, np.float32)
+        t[p + "attn_norm.bias"] = np.zeros(e, np.float32)
+        t[p + "attn_qkv.weight"] = _mat(rng, e + 128, e)
+        t[p + "attn_output.weight"] = _mat(rng, e, e)
+        t[p + "ffn_up.weight"] = _mat(rng, f, e)
+        t[p + "ffn_down.weight"] = _mat(rng, e, f)
+    return kv, t
+
+
+GEMMA3_TIED = TinySpec(arch="gemma3", n_layer=4, n_embd=96, n_head=4, n_head_kv=1, n_ff=200, seed=43)
+LLAMA_GQA4 = TinySpec(n_layer=8, n_embd=256, n_head=4, n_head_kv=1, n_ff=256, seed=44)
+
+
+def model_inputs(name: str) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    if name == "llama-gqa4":
+        return model_kv(LLAMA_GQA4), model_tensors(LLAMA_GQA4)
+    if name in ("gemma3-tied", "gemma3-split"):
+        return model_kv(GEMMA3_TIED), model_tensors(GEMMA3_TIED)
+    if name == "moe8":
+        return moe8_model()
+    if name == "falcon-qkv":
+        return falcon_model()
+    raise KeyError(name)
+
+
+MODELS = ("llama-gqa4", "gemma3-tied", "moe8", "falcon-qkv")
+
+
+def build(name: str, out_dir: Path) -> Path:
+    """The input GGUF of model `name` (the split model: its first shard)."""
+    kv, tensors = model_inputs(name)
+    if name == "gemma3-split":
+        return write_split(out_dir / name, kv, tensors, 2)
+    return write_gguf(out_dir / f"{name}.gguf", kv, tensors)
+
+
+# Cases of the split model: (case name, ftype, keep_split).
+SPLIT_CASES = (("Q4_K_M+keep_split", "Q4_K_M", True), ("Q8_0", "Q8_0", False))
+
+
+def case_params(ftype_name: str, keep_split: bool = False, nthread: int = 2) -> QuantizeParams:
+    ftype, only_copy = parse_ftype(ftype_name)
+    return QuantizeParams(ftype=ftype, only_copy=only_copy, keep_split=keep_split, nthread=nthread)
+
+
+def describe(paths: list[str]) -> dict:
+    """What the reference holds for one case: each file's sha256 (in shard order), each tensor's
+    type and the start of its hash (to say which tensor differs)."""
+    files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
+    with gguf.GGUFReader(paths[0]) as r:
+        tensors = {n: [ti.type.name, sha(ti.data)[:12]] for n, ti in r.tensors.items()}
+    return {"files": files, "tensors": tensors}
+
+
+# ---- the quantizers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("type_name", ROW_TYPES)
+def test_quantizer_rows_equal_llamacpp(ref, type_name):
+    rows = quantizer_rows()
+    ours = quants.quantize(rows, GGMLType[type_name])
+    got = [sha(r) for r in ours]
+    want = ref["rows"][type_name]
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    assert not bad, f"{type_name}: rows {bad} differ from ggml_quantize_chunk's bytes"
+
+
+def test_quantizer_round_trip_error_is_small():
+    """A sanity check beside the hashes: each quantizer's bytes dequantize near the input."""
+    x = np.random.default_rng(7).standard_normal((8, 512)).astype(np.float32)
+    for name, bound in (("Q2_K", 0.45), ("Q3_K", 0.25), ("Q4_K", 0.12), ("Q5_K", 0.06), ("Q6_K", 0.03),
+                        ("IQ4_NL", 0.12), ("IQ4_XS", 0.12), ("MXFP4", 0.2)):
+        t = GGMLType[name]
+        y = quants.dequantize(quants.quantize(x, t).reshape(-1), t, (512, 8))
+        rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x ** 2))
+        assert rel < bound, f"{name}: relative RMS error {rel:.3f}"
+
+
+# ---- model_quantize on the test models ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("quantize-inputs")
+    return {name: build(name, d) for name in (*MODELS, "gemma3-split")}
+
+
+def _check_case(ref_case: dict, inp: Path, out: Path, ftype_name: str, keep_split: bool = False) -> None:
+    params = case_params(ftype_name, keep_split)
+    if "error" in ref_case:
+        with pytest.raises(QuantizeError) as e:
+            model_quantize(inp, out, params)
+        if "imatrix" in ref_case["error"]:
+            assert "importance matrix" in str(e.value)
+        assert not out.exists()
+        return
+    try:
+        paths = model_quantize(inp, out, params)
+    except QuantizeError as e:
+        if ftype_name in NOT_IMPLEMENTED and "not implemented" in str(e):
+            pytest.skip(f"{ftype_name}: {e}")
+        raise
+    got = describe(paths)
+    if got["files"] != ref_case["files"]:
+        bad = {n: (t, ref_case["tensors"].get(n)) for n, t in got["tensors"].items()
+               if ref_case["tensors"].get(n) != t}
+        missing = set(ref_case["tensors"]) - set(got["tensors"])
+        pytest.fail(f"{inp.name} {ftype_name}: output differs from llama.cpp's; tensors (ours, llama.cpp): "
+                    f"{dict(list(bad.items())[:6])}, missing {sorted(missing)[:6]}"
+                    + ("" if bad or missing else " (the tensors agree: the metadata differs)"))
+
+
+CASES = [pytest.param(m, f, marks=() if (m, f) in QUICK else pytest.mark.slow, id=f"{m}-{f}")
+         for m in MODELS for f in FTYPES]
+
+
+@pytest.mark.parametrize("model,ftype_name", CASES)
+def test_model_quantize_equals_llamacpp(ref, inputs, tmp_path, model, ftype_name):
+    _check_case(ref["models"][model][ftype_name], inputs[model], tmp_path / "out.gguf", ftype_name)
+
+
+@pytest.mark.parametrize("case,ftype_name,keep_split", SPLIT_CASES)
+def test_split_model_equals_llamacpp(ref, inputs, tmp_path, case, ftype_name, keep_split):
+    _check_case(ref["models"]["gemma3-split"][case], inputs["gemma3-split"], tmp_path / "out", ftype_name,
+                keep_split)
+
+
+def test_threads_do_not_change_the_bytes(inputs, tmp_path):
+    one = model_quantize(inputs["llama-gqa4"], tmp_path / "a.gguf", case_params("Q3_K_M", nthread=1))
+    four = model_quantize(inputs["llama-gqa4"], tmp_path / "b.gguf", case_params("Q3_K_M", nthread=4))
+    assert Path(one[0]).read_bytes() == Path(four[0]).read_bytes()
+
+
+# ---- names and refusals -------------------------------------------------------------------------
+
+
+def test_type_names_as_llama_quantize_takes_them():
+    assert parse_ftype("q4_k_m") == (LlamaFType.MOSTLY_Q4_K_M, False)
+    assert parse_ftype("Q4_K") == (LlamaFType.MOSTLY_Q4_K_M, False)
+    assert parse_ftype("15") == (LlamaFType.MOSTLY_Q4_K_M, False)
+    assert parse_ftype("COPY") == (LlamaFType.ALL_F32, True)
+    assert parse_ggml_type("q6_k") == GGMLType.Q6_K
+    with pytest.raises(QuantizeError, match="invalid ftype 'Q4_K_X'"):
+        parse_ftype("Q4_K_X")
+    with pytest.raises(QuantizeError, match="invalid ggml_type 'q9_0'"):
+        parse_ggml_type("q9_0")
+
+
+def test_requantizing_needs_allow_requantize(inputs, tmp_path):
+    q8 = model_quantize(inputs["gemma3-tied"], tmp_path / "q8.gguf", case_params("Q8_0"))[0]
+    out = tmp_path / "q4.gguf"
+    with pytest.raises(QuantizeError, match="requantizing from type Q8_0 is disabled"):
+        model_quantize(q8, out, case_params("Q4_0"))
+    assert not out.exists()
+    params = case_params("Q4_0")
+    params.allow_requantize = True
+    model_quantize(q8, out, params)
+    with gguf.GGUFReader(out) as r:
+        assert r.tensors["blk.0.attn_q.weight"].type == GGMLType.Q4_0
+
+
+def test_iq2_needs_an_importance_matrix(inputs, tmp_path):
+    out = tmp_path / "iq2.gguf"
+    with pytest.raises(QuantizeError, match="requires an importance matrix"):
+        model_quantize(inputs["llama-gqa4"], out, case_params("IQ2_XXS"))
+    assert not out.exists()
+
+
+def test_unwritable_output_leaves_no_file(inputs, tmp_path):
+    with pytest.raises(QuantizeError, match="cannot write"):
+        model_quantize(inputs["gemma3-tied"], tmp_path / "missing-dir" / "out.gguf", case_params("Q8_0"))
+
+
+def test_failure_midway_leaves_no_partial_file(inputs, tmp_path):
+    """A tensor that cannot be quantized (out of range) after others were written: no output."""
+    kv, tensors = model_inputs("gemma3-tied")
+    tensors["blk.3.ffn_up.weight"] = tensors["blk.3.ffn_up.weight"] * np.float32(1e30)
+    inp = write_gguf(tmp_path / "huge.gguf", kv, tensors)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(QuantizeError, match="blk.3.ffn_up.weight"):
+        model_quantize(inp, out, case_params("Q8_0"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.gguf"]
