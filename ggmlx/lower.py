@@ -353,6 +353,10 @@ def _set_rows(env, n: Tensor):
     dst, src, idx = n.src
     d = _value(env, dst)
     v = _value_f32(env, src).astype(d.dtype)
+    if idx.ne[1] > 1:           # per ne2 slice j: its own rows c[:, j] (ne3 = 1)
+        rows2 = _value(env, idx).reshape(idx.ne[1], idx.ne[0]).astype(jnp.int32)
+        slices = jnp.arange(idx.ne[1])[:, None]
+        return d.at[0, slices, rows2, :].set(v[0], mode="drop", wrap_negative_indices=False)
     rows = _value(env, idx).reshape(-1).astype(jnp.int32)
     # negative indices must be dropped too, not wrapped to the last rows as numpy indexing would
     return d.at[:, :, rows, :].set(v, mode="drop", wrap_negative_indices=False)

@@ -237,12 +237,14 @@ def get_rows(a: Tensor, b: Tensor) -> Tensor:
 
 def set_rows(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """a with rows c[i] replaced by b's row i (converted to a's type). a [ne0, n_rows, ...]
-    is usually a state buffer (a KV cache layer); b F32 [ne0, n, ...]; c I32/I64 [n].
+    is usually a state buffer (a KV cache layer); b F32 [ne0, n, ...]; c I32/I64 [n] for every
+    ne2 slice, or [n, ne2] with its own rows per slice (ggml's broadcast; ne3 = 1 then).
     Indices outside [0, n_rows) are dropped, so padded tokens write nothing. -> a.ne, a.type."""
     if a.ne[0] != b.ne[0] or a.ne[2:] != b.ne[2:]:
         _fail("set_rows", "src and dst rows must match (ne0, ne2, ne3)", a, b)
-    if c.type not in (I32, GGMLType.I64) or c.ne[0] != b.ne[1] or c.nrows() != 1:
-        _fail("set_rows", "indices must be I32/I64 [n_rows of src]", c, b)
+    per_slice = c.ne[1] == b.ne[2] and c.ne[1] > 1 and b.ne[3] == 1 and c.ne[2] == c.ne[3] == 1
+    if c.type not in (I32, GGMLType.I64) or c.ne[0] != b.ne[1] or (c.nrows() != 1 and not per_slice):
+        _fail("set_rows", "indices must be I32/I64 [n_rows of src] or [n_rows of src, ne2 of src]", c, b)
     if types.traits(a.type).is_quantized:
         _fail("set_rows", "quantized destinations are not supported", a)
     return _node(Op.SET_ROWS, a.type, a.ne, (a, b, c))

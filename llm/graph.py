@@ -500,6 +500,21 @@ class GraphBuilder:
             raise _unsupported(where, "type_op", type_op, fused)
         assert_never(type_op)
 
+    def group_limited(self, selection: Tensor, n_expert: int, n_tokens: int, il: int) -> Tensor:
+        """DeepSeek-V3's group-limited routing: experts in n_expert_groups groups, each scored by
+        the sum of its two best selection values; only the n_group_used best groups stay
+        selectable (the others -inf). [n_expert, n_tokens] -> the same."""
+        hp = self.hparams
+        n_groups, n_per = hp.n_expert_groups, n_expert // hp.n_expert_groups
+        groups = ops.reshape_3d(selection, n_per, n_groups, n_tokens)
+        best2 = ops.top_k(groups, 2)                                               # [2, groups, T]
+        scores = ops.get_rows(ops.reshape_4d(groups, 1, n_per, n_groups, n_tokens), best2)
+        scores = ops.sum_rows(ops.reshape_3d(scores, 2, n_groups, n_tokens))       # [1, groups, T]
+        kept = self.cb(ops.top_k(ops.reshape_2d(scores, n_groups, n_tokens), hp.n_group_used),
+                       "ffn_moe_group_topk", il)                                   # [n_group_used, T]
+        masked = ops.set_rows(ops.scale(groups, 0.0, float("-inf")), ops.get_rows(groups, kept), kept)
+        return self.cb(ops.reshape_2d(masked, n_expert, n_tokens), "ffn_moe_probs_masked", il)
+
     def build_moe_ffn(self, cur: Tensor, gate_inp: Tensor | None, up_exps: Tensor | None,
                       gate_exps: Tensor | None, down_exps: Tensor | None, n_expert: int,
                       n_expert_used: int, type_op: LLMFfnOpType, norm_w: bool,
@@ -539,6 +554,8 @@ class GraphBuilder:
         self.cb(probs, "ffn_moe_probs", il)
         if exp_probs_b is not None:
             selection = self.cb(ops.add(probs, exp_probs_b), "ffn_moe_probs_biased", il)
+        if self.hparams.n_expert_groups > 1:
+            selection = self.group_limited(selection, n_expert, n_tokens, il)
         selected = self.cb(ops.top_k(selection, n_expert_used), "ffn_moe_topk", il)
         w = ops.get_rows(ops.reshape_3d(probs, 1, n_expert, n_tokens), selected)
         self.cb(w, "ffn_moe_weights", il)

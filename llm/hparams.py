@@ -149,6 +149,8 @@ class HParams:
     expert_gating_func: int = 0       # ExpertGatingFuncType value from `%s.expert_gating_func`
     # multi-head latent attention (deepseek2): Q and KV ranks, the per-head K/V sizes after
     # decompression; the cache then holds each token's latent (n_embd_head_k = kv rank + rope)
+    n_expert_groups: int = 0          # DeepSeek-V3's group-limited routing: groups of experts ...
+    n_group_used: int = 0             # ... and how many of them stay selectable per token
     n_lora_q: int = 0
     n_lora_kv: int = 0
     n_embd_head_k_mla: int = 0

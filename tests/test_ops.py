@@ -1080,3 +1080,20 @@ def test_a_node_without_a_lowering_is_named_in_the_error():
 def test_an_op_is_lowered_once():
     with pytest.raises(ValueError, match="already lowered"):
         lower.lowers(Op.ADD)(lambda n, env: None)
+
+
+def test_set_rows_per_slice_indices():
+    """Indices [n, ne2]: each ne2 slice writes its own rows (DeepSeek-V3's group masking)."""
+    rng = np.random.default_rng(18)
+    dst = new_input(T.F32, (3, 5, 4), "dst")                 # ne0 3, 5 rows, 4 slices
+    dv = rand(rng, (3, 5, 4))
+    src = new_input(T.F32, (3, 2, 4), "src")
+    sv = rand(rng, (3, 2, 4))
+    idx = new_input(T.I32, (2, 4), "idx")
+    iv = np.array([[0, 4], [1, 1], [3, 2], [4, 0]], np.int32)       # [slice, i]
+    (out,) = run([ops.set_rows(dst, src, idx)], {dst: dv, src: sv, idx: iv.reshape(1, 1, 4, 2)})
+    ref = dv.copy()                                          # numpy order [1, slice, row, ne0]
+    for j in range(4):
+        for i in range(2):
+            ref[0, j, iv[j, i]] = sv[0, j, i]
+    np.testing.assert_array_equal(np.asarray(out), ref.astype(np.float32))

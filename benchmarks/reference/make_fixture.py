@@ -509,7 +509,7 @@ def spec_exaone4(d: Dims, w: Weights) -> dict:
 def spec_deepseek2(d: Dims, w: Weights) -> dict:
     """DeepSeek-V3-style MLA (q rank 32, kv rank 32, 8 rope + 8 no-rope dims per head, 16 per
     value head; the cache row is 32 + 8), a dense layer, then sigmoid experts with a selection
-    bias, renormalized and scaled, plus a shared expert."""
+    bias in 2 groups of which 1 stays selectable, renormalized and scaled, plus a shared expert."""
     a = "deepseek2"
     q_rank, kv_rank, n_rot, nope, v_head, n_ff_exp = 32, 32, 8, 8, 16, 16
     kv = base_kv(a, d)
@@ -520,7 +520,7 @@ def spec_deepseek2(d: Dims, w: Weights) -> dict:
                f"{a}.leading_dense_block_count": 1, f"{a}.expert_count": d.n_expert,
                f"{a}.expert_used_count": d.n_expert_used, f"{a}.expert_feed_forward_length": n_ff_exp,
                f"{a}.expert_shared_count": 1, f"{a}.expert_weights_scale": 2.5, f"{a}.expert_weights_norm": True,
-               f"{a}.expert_gating_func": 2})
+               f"{a}.expert_gating_func": 2, f"{a}.expert_group_count": 2, f"{a}.expert_group_used_count": 1})
     w.embd("token_embd.weight", N_VOCAB, d.n_embd)
     output(w, d)
     for il in range(d.n_layer):

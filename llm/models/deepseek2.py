@@ -7,8 +7,8 @@ kv_lora_rank; per-head K/V are never stored). Queries go through a low-rank wq_a
 wq_b (or wq for the lite models); their no-rope halves are absorbed into the latent space by
 wk_b, and the attention output is decompressed per head by wv_b (GraphBuilder.build_attn_mla).
 FFN: `leading_dense_block_count` dense layers, then routed experts (softmax or sigmoid gating,
-a selection bias, renormalized and scaled weights) plus shared experts. Expert groups
-(DeepSeek-V3's group-limited routing) and the legacy unsplit wkv_b are refused by name."""
+a selection bias, DeepSeek-V3's group-limited routing, renormalized and scaled weights) plus
+shared experts. The legacy unsplit wkv_b is refused by name."""
 from __future__ import annotations
 
 import math
@@ -49,9 +49,13 @@ def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
     hp.expert_weights_norm = ml.get_key(LLMKV.EXPERT_WEIGHTS_NORM, bool, False)
     gating = ml.get_key(LLMKV.EXPERT_GATING_FUNC, int, int(ExpertGatingFuncType.NONE))
     hp.expert_gating_func = int(ExpertGatingFuncType.SOFTMAX) if gating == ExpertGatingFuncType.NONE else gating
-    if ml.get_key(LLMKV.EXPERT_GROUP_COUNT, int, 0) > 1:
-        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_GROUP_COUNT)}' > 1: group-limited expert routing "
-                       "(DeepSeek-V3/R1) is not supported yet")
+    hp.n_expert_groups = ml.get_key(LLMKV.EXPERT_GROUP_COUNT, int, 0)
+    hp.n_group_used = ml.get_key(LLMKV.EXPERT_GROUP_USED_COUNT, int, 0)
+    if hp.n_expert_groups > 1 and not (hp.n_expert % hp.n_expert_groups == 0
+                                       and 0 < hp.n_group_used < hp.n_expert_groups):
+        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_GROUP_COUNT)}' = {hp.n_expert_groups} must divide the "
+                       f"{hp.n_expert} experts, with 0 < '{ml.key_name(LLMKV.EXPERT_GROUP_USED_COUNT)}' = "
+                       f"{hp.n_group_used} < it")
     if ml.key_name(LLMKV.ROPE_SCALING_YARN_LOG_MUL) in ml.kv:
         hp.rope_yarn_log_mul /= 0.1      # llama.cpp cancels the convert script's factor
     if hp.n_expert == 0 or hp.n_expert_used == 0:
