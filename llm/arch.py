@@ -95,6 +95,7 @@ class LLMArch(enum.Enum):
     GLM4_MOE = "glm4moe"
     SEED_OSS = "seed_oss"
     EXAONE4 = "exaone4"
+    MINIMAX_M2 = "minimax-m2"
 
 
 def arch_from_name(name: str) -> LLMArch:

@@ -551,6 +551,30 @@ def spec_deepseek2(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_minimax_m2(d: Dims, w: Weights) -> dict:
+    """MiniMax-M2: all-heads Q/K norms (GQA), half-head NEOX rope, sigmoid experts with a
+    selection bias in every layer."""
+    a = "minimax-m2"
+    d = dataclasses.replace(d, n_ff=32)
+    kv = base_kv(a, d)
+    kv.update({f"{a}.rope.dimension_count": d.head_dim // 2, f"{a}.expert_count": d.n_expert,
+               f"{a}.expert_used_count": d.n_expert_used, f"{a}.expert_feed_forward_length": d.n_ff,
+               f"{a}.expert_gating_func": 2})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "attn_q_norm.weight", d.n_embd)
+        w.norm(p + "attn_k_norm.weight", d.n_head_kv * d.head_dim)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        moe(w, p, d, d.n_ff)
+        w.bias(p + "exp_probs_b.bias", d.n_expert, scale=0.5)
+    return kv
+
+
 def spec_smollm3(d: Dims, w: Weights) -> dict:
     d = dataclasses.replace(d, n_layer=4)      # layer 3 is the NoPE one
     kv = base_kv("smollm3", d)
@@ -803,6 +827,7 @@ ARCHS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec(spec_olmoe, 125),
     "exaone4": ArchSpec(spec_exaone4, 126),
     "deepseek2": ArchSpec(spec_deepseek2, 127),
+    "minimax-m2": ArchSpec(spec_minimax_m2, 128),
 }
 
 

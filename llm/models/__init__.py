@@ -28,6 +28,7 @@ from llm.models import (
     granitemoe,
     llama,
     llama4,
+    minimax_m2,
     mistral3,
     nomic_bert,
     olmo2,
@@ -79,6 +80,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.OLMOE: olmoe,
     LLMArch.EXAONE4: exaone4,
     LLMArch.DEEPSEEK2: deepseek2,
+    LLMArch.MINIMAX_M2: minimax_m2,
 }
 
 
