@@ -681,6 +681,17 @@ def output_paths(out_path: str | os.PathLike, n_split: int, keep_split: bool) ->
     return [gguf.split_path(out_path, i, n_split) for i in range(n_split)]
 
 
+def input_files(in_path: str | os.PathLike) -> list[str]:
+    """The file(s) of a model: its shards when it is split."""
+    with GGUFReader(in_path) as r:
+        return [s.path for s in r.shards]
+
+
+def output_files(in_path: str | os.PathLike, out_path: str | os.PathLike, keep_split: bool) -> list[str]:
+    """The file(s) model_quantize(in_path, out_path) writes."""
+    return output_paths(out_path, len(input_files(in_path)), keep_split)
+
+
 def model_quantize(in_path: str | os.PathLike, out_path: str | os.PathLike,
                    params: QuantizeParams | None = None) -> list[str]:
     """llama_model_quantize: write `in_path` quantized as `params.ftype`; returns the file(s) written.

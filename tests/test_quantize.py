@@ -333,3 +333,73 @@ def test_failure_midway_leaves_no_partial_file(inputs, tmp_path):
     with pytest.raises(QuantizeError, match="blk.3.ffn_up.weight"):
         model_quantize(inp, out, case_params("Q8_0"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.gguf"]
+
+
+# ---- the command (llm/cli/quantize.py, through its own parser) ----------------------------------
+
+
+def _cli(*argv: str):
+    import argparse
+
+    from llm.cli import quantize as cli
+    ap = argparse.ArgumentParser()
+    cli.add_parser(ap.add_subparsers(dest="command", required=True))
+    a = ap.parse_args(["quantize", *argv])
+    return a.fn(a)
+
+
+def test_cli_writes_llama_quantize_bytes(ref, inputs, tmp_path, capsys):
+    out = tmp_path / "out.gguf"
+    assert _cli(str(inputs["gemma3-tied"]), str(out), "q3_k_m", "--nthread", "2") == 0
+    assert describe([str(out)])["files"] == ref["models"]["gemma3-tied"]["Q3_K_M"]["files"]
+    assert "as Q3_K_M" in capsys.readouterr().err
+
+
+def test_cli_flags_reach_the_params(inputs, tmp_path):
+    out = tmp_path / "out.gguf"
+    _cli(str(inputs["llama-gqa4"]), str(out), "Q4_K_M", "--leave-output-tensor", "--token-embedding-type", "q8_0",
+         "--tensor-type", "ATTN_Q=q5_0", "--tensor-type", "ffn_down=f16", "--pure")
+    with gguf.GGUFReader(out) as r:
+        t = {n: ti.type.name for n, ti in r.tensors.items()}
+    assert t["output.weight"] == "F32" and t["token_embd.weight"] == "Q8_0"
+    assert t["blk.0.attn_q.weight"] == "Q5_0" and t["blk.0.ffn_down.weight"] == "F16"
+    assert t["blk.0.attn_v.weight"] == "Q4_K"       # --pure: no Q6_K for the first layers' V
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("Q4_K_X",), "invalid ftype 'Q4_K_X'"),
+    (("Q4_K_M", "--output-tensor-type", "q9"), "invalid ggml_type 'q9'"),
+    (("Q4_K_M", "--tensor-type", "attn_q"), "expected PATTERN=TYPE"),
+    (("Q4_K_M", "--include-weights", "a", "--exclude-weights", "b"), "cannot be used together"),
+    (("IQ2_XXS",), "requires an importance matrix"),
+    (("Q4_K_M", "--imatrix", "imatrix.gguf"), "not implemented yet"),
+])
+def test_cli_bad_input_is_a_usage_error(inputs, tmp_path, argv, message):
+    from llm.cli.commands import _exit_code
+    from llm.errors import UsageError
+    out = tmp_path / "out.gguf"
+    with pytest.raises(UsageError, match=message) as e:
+        _cli(str(inputs["llama-gqa4"]), str(out), *argv)
+    assert _exit_code(e.value) == 2 and "\n" not in str(e.value)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_cli_refuses_existing_output_and_requantizing(inputs, tmp_path):
+    from llm.errors import UsageError
+    out = tmp_path / "out.gguf"
+    _cli(str(inputs["gemma3-tied"]), str(out), "Q8_0")
+    with pytest.raises(UsageError, match="exists"):
+        _cli(str(inputs["gemma3-tied"]), str(out), "Q8_0")
+    with pytest.raises(UsageError, match="input and output files are the same"):
+        _cli(str(out), str(out), "Q4_0")
+    with pytest.raises(UsageError, match="requantizing from type Q8_0 is disabled"):
+        _cli(str(out), str(tmp_path / "q4.gguf"), "Q4_0")
+    assert _cli(str(out), str(tmp_path / "q4.gguf"), "Q4_0", "--allow-requantize") == 0
+    with pytest.raises(UsageError, match="cannot write"):
+        _cli(str(out), str(tmp_path / "no-dir" / "q4.gguf"), "Q4_0", "--allow-requantize")
+
+
+def test_cli_keep_split_names_the_shards(ref, inputs, tmp_path):
+    _cli(str(inputs["gemma3-split"]), str(tmp_path / "out.gguf"), "Q4_K_M", "--keep-split")
+    paths = [str(tmp_path / f"out-0000{i}-of-00002.gguf") for i in (1, 2)]
+    assert describe(paths)["files"] == ref["models"]["gemma3-split"]["Q4_K_M+keep_split"]["files"]
