@@ -444,8 +444,9 @@ class TokenStreamDecoder:
         self.special = special
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def push(self, token: int) -> str:
-        return self._decoder.decode(self.vocab.token_to_piece(token, special=self.special))
+    def push(self, token: int, special: bool = False) -> str:
+        """The text token adds; a control token's own text when `special` (or the decoder's)."""
+        return self._decoder.decode(self.vocab.token_to_piece(token, special=special or self.special))
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)

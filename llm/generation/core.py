@@ -38,6 +38,9 @@ class GenParams:
     speculative: Any = None
     # this request's scales of the context's LoRA adapters, one per adapter (None: the context's)
     lora: tuple[float, ...] | None = None
+    # control tokens whose text is part of the output (llama.cpp's preserved_tokens: the markup of
+    # a chat format's tool calls, which its parser reads back)
+    preserved_tokens: frozenset[int] = frozenset()
 
     def check(self) -> None:
         """A ParamError naming the field that is wrong."""
@@ -182,7 +185,7 @@ class SeqState:
             lps.append(TokenLogprob(token, self.vocab.token_to_piece(token), lp, top))
         self.tokens.append(token)
         start = max(len(self.text) - self.hold + 1, 0)
-        self.text += self.decoder.push(token)
+        self.text += self.decoder.push(token, special=token in p.preserved_tokens)
         cut = min((i for i in (self.text.find(s, start) for s in p.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]

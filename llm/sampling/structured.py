@@ -13,12 +13,22 @@ offers it as its alternative grammar engine.
 
 GBNF (llama.cpp's dialect) is parsed and checked by llm.gbnf and handed to llguidance in its
 Lark dialect.
+
+A lazy grammar (llama.cpp's `grammar_lazy` with `grammar_triggers`) leaves the output free until
+one of its triggers appears (a word, a token, a regex anywhere or over the whole output), then
+constrains it from the token where the trigger starts: a tool call that the model may or may not
+make. The tokens since that one are replayed into the matcher, so the grammar begins with a lazy
+lexeme that absorbs whatever that first token holds before the trigger.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import enum
+import functools
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,7 +219,9 @@ def _checked(grammar: str, what: str) -> str:
     return grammar
 
 
-def _check_schema(schema) -> dict | bool:
+def check_schema(schema) -> dict | bool:
+    """A JSON schema (a dict or its JSON text) checked against its metaschema; GrammarError names
+    where it is wrong."""
     import jsonschema  # only needed for schemas
 
     if isinstance(schema, str):
@@ -231,12 +243,38 @@ def _check_schema(schema) -> dict | bool:
     return dict(schema) if isinstance(schema, Mapping) else schema
 
 
+class TriggerKind(enum.Enum):
+    """llama.cpp's common_grammar_trigger_type."""
+
+    WORD = "word"                  # this text anywhere in the output
+    TOKEN = "token"                # this token
+    PATTERN = "pattern"            # this regex anywhere (its first group, if any, is where the grammar starts)
+    PATTERN_FULL = "pattern_full"  # this regex over the whole output so far
+
+
+@dataclass(frozen=True)
+class GrammarTrigger:
+    kind: TriggerKind
+    value: str = ""                # the word or the regex
+    token: int = -1                # for TOKEN
+
+    @functools.cached_property
+    def regex(self) -> re.Pattern[bytes]:
+        return re.compile(self.value.encode("utf-8"))
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A checked llguidance grammar, not yet bound to a vocabulary."""
+    """A checked llguidance grammar, not yet bound to a vocabulary (unless it names token ids);
+    with triggers, a lazy one."""
 
     grammar: str
     what: str
+    triggers: tuple[GrammarTrigger, ...] = ()
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.triggers)
 
     def sampler(self, vocab: GrammarVocab | Vocab) -> Grammar:
         """A Grammar sampler for this vocabulary (pass a GrammarVocab to reuse one: building it
@@ -250,11 +288,24 @@ def spec_gbnf(gbnf: str, root: str = "root") -> GrammarSpec:
         return GrammarSpec(_checked(llguidance.LLMatcher.grammar_from_lark(lark), "grammar"), "grammar")
 
 
+def spec_lark(lark: str, what: str, *, triggers: tuple[GrammarTrigger, ...] = (),
+              vocab: GrammarVocab | None = None) -> GrammarSpec:
+    """An llguidance Lark grammar (checked against `vocab` when it names tokens as <[id]>)."""
+    if len(lark.encode("utf-8")) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{what}: {len(lark)} characters is more than the {MAX_GRAMMAR_BYTES} bytes allowed")
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None if vocab is None else vocab.tokenizer, limits=_limits())
+    if is_error:
+        raise GrammarError(f"{what}: {messages[0] if messages else 'invalid'}")
+    return GrammarSpec(grammar, what, triggers)
+
+
 def spec_json_schema(schema) -> GrammarSpec:
     """A JSON schema (a dict, or its JSON text) as a grammar; GrammarError names what is wrong,
     including a schema nested more than MAX_SCHEMA_DEPTH levels deep."""
     with _no_recursion_error("json_schema"):
-        schema = _check_schema(schema)
+        schema = check_schema(schema)
         try:
             text = json.dumps(schema)
         except (TypeError, ValueError) as e:
@@ -309,6 +360,7 @@ class Grammar(Sampler):
     Put it first in the chain (as llama.cpp does): the samplers after it then only see
     allowed tokens. Once the grammar is complete only end-of-generation tokens are allowed,
     so generation ends there; a grammar that cannot finish within max_tokens ends by length.
+    A lazy grammar allows everything until a trigger (llama_sampler_init_grammar_lazy_patterns).
     """
 
     name = "grammar"
@@ -320,6 +372,11 @@ class Grammar(Sampler):
         self.matcher = llguidance.LLMatcher(gvocab.tokenizer, spec.grammar, log_level=0, limits=_limits())
         self._raise_if_error()
         self.bitmask = np.zeros((self.n_vocab + 31) // 32, np.int32)
+        self.awaiting = spec.lazy       # no trigger seen yet: nothing is constrained
+        self.free = False               # a lazy grammar that could not follow its trigger constrains nothing
+        self.seen = bytearray()         # the output while awaiting, and where each of its tokens starts
+        self.starts: list[int] = []
+        self.tokens: list[int] = []
 
     def _raise_if_error(self) -> None:
         if self.matcher.is_error():
@@ -332,6 +389,8 @@ class Grammar(Sampler):
         return unpack_bitmask(self.bitmask, self.n_vocab)
 
     def apply(self, cur: TokenDataArray) -> None:
+        if self.awaiting or self.free:
+            return
         allowed = self.allowed()
         if cur.size == self.n_vocab and cur.ids[-1] == self.n_vocab - 1 and not cur.sorted:
             # first in the chain (ids 0..n-1): a grammar usually allows few tokens, so keep
@@ -344,21 +403,61 @@ class Grammar(Sampler):
             cur.logits[~allowed[cur.ids]] = -np.inf
 
     def accept(self, token: int) -> None:
+        if self.free:
+            return
+        if self.awaiting:
+            first = self._triggered(int(token))
+            if first is None:
+                return
+            replay, self.awaiting = self.tokens[first:], False
+            self.seen, self.starts, self.tokens = bytearray(), [], []
+            if not self.matcher.consume_tokens(replay):
+                # the text around the trigger is not what the grammar expects (llama.cpp fails the
+                # request here); the reply stays unconstrained and its parser reads what it can
+                log.warning("%s: the output after the trigger does not fit the grammar (%s); not constraining",
+                            self.spec.what, self.matcher.get_error())
+                self.free = True
+            return
         if self.matcher.is_stopped() and token in self.gvocab.vocab.eog_ids:
             return
         if not self.matcher.consume_token(int(token)):
             raise GrammarError(f"{self.spec.what}: token {token} is not allowed here: {self.matcher.get_error()}")
 
+    def _triggered(self, token: int) -> int | None:
+        """Record an output token while awaiting; the index (in self.tokens) of the token where
+        the grammar starts, once a trigger has appeared."""
+        self.starts.append(len(self.seen))
+        self.tokens.append(token)
+        self.seen += self.gvocab.vocab.token_to_piece(token, special=True)
+        for trig in self.spec.triggers:
+            if trig.kind == TriggerKind.TOKEN:
+                at = self.starts[-1] if token == trig.token else -1
+            elif trig.kind == TriggerKind.WORD:
+                word = trig.value.encode("utf-8")
+                at = self.seen.find(word, max(0, self.starts[-1] - len(word) + 1))
+            else:
+                find = trig.regex.search if trig.kind == TriggerKind.PATTERN else trig.regex.fullmatch
+                m = find(self.seen)
+                at = -1 if m is None else m.start(1) if trig.regex.groups else m.start()
+            if at >= 0:
+                return bisect.bisect_right(self.starts, at) - 1
+        return None
+
     def is_accepting(self) -> bool:
-        """True when the text so far is a complete sentence of the grammar."""
-        return self.matcher.is_accepting()
+        """True when the text so far is a complete sentence of the grammar (or, for a lazy
+        grammar, no trigger has come yet)."""
+        return self.awaiting or self.free or self.matcher.is_accepting()
 
     def reset(self) -> None:
         self.matcher.reset()
+        self.awaiting, self.free = self.spec.lazy, False
+        self.seen, self.starts, self.tokens = bytearray(), [], []
 
     def clone(self) -> Grammar:
         twin = object.__new__(Grammar)
         twin.spec, twin.gvocab, twin.n_vocab = self.spec, self.gvocab, self.n_vocab
         twin.matcher = self.matcher.deep_copy()
         twin.bitmask = self.bitmask.copy()
+        twin.awaiting, twin.free = self.awaiting, self.free
+        twin.seen, twin.starts, twin.tokens = bytearray(self.seen), list(self.starts), list(self.tokens)
         return twin
