@@ -8,6 +8,7 @@ chunk, and caps on string/list products and on the output size."""
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import string
 import sys
@@ -271,7 +272,7 @@ class _Env(ImmutableSandboxedEnvironment):
         for new in (wordwrap, join, replace, truncate):     # keeps jinja_pass_arg (environment, eval context)
             update_wrapper(new, f[new.__name__])
         self.filters.update(center=center, indent=indent, wordwrap=wordwrap, format=format_, join=join,
-                            replace=replace, truncate=truncate)
+                            replace=replace, truncate=truncate, tojson=_tojson)
         for name, fn in list(self.filters.items()):
             self.filters[name] = self._charged(fn)
 
@@ -296,6 +297,18 @@ class _CodeGenerator(CodeGenerator):
             self.visit(arg, frame)
             self.write(", ")
         self.write("))")
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' tojson, which chat templates are written for: keys in their order, no HTML
+    escapes (Jinja2's own sorts keys and writes `<` as \\u003c, which changes tool schemas and calls)."""
+    if isinstance(indent, (int, str)) and not isinstance(indent, bool) and len(str(indent)) > 2:
+        raise ChatTemplateError(f"chat template asks tojson for an indent of {str(indent)[:20]!r} (at most 99)")
+    try:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+    except (TypeError, ValueError) as e:
+        raise ChatTemplateError(f"chat template's tojson failed: {e}") from None
 
 
 def _raise_exception(message: str):
