@@ -21,8 +21,11 @@ from llm import cvec, distributed, hub
 from llm import params as params_mod
 from llm.adapter import LoraAdapter, adapter_lora_init
 from llm.batch import Batch
+from llm.chat import parsers as parsers_mod
+from llm.chat import prompt as prompt_mod
 from llm.chat import templates as chat_mod
 from llm.chat import tool_calls as tools_mod
+from llm.chat.formats import ChatSyntax, ReasoningFormat
 from llm.context import Context, ContextParams, DecodeStatus, bucket
 from llm.generation import core
 from llm.generation.batcher import Batcher, Done, Event, Job
@@ -64,6 +67,7 @@ class Completion:
     timings: dict = field(default_factory=dict)
     tool_calls: list[dict] | None = None    # OpenAI-shaped calls parsed from a chat reply with tools
     logprobs: list[TokenLogprob] | None = None    # per generated token, when asked for
+    reasoning_content: str | None = None    # a chat reply's reasoning, apart from its text (the content)
 
 
 class _Collect:
@@ -99,6 +103,7 @@ class GenerationChunk:
     token: int | None
     finish_reason: str | None = None
     completion: Completion | None = None
+    reasoning_content: str = ""     # chat_stream: new reasoning text (`text` is then new content)
 
 
 class LLM:
@@ -568,20 +573,27 @@ class LLM:
 
     # ---- chat ------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
-        """The model's chat template over messages; `tools` is passed to templates that use it."""
+    def _template(self) -> str:
         tmpl = chat_mod.template_for(self.model.meta, self.model.arch)
         if "tokenizer.chat_template" not in self.model.meta and not self._warned_template:
             self._warned_template = True
             logger.warning("%s has no chat template (a base model?): chat uses a generic one and may answer "
                            "poorly; for chat use an instruction-tuned model, e.g. llm.LLM(%r)",
                            os.path.basename(self.model.path), hub.DEFAULT_CHAT_MODEL)
+        return tmpl
+
+    def _bos_eos(self) -> dict[str, str]:
         v = self.vocab
+        return {"bos_token": v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
+                "eos_token": v.token_get_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else ""}
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The model's chat template over messages; `tools` is passed to templates that use it."""
         extra: dict[str, Any] = {"tools": tools} if tools else {}
-        return chat_mod.render(tmpl, messages, add_generation_prompt=add_generation_prompt, **extra,
-                               bos_token=v.token_get_text(v.bos).decode("utf-8", "replace") if v.bos >= 0 else "",
-                               eos_token=v.token_get_text(v.eos).decode("utf-8", "replace") if v.eos >= 0 else "")
+        bos_eos = self._bos_eos()
+        return chat_mod.render(self._template(), messages, add_generation_prompt=add_generation_prompt, **extra,
+                               bos_token=bos_eos["bos_token"], eos_token=bos_eos["eos_token"])
 
     def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None, *,
                     special_in_content: bool = False) -> list[int]:
@@ -589,12 +601,30 @@ class LLM:
         model wants it, else it is added here. Message content is text, as OpenAI's API treats
         it: a control token spelled in it (`<|im_end|>`) stays text, only the template's own
         markup has control tokens, unless special_in_content."""
-        text = self.render_chat(messages, tools=tools)
+        return self._tokens(self.render_chat(messages, tools=tools), messages,
+                            lambda placed: self.render_chat(placed, tools=tools), special_in_content)
+
+    def chat_prompt(self, messages: list[dict], options: prompt_mod.ChatOptions | None = None, *,
+                    special_in_content: bool = False) -> tuple[prompt_mod.ChatPrompt, list[int]]:
+        """A chat request in the model's own format (llm.chat.prompt.apply: its tool-call markup
+        and reasoning, detected from the template): the ChatPrompt (the grammar and syntax of
+        the reply) and the prompt's tokens, as chat_tokens makes them."""
+        tmpl, bos_eos, opts = self._template(), self._bos_eos(), options or prompt_mod.ChatOptions()
+
+        def apply(msgs: list[dict]) -> prompt_mod.ChatPrompt:
+            return prompt_mod.apply(tmpl, msgs, opts, vocab=self.vocab, **bos_eos)
+
+        chat = apply(messages)
+        return chat, self._tokens(chat.prompt, messages, lambda placed: apply(placed).prompt, special_in_content)
+
+    def _tokens(self, text: str, messages: list[dict], render: Callable[[list[dict]], str],
+                special_in_content: bool) -> list[int]:
+        """The tokens of `text`, the rendering of `messages` (render renders others)."""
         contents = [c for m in messages if isinstance(c := m.get("content"), str)]
         if special_in_content or not any(self._spells_special(c) for c in contents):
             tokens = self.tokenize(text, add_special=False, parse_special=True)
         else:
-            tokens = self._markup_and_content_tokens(messages, tools)
+            tokens = self._markup_and_content_tokens(text, messages, render)
         if self.vocab.add_bos and (not tokens or tokens[0] != self.vocab.bos):
             tokens = [self.vocab.bos] + tokens
         return tokens
@@ -603,7 +633,8 @@ class LLM:
         return self.tokenize(text, add_special=False, parse_special=True) != \
             self.tokenize(text, add_special=False, parse_special=False)
 
-    def _markup_and_content_tokens(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _markup_and_content_tokens(self, text: str, messages: list[dict],
+                                   render: Callable[[list[dict]], str]) -> list[int]:
         """Render with a placeholder per content, then tokenize the template's markup with its
         control tokens and each content as plain text."""
         marks: dict[str, str] = {}
@@ -614,10 +645,10 @@ class LLM:
                 marks[key] = m["content"]
                 m = {**m, "content": key}
             placed.append(m)
-        parts = re.split("(\ue000\\d+\ue001)", self.render_chat(placed, tools=tools))
+        parts = re.split("(\ue000\\d+\ue001)", render(placed))
         if sorted(p for p in parts if p in marks) != sorted(marks):
             logger.warning("the chat template changes message content: control tokens in it are parsed")
-            return self.tokenize(self.render_chat(messages, tools=tools), add_special=False, parse_special=True)
+            return self.tokenize(text, add_special=False, parse_special=True)
         out: list[int] = []
         for p in parts:
             if p in marks:
@@ -626,40 +657,70 @@ class LLM:
                 out += self.tokenize(p, add_special=False, parse_special=True)
         return out
 
-    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice="auto", **kw) -> Completion:
+    @with_parameters(SamplingParams)
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice="auto",
+             parallel_tool_calls: bool = False, reasoning_format: str = "auto", enable_thinking: bool = True,
+             chat_template_kwargs: dict | None = None, **kw) -> Completion:
         """Render the model's chat template for messages and generate the assistant reply
-        (keyword arguments as for generate). With `tools` (OpenAI's format) the reply is
-        constrained to a tool call or, with tool_choice "auto", a plain answer; a call comes
-        back in `tool_calls` with finish_reason "tool_calls"."""
-        *_, last = self.chat_stream(messages, tools=tools, tool_choice=tool_choice, **kw)
+        (keyword arguments as for generate). With `tools` (OpenAI's format) the model writes
+        calls in its own format (Hermes' <tool_call>, Llama 3.x JSON, Mistral's [TOOL_CALLS],
+        ...; the generic JSON one for other templates), constrained to the tools' schemas: a call
+        or an answer with tool_choice "auto", a call with "required" or a named function; calls
+        come back in `tool_calls` with finish_reason "tool_calls". The reply's reasoning (a
+        <think> block, ...) comes back in `reasoning_content` (reasoning_format "none": left in
+        the text); enable_thinking=False turns thinking off, as does chat_template_kwargs
+        {"enable_thinking": false}."""
+        *_, last = self.chat_stream(messages, tools=tools, tool_choice=tool_choice,
+                                    parallel_tool_calls=parallel_tool_calls, reasoning_format=reasoning_format,
+                                    enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs, **kw)
         assert last.completion is not None
         return last.completion
 
+    @with_parameters(SamplingParams)
     def chat_stream(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice="auto",
-                    **kw) -> Iterator[GenerationChunk]:
-        """chat as GenerationChunks; with tools, the chunks carry the model's JSON reply and the
-        last chunk's Completion has the parsed tool_calls."""
-        if not tools or tool_choice == "none":
-            return self.stream(self.chat_tokens(messages), **kw)
-        if "grammar" in kw or "json_schema" in kw:
-            raise ValueError("tools cannot be combined with grammar or json_schema")
-        tools = tools_mod.check_tools(tools)
-        schema = tools_mod.reply_schema(tools, tool_choice)
-        chunks = self.stream(self.chat_tokens(tools_mod.with_tools(messages, tools, tool_choice), tools=tools),
-                             json_schema=schema, **kw)
-        return self._parse_tool_calls(chunks)
+                    parallel_tool_calls: bool = False, reasoning_format: str = "auto", enable_thinking: bool = True,
+                    chat_template_kwargs: dict | None = None, max_tokens: int = 128,
+                    stop: str | list[str] | None = None, grammar=None, json_schema=None,
+                    interventions: trace_mod.Interventions | None = None, logprobs: bool = False,
+                    top_logprobs: int = 0, speculative=None, sampling: SamplingParams | None = None,
+                    lora: Sequence[float] | None = None, **kwargs) -> Iterator[GenerationChunk]:
+        """chat as GenerationChunks: each chunk's text is new content and its reasoning_content
+        new reasoning (markup never shows); the last chunk's Completion has the parsed reply."""
+        checked = tools_mod.check_tools(tools) if tools else []
+        options = prompt_mod.ChatOptions(
+            tools=tuple(checked), tool_choice=tools_mod.ToolChoice.parse(tool_choice, checked),
+            parallel_tool_calls=parallel_tool_calls, json_schema=json_schema,
+            reasoning_format=ReasoningFormat(reasoning_format), enable_thinking=enable_thinking,
+            chat_template_kwargs=dict(chat_template_kwargs or {}))
+        if options.calls_tools and grammar is not None:
+            raise ValueError("tools cannot be combined with grammar (json_schema gives the answer's schema)")
+        chat, tokens = self.chat_prompt(messages, options)
+        if chat.grammar is not None:
+            grammar, json_schema = chat.grammar, None
+        params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=1,
+                                  logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
+                                  sampling=sampling, lora=lora, kwargs=kwargs, where="chat")
+        params = dataclasses.replace(params, preserved_tokens=chat.preserved_tokens)
+        return self._parse_reply(self._stream_checked(tokens, params, interventions), chat.syntax)
 
     @staticmethod
-    def _parse_tool_calls(chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
+    def _parse_reply(chunks: Iterator[GenerationChunk], syntax: ChatSyntax) -> Iterator[GenerationChunk]:
+        """The chunks with their text read as the reply's content and reasoning (llm.chat.parsers)."""
+        reply = parsers_mod.ChatStream(syntax)
         for chunk in chunks:
             done = chunk.completion
-            if done is not None:
-                content, calls = tools_mod.parse_reply(done.text)
-                done.text = content or ""
-                if calls:
-                    done.tool_calls = calls
+            if done is None:
+                delta = reply.feed(chunk.text)
+            else:
+                reply.add(chunk.text)
+                delta = reply.finish()
+                assert reply.message is not None
+                msg = reply.message
+                done.text, done.reasoning_content = msg.content, msg.reasoning_content or None
+                if msg.tool_calls:
+                    done.tool_calls = [c.to_openai() for c in msg.tool_calls]
                     done.finish_reason = chunk.finish_reason = FINISH_TOOL_CALLS
-            yield chunk
+            yield dataclasses.replace(chunk, text=delta.content, reasoning_content=delta.reasoning_content)
 
     # ---- research: traces, interventions, gradients -------------------------------------
 

@@ -97,6 +97,35 @@ def test_tool_call_is_parsed_and_matches_schema(tiny, choice):
     jsonschema.validate(json.loads(call["function"]["arguments"]), fn["parameters"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_native_format_tool_call_and_reasoning_in_the_python_api(tmp_path, stream):
+    """LLM.chat with a Hermes-style template: the call is constrained and parsed from <tool_call>
+    markup (chat_stream's chunks carry no markup); with a template that opens <think>, the reply's
+    reasoning is apart from its text."""
+    from test_chat_formats import HERMES, OPENS_THINK
+    from tiny_model import model_kv, model_tensors, write_gguf
+    spec = TinySpec(seed=5)
+    paths = [write_gguf(tmp_path / f"{n}.gguf", {**model_kv(spec), "tokenizer.chat_template": t}, model_tensors(spec))
+             for n, t in (("hermes", HERMES), ("think", OPENS_THINK))]
+    hermes = llm.LLM(paths[0], n_ctx=2048)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = dict(tools=WEATHER, tool_choice="required", max_tokens=200, temperature=0.7, seed=1)
+    if stream:
+        chunks = list(hermes.chat_stream(ask, **kw))
+        assert "".join(c.text for c in chunks) == "" and chunks[-1].finish_reason == "tool_calls"
+        out = chunks[-1].completion
+    else:
+        out = hermes.chat(ask, **kw)
+    assert out.finish_reason == "tool_calls" and out.text == ""
+    (call,) = out.tool_calls
+    fn = next(t["function"] for t in WEATHER if t["function"]["name"] == call["function"]["name"])
+    jsonschema.validate(json.loads(call["function"]["arguments"]), fn["parameters"])
+    thinker = llm.LLM(paths[1], n_ctx=512)
+    out = thinker.chat(ask, max_tokens=40, temperature=1.0, seed=2,
+                       grammar='root ::= [a-z]{3,10} "\\n</think>\\n\\n" [a-z]{3,10}')
+    assert out.reasoning_content.isalpha() and out.text.isalpha(), out
+
+
 def test_tools_bad_input():
     with pytest.raises(llm.GrammarError, match="tools"):
         tools.check_tools([{"type": "function", "function": {"description": "no name"}}])
