@@ -304,3 +304,19 @@ class ServerEndpoints:
                           help="answer GET /metrics (Prometheus text, llama-server's metric names)")
     webui: bool = param(True, flags=("--webui",), request=False,
                         help="serve the chat page at / (--no-webui: / is a 404)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParams:
+    """The server's reasoning settings (`serve` flags, llama-server's names): where a reply's
+    thinking goes, and whether the model may think. A request's own `reasoning_format` and
+    `chat_template_kwargs` ({"enable_thinking": false}) override them."""
+
+    reasoning_format: str = param("auto", flags=("--reasoning-format",), choices=("none", "deepseek", "auto"),
+                                  request=False,
+                                  help="none: thinking stays in message.content; deepseek / auto: it goes to "
+                                       "message.reasoning_content (and delta.reasoning_content)")
+    reasoning_budget: int = param(-1, flags=("--reasoning-budget",), lo=-1, hi=0, request=False,
+                                  help="-1: think without limit; 0: no thinking (the template gets "
+                                       "enable_thinking false, an opened think block is closed)")
+

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llm.params import ServerEndpoints, ServerTimeouts
+from llm.params import ReasoningParams, ServerEndpoints, ServerTimeouts
 from llm.serving import info, webui
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
 from llm.serving.engine import Engine
@@ -101,13 +101,14 @@ class APIKeyMiddleware:
 def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
                api_key: str | None = None, slot_save_path: str | Path | None = None,
                special_in_content: bool = False, timeouts: ServerTimeouts | None = None,
-               endpoints: ServerEndpoints | None = None) -> FastAPI:
+               endpoints: ServerEndpoints | None = None, reasoning: ReasoningParams | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an llm.LLM, for the vocab, chat template and embeddings)
     through `engine` (running on llm.ctx). Slots are saved to and restored from files in
     `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server; a
     request body that goes `timeouts.timeout` seconds without data is a 408 (default:
     ServerTimeouts(); the header timeout is the HTTP protocol's, llm.serving.protocol).
-    `endpoints` turns /metrics and the chat page on or off (default: ServerEndpoints())."""
+    `endpoints` turns /metrics and the chat page on or off (default: ServerEndpoints()); `reasoning`
+    says where chat replies' thinking goes and whether there is any (default: ReasoningParams())."""
     app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, StarletteHTTPException: http_error,
                                                                        Exception: internal_error})
     app.state.body_timeout = (timeouts or ServerTimeouts()).timeout
@@ -115,7 +116,7 @@ def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str,
     max_token_bytes(llm.vocab)      # computed once here, not on the event loop by the first request
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
                                    api_key=api_key, slot_save_path=slot_save_path,
-                                   special_in_content=special_in_content)
+                                   special_in_content=special_in_content, reasoning=reasoning or ReasoningParams())
     app.add_middleware(APIKeyMiddleware, api_key=api_key,
                        public=("/health", *webui.PAGES) if endpoints.webui else ("/health",))
     app.include_router(router)

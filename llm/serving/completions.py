@@ -3,7 +3,9 @@
 `Run` submits the jobs (one per prompt) and merges their events, which arrive from the engine
 thread, into one asyncio queue. `Choices` folds those events into the choices' texts,
 logprobs, finish reasons and usage, and writes them as chat.completion(.chunk) or
-text_completion objects. `collect` answers a request at once, `chunks` streams it.
+text_completion objects. A chat choice's text is read by its format's parser
+(llm.chat.parsers.ChatStream): content, reasoning_content and tool_calls, as deltas when
+streamed. `collect` answers a request at once, `chunks` streams it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 
+from llm.chat.formats import ChatSyntax
+from llm.chat.parsers import ChatStream, MsgDelta
 from llm.errors import GrammarError
 from llm.generation.batcher import Done, Failed, Job
 from llm.generation.core import FINISH_EOG, Delta, GenParams, TokenLogprob
@@ -57,7 +61,8 @@ class Run:
         except GrammarError as e:       # checked when the job is admitted: its first mask
             self.cancel()
             what = self.jobs[0].params.constraint
-            param = "grammar" if what is not None and what.what == "grammar" else "response_format"
+            kind = what.what if what is not None else ""
+            param = kind if kind in ("grammar", "tools") else "response_format"
             raise APIError(400, f"'{param}' cannot be used: {e}", param=param) from None
         except ParamError as e:        # the batcher's check names the field
             self.cancel()
@@ -131,6 +136,18 @@ def text_logprobs(lps: Sequence[TokenLogprob], vocab, offset0: int) -> dict:
     return out
 
 
+def _delta_obj(d: MsgDelta) -> dict:
+    """A chat.completion.chunk delta: new content, reasoning_content and tool-call fragments."""
+    out: dict = {}
+    if d.reasoning_content:
+        out["reasoning_content"] = d.reasoning_content
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+    return out
+
+
 def log_done(path: str, run: Run, n_prompt: int, n_gen: int, reasons: Sequence[str | None]) -> None:
     t = time.perf_counter() - run.t0
     ttft = (run.t_first - run.t0) if run.t_first else t
@@ -141,11 +158,15 @@ def log_done(path: str, run: Run, n_prompt: int, n_gen: int, reasons: Sequence[s
 
 class Choices:
     """The choices of one request (`params.n` per prompt) as their events arrive, and the
-    OpenAI objects made from them: chat.completion(.chunk) with `chat`, else text_completion."""
+    OpenAI objects made from them: chat.completion(.chunk) when given the chat reply's
+    `syntax`, else text_completion."""
 
-    def __init__(self, n_prompts: int, params: GenParams, *, chat: bool, stream: bool, vocab, model_name: str):
+    def __init__(self, n_prompts: int, params: GenParams, *, syntax: ChatSyntax | None, stream: bool, vocab,
+                 model_name: str):
+        chat = syntax is not None
         self.params, self.chat, self.stream, self.vocab = params, chat, stream, vocab
         self.n_choices = n_prompts * params.n
+        self.replies = [ChatStream(syntax) for _ in range(self.n_choices)] if syntax is not None else []
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
@@ -168,24 +189,51 @@ class Choices:
         offset = len(self.texts[i])
         self.texts[i] += ev.text
         self.lps[i] += ev.logprobs
+        delta = self._read(i, ev.text, ev.finish_reason is not None)
         if ev.finish_reason is not None:
             self.reasons[i] = finish_reason(ev.finish_reason)
+            msg = self.replies[i].message if self.chat else None
+            if msg is not None and msg.tool_calls:
+                self.reasons[i] = "tool_calls"
         if not self.stream or (not ev.text and not ev.logprobs and ev.finish_reason is None):
             return None
-        return {**self.base, "choices": [self._choice(i, ev.text, ev.logprobs, offset, final=False)]}
+        return {**self.base, "choices": [self._choice(i, ev.text, ev.logprobs, offset, final=False, delta=delta)]}
 
-    def _choice(self, i: int, text: str, lps: list[TokenLogprob], offset: int, *, final: bool) -> dict:
+    def _read(self, i: int, text: str, last: bool) -> MsgDelta:
+        """Chat: choice i's new text through its reply's parser (the delta to stream)."""
+        if not self.chat:
+            return MsgDelta()
+        reply = self.replies[i]
+        if last:
+            reply.add(text)
+            return reply.finish()
+        if not self.stream:
+            reply.add(text)
+            return MsgDelta()
+        return reply.feed(text) if text else MsgDelta()
+
+    def _choice(self, i: int, text: str, lps: list[TokenLogprob], offset: int, *, final: bool,
+                delta: MsgDelta | None = None) -> dict:
         """Choice i: the whole of it (`final`) or one chunk's delta."""
         if self.chat:
-            if final:
-                content: dict = {"message": {"role": "assistant", "content": text}}
-            else:
-                content = {"delta": {"content": text} if text else {}}
+            content: dict = {"message": self._message(i)} if final else {"delta": _delta_obj(delta or MsgDelta())}
             logprobs = {"content": chat_logprobs(lps, self.vocab)} if self.params.logprobs else None
         else:
             content = {"text": text}
             logprobs = text_logprobs(lps, self.vocab, offset) if self.params.logprobs else None
         return {"index": i, **content, "logprobs": logprobs, "finish_reason": self.reasons[i]}
+
+    def _message(self, i: int) -> dict:
+        """Choice i's chat.completion message: content (null when the reply is only calls),
+        reasoning_content and tool_calls when there are any."""
+        msg = self.replies[i].message
+        assert msg is not None
+        out: dict = {"role": "assistant", "content": msg.content if msg.content or not msg.tool_calls else None}
+        if msg.reasoning_content:
+            out["reasoning_content"] = msg.reasoning_content
+        if msg.tool_calls:
+            out["tool_calls"] = [c.to_openai() for c in msg.tool_calls]
+        return out
 
     def usage_obj(self) -> dict:
         return {**self.usage, "total_tokens": self.usage["prompt_tokens"] + self.usage["completion_tokens"]}

@@ -18,6 +18,7 @@ its nesting depth, and text that is not Unicode (a lone surrogate escape such as
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -32,8 +33,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from llm import params
+from llm.chat import prompt as prompt_mod
+from llm.chat import tool_calls
+from llm.chat.formats import ReasoningFormat
+from llm.chat.prompt import ChatOptions
 from llm.errors import GrammarError
 from llm.generation.core import MAX_TOP_LOGPROBS, GenParams
+from llm.params import ReasoningParams
 from llm.sampling import structured as grammar_mod
 from llm.sampling.samplers import SamplingParams
 from llm.tokenizers.bpe import BPETokenizer
@@ -349,6 +355,16 @@ def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int, n_adapters
                      top_logprobs=top, constraint=_constraint(body), speculative=_speculative(body), lora=lora)
 
 
+def _response_schema(body: dict) -> dict | None:
+    """The JSON schema a (checked) response_format asks for, if any."""
+    rf = body.get("response_format")
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        return None
+    if rf["type"] == "json_schema":
+        return rf["json_schema"]["schema"]
+    return rf.get("schema") or {"type": "object"}
+
+
 def _constraint(body: dict) -> grammar_mod.GrammarSpec | None:
     """`response_format` (OpenAI) or `grammar` (GBNF text, as llama-server takes it), not both."""
     gbnf = body.get("grammar")
@@ -458,11 +474,14 @@ def embedding_inputs(body: dict, tokenize: Tokenize, n_vocab: int, *, vocab: Voc
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """`messages` as {role, content} dicts; content parts joined, `developer` read as `system`."""
+    """`messages` as {role, content} dicts; content parts joined, `developer` read as `system`.
+    An assistant message may carry `tool_calls` (its content then may be null) and its
+    `reasoning_content`; a `tool` message answers one of the calls before it by `tool_call_id`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
     out = []
+    call_ids: set[str] = set()
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with 'role' and 'content'")
@@ -476,10 +495,78 @@ def chat_messages(body: dict) -> list[dict]:
                 raise bad(f"messages[{i}].content", f"messages[{i}].content parts must be "
                                                      "{\"type\": \"text\", \"text\": string}")
             content = "".join(p["text"] for p in content)
+        msg: dict = {"role": "system" if role == "developer" else role}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            call_ids.update(c["id"] for c in msg["tool_calls"])
+            content = "" if content is None else content
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg["content"] = content
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key}", f"messages[{i}].{key} must be a string")
+                msg[key] = m[key]
+        if role == "tool" and msg.get("tool_call_id") not in call_ids:
+            raise bad(f"messages[{i}].tool_call_id",
+                      f"messages[{i}] is a tool result for {json.dumps(m.get('tool_call_id'))[:60]}, which no "
+                      "earlier assistant message's tool_calls has as its id")
+        out.append(msg)
     return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name",
+    "arguments": JSON text (an object is written as its JSON)}}]."""
+    if not isinstance(calls, list):
+        raise bad(where, f"{where} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function":
+            raise bad(f"{where}[{j}]", f"{where}[{j}] must be {{\"id\", \"type\": \"function\", "
+                                       "\"function\": {\"name\", \"arguments\"}}")
+        if not isinstance(c.get("id"), str) or not c["id"]:
+            raise bad(f"{where}[{j}].id", f"{where}[{j}].id must be a non-empty string")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{where}[{j}].function.name", f"{where}[{j}].function.name must be a non-empty string")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args)
+        if not isinstance(args, str):
+            raise bad(f"{where}[{j}].function.arguments", f"{where}[{j}].function.arguments must be JSON text")
+        out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def chat_options(body: dict, reasoning: ReasoningParams, json_schema: dict | None) -> ChatOptions:
+    """The chat fields of a request (tools, tool_choice, parallel_tool_calls, chat_template_kwargs,
+    reasoning_format) over the server's reasoning settings; a reasoning budget of 0 turns
+    thinking off. `json_schema`: the reply's schema from response_format."""
+    tools: list[dict] = []
+    try:
+        if body.get("tools") is not None:
+            tools = tool_calls.check_tools(body["tools"])
+        choice = tool_calls.ToolChoice.parse(body.get("tool_choice"), tools)
+    except tool_calls.ToolError as e:
+        raise bad(e.param, f"'{e.param}' is invalid: {str(e).removeprefix(e.param + ': ')}") from None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables")
+    try:
+        prompt_mod.check_template_kwargs(kwargs or {})
+    except ValueError as e:
+        raise bad("chat_template_kwargs", str(e)) from None
+    fmt = body.get("reasoning_format", reasoning.reasoning_format)
+    names = [f.value for f in ReasoningFormat]
+    if fmt not in names:
+        raise bad("reasoning_format", f"'reasoning_format' must be one of {', '.join(names)}, "
+                                      f"got {json.dumps(fmt)[:50]}")
+    return ChatOptions(tools=tuple(tools), tool_choice=choice,
+                       parallel_tool_calls=_bool(body, "parallel_tool_calls", False), json_schema=json_schema,
+                       reasoning_format=ReasoningFormat(fmt), enable_thinking=reasoning.reasoning_budget != 0,
+                       chat_template_kwargs=kwargs or {})
 
 
 def check_chat_bytes(messages: list[dict], vocab: Vocab | None, n_ctx_slot: int | None) -> None:
@@ -532,15 +619,23 @@ class ChatCompletionRequest:
     stream: bool
     include_usage: bool
     cache_prompt: bool
+    chat: ChatOptions
 
     @classmethod
     def parse(cls, body: dict, *, n_slots: int, n_vocab: int, vocab: Vocab | None = None,
-              n_ctx_slot: int | None = None, n_adapters: int = 0) -> ChatCompletionRequest:
+              n_ctx_slot: int | None = None, n_adapters: int = 0,
+              reasoning: ReasoningParams | None = None) -> ChatCompletionRequest:
         messages = chat_messages(body)
         check_chat_bytes(messages, vocab, n_ctx_slot)
-        params = gen_params(body, chat=True, n_slots=n_slots, n_vocab=n_vocab, n_adapters=n_adapters)
+        gen = gen_params(body, chat=True, n_slots=n_slots, n_vocab=n_vocab, n_adapters=n_adapters)
+        chat = chat_options(body, reasoning or ReasoningParams(), _response_schema(body))
+        if chat.calls_tools:
+            if body.get("grammar") is not None:
+                raise bad("grammar", "'grammar' cannot be combined with 'tools': the tools' schemas constrain "
+                                     "the reply (response_format gives the answer's)")
+            gen = dataclasses.replace(gen, constraint=None)      # the answer's schema is part of the tools' grammar
         stream, include_usage = stream_fields(body)
-        return cls(messages, params, stream, include_usage, _bool(body, "cache_prompt", False))
+        return cls(messages, gen, stream, include_usage, _bool(body, "cache_prompt", False), chat)
 
 
 @dataclass(frozen=True)

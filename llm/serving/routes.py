@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import logging
 import threading
@@ -24,10 +25,12 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from llm.api import EmbedAborted
+from llm.chat.formats import ChatSyntax
 from llm.chat.templates import ChatTemplateError
-from llm.errors import StateError
+from llm.errors import GrammarError, StateError
 from llm.generation.batcher import SlotBusy, SlotNotFound
 from llm.generation.core import GenParams
+from llm.params import ReasoningParams
 from llm.serving.completions import Choices, Run, chunks, collect, piece
 from llm.serving.engine import Engine
 from llm.serving.requests import (
@@ -66,6 +69,7 @@ class ServerState:
     api_key: str | None = None
     slot_save_path: str | Path | None = None
     special_in_content: bool = False      # parse control tokens spelled in message content (--special-in-content)
+    reasoning: ReasoningParams = ReasoningParams()     # --reasoning-format, --reasoning-budget
     created: int = field(default_factory=lambda: int(time.time()))
     embed_lock: threading.Lock = field(default_factory=threading.Lock)   # LLM.embed builds its context on first use
 
@@ -244,11 +248,12 @@ def check_prompt_length(server: ServerState, tokens: list[int], param: str) -> N
 
 
 async def generate(request: Request, server: ServerState, prompts: list[list[int]], params: GenParams, *,
-                   chat: bool, stream: bool, include_usage: bool, cache_prompt: bool):
-    """Run one job per prompt; the completion as one JSON object, or streamed as SSE."""
-    run = Run(server.engine, prompts, params, cache_prompt, prompt_field="messages" if chat else "prompt")
+                   syntax: ChatSyntax | None, stream: bool, include_usage: bool, cache_prompt: bool):
+    """Run one job per prompt; the completion as one JSON object, or streamed as SSE. A chat
+    completion's replies are read back with `syntax`."""
+    run = Run(server.engine, prompts, params, cache_prompt, prompt_field="prompt" if syntax is None else "messages")
     pending = await run.start(request)
-    choices = Choices(len(prompts), params, chat=chat, stream=stream, vocab=server.vocab,
+    choices = Choices(len(prompts), params, syntax=syntax, stream=stream, vocab=server.vocab,
                       model_name=server.model_name)
     if stream:
         return sse_response(chunks(request, run, choices, pending, include_usage), run.cancel)
@@ -262,14 +267,18 @@ async def chat_completions(request: Request):
     server.check_model(body)
     req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
                                       vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot,
-                                      n_adapters=len(server.llm.adapters))
+                                      n_adapters=len(server.llm.adapters), reasoning=server.reasoning)
     try:
-        tokens = await run_in_threadpool(functools.partial(server.llm.chat_tokens, req.messages,
-                                                           special_in_content=server.special_in_content))
+        chat, tokens = await run_in_threadpool(functools.partial(server.llm.chat_prompt, req.messages, req.chat,
+                                                                 special_in_content=server.special_in_content))
     except ChatTemplateError as e:
         raise bad("messages", f"the chat template failed for these messages: {e}") from None
+    except GrammarError as e:
+        raise bad("tools", f"the tools cannot be turned into a grammar: {e}") from None
     check_prompt_length(server, tokens, "messages")
-    return await generate(request, server, [tokens], req.params, chat=True, stream=req.stream,
+    params = dataclasses.replace(req.params, constraint=chat.grammar or req.params.constraint,
+                                 preserved_tokens=chat.preserved_tokens)
+    return await generate(request, server, [tokens], params, syntax=chat.syntax, stream=req.stream,
                           include_usage=req.include_usage, cache_prompt=req.cache_prompt)
 
 
@@ -284,5 +293,5 @@ async def completions(request: Request):
                                   n_adapters=len(server.llm.adapters))
     for p in req.prompts:
         check_prompt_length(server, p, "prompt")
-    return await generate(request, server, req.prompts, req.params, chat=False, stream=req.stream,
+    return await generate(request, server, req.prompts, req.params, syntax=None, stream=req.stream,
                           include_usage=req.include_usage, cache_prompt=req.cache_prompt)
