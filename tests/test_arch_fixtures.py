@@ -214,8 +214,8 @@ def test_expert_count_disagreeing_with_tensors(tmp_path):
 
 
 def test_unsupported_architecture_names_nearest_and_generator(tmp_path):
-    bad = rewrite(FIXTURES / "qwen3moe-F32.gguf", tmp_path / "bad.gguf", kv={"general.architecture": "olmo3"})
-    with pytest.raises(llm.ModelLoadError, match=r"'olmo3' is not supported.*nearest supported one is 'olmo2'"
+    bad = rewrite(FIXTURES / "qwen3moe-F32.gguf", tmp_path / "bad.gguf", kv={"general.architecture": "starcoder"})
+    with pytest.raises(llm.ModelLoadError, match=r"'starcoder' is not supported.*nearest supported one is 'starcoder2'"
                                                  r".*make_fixture\.py"):
         llm.load_model(bad)
 
