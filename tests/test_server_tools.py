@@ -255,3 +255,21 @@ def test_tool_results_are_accepted_in_process(app):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     check_calls(choice["message"]["tool_calls"])
+
+
+def test_server_reasoning_settings(tmp_path_factory):
+    """--reasoning-budget 0: the prompt closes the think block the template opened (the reply is
+    content); --reasoning-format none: the thinking stays in content."""
+    from llm.params import ReasoningParams
+    thinker = llm.LLM(tiny_gguf(tmp_path_factory.mktemp("r") / "think.gguf", OPENS_THINK), n_ctx=512, n_seq_max=1)
+    engine = Engine(thinker.ctx, thinker.vocab, n_slots=1).start()
+    body = {"messages": ASK, "max_tokens": 40, "temperature": 1.0, "seed": 3, "grammar": THINK_GRAMMAR}
+    try:
+        for settings, reasoning in [(ReasoningParams(), True), (ReasoningParams(reasoning_format="none"), False),
+                                    (ReasoningParams(reasoning_budget=0), False)]:
+            with TestClient(create_app(thinker, engine, model_name="t", reasoning=settings)) as c:
+                msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert ("reasoning_content" in msg) == reasoning, (settings, msg)
+            assert ("</think>" in msg["content"]) != reasoning, (settings, msg)
+    finally:
+        engine.stop()
