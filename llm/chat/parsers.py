@@ -27,6 +27,9 @@ from llm.chat.partial_json import Incomplete
 
 log = logging.getLogger(__name__)
 
+# how far back from the end of a partial reply a `holds` pattern (markup that may be cut) is looked for
+HOLD_WINDOW = 128
+
 
 @dataclass
 class ToolCall:
@@ -76,8 +79,9 @@ class _Reader:
             self.pos = m.end()
             return m
         if self.partial:
+            tail = max(self.pos, len(self.text) - HOLD_WINDOW)
             cut = min([partial_start(self.text, mark, self.pos) for mark in markers]
-                      + [h.start() for h in (rx_.search(self.text, self.pos) for rx_ in holds) if h is not None]
+                      + [h.start() for h in (rx_.search(self.text, tail) for rx_ in holds) if h is not None]
                       + [len(self.text)])
             if cut < len(self.text):
                 self.content_to(cut)
@@ -227,8 +231,8 @@ def _generic(r: _Reader) -> None:
 
 
 _HERMES_TAGS = ("tool_call", "function_call", "tool", "tools", "response", "json", "xml", "JSON")
-_HERMES_OPEN = re.compile(r'(```(?:xml|json)?\n\s*)?(<(?:' + "|".join(_HERMES_TAGS) + r')>)?(\s*\{\s*"name")'
-                          r'|<function=([^>]+)>|<function name="([^"]+)">')
+_HERMES_OPEN = re.compile(r'(?=[`<{\s])(?:(```(?:xml|json)?\n\s*)?(<(?:' + "|".join(_HERMES_TAGS) + r')>)?'
+                          r'(\s*\{\s*"name")|<function=([^>]+)>|<function name="([^"]+)">)')
 _HERMES_TAG = r'(?:```(?:xml|json)?\n\s*)?<(?:' + "|".join(_HERMES_TAGS) + r')>'
 _HERMES_HOLDS = (       # what a call may still become (an opening tag, then `{"name"`), at the end of the text
     re.compile(r'(?:' + _HERMES_TAG + r')?\s*\{\s*(?:"(?:n(?:a(?:m(?:e)?)?)?)?)?$'),
