@@ -49,12 +49,19 @@ def groups_last(a: np.ndarray, nb: int) -> np.ndarray:
 
 def signed_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Over axis 0: the largest |x| and the element holding it, as C's `if (ax > amax)` loop
-    from 0 finds them (the first one on ties; NaN never taken; (0, 0) when nothing is above 0)."""
-    a = np.abs(x)
-    a = np.where(a > 0, a, F32(0))
-    i = np.argmax(a, axis=0)[None]
-    amax = np.take_along_axis(a, i, axis=0)[0]
-    return amax, np.where(amax > 0, np.take_along_axis(x, i, axis=0)[0], F32(0))
+    from 0 finds them: the first one when +a and -a both occur, NaN never taken, (0, +0) when
+    nothing is above 0. Without argmax (slow over the leading axis): the sign is the one that
+    occurs, and only the columns holding both signs are searched for the first."""
+    a = np.fmax.reduce(np.abs(x), axis=0)
+    a = select(a > 0, a, F32(0))
+    pos = np.logical_or.reduce(x == a, axis=0)
+    neg = np.logical_or.reduce(x == -a, axis=0) & (a > 0)
+    mx = select(neg, -a, a)
+    both = np.flatnonzero(pos & neg)
+    if both.size:
+        first = np.argmax(np.abs(x[:, both]) == a[both], axis=0)
+        mx[both] = x[first, both]
+    return a, mx
 
 
 def _max0(a: np.ndarray, axis: int) -> np.ndarray:
@@ -93,6 +100,27 @@ def _k_scale_bytes(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
                            (hi_s & 0xF) | ((hi_m & 0xF) << 4)], axis=1).astype(np.uint8)
 
 
+def select(mask: np.ndarray, if_true, if_false) -> np.ndarray:
+    """np.where(mask, if_true, if_false) for 4-byte arrays, by bit masks: numpy's where branches
+    per element and mispredicts on the random masks these searches make (several times slower)."""
+    f = np.asarray(if_false)
+    fi = f.view(np.int32)
+    ti = np.asarray(if_true, dtype=f.dtype).view(np.int32)
+    return (fi ^ ((fi ^ ti) & -mask.astype(np.int32))).view(f.dtype)
+
+
+def round_in_range(v: np.ndarray) -> np.ndarray:
+    """nearest_int(v) as float32 for |v| <= 2**22, where it is round half to even: the
+    magic number added and taken away again (the bit trick without its integer steps)."""
+    return (v + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+def _rounded_levels(v: np.ndarray, lo: int, hi: int, safe: np.ndarray | bool) -> np.ndarray:
+    """clip(nearest_int(v), lo, hi) as float32; the quick path when `safe` (all |v| <= 2**22)."""
+    r = round_in_range(v) if np.all(safe) else nearest_int(v).astype(F32)
+    return np.minimum(np.maximum(r, F32(lo)), F32(hi))
+
+
 # --- make_qkx2_quants: affine (scale, min) fit of a group, the Q2_K / Q4_K / Q5_K core ---------
 
 
@@ -101,114 +129,138 @@ def _qkx2_error(x, w, L, scale, mn, use_mad: bool):
     return seq_sum(w * (np.abs(diff) if use_mad else diff * diff))
 
 
-def _qkx2_step(x, w, sums, mn, mx, iscale_num: np.float32, nmax: int, use_mad: bool):
-    """One trial scale of make_qkx2_quants: its quants, scale, min and error ([n, m] groups)."""
+def _qkx2_levels(x, lo_x, mn, mx, iscale, nmax: int, flat):
+    """clip(nearest_int(iscale * (x - mn)), 0, nmax): in range unless a block's extremes are
+    not (iscale * (x - mn) is monotone in x, so its extremes bound it)."""
+    ends = np.maximum(np.abs(iscale * (lo_x - mn)), np.abs(iscale * (mx - mn)))
+    return _rounded_levels(iscale * (x - mn), 0, nmax, flat | (ends <= 4194304))
+
+
+def _qkx2_step(x, w, sums, lo_x, mn, mx, iscale, nmax: int, use_mad: bool, flat):
+    """One trial scale of make_qkx2_quants: its scale, min and error ([n, m] groups)."""
     sum_w, sum_x = sums
-    iscale = iscale_num / (mx - mn)
-    laux = np.clip(nearest_int(iscale * (x - mn)), 0, nmax).astype(F32)
+    laux = _qkx2_levels(x, lo_x, mn, mx, iscale, nmax, flat)
     wl = w * laux
     sum_l, sum_l2, sum_xl = seq_sum(wl), seq_sum(wl * laux), seq_sum(wl * x)
     det = sum_w * sum_l2 - sum_l * sum_l
     this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
     this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
     positive = this_min > 0
-    this_min = np.where(positive, F32(0), this_min)
-    this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
+    this_min = select(positive, F32(0), this_min)
+    this_scale = select(positive, sum_xl / sum_l2, this_scale)
     err = _qkx2_error(x, w, laux, this_scale, this_min, use_mad)
-    return laux, this_scale, this_min, err, det > 0
+    return this_scale, this_min, err, det > 0
 
 
 def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
                      use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Groups x, weights w [n, m] -> (L [n, m] in 0..nmax as float32, scale [m], -min [m])."""
-    mn = x.min(axis=0)
-    mn = np.where(mn > 0, F32(0), mn)
+    """Groups x, weights w [n, m] -> (L [n, m] in 0..nmax as float32, scale [m], -min [m]).
+
+    The quants of the best trial are computed again at the end from its (iscale, min), not
+    carried through the search: the same values, one pass instead of one per trial."""
+    lo_x = x.min(axis=0)
+    mn = select(lo_x > 0, F32(0), lo_x)
     mx = x.max(axis=0)
     flat = mx == mn
     sums = (seq_sum(w), seq_sum(w * x))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / (mx - mn)
         scale = F32(1) / iscale
-        L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax).astype(F32)
-        best = _qkx2_error(x, w, L, scale, mn, use_mad)
+        best_iscale, best_mn = iscale, mn
+        best = _qkx2_error(x, w, _qkx2_levels(x, lo_x, mn, mx, iscale, nmax, flat), scale, mn, use_mad)
         for step in range(nstep + 1):
             num = F32(F32(rmin) + F32(rdelta) * F32(step)) + F32(nmax)
-            laux, this_scale, this_min, err, ok = _qkx2_step(x, w, sums, mn, mx, num, nmax, use_mad)
+            iscale = num / (mx - mn)
+            this_scale, this_min, err, ok = _qkx2_step(x, w, sums, lo_x, mn, mx, iscale, nmax, use_mad, flat)
             better = ok & (err < best)
-            L = np.where(better, laux, L)
-            best = np.where(better, err, best)
-            scale = np.where(better, this_scale, scale)
-            mn = np.where(better, this_min, mn)
-    L = np.where(flat, F32(0), L)
-    return L, np.where(flat, F32(0), scale), -mn
+            best_iscale, best_mn = select(better, iscale, best_iscale), select(better, mn, best_mn)
+            best = select(better, err, best)
+            scale = select(better, this_scale, scale)
+            mn = select(better, this_min, mn)
+        L = _qkx2_levels(x, lo_x, best_mn, mx, best_iscale, nmax, flat)
+    return select(flat, F32(0), L), select(flat, F32(0), scale), -mn
 
 
 # --- make_qx_quants (rmse_type 1, no importance): symmetric fit, the Q6_K core -------------------
 
 
 def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Groups x [n, m], weights x*x -> (L [n, m] in 0..2*nmax-1 as int32, scale [m])."""
+    """Groups x [n, m], weights x*x -> (L [n, m] in 0..2*nmax-1 as float32, scale [m]).
+
+    |iscale * x| <= nmax + 1 (iscale is about nmax / max|x|), so rounding takes the quick path;
+    as in make_qkx2_quants the best trial's quants are computed again at the end."""
     amax, mx = signed_absmax(x)
     zero = amax < GROUP_MAX_EPS
-    wx = (x * x) * x
     w = x * x
+    wx = w * x
 
     def trial(iscale):
-        q = np.clip(nearest_int(iscale * x), -nmax, nmax - 1)
-        lf = q.astype(F32)
-        return q, seq_sum(wx * lf), seq_sum((w * lf) * lf)
+        q = np.minimum(np.maximum(round_in_range(iscale * x), F32(-nmax)), F32(nmax - 1))
+        return seq_sum(wx * q), seq_sum((w * q) * q)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        q, sumlx, suml2 = trial(F32(-nmax) / mx)
-        L = q + nmax
-        scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
+        best_iscale = F32(-nmax) / mx
+        sumlx, suml2 = trial(best_iscale)
+        scale = select(suml2 != 0, sumlx / suml2, F32(0))
         best = scale * sumlx
         for step in (*range(-9, 0), *range(1, 10)):
-            q, sumlx, suml2 = trial(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
+            iscale = -(F32(nmax) + F32(0.1) * F32(step)) / mx
+            sumlx, suml2 = trial(iscale)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            L = np.where(better, q + nmax, L)
-            scale = np.where(better, sumlx / suml2, scale)
-            best = np.where(better, scale * sumlx, best)
-    return np.where(zero, 0, L), np.where(zero, F32(0), scale)
+            best_iscale = select(better, iscale, best_iscale)
+            scale = select(better, sumlx / suml2, scale)
+            best = select(better, scale * sumlx, best)
+        L = np.minimum(np.maximum(round_in_range(best_iscale * x), F32(-nmax)), F32(nmax - 1)) + F32(nmax)
+    return select(zero, F32(0), L), select(zero, F32(0), scale)
 
 
 # --- make_q3_quants (do_rmse): symmetric fit refined one element at a time, the Q3_K core --------
 
 
 def _q3_refine(x, w, L, sumlx, suml2, nmax: int):
-    """Five passes of make_q3_quants' coordinate descent; L [n, m] int32, sums [m]."""
+    """Five passes of make_q3_quants' coordinate descent; L [n, m] float32, sums [m], updated.
+
+    Per element, only the groups where the element's quant would move (a few percent) go on to
+    the accept test, gathered. A group whose pass changed nothing is done (the next pass would
+    see the same state), as C's `if (!n_changed) break`; later passes run on the others only."""
     n = x.shape[0]
+    cols = np.arange(x.shape[1])
+    xa, wa, wxa, la, sx, s2 = x, w, w * x, L[:, cols], sumlx[cols], suml2[cols]
     for _ in range(5):
+        changed = np.zeros(cols.size, bool)
         for i in range(n):
-            xi, wi, li = x[i], w[i], L[i].astype(F32)
-            wx = wi * xi
-            slx = sumlx - wx * li
-            sl2 = suml2 - (wi * li) * li
-            new_l = np.clip(nearest_int((xi * sl2) / slx), -nmax, nmax - 1)
-            nf = new_l.astype(F32)
-            slx2 = slx + wx * nf
-            sl22 = sl2 + (wi * nf) * nf
-            take = ((slx > 0) & (new_l != L[i]) & (sl22 > 0)
-                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
-            L[i] = np.where(take, new_l, L[i])
-            sumlx = np.where(take, slx2, sumlx)
-            suml2 = np.where(take, sl22, suml2)
+            li, wi, wx = la[i], wa[i], wxa[i]
+            slx = sx - wx * li
+            sl2 = s2 - (wi * li) * li
+            nf = np.minimum(np.maximum(nearest_int((xa[i] * sl2) / slx), -nmax), nmax - 1).astype(F32)
+            j = np.flatnonzero((nf != li) & (slx > 0))
+            nf_j, wi_j, sx_j, s2_j = nf[j], wi[j], sx[j], s2[j]
+            slx2 = slx[j] + wx[j] * nf_j
+            sl22 = sl2[j] + (wi_j * nf_j) * nf_j
+            take = (sl22 > 0) & ((slx2 * slx2) * s2_j > (sx_j * sx_j) * sl22)
+            t = j[take]
+            li[t], sx[t], s2[t], changed[t] = nf_j[take], slx2[take], sl22[take], True
+        L[:, cols], sumlx[cols], suml2[cols] = la, sx, s2
+        if not changed.any():
+            break
+        cols = cols[changed]
+        xa, wa, wxa, la = xa[:, changed], wa[:, changed], wxa[:, changed], la[:, changed]
+        sx, s2 = sx[changed], s2[changed]
     return L, sumlx, suml2
 
 
 def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Groups x [n, m] -> (L [n, m] in 0..2*nmax-1 as int32, scale [m]) (make_q3_quants, do_rmse)."""
+    """Groups x [n, m] -> (L [n, m] in 0..2*nmax-1 as float32, scale [m]) (make_q3_quants, do_rmse)."""
     amax, mx = signed_absmax(x)
     zero = amax < GROUP_MAX_EPS
     w = x * x
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        L = np.clip(nearest_int((F32(-nmax) / mx) * x), -nmax, nmax - 1)
-        lf = L.astype(F32)
-        sumlx = seq_sum((w * x) * lf)
-        suml2 = seq_sum((w * lf) * lf)
+        L = np.minimum(np.maximum(round_in_range((F32(-nmax) / mx) * x), F32(-nmax)), F32(nmax - 1))
+        sumlx = seq_sum((w * x) * L)
+        suml2 = seq_sum((w * L) * L)
         L, sumlx, suml2 = _q3_refine(x, w, L, sumlx, suml2, nmax)
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
-    return np.where(zero, 0, L + nmax), np.where(zero, F32(0), scale)
+        scale = select(suml2 > 0, sumlx / suml2, F32(0))
+    return select(zero, F32(0), L + F32(nmax)), select(zero, F32(0), scale)
 
 
 # --- the K-quant blocks ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .kquants import (
     groups_last,
     nearest_int,
     pack_nibble_pairs,
+    select,
     seq_sum,
     signed_absmax,
 )
@@ -29,19 +30,29 @@ _IQ4 = tab.KVALUES_IQ4NL
 _IQ4_NTRY = 7
 
 
-def _best_index_iq4(v: np.ndarray) -> np.ndarray:
-    """ggml's best_index_int8 over kvalues_iq4nl: 0 at or below the first level, 15 at or above
-    the last (and for NaN), else the nearer of the two levels around v, by float32 distances
-    `v - lo < hi - v` (the upper one on ties)."""
-    hi_i = np.clip(np.searchsorted(_IQ4, v, side="right"), 1, 15)
-    lo, hi = _IQ4[hi_i - 1], _IQ4[hi_i]
-    i = np.where((v - lo) < (hi - v), hi_i - 1, hi_i)
-    return np.where(v <= _IQ4[0], 0, np.where(v >= _IQ4[-1], 15, i))
+# The levels are integers, so the count of levels <= v is the count of levels <= floor(v):
+# a table over floor(v) in -128..113 replaces a binary search (numpy's searchsorted is slow).
+_CELL_LO = -128
+_CELLS = np.arange(_CELL_LO, int(_IQ4[-1]) + 1, dtype=np.float32)
+_UPPER = np.clip(np.searchsorted(_IQ4, _CELLS, side="right"), 1, 15).astype(np.int32)
+_UPPER_VALUE, _LOWER_VALUE = _IQ4[_UPPER], _IQ4[_UPPER - 1]
+
+
+def _best_index_iq4(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's best_index_int8 over kvalues_iq4nl -> (index, its level as float32): the nearer of
+    the two levels around v by float32 distances `v - lo < hi - v` (the upper one on ties); below
+    the first level 0, above the last (and for NaN) 15, as its early returns give."""
+    with np.errstate(invalid="ignore"):
+        cell = np.minimum(np.maximum(np.floor(v), F32(_CELL_LO)), _CELLS[-1]).astype(np.int32) - _CELL_LO
+    cell = np.where(np.isnan(v), _CELLS.size - 1, cell)
+    hi_i, lo, hi = _UPPER.take(cell), _LOWER_VALUE.take(cell), _UPPER_VALUE.take(cell)
+    lower = (v - lo) < (hi - v)
+    return hi_i - lower, select(lower, lo, hi)
 
 
 def _iq4_sums(x: np.ndarray, w: np.ndarray, iscale: np.ndarray):
     """sum w*q*x and sum w*q*q over the group for the levels q nearest iscale * x."""
-    q = _IQ4[_best_index_iq4(iscale * x)]
+    q = _best_index_iq4(iscale * x)[1]
     wq = w * q
     return seq_sum(wq * x), seq_sum(wq * q)
 
@@ -73,7 +84,7 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     """block_iq4_nl: d (f16), qs[16] (4-bit indices into kvalues_iq4nl)."""
     xt = elements_first(x, 32)
     d = _iq4_group_scales(xt)
-    L = groups_last(_best_index_iq4(_inverse(d) * xt).astype(np.uint8), x.shape[0])
+    L = groups_last(_best_index_iq4(_inverse(d) * xt)[0].astype(np.uint8), x.shape[0])
     return np.concatenate([f16_bytes(f16(d)), pack_nibble_pairs(L, 16)], axis=1)
 
 
@@ -86,7 +97,7 @@ def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
     d = -max_scale / F32(32)
     q = np.clip(nearest_int(_inverse(d)[:, None] * scales), -32, 31)
     dl = (d[:, None] * q.astype(F32)).reshape(-1)
-    L = groups_last(_best_index_iq4(_inverse(dl) * xt).astype(np.uint8), nb)
+    L = groups_last(_best_index_iq4(_inverse(dl) * xt)[0].astype(np.uint8), nb)
     q = (q + 32).astype(np.uint16)
     scales_h = np.zeros(nb, np.uint16)
     for ib in range(8):
@@ -100,20 +111,14 @@ def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
 # --- ternary ------------------------------------------------------------------------------------
 
 
-def _lround(v: np.ndarray) -> np.ndarray:
-    """C lroundf: to nearest, halfway cases away from zero, as int32."""
-    a = np.abs(v)
-    whole = np.floor(a)
-    r = (whole + (a - whole >= F32(0.5))).astype(np.int32)
-    return np.where(v < 0, -r, r)
-
-
 def _ternary(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(d = amax per block as float16, trits lroundf(x / amax) + 1 in 0..2 [nb, 256])."""
+    """(d = amax per block as float16, trits lroundf(x / amax) + 1 in 0..2 [nb, 256]). x / amax is
+    within [-1, 1] (up to a rounding), where lroundf is -1 at or below -0.5, 1 at or above 0.5."""
     amax = np.abs(x).max(axis=1)
     with np.errstate(divide="ignore"):
         inv = np.where(amax != 0, F32(1) / amax, F32(0))
-    return f16(amax), _lround(x * inv[:, None]) + 1
+    v = x * inv[:, None]
+    return f16(amax), (v >= F32(0.5)).astype(np.int32) - (v <= F32(-0.5)) + 1
 
 
 def _trit_bytes(t: np.ndarray, n_bytes: int, n_trits: int) -> np.ndarray:
@@ -153,15 +158,28 @@ def _e8m0_half(e: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
+_MXFP4_MAGNITUDES = tab.KVALUES_MXFP4[:8]         # 0, 1, 2, 3, 4, 6, 8, 12 (codes 0-7; 8-15 negated)
+# The count of magnitudes below u, by ceil(u) (they are integers): [j] = #(m <= j - 1).
+_MXFP4_BELOW = np.searchsorted(_MXFP4_MAGNITUDES, np.arange(14, dtype=np.float32) - 1, side="right")
+
+
 def quantize_mxfp4(x: np.ndarray) -> np.ndarray:
-    """block_mxfp4: e (E8M0 exponent of amax / 4), qs[16] (FP4 indices, nearest, first on ties)."""
+    """block_mxfp4: e (E8M0 exponent of amax / 4), qs[16] (best_index_mxfp4: the FP4 code nearest
+    x, the first on ties). The errors |m d - x| grow with |m d - |x|| (d is a power of two, m d
+    exact), so only the two magnitudes around |x| / d can be nearest; for x < 0 code 0 (+0) comes
+    before 8 (-0), and the negative code m + 8 has the error of magnitude m."""
     amax = np.abs(x).max(axis=1)
     with np.errstate(divide="ignore"):
         log2 = np.floor(np.log2(amax.astype(np.float64)).astype(F32))
     e = np.where(amax > 0, (log2 - F32(2) + F32(127)).astype(np.int32) & 0xFF, 0).astype(np.uint8)
-    d = _e8m0_half(e)
-    err = np.abs(tab.KVALUES_MXFP4[:, None, None] * d[None, :, None] - x[None])
-    q = np.argmin(err, axis=0).astype(np.uint8)
+    d = _e8m0_half(e)[:, None]
+    a = np.abs(x)
+    hi = np.minimum(_MXFP4_BELOW.take(np.minimum(np.ceil(a / d), F32(13)).astype(np.int32)), 7)
+    lo = np.maximum(hi - 1, 0)
+    err_lo = np.abs(_MXFP4_MAGNITUDES.take(lo) * d - a)
+    err_hi = np.abs(_MXFP4_MAGNITUDES.take(hi) * d - a)
+    k = hi - ((err_lo <= err_hi) & (hi > 0))
+    q = (k + 8 * ((x < 0) & (k > 0))).astype(np.uint8)
     return np.concatenate([e[:, None], pack_nibble_pairs(q, 16)], axis=1)
 
 

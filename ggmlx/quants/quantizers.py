@@ -39,13 +39,24 @@ def _inverse(ops: ArrayOps, d):
     return xp.where(zero, F32(0), F32(1) / xp.where(zero, F32(1), d))
 
 
+# The float32 just below 0.5: trunc(x + copysign(this, x)) is roundf(x) for every float32 (a
+# plain 0.5 would round x = 0.49999997 up, as x + 0.5 itself rounds to 1).
+_HALF_BELOW = np.nextafter(F32(0.5), F32(0))
+
+
 def _roundf(ops: ArrayOps, x):
-    """C roundf: to nearest, halfway cases away from zero."""
+    """C roundf: to nearest, halfway cases away from zero (x rounded to float32 first)."""
     xp = ops.xp
-    a = xp.abs(x)
-    whole = xp.floor(a)
-    r = whole + (a - whole >= 0.5).astype(F32)
-    return xp.where(x < 0, -r, r)
+    x = ops.rounded(x)
+    return xp.trunc(ops.rounded(x + xp.copysign(_HALF_BELOW, x)))
+
+
+def _block_reduce(xp, f, a):
+    """f (maximum or minimum) over the 32 elements of each block [n, 32] -> [n, 1], as a tree
+    of adjacent pairs: numpy's reductions along a short last axis are several times slower."""
+    while a.shape[1] > 1:
+        a = f(a[:, 0::2], a[:, 1::2])
+    return a
 
 
 def _signed_max(ops: ArrayOps, x):
@@ -63,9 +74,7 @@ def _pack_nibbles(q):
 def _pack_high_bits(ops: ArrayOps, q):
     """Bit 4 of each of 32 quants -> 4 bytes (the little-endian uint32 qh of Q5_0 / Q5_1)."""
     xp = ops.xp
-    n = q.shape[0]
-    bits = ((q >> 4) & 1).reshape(n, 4, 8) << xp.asarray(np.arange(8, dtype=np.uint8))
-    return xp.sum(bits, axis=2).astype(xp.uint8)
+    return xp.packbits((q >> 4) & 1, axis=1, bitorder="little")
 
 
 def _trunc_clip(ops: ArrayOps, v, qmax: int):
@@ -77,7 +86,7 @@ def _trunc_clip(ops: ArrayOps, v, qmax: int):
 def quantize_q8_0(ops: ArrayOps, x):
     """d = amax / 127, q = roundf(x / d) as int8."""
     xp = ops.xp
-    d = xp.max(xp.abs(x), axis=1, keepdims=True) / F32(127)
+    d = _block_reduce(xp, xp.maximum, xp.abs(x)) / F32(127)
     q = _roundf(ops, x * _inverse(ops, d)).astype(xp.int8)
     return xp.concatenate([_f16_bytes(ops, d), ops.bitcast(q, xp.uint8)], axis=1)
 
@@ -93,8 +102,8 @@ def quantize_q4_0(ops: ArrayOps, x):
 def quantize_q4_1(ops: ArrayOps, x):
     """d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)); stores d and min."""
     xp = ops.xp
-    lo = xp.min(x, axis=1, keepdims=True)
-    d = (xp.max(x, axis=1, keepdims=True) - lo) / F32(15)
+    lo = _block_reduce(xp, xp.minimum, x)
+    d = (_block_reduce(xp, xp.maximum, x) - lo) / F32(15)
     q = _trunc_clip(ops, ops.rounded((x - lo) * _inverse(ops, d)) + F32(0.5), 15)
     return xp.concatenate([_f16_bytes(ops, d), _f16_bytes(ops, lo), _pack_nibbles(q)], axis=1)
 
@@ -110,8 +119,8 @@ def quantize_q5_0(ops: ArrayOps, x):
 def quantize_q5_1(ops: ArrayOps, x):
     """d = (max - min) / 31, q = trunc((x - min) / d + 0.5); stores d and min."""
     xp = ops.xp
-    lo = xp.min(x, axis=1, keepdims=True)
-    d = (xp.max(x, axis=1, keepdims=True) - lo) / F32(31)
+    lo = _block_reduce(xp, xp.minimum, x)
+    d = (_block_reduce(xp, xp.maximum, x) - lo) / F32(31)
     q = _trunc_clip(ops, ops.rounded((x - lo) * _inverse(ops, d)) + F32(0.5), 31)
     return xp.concatenate([_f16_bytes(ops, d), _f16_bytes(ops, lo), _pack_high_bits(ops, q),
                            _pack_nibbles(q)], axis=1)
@@ -127,15 +136,19 @@ QUANTIZE_KERNELS: dict[GGMLType, Callable[[ArrayOps, Any], Any]] = {
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    """ggml_compute_fp32_to_bf16: round to nearest even; NaN stays NaN (quieted)."""
+    """ggml_compute_fp32_to_bf16: round to nearest even; NaN stays NaN (quieted). In uint32: only
+    NaN bit patterns overflow the rounding add, and those are replaced."""
     n = x.view(np.uint32)
+    rounded = ((n + (0x7FFF + ((n >> 16) & 1))) >> 16).astype(np.uint16)
     nan = (n & 0x7FFFFFFF) > 0x7F800000
-    rounded = ((n.astype(np.uint64) + (0x7FFF + ((n >> 16) & 1))) >> 16).astype(np.uint16)
-    quiet = ((n >> 16) | 64).astype(np.uint16)
-    return np.where(nan, quiet, rounded)
+    if not nan.any():
+        return rounded
+    return np.where(nan, ((n >> 16) | 64).astype(np.uint16), rounded)
 
 
-# Host-only kernels: float32 blocks [n, block_size] -> uint8 [n, type_size].
+# Host-only kernels: float32 blocks [n, block_size] -> uint8 [n, type_size]. Their searches make
+# many passes over a chunk; chunks twice numpy_ref's size amortize the per-call overhead better.
+HOST_CHUNK_ELEMENTS = 1 << 18
 HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS}
 
 QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS,
@@ -176,7 +189,7 @@ def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
         raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
     blocks = x.reshape(-1, block_size(t))
     out = np.empty((blocks.shape[0], type_size(t)), dtype=np.uint8)
-    step = CHUNK_ELEMENTS // block_size(t)
+    step = (HOST_CHUNK_ELEMENTS if t in HOST_KERNELS else CHUNK_ELEMENTS) // block_size(t)
     with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond the f16 range is inf, as in ggml
         for start in range(0, blocks.shape[0], step):
             out[start:start + step] = _kernel(t, blocks[start:start + step])
