@@ -85,6 +85,7 @@ def trained(files, model):
     return {"result": result, "infos": infos, "compiles": compiles, "path": path}
 
 
+@pytest.mark.slow
 def test_validation_loss_falls(trained):
     r = trained["result"]
     # measured: 9.72 -> 0.0019 in 30 steps of 4 x 24 tokens (train loss 9.44 -> 0.0018)
@@ -114,6 +115,7 @@ def test_no_recompiles_after_the_first_step(trained):
     assert compiles[-1] == compiles[0], f"XLA compiled during training: {compiles}"
 
 
+@pytest.mark.slow
 def test_the_written_adapter_continues_the_pattern(files, model, trained):
     adapter = adapter_lora_init(model, trained["path"])
     assert adapter.alpha == 8.0 and len(adapter.weights) == 14      # 7 targets x 2 layers
@@ -150,6 +152,7 @@ def decoded_loss(model, adapter, examples) -> float:
     return total / count
 
 
+@pytest.mark.slow
 def test_gradient_matches_finite_differences_and_the_loss_the_decoded_one(model_q8, tmp_path):
     """Through the frozen Q8_0 weights as held (int8): no dequantized copy is trained against."""
     model = model_q8
@@ -224,6 +227,7 @@ def test_dataset_errors_name_the_file_and_line(tmp_path, model):
         ft.train(model, data["train"], [{"text": "a"}, {"txt": "b"}], CONFIG)
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_adapter(files, model, tmp_path):
     # Adam's first step moves every entry by ~lr: 1e20 overflows the next forward pass (an llm.LLM
     # trains as its model does)
@@ -239,6 +243,7 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_adapter(files, model, t
     assert len(adapter.weights) == len(kept)
 
 
+@pytest.mark.slow
 def test_cli_resumes_and_reports(files, trained, tmp_path, capsys):
     from llm.cli import finetune as cli
     from llm.cli.commands import Interrupt

@@ -176,6 +176,7 @@ def test_set_adapters_checks_its_arguments(files, model):
         ctx.set_adapter_scales_seq(0, [1.0, 1.0])
 
 
+@pytest.mark.slow
 def test_llm_with_an_adapter_generates_as_the_merged_model(files):
     merged = files["dir"] / "merged-llm.gguf"
     fuse(files["base"], merged, [(files["one"], 0.6)])
@@ -195,6 +196,7 @@ def test_llm_with_an_adapter_generates_as_the_merged_model(files):
         bare.generate(prompt_tokens(6), 4, lora=[1.0])          # no adapters to scale
 
 
+@pytest.mark.slow
 def test_jobs_with_different_adapter_scales_batch_together(files):
     from llm.generation.batcher import Batcher, Job
     from llm.generation.core import Delta, GenParams
@@ -216,6 +218,7 @@ def test_jobs_with_different_adapter_scales_batch_together(files):
     assert run((1.0,), (0.0,)) == [on, off]
 
 
+@pytest.mark.slow
 def test_expert_adapters_match_the_merged_weights(tmp_path):
     """build_lora_mm_id: a pair per expert ([n_in, r, n_expert] and [r, n_out, n_expert]) on the
     experts of a MoE model, and the router through build_lora_mm."""
@@ -239,6 +242,7 @@ def test_expert_adapters_match_the_merged_weights(tmp_path):
     assert np.abs(got - logits_of(model, tokens)).max() > 0.05
 
 
+@pytest.mark.slow
 def test_control_vectors_compose_with_adapters(files):
     from llm import cvec
     directions = {il: np.random.default_rng(il).standard_normal(SPEC.n_embd).astype(np.float32) for il in (1,)}

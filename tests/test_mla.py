@@ -37,6 +37,7 @@ def test_the_cache_holds_the_latent_only(model):
     assert latent < per_head / 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_both_attention_paths_match_llamacpp(model, ref, flash_attn):
     toks = ref["tokens_0"]
@@ -45,6 +46,7 @@ def test_both_attention_paths_match_llamacpp(model, ref, flash_attn):
     assert np.abs(ctx.get_logits() - ref["logits_0"]).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_token_by_token_decoding_reads_the_latent_cache(model, ref):
     toks = ref["tokens_0"]
     ctx = llm.Context(model, n_ctx=64, n_batch=64, n_ubatch=64)

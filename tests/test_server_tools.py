@@ -246,6 +246,7 @@ def test_bad_tool_requests_are_400_naming_the_field(app, body, param):
     assert app.get("/health").json()["slots_processing"] == 0
 
 
+@pytest.mark.slow
 def test_tool_results_are_accepted_in_process(app):
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
