@@ -129,6 +129,15 @@ class LLMKV(enum.Enum):
     ADAPTER_TYPE = "adapter.type"
     ADAPTER_LORA_ALPHA = "adapter.lora.alpha"
     ADAPTER_ALORA_INVOCATION_TOKENS = "adapter.alora.invocation_tokens"
+    # written by llama-quantize when it used an importance matrix (tools/quantize/quantize.cpp)
+    QUANTIZE_IMATRIX_FILE = "quantize.imatrix.file"
+    QUANTIZE_IMATRIX_DATASET = "quantize.imatrix.dataset"
+    QUANTIZE_IMATRIX_N_ENTRIES = "quantize.imatrix.entries_count"
+    QUANTIZE_IMATRIX_N_CHUNKS = "quantize.imatrix.chunks_count"
+    # an importance-matrix GGUF (llama-imatrix)
+    IMATRIX_DATASETS = "imatrix.datasets"
+    IMATRIX_CHUNK_COUNT = "imatrix.chunk_count"
+    IMATRIX_CHUNK_SIZE = "imatrix.chunk_size"
 
     VOCAB_SIZE = "%s.vocab_size"
     CONTEXT_LENGTH = "%s.context_length"

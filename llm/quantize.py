@@ -10,8 +10,9 @@ and general.file_type set last) and the same quantized bytes (ggmlx.quants.quant
 with ggml_quantize_chunk). The output goes to a temporary file renamed at the end, so an error
 leaves no partial file.
 
-Not implemented (QuantizeError says so): importance matrices, the IQ1/IQ2/IQ3 quant types, and
-the NVFP4 / Q1_0 / Q2_0 file types (no such ggmlx types).
+With an importance matrix (`imatrix`, as `load_imatrix` reads llama-imatrix's files) the
+quantizers take ggml's weighted paths, also bit-exact. Not implemented (QuantizeError says so):
+the IQ1/IQ2/IQ3 quant types, and the NVFP4 / Q1_0 / Q2_0 file types (no such ggmlx types).
 """
 from __future__ import annotations
 
@@ -155,10 +156,23 @@ class QuantizeParams:
     only_copy: bool = False                         # llama-quantize's COPY
     pure: bool = False
     keep_split: bool = False
-    imatrix: dict[str, np.ndarray] | None = None
+    imatrix: dict[str, np.ndarray] | None = None    # tensor name -> importance per column (ne0 * n_expert)
     include_weights: list[str] = field(default_factory=list)
     exclude_weights: list[str] = field(default_factory=list)
     tensor_types: list[tuple[str, GGMLType]] = field(default_factory=list)   # (regex, type), first match
+    # keys set last in the output (llama.cpp's kv_overrides): a bool, an int (written as the UINT32
+    # of its absolute value, as llama.cpp does), a float (FLOAT32) or a str
+    kv_overrides: list[tuple[str, bool | int | float | str]] = field(default_factory=list)
+
+    def importance(self) -> dict[str, np.ndarray] | None:
+        """The imatrix entries --include-weights / --exclude-weights leave (name substrings); None
+        when they leave none, as llama-quantize then passes no imatrix at all."""
+        if self.imatrix is None:
+            return None
+        kept = {n: np.asarray(v, np.float32).reshape(-1) for n, v in self.imatrix.items()
+                if not any(p in n for p in self.exclude_weights)
+                and (not self.include_weights or any(p in n for p in self.include_weights))}
+        return kept if kept or not (self.include_weights or self.exclude_weights) else None
 
 
 # --- which type each tensor gets (src/llama-quant.cpp) ----------------------------------------
@@ -302,11 +316,12 @@ class _Counters:
 class TypeChooser:
     """llama_tensor_get_type over a model's tensors, called in file order (it counts as it goes)."""
 
-    def __init__(self, info: ModelInfo, params: QuantizeParams, ftype: LlamaFType, names: list[str]):
+    def __init__(self, info: ModelInfo, params: QuantizeParams, ftype: LlamaFType, names: list[str],
+                 has_imatrix: bool):
         self.info = info
         self.params = params
         self.ftype = ftype
-        self.has_imatrix = bool(params.imatrix)
+        self.has_imatrix = has_imatrix
         self.tied = OUTPUT_NAME not in names        # the token embedding doubles as the output
         self.c = _Counters(n_attention_wv=sum(tensor_category(n) in _ATTN_V_LIKE for n in names),
                            n_layer=info.n_layer)
@@ -556,17 +571,17 @@ def _file_ftype(reader: GGUFReader) -> int:
     return int(_FTYPE_OF_TYPE.get(commonest, F.ALL_F32)) | FTYPE_GUESSED
 
 
-def plan(reader: GGUFReader, params: QuantizeParams, ftype: LlamaFType) -> list[_Planned]:
+def plan(reader: GGUFReader, params: QuantizeParams, ftype: LlamaFType, has_imatrix: bool) -> list[_Planned]:
     """Every tensor in output order with its new type; refuses what cannot be done before writing
     (a missing importance matrix first, as llama.cpp checks that before it quantizes)."""
     default = DEFAULT_TYPE[ftype]
     infos = sorted(reader.tensors.values(), key=lambda ti: _sort_key(ti.name))
     if params.keep_split:
         infos.sort(key=lambda ti: (ti.shard, ti.offset))
-    chooser = TypeChooser(model_info(reader.kv), params, ftype, [ti.name for ti in infos])
+    chooser = TypeChooser(model_info(reader.kv), params, ftype, [ti.name for ti in infos], has_imatrix)
     out = [_Planned(ti, chooser.choose(ti.name, ti.ne[:n_dims(ti.ne)], ti.type, default)) for ti in infos]
     for p in out:
-        if not params.imatrix and allows_quantization(p.info.name, p.ne, params) \
+        if not has_imatrix and allows_quantization(p.info.name, p.ne, params) \
                 and requires_imatrix(p.info.name, p.new_type, ftype):
             raise QuantizeError(f"this quantization requires an importance matrix (--imatrix): "
                                 f"tensor {p.info.name} gets {p.new_type.name}")
@@ -591,13 +606,31 @@ def _check_convertible(ti: TensorInfo, new_type: GGMLType, params: QuantizeParam
                             f"(--allow-requantize)")
 
 
-def _metadata(reader: GGUFReader, ftype: int) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
-    """The input's keys without the split keys, then general.quantization_version and
-    general.file_type (gguf_set_val moves an existing key to the end)."""
+_KV = tuple[str, object, GGUFValueType, GGUFValueType | None]
+
+
+def _override(key: str, value: bool | int | float | str) -> _KV:
+    """A kv_override as llama_model_quantize sets it (an int as the UINT32 of its absolute value)."""
+    if isinstance(value, bool):
+        return key, value, GGUFValueType.BOOL, None
+    if isinstance(value, int):
+        return key, abs(value) & 0xFFFFFFFF, GGUFValueType.UINT32, None
+    if isinstance(value, float):
+        return key, value, GGUFValueType.FLOAT32, None
+    return key, str(value), GGUFValueType.STRING, None
+
+
+def _metadata(reader: GGUFReader, ftype: int, overrides: list[tuple[str, bool | int | float | str]]) -> list[_KV]:
+    """The input's keys without the split keys, then general.quantization_version,
+    general.file_type and the overrides (gguf_set_val moves an existing key to the end)."""
+    kv: list[_KV] = [(k, v, reader.kv_types[k], reader.kv_array_types.get(k)) for k, v in reader.kv.items()
+                     if k not in _SPLIT_KEYS]
     qv, ft = LLMKV.GENERAL_QUANTIZATION_VERSION.key(), LLMKV.GENERAL_FILE_TYPE.key()
-    kv = [(k, v, reader.kv_types[k], reader.kv_array_types.get(k)) for k, v in reader.kv.items()
-          if k not in (qv, ft, *_SPLIT_KEYS)]
-    return [*kv, (qv, GGML_QNT_VERSION, GGUFValueType.UINT32, None), (ft, ftype, GGUFValueType.UINT32, None)]
+    for key, number in ((qv, GGML_QNT_VERSION), (ft, ftype)):
+        kv = [e for e in kv if e[0] != key] + [(key, number, GGUFValueType.UINT32, None)]
+    for key, value in overrides:
+        kv = [e for e in kv if e[0] != key] + [_override(key, value)]
+    return kv
 
 
 def _f32_rows(ti: TensorInfo) -> np.ndarray:
@@ -611,21 +644,50 @@ def _f32_rows(ti: TensorInfo) -> np.ndarray:
     return x.reshape(-1, ti.ne[0])
 
 
-def _quantized(p: _Planned, pool: ThreadPoolExecutor | None) -> np.ndarray:
-    """The bytes of one output tensor: the input's own if the type stays, else quantized (rows
-    split among the threads, as llama.cpp's chunks) and checked as ggml_validate_row_data does."""
+def _tensor_importance(p: _Planned, importance: dict[str, np.ndarray] | None, ftype: LlamaFType
+                       ) -> np.ndarray | None:
+    """The tensor's importance rows [n_expert, ne0], as llama_model_quantize_impl looks it up."""
+    if importance is None:
+        return None
+    name, ne = p.info.name, p.info.ne
+    n_expert = ne[2] if len(ne) > 2 else 1
+    v = importance.get(name)
+    if v is not None and v.size != ne[0] * n_expert:
+        if name not in TOKEN_EMBD_NAMES:
+            raise QuantizeError(f"imatrix size {v.size} is different from tensor size {ne[0] * n_expert} "
+                                f"for {name}")
+        log.info("imatrix size %d is different from tensor size %d for %s: not used", v.size,
+                 ne[0] * n_expert, name)
+        v = None
+    if v is None:
+        if requires_imatrix(name, p.new_type, ftype):
+            raise QuantizeError(f"missing importance matrix for tensor {name} in a very low-bit quantization")
+        log.info("the imatrix has no weights for %s", name)
+        return None
+    return v.reshape(n_expert, ne[0])
+
+
+def _quantized(p: _Planned, pool: ThreadPoolExecutor | None, importance: dict[str, np.ndarray] | None,
+               ftype: LlamaFType) -> np.ndarray:
+    """The bytes of one output tensor: the input's own if the type stays, else quantized (each
+    expert with its own importance; rows split among the threads, as llama.cpp's chunks) and
+    checked as ggml_validate_row_data does."""
     ti, t = p.info, p.new_type
     if t == ti.type:
         return ti.data
+    im = _tensor_importance(p, importance, ftype)
     rows = _f32_rows(ti)
-    step = max(1, _THREAD_CHUNK // rows.shape[1])
-    chunks = [rows[i:i + step] for i in range(0, rows.shape[0], step)]
+    n_expert = ti.ne[2] if len(ti.ne) > 2 else 1
+    per_expert = rows.shape[0] // n_expert
+    step = max(1, min(per_expert, _THREAD_CHUNK // rows.shape[1]))
+    jobs = [(rows[e * per_expert + i:e * per_expert + min(i + step, per_expert)], None if im is None else im[e])
+            for e in range(n_expert) for i in range(0, per_expert, step)]
 
-    def one(chunk: np.ndarray) -> np.ndarray:
-        return quants.quantize(chunk, t)
+    def one(job: tuple[np.ndarray, np.ndarray | None]) -> np.ndarray:
+        return quants.quantize(job[0], t, job[1])
 
     try:
-        parts = list(pool.map(one, chunks)) if pool is not None and len(chunks) > 1 else [one(c) for c in chunks]
+        parts = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
     except ValueError as e:
         raise QuantizeError(f"tensor {ti.name}: {e}") from None
     out = np.concatenate(parts).reshape(-1)
@@ -662,7 +724,7 @@ def _writers(reader: GGUFReader, planned: list[_Planned], params: QuantizeParams
     shard, each with the split keys (the others hold no other key, as llama.cpp writes them)."""
     n_split = max(p.info.shard for p in planned) + 1 if params.keep_split and planned else 1
     writers = [GGUFWriter() for _ in range(n_split)]
-    for k, v, vtype, atype in _metadata(reader, ftype):
+    for k, v, vtype, atype in _metadata(reader, ftype, params.kv_overrides):
         writers[0].add_kv(k, v, vtype, atype)
     if n_split > 1:
         for i, w in enumerate(writers):
@@ -702,20 +764,135 @@ def model_quantize(in_path: str | os.PathLike, out_path: str | os.PathLike,
     ftype = LlamaFType(params.ftype)
     if ftype not in DEFAULT_TYPE:
         raise QuantizeError(f"invalid output file type {int(ftype)}")
-    if params.imatrix:
-        raise QuantizeError("importance matrices are not implemented yet: quantize without --imatrix")
+    importance = params.importance()
+    if importance is not None and not all(np.isfinite(v).all() for v in importance.values()):
+        raise QuantizeError("the imatrix contains non-finite values")
     nthread = params.nthread if params.nthread > 0 else (os.cpu_count() or 1)
     with ExitStack() as stack:
         reader = stack.enter_context(GGUFReader(in_path))
         file_ftype = _file_ftype(reader) if params.only_copy else int(ftype)
-        planned = plan(reader, params, ftype)
+        if importance and not set(importance) & set(reader.tensors):
+            raise QuantizeError(f"the imatrix names none of the model's tensors (made for another model?), "
+                                f"e.g. {next(iter(importance))}")
+        planned = plan(reader, params, ftype, importance is not None)
         writers = _writers(reader, planned, params, file_ftype)
         paths = output_paths(out_path, len(writers), params.keep_split)
         pool = stack.enter_context(ThreadPoolExecutor(nthread)) if nthread > 1 else None
         by_name = {p.info.name: p for p in planned}
-        data: Callable[[str], np.ndarray] = lambda name: _quantized(by_name[name], pool)  # noqa: E731
+        data: Callable[[str], np.ndarray] = lambda name: _quantized(by_name[name], pool, importance, ftype)  # noqa: E731
         with _temporary(paths) as temps:
             for w, tmp in zip(writers, temps, strict=True):
                 w.write(tmp, data)
     log.info("quantized %s to %s as %s", in_path, ", ".join(paths), ftype.name)
     return paths
+
+
+# --- importance matrix files (llama-quantize's load_imatrix, common_imatrix_load) ---------------
+
+
+@dataclass
+class ImatrixFile:
+    """An importance matrix as llama-quantize reads it: per tensor the mean squared activation
+    of each column (per expert for 3-d tensors), and the provenance llama-imatrix recorded."""
+    values: dict[str, np.ndarray]
+    datasets: list[str]
+    chunk_count: int
+
+
+_IN_SUM2, _COUNTS = ".in_sum2", ".counts"
+
+
+def _imatrix_gguf(path: str, r: GGUFReader) -> ImatrixFile:
+    """The GGUF format: <name>.in_sum2 (sums of squares, per expert) and <name>.counts (per expert)."""
+    keys = (LLMKV.IMATRIX_DATASETS.key(), LLMKV.IMATRIX_CHUNK_COUNT.key(), LLMKV.IMATRIX_CHUNK_SIZE.key())
+    if not all(k in r.kv for k in keys):
+        raise QuantizeError(f"{path}: missing imatrix metadata ({', '.join(k for k in keys if k not in r.kv)})")
+    datasets = r.kv[keys[0]]
+    values: dict[str, np.ndarray] = {}
+    for name, ti in r.tensors.items():
+        if not name.endswith(_IN_SUM2):
+            continue
+        base = name[:-len(_IN_SUM2)]
+        counts_ti = r.tensors.get(base + _COUNTS)
+        if counts_ti is None or ti.type != T.F32 or counts_ti.type != T.F32:
+            raise QuantizeError(f"{path}: {base}: needs F32 {_IN_SUM2} and {_COUNTS} tensors")
+        sums = ti.data.view(np.float32)
+        c = counts_ti.data.view(np.float32).astype(np.float64)
+        counts = (np.sign(c) * np.floor(np.abs(c) + 0.5)).astype(np.float32)     # std::lround, as float
+        if not counts.size or sums.size % counts.size:
+            raise QuantizeError(f"{path}: {base}: {sums.size} sums for {counts.size} counts")
+        per = sums.reshape(counts.size, -1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values[base] = np.where(counts[:, None] > 0, per / counts[:, None], np.float32(1)).reshape(-1)
+    return ImatrixFile(values, [str(d) for d in datasets] if isinstance(datasets, list) else [],
+                       int(r.kv[keys[1]]))   # type: ignore[call-overload]
+
+
+def _imatrix_legacy(path: str) -> ImatrixFile:
+    """The legacy .dat format: int32 n; per entry int32 name length, name, int32 ncall, int32 n,
+    n float32 (sums of squares scaled to ncall calls); then optionally int32 chunks, int32 length,
+    the dataset name."""
+    data = np.fromfile(path, dtype=np.uint8)
+    at = 0
+
+    def i32() -> int:
+        nonlocal at
+        if at + 4 > data.size:
+            raise QuantizeError(f"{path}: truncated imatrix file (at byte {at})")
+        v = int(data[at:at + 4].view(np.int32)[0])
+        at += 4
+        return v
+
+    def raw(n: int) -> np.ndarray:
+        nonlocal at
+        if n < 0 or at + n > data.size:
+            raise QuantizeError(f"{path}: truncated imatrix file (at byte {at})")
+        at += n
+        return data[at - n:at]
+
+    n_entries = i32()
+    if n_entries < 1:
+        raise QuantizeError(f"{path}: no data in the imatrix file")
+    values: dict[str, np.ndarray] = {}
+    for _ in range(n_entries):
+        name = raw(i32()).tobytes().decode(errors="replace")
+        ncall, nval = i32(), i32()
+        if nval < 1:
+            raise QuantizeError(f"{path}: entry {name!r} has {nval} values")
+        sums = raw(4 * nval).view(np.float32)
+        values[name] = sums / np.float32(ncall) if ncall > 0 else sums.copy()
+    chunk_count, datasets = 0, []
+    if at < data.size:
+        chunk_count = i32()
+        if at + 4 <= data.size:
+            n = i32()
+            if n > 0 and at + n <= data.size:
+                datasets.append(raw(n).tobytes().split(b"\0")[0].decode(errors="replace"))
+    return ImatrixFile(values, datasets, chunk_count)
+
+
+def load_imatrix(path: str | os.PathLike) -> ImatrixFile:
+    """An importance matrix file, GGUF (llama-imatrix's default) or the legacy .dat format."""
+    path = os.fspath(path)
+    try:
+        reader = GGUFReader(path)
+    except gguf.GGUFError:
+        return _imatrix_legacy(path)
+    with reader:
+        return _imatrix_gguf(path, reader)
+
+
+def _c_string(s: str) -> str:
+    """What fits llama_model_kv_override's char[128] (llama-quantize copies 127 bytes)."""
+    return s.encode()[:127].decode(errors="ignore")
+
+
+def imatrix_overrides(path: str, imatrix: ImatrixFile, n_entries: int) -> list[tuple[str, bool | int | float | str]]:
+    """The provenance keys llama-quantize writes with an importance matrix of n_entries tensors."""
+    out: list[tuple[str, bool | int | float | str]] = [(LLMKV.QUANTIZE_IMATRIX_FILE.key(), _c_string(path))]
+    if imatrix.datasets:
+        out.append((LLMKV.QUANTIZE_IMATRIX_DATASET.key(), _c_string(imatrix.datasets[0])))
+    out.append((LLMKV.QUANTIZE_IMATRIX_N_ENTRIES.key(), n_entries))
+    if imatrix.chunk_count > 0:
+        out.append((LLMKV.QUANTIZE_IMATRIX_N_CHUNKS.key(), imatrix.chunk_count))
+    return out

@@ -187,6 +187,40 @@ def build(name: str, out_dir: Path) -> Path:
     return write_gguf(out_dir / f"{name}.gguf", kv, tensors)
 
 
+def seeded_imatrix(name: str, drop: tuple[str, ...] = ("blk.0.ffn_down.weight",)) -> dict[str, np.ndarray]:
+    """An importance per column (and expert) for every matrix of model `name`, but `drop` (so the
+    'no weights for this tensor' path is taken too): log-normal, seeded."""
+    rng = np.random.default_rng(4242)
+    out = {}
+    for n, x in model_inputs(name)[1].items():
+        if x.ndim >= 2 and n not in drop:
+            out[n] = np.exp(rng.standard_normal(x.shape[-1] * (x.shape[0] if x.ndim == 3 else 1)) * 1.5
+                            ).astype(np.float32)
+    return out
+
+
+IMATRIX_FILE, IMATRIX_DATASET, IMATRIX_CHUNKS = "imatrix.gguf", "calibration.txt", 3
+IMATRIX_CASES = (*((m, f) for m in ("llama-gqa4",) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K_S", "Q3_K_M",
+                                                          "Q4_K_M", "Q5_K_S", "Q6_K", "IQ4_NL", "IQ4_XS")),
+                 ("moe8", "Q2_K"), ("moe8", "Q4_K_M"), ("moe8", "IQ4_XS"), ("gemma3-tied", "Q4_K_M"))
+
+
+def imatrix_params(model: str, ftype_name: str) -> QuantizeParams:
+    """The params llama-quantize passes for `--imatrix imatrix.gguf` (the provenance keys too)."""
+    params = case_params(ftype_name)
+    params.imatrix = seeded_imatrix(model)
+    params.kv_overrides = [("quantize.imatrix.file", IMATRIX_FILE), ("quantize.imatrix.dataset", IMATRIX_DATASET),
+                           ("quantize.imatrix.entries_count", len(params.imatrix)),
+                           ("quantize.imatrix.chunks_count", IMATRIX_CHUNKS)]
+    return params
+
+
+def row_imatrices() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(99)
+    return {"lognormal": np.exp(rng.standard_normal(512) * 2).astype(np.float32),
+            "sparse": np.where(rng.random(512) < 0.3, rng.random(512) * 10, 0).astype(np.float32)}
+
+
 # Cases of the split model: (case name, ftype, keep_split).
 SPLIT_CASES = (("Q4_K_M+keep_split", "Q4_K_M", True), ("Q8_0", "Q8_0", False))
 
@@ -216,6 +250,15 @@ def test_quantizer_rows_equal_llamacpp(ref, type_name):
     want = ref["rows"][type_name]
     bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
     assert not bad, f"{type_name}: rows {bad} differ from ggml_quantize_chunk's bytes"
+
+
+@pytest.mark.parametrize("type_name", [t.name for t in quants.IMATRIX_TYPES])
+@pytest.mark.parametrize("imatrix_name", ["lognormal", "sparse"])
+def test_imatrix_quantizer_rows_equal_llamacpp(ref, type_name, imatrix_name):
+    ours = quants.quantize(quantizer_rows(), GGMLType[type_name], row_imatrices()[imatrix_name])
+    want = ref["rows_imatrix"][imatrix_name][type_name]
+    bad = [i for i, (r, w) in enumerate(zip(ours, want, strict=True)) if sha(r) != w]
+    assert not bad, f"{type_name} with the {imatrix_name} imatrix: rows {bad} differ from ggml_quantize_chunk's"
 
 
 def test_quantizer_round_trip_error_is_small():
@@ -276,6 +319,48 @@ def test_model_quantize_equals_llamacpp(ref, inputs, tmp_path, model, ftype_name
 def test_split_model_equals_llamacpp(ref, inputs, tmp_path, case, ftype_name, keep_split):
     _check_case(ref["models"]["gemma3-split"][case], inputs["gemma3-split"], tmp_path / "out", ftype_name,
                 keep_split)
+
+
+@pytest.mark.parametrize("model,ftype_name", [
+    pytest.param(m, f, marks=() if (m, f) in {("llama-gqa4", "Q4_K_M"), ("moe8", "IQ4_XS")} else pytest.mark.slow,
+                 id=f"{m}-{f}") for m, f in IMATRIX_CASES])
+def test_imatrix_model_quantize_equals_llamacpp(ref, inputs, tmp_path, model, ftype_name):
+    paths = model_quantize(inputs[model], tmp_path / "out.gguf", imatrix_params(model, ftype_name))
+    want = ref["models_imatrix"][model][ftype_name]
+    got = describe(paths)
+    bad = {n: (t, want["tensors"].get(n)) for n, t in got["tensors"].items() if want["tensors"].get(n) != t}
+    assert got["files"] == want["files"], f"{model} {ftype_name} with an imatrix: (ours, llama.cpp) {bad}"
+
+
+def test_imatrix_refusals(inputs, tmp_path):
+    out = tmp_path / "out.gguf"
+    wrong = imatrix_params("llama-gqa4", "Q4_K_M")
+    wrong.imatrix["blk.1.attn_q.weight"] = wrong.imatrix["blk.1.attn_q.weight"][:100]
+    with pytest.raises(QuantizeError, match="imatrix size 100 is different from tensor size 256 for blk.1.attn_q"):
+        model_quantize(inputs["llama-gqa4"], out, wrong)
+    other = imatrix_params("llama-gqa4", "Q4_K_M")
+    other.imatrix = {"model.layers.0.mlp.weight": np.ones(256, np.float32)}
+    with pytest.raises(QuantizeError, match="names none of the model's tensors"):
+        model_quantize(inputs["llama-gqa4"], out, other)
+    nan = imatrix_params("llama-gqa4", "Q4_K_M")
+    nan.imatrix["blk.1.attn_q.weight"][3] = np.nan
+    with pytest.raises(QuantizeError, match="non-finite"):
+        model_quantize(inputs["llama-gqa4"], out, nan)
+    missing = imatrix_params("llama-gqa4", "Q2_K_S")
+    del missing.imatrix["blk.1.ffn_down.weight"]
+    with pytest.raises(QuantizeError, match="missing importance matrix for tensor blk.1.ffn_down.weight"):
+        model_quantize(inputs["llama-gqa4"], out, missing)
+    assert not list(tmp_path.iterdir())
+
+
+def test_include_exclude_weights_filter_the_imatrix():
+    p = QuantizeParams(imatrix={"blk.0.attn_q.weight": np.ones(4), "blk.0.ffn_up.weight": np.ones(4)})
+    p.include_weights = ["attn"]
+    assert list(p.importance()) == ["blk.0.attn_q.weight"]
+    p.include_weights, p.exclude_weights = [], ["attn"]
+    assert list(p.importance()) == ["blk.0.ffn_up.weight"]
+    p.exclude_weights = ["blk"]
+    assert p.importance() is None       # nothing left: quantized as without an imatrix
 
 
 def test_threads_do_not_change_the_bytes(inputs, tmp_path):
@@ -372,7 +457,7 @@ def test_cli_flags_reach_the_params(inputs, tmp_path):
     (("Q4_K_M", "--tensor-type", "attn_q"), "expected PATTERN=TYPE"),
     (("Q4_K_M", "--include-weights", "a", "--exclude-weights", "b"), "cannot be used together"),
     (("IQ2_XXS",), "requires an importance matrix"),
-    (("Q4_K_M", "--imatrix", "imatrix.gguf"), "not implemented yet"),
+    (("Q4_K_M", "--imatrix", "missing.gguf"), "cannot read the imatrix"),
 ])
 def test_cli_bad_input_is_a_usage_error(inputs, tmp_path, argv, message):
     from llm.cli.commands import _exit_code
@@ -403,3 +488,80 @@ def test_cli_keep_split_names_the_shards(ref, inputs, tmp_path):
     _cli(str(inputs["gemma3-split"]), str(tmp_path / "out.gguf"), "Q4_K_M", "--keep-split")
     paths = [str(tmp_path / f"out-0000{i}-of-00002.gguf") for i in (1, 2)]
     assert describe(paths)["files"] == ref["models"]["gemma3-split"]["Q4_K_M+keep_split"]["files"]
+
+
+# ---- importance matrix files ---------------------------------------------------------------------
+
+
+def write_imatrix_gguf(path: Path, values: dict[str, np.ndarray], n_mat: dict[str, int], count: float,
+                       with_metadata: bool = True) -> Path:
+    """llama-imatrix's GGUF: <name>.in_sum2 [n_mat, ne0] = values * count, <name>.counts [n_mat, 1]."""
+    w = gguf.GGUFWriter()
+    w.add_kv("general.type", "imatrix")
+    if with_metadata:
+        w.add_kv("imatrix.datasets", [IMATRIX_DATASET])
+        w.add_kv("imatrix.chunk_count", IMATRIX_CHUNKS)
+        w.add_kv("imatrix.chunk_size", 512)
+    for name, v in values.items():
+        w.add_tensor(name + ".in_sum2", (v * np.float32(count)).reshape(n_mat[name], -1))
+        w.add_tensor(name + ".counts", np.full((n_mat[name], 1), count, np.float32))
+    w.write(path)
+    return path
+
+
+def write_imatrix_dat(path: Path, values: dict[str, np.ndarray], ncall: int) -> Path:
+    """The legacy format: entries of (name, ncall, values * ncall), then chunk count and dataset."""
+    parts = [np.int32(len(values)).tobytes()]
+    for name, v in values.items():
+        parts += [np.int32(len(name)).tobytes(), name.encode(), np.int32(ncall).tobytes(),
+                  np.int32(v.size).tobytes(), (v * np.float32(ncall)).astype(np.float32).tobytes()]
+    parts += [np.int32(IMATRIX_CHUNKS).tobytes(), np.int32(len(IMATRIX_DATASET)).tobytes(), IMATRIX_DATASET.encode()]
+    path.write_bytes(b"".join(parts))
+    return path
+
+
+def _n_mat(model: str) -> dict[str, int]:
+    return {n: (x.shape[0] if x.ndim == 3 else 1) for n, x in model_inputs(model)[1].items()}
+
+
+def test_load_imatrix_reads_both_formats(tmp_path):
+    from llm.quantize import load_imatrix
+    values = {"a.weight": np.array([1, 2, 3, 4], np.float32), "b.weight": np.array([0.5, 8], np.float32)}
+    n_mat = {"a.weight": 2, "b.weight": 1}
+    g = load_imatrix(write_imatrix_gguf(tmp_path / "i.gguf", values, n_mat, 4.0))
+    assert g.datasets == [IMATRIX_DATASET] and g.chunk_count == IMATRIX_CHUNKS
+    assert all(np.array_equal(g.values[n], v) for n, v in values.items())
+    zero = load_imatrix(write_imatrix_gguf(tmp_path / "z.gguf", values, n_mat, 0.0))
+    assert np.array_equal(zero.values["a.weight"], np.ones(4, np.float32))      # no calls: weight 1
+    d = load_imatrix(write_imatrix_dat(tmp_path / "i.dat", values, 8))
+    assert d.datasets == [IMATRIX_DATASET] and d.chunk_count == IMATRIX_CHUNKS
+    assert all(np.array_equal(d.values[n], v) for n, v in values.items())
+    with pytest.raises(QuantizeError, match="missing imatrix metadata"):
+        load_imatrix(write_imatrix_gguf(tmp_path / "m.gguf", values, n_mat, 1.0, with_metadata=False))
+    (tmp_path / "empty.dat").write_bytes(np.int32(0).tobytes())
+    with pytest.raises(QuantizeError, match="no data"):
+        load_imatrix(tmp_path / "empty.dat")
+
+
+def test_cli_imatrix_writes_llama_quantize_bytes(ref, inputs, tmp_path, monkeypatch):
+    """--imatrix FILE: the weighted quantizers and llama-quantize's provenance keys (file,
+    dataset, entries, chunks); the legacy .dat gives the same tensors."""
+    monkeypatch.chdir(tmp_path)
+    values = seeded_imatrix("moe8")
+    write_imatrix_gguf(tmp_path / IMATRIX_FILE, values, _n_mat("moe8"), 4.0)
+    _cli(str(inputs["moe8"]), "out.gguf", "IQ4_XS", "--imatrix", IMATRIX_FILE)
+    want = ref["models_imatrix"]["moe8"]["IQ4_XS"]
+    assert describe(["out.gguf"])["files"] == want["files"]
+    write_imatrix_dat(tmp_path / "imatrix.dat", values, 2)
+    _cli(str(inputs["moe8"]), "dat.gguf", "IQ4_XS", "--imatrix", "imatrix.dat")
+    assert describe(["dat.gguf"])["tensors"] == want["tensors"]
+    with gguf.GGUFReader("dat.gguf") as r:
+        assert r.kv["quantize.imatrix.file"] == "imatrix.dat" and r.kv["quantize.imatrix.chunks_count"] == 3
+
+
+def test_cli_imatrix_for_another_model_is_a_usage_error(inputs, tmp_path):
+    from llm.errors import UsageError
+    im = write_imatrix_gguf(tmp_path / "other.gguf", seeded_imatrix("falcon-qkv"), _n_mat("falcon-qkv"), 1.0)
+    with pytest.raises(UsageError, match="imatrix size .* is different from tensor size"):
+        _cli(str(inputs["llama-gqa4"]), str(tmp_path / "out.gguf"), "Q4_K_M", "--imatrix", str(im))
+    assert not (tmp_path / "out.gguf").exists()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..types import GGMLType
+from .kernels import NUMPY, k_scale_min
 
 F32 = np.float32
 GROUP_MAX_EPS = F32(1e-15)
@@ -184,14 +185,14 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
 # --- make_qx_quants (rmse_type 1, no importance): symmetric fit, the Q6_K core -------------------
 
 
-def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Groups x [n, m], weights x*x -> (L [n, m] in 0..2*nmax-1 as float32, scale [m]).
+def make_qx_quants(x: np.ndarray, nmax: int, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Groups x [n, m], weights w (default x*x) -> (L [n, m] in 0..2*nmax-1 as float32, scale [m]).
 
     |iscale * x| <= nmax + 1 (iscale is about nmax / max|x|), so rounding takes the quick path;
     as in make_qkx2_quants the best trial's quants are computed again at the end."""
     amax, mx = signed_absmax(x)
     zero = amax < GROUP_MAX_EPS
-    w = x * x
+    w = x * x if w is None else w
     wx = w * x
 
     def trial(iscale):
@@ -286,33 +287,52 @@ def _affine_superblock(scales, mins, qmax: int):
     return ls, lm, f16(max_scale / F32(qmax)), f16(max_min / F32(qmax))
 
 
-def _q45_k(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
-    """Shared body of Q4_K and Q5_K: (L [nb, 256], 12 scale bytes, d, dmin as float16)."""
+def _q45_k(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Shared body of Q4_K and Q5_K: (xt, L, 12 scale bytes, d, dmin as float16)."""
     nb = x.shape[0]
     xt = elements_first(x, 32)
     av_x = np.sqrt(seq_sum(xt * xt) / F32(32))
     L, scales, mins = make_qkx2_quants(xt, av_x + np.abs(xt), nmax, rmin, rdelta, nstep, False)
     ls, lm, d, dmin = _affine_superblock(scales.reshape(nb, 8), mins.reshape(nb, 8), 63)
-    dg = (d.astype(F32)[:, None] * ls.astype(F32)).reshape(-1)
-    dmg = (dmin.astype(F32)[:, None] * lm.astype(F32)).reshape(-1)
-    return groups_last(_requant(xt, L, dg, dmg, 0, nmax), nb), _k_scale_bytes(ls, lm), d, dmin
+    return xt, L, _k_scale_bytes(ls, lm), d, dmin
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """block_q4_K: d, dmin, scales[12], qs[128] (quantize_row_q4_K_ref)."""
-    L, sc, d, dmin = _q45_k(x, 15, -1.0, 0.1, 20)
-    return np.concatenate([f16_bytes(d), f16_bytes(dmin), sc, pack_nibble_pairs(L, 32)], axis=1)
-
-
-def quantize_q5_k(x: np.ndarray) -> np.ndarray:
-    """block_q5_K: d, dmin, scales[12], qh[32], qs[128] (quantize_row_q5_K_ref)."""
-    L, sc, d, dmin = _q45_k(x, 31, -0.5, 0.1, 15)
-    nb = x.shape[0]
+def _q45_k_bytes(xt, L, sc, d, dmin, nmax: int) -> np.ndarray:
+    """block_q4_K / block_q5_K from the group quants: requantized from the stored scales (read
+    back from the 12 bytes, as get_scale_min_k4), then packed."""
+    nb = sc.shape[0]
+    scale, mins = k_scale_min(NUMPY, sc)
+    dg = (d.astype(F32)[:, None] * scale.astype(F32)).reshape(-1)
+    dmg = (dmin.astype(F32)[:, None] * mins.astype(F32)).reshape(-1)
+    L = groups_last(_requant(xt, L, dg, dmg, 0, nmax), nb)
+    head = [f16_bytes(d), f16_bytes(dmin), sc]
+    if nmax == 15:
+        return np.concatenate([*head, pack_nibble_pairs(L, 32)], axis=1)
     high = (L >> 4).reshape(nb, 8, 32)
     qh = np.zeros((nb, 32), np.uint8)
     for k in range(8):
         qh |= high[:, k] << k
-    return np.concatenate([f16_bytes(d), f16_bytes(dmin), sc, qh, pack_nibble_pairs(L & 0xF, 32)], axis=1)
+    return np.concatenate([*head, qh, pack_nibble_pairs(L & 0xF, 32)], axis=1)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """block_q4_K: d, dmin, scales[12], qs[128] (quantize_row_q4_K_ref)."""
+    return _q45_k_bytes(*_q45_k(x, 15, -1.0, 0.1, 20), 15)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """block_q5_K: d, dmin, scales[12], qh[32], qs[128] (quantize_row_q5_K_ref)."""
+    return _q45_k_bytes(*_q45_k(x, 31, -0.5, 0.1, 15), 31)
+
+
+def _q2_k_bytes(xt, L, sc, d, dmin) -> np.ndarray:
+    """block_q2_K from the group quants and the scale bytes (scale | min << 4), requantized."""
+    nb = sc.shape[0]
+    dg = (d.astype(F32)[:, None] * (sc & 0xF).astype(F32)).reshape(-1)
+    dmg = (dmin.astype(F32)[:, None] * (sc >> 4).astype(F32)).reshape(-1)
+    L = groups_last(_requant(xt, L, dg, dmg, 0, 3), nb)
+    return np.concatenate([sc.astype(np.uint8), _pack_crumbs(L, 32), f16_bytes(d), f16_bytes(dmin)], axis=1)
 
 
 def quantize_q2_k(x: np.ndarray) -> np.ndarray:
@@ -329,10 +349,7 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
     sc = (sc | np.where(max_min[:, None] > 0, q_m << 4, 0)) & 0xFF
     d = np.where(max_scale > 0, f16(max_scale / F32(15)), np.float16(0))
     dmin = np.where(max_min > 0, f16(max_min / F32(15)), np.float16(0))
-    dg = (d.astype(F32)[:, None] * (sc & 0xF).astype(F32)).reshape(-1)
-    dmg = (dmin.astype(F32)[:, None] * (sc >> 4).astype(F32)).reshape(-1)
-    L = groups_last(_requant(xt, L, dg, dmg, 0, 3), nb)
-    return np.concatenate([sc.astype(np.uint8), _pack_crumbs(L, 32), f16_bytes(d), f16_bytes(dmin)], axis=1)
+    return _q2_k_bytes(xt, L, sc, d, dmin)
 
 
 def _q3_scale_bytes(q: np.ndarray) -> np.ndarray:
@@ -353,6 +370,15 @@ def _high_bit_mask(L: np.ndarray) -> np.ndarray:
     return out
 
 
+def _q3_k_bytes(xt, L, codes, sc, d) -> np.ndarray:
+    """block_q3_K from the group quants (0..7), the 6-bit scale codes [nb, 16], their 12 bytes
+    and d: requantized from the stored scales, then packed."""
+    nb = codes.shape[0]
+    dg = (d.astype(F32)[:, None] * (codes - 32).astype(F32)).reshape(-1)
+    L = groups_last(_requant(xt, L, dg, None, -4, 3, 4), nb)
+    return np.concatenate([_high_bit_mask(L), _pack_crumbs(L & 3, 32), sc, f16_bytes(d)], axis=1)
+
+
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     """block_q3_K: hmask[32], qs[64], scales[12], d (quantize_row_q3_K_ref)."""
     nb = x.shape[0]
@@ -366,18 +392,14 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
         q = np.clip(((nearest_int(iscale[:, None] * scales) + 128) & 0xFF) - 128, -32, 31) + 32
         d = np.where(has, f16(F32(1) / iscale), np.float16(0))
     q = np.where(has[:, None], q, 32)
-    dg = (d.astype(F32)[:, None] * (q - 32).astype(F32)).reshape(-1)
-    L = groups_last(_requant(xt, L, dg, None, -4, 3, 4), nb)
     sc = np.where(has[:, None], _q3_scale_bytes(q), np.uint8(0))
-    return np.concatenate([_high_bit_mask(L), _pack_crumbs(L & 3, 32), sc, f16_bytes(d)], axis=1)
+    return _q3_k_bytes(xt, L, q, sc, d)
 
 
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """block_q6_K: ql[128], qh[64], scales[16] int8, d (quantize_row_q6_K_ref)."""
-    nb = x.shape[0]
-    xt = elements_first(x, 16)
-    L, scales = make_qx_quants(xt, 32)
-    scales = scales.reshape(nb, 16)
+def _q6_k_bytes(xt, L, scales) -> np.ndarray:
+    """block_q6_K from the group quants (0..63) and scales [nb, 16]: the 8-bit scale codes, d,
+    the requantized quants (quantize_row_q6_K_ref's second half, shared with the imatrix path)."""
+    nb = scales.shape[0]
     amax, max_scale = signed_absmax(scales.T)
     zero = amax < GROUP_MAX_EPS
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -393,6 +415,229 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """block_q6_K: ql[128], qh[64], scales[16] int8, d (quantize_row_q6_K_ref)."""
+    xt = elements_first(x, 16)
+    L, scales = make_qx_quants(xt, 32)
+    return _q6_k_bytes(xt, L, scales.reshape(x.shape[0], 16))
+
+
+# --- with an importance matrix (quantize_row_*_impl) ----------------------------------------------
+
+
+def make_qkx3_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """make_qkx3_quants (squared error): make_qkx2_quants with its trial quants taken as
+    `v > 0 ? nearest_int(MIN(v, nmax)) : 0` (in range, so rounded the quick way) -> (L, scale, -min)."""
+    lo_x = x.min(axis=0)
+    mn = select(lo_x > 0, F32(0), lo_x)
+    mx = x.max(axis=0)
+    flat = mx <= mn
+    sums = (seq_sum(w), seq_sum(w * x))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(nmax) / (mx - mn)
+        first_iscale, first_mn = iscale, mn
+        scale = F32(1) / iscale
+        best = _qkx2_error(x, w, _qkx2_levels(x, lo_x, mn, mx, iscale, nmax, flat), scale, mn, False)
+        improved = np.zeros(mx.shape, bool)
+        best_iscale, best_mn = iscale, mn
+        for step in range(nstep + 1):
+            iscale = (F32(F32(rmin) + F32(rdelta) * F32(step)) + F32(nmax)) / (mx - mn)
+            this_scale, this_min, err, ok = _qkx3_step(x, w, sums, mn, iscale, nmax)
+            better = ok & (err < best)
+            best_iscale, best_mn = select(better, iscale, best_iscale), select(better, mn, best_mn)
+            improved |= better
+            best, scale, mn = select(better, err, best), select(better, this_scale, scale), select(better, this_min, mn)
+        L = _qkx3_levels(x, best_mn, best_iscale, nmax)
+        if not improved.all():      # groups left with the first quants (rounded the other way)
+            L = select(improved, L, _qkx2_levels(x, lo_x, first_mn, mx, first_iscale, nmax, flat))
+    return select(flat, F32(0), L), select(flat, F32(0), scale), -mn
+
+
+def _qkx3_levels(x, mn, iscale, nmax: int):
+    v = iscale * (x - mn)
+    return select(v > 0, round_in_range(np.minimum(v, F32(nmax))), F32(0))
+
+
+def _qkx3_step(x, w, sums, mn, iscale, nmax: int):
+    sum_w, sum_x = sums
+    laux = _qkx3_levels(x, mn, iscale, nmax)
+    wl = w * laux
+    sum_l, sum_l2, sum_xl = seq_sum(wl), seq_sum(wl * laux), seq_sum(wl * x)
+    det = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+    this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+    positive = this_min > 0
+    this_min = select(positive, F32(0), this_min)
+    this_scale = select(positive, sum_xl / sum_l2, this_scale)
+    return this_scale, this_min, _qkx2_error(x, w, laux, this_scale, this_min, False), det > 0
+
+
+def _capped(v: np.ndarray, nmax: int) -> np.ndarray:
+    """MIN(nmax, nearest_int(v)) as float32 (no lower bound: negative codes wrap where stored)."""
+    return np.minimum(nearest_int(v), nmax).astype(F32)
+
+
+def _as_uint8(v: np.ndarray) -> np.ndarray:
+    """A code stored into uint8_t (negative ones wrap), as float32."""
+    return (v.astype(np.int32) & 0xFF).astype(F32)
+
+
+def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """make_qp_quants: positive scales of a block [n, m] (weights w) -> (codes as uint8 values in
+    float32, scale [m]); the codes wrap like C's uint8_t L[] when a scale is negative."""
+    mx = np.zeros(x.shape[1], F32)
+    for row in x:
+        mx = select(mx > row, mx, row)          # MAX(max, x[i])
+    zero = mx < GROUP_MAX_EPS
+    wx = w * x
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(nmax) / mx
+        L = _as_uint8(nearest_int(iscale * x))
+        diff = x - (F32(1) / iscale) * L
+        best = seq_sum((w * diff) * diff)
+        for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+            iscale_is = (F32(0.1) * F32(step) + F32(nmax)) / mx
+            diff = x - (F32(1) / iscale_is) * _capped(iscale_is * x, nmax)
+            mse = seq_sum((w * diff) * diff)
+            better = mse < best
+            best, iscale = select(better, mse, best), select(better, iscale_is, iscale)
+        q = _capped(iscale * x, nmax)
+        sumlx, suml2 = seq_sum(wx * q), seq_sum((w * q) * q)
+        codes, scale = _qp_refine(x, w, wx, _as_uint8(q), sumlx, suml2, nmax)
+    return select(zero, F32(0), codes), select(zero, F32(0), scale)
+
+
+def _qp_refine(x, w, wx, L, sumlx, suml2, nmax: int):
+    """make_qp_quants' five passes of coordinate descent -> (codes, scale)."""
+    for _ in range(5):
+        for i in range(x.shape[0]):
+            li = L[i]
+            slx = sumlx - wx[i] * li
+            sl2 = suml2 - (w[i] * li) * li
+            nl = _capped((x[i] * sl2) / slx, nmax)
+            slx2 = slx + wx[i] * nl
+            sl22 = sl2 + (w[i] * nl) * nl
+            take = ((slx > 0) & (sl2 > 0) & (nl != li)
+                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+            L[i] = select(take, _as_uint8(nl), li)
+            sumlx, suml2 = select(take, slx2, sumlx), select(take, sl22, suml2)
+    return L, select(suml2 > 0, sumlx / suml2, F32(0))
+
+
+def _row_weights(rows: np.ndarray, imatrix: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of the rows and of the importance (the same for every row) [n, bs]."""
+    qw = np.broadcast_to(imatrix.astype(F32).reshape(1, -1), rows.shape)
+    return rows.reshape(-1, bs), np.ascontiguousarray(qw).reshape(-1, bs)
+
+
+def _block_sigma2(x: np.ndarray, factor: float, n_groups: int) -> np.ndarray:
+    """factor * sum x^2 over each block of x [nb, k] (C's order), repeated for its n_groups groups."""
+    xt = elements_first(x, x.shape[1])
+    return np.repeat((F32(factor) * seq_sum(xt * xt)) / F32(x.shape[1]), n_groups)
+
+
+def _importance(xt: np.ndarray, qwt: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
+    """quant_weights[i] * sqrtf(sigma2 + x[i]*x[i]) for groups [n, m]."""
+    return qwt * np.sqrt(sigma2 + xt * xt)
+
+
+def quantize_q2_k_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """quantize_row_q2_K_impl: weighted qkx3 fits per 16, the scales and mins by make_qp_quants."""
+    x, qw = _row_weights(rows, imatrix, 256)
+    nb = x.shape[0]
+    xt, qwt = elements_first(x, 16), elements_first(qw, 16)
+    w = _importance(xt, qwt, _block_sigma2(x, 1.0, 16))
+    sw = seq_sum(w).reshape(nb, 16).T
+    L, scales, mins = make_qkx3_quants(xt, w, 3, -0.9, 0.05, 36)
+    ls, dm = make_qp_quants(np.ascontiguousarray(scales.reshape(nb, 16).T), 15, sw)
+    lm, mm = make_qp_quants(np.ascontiguousarray(mins.reshape(nb, 16).T), 15, sw)
+    sc = (ls.T.astype(np.int32) | (lm.T.astype(np.int32) << 4)) & 0xFF
+    return _q2_k_bytes(xt, L, sc, f16(dm), f16(mm)).reshape(rows.shape[0], -1)
+
+
+def quantize_q3_k_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """quantize_row_q3_K_impl: weighted make_qx_quants per 16, and again over the 16 scales."""
+    x, qw = _row_weights(rows, imatrix, 256)
+    nb = x.shape[0]
+    xt, qwt = elements_first(x, 16), elements_first(qw, 16)
+    w = _importance(xt, qwt, _block_sigma2(x, 2.0, 16))
+    L, scales = make_qx_quants(xt, 4, w)
+    codes, d_block = make_qx_quants(np.ascontiguousarray(scales.reshape(nb, 16).T), 32,
+                                    np.ascontiguousarray(seq_sum(w).reshape(nb, 16).T))
+    codes = codes.T.astype(np.int32)
+    return _q3_k_bytes(xt, L, codes, _q3_scale_bytes(codes), f16(d_block)).reshape(rows.shape[0], -1)
+
+
+def _q45_k_imatrix(rows: np.ndarray, imatrix: np.ndarray, nmax: int) -> np.ndarray:
+    """quantize_row_q4_K_impl / _q5_K_impl: weighted qkx3 fits per 32, scales and mins by make_qp_quants."""
+    x, qw = _row_weights(rows, imatrix, 256)
+    nb = x.shape[0]
+    xt, qwt = elements_first(x, 32), elements_first(qw, 32)
+    w = _importance(xt, qwt, _block_sigma2(x, 2.0, 8))
+    sw = np.ascontiguousarray(seq_sum(w).reshape(nb, 8).T)
+    L, scales, mins = make_qkx3_quants(xt, w, nmax, -0.9, 0.05, 36)
+    ls, d_block = make_qp_quants(np.ascontiguousarray(scales.reshape(nb, 8).T), 63, sw)
+    lm, m_block = make_qp_quants(np.ascontiguousarray(mins.reshape(nb, 8).T), 63, sw)
+    ls, lm = ls.T.astype(np.int32), lm.T.astype(np.int32)
+    if nmax == 31:      # only the Q5_K impl limits the codes to 63
+        ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
+    return _q45_k_bytes(xt, L, _k_scale_bytes(ls, lm), f16(d_block), f16(m_block), nmax).reshape(rows.shape[0], -1)
+
+
+def quantize_q4_k_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    return _q45_k_imatrix(rows, imatrix, 15)
+
+
+def quantize_q5_k_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    return _q45_k_imatrix(rows, imatrix, 31)
+
+
+def quantize_q6_k_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """quantize_row_q6_K_impl: make_qx_quants per 16 weighted by the importance itself."""
+    x, qw = _row_weights(rows, imatrix, 256)
+    xt = elements_first(x, 16)
+    L, scales = make_qx_quants(xt, 32, elements_first(qw, 16))
+    return _q6_k_bytes(xt, L, scales.reshape(x.shape[0], 16)).reshape(rows.shape[0], -1)
+
+
+def _legacy_imatrix(rows: np.ndarray, imatrix: np.ndarray, nmax: int, affine: bool) -> np.ndarray:
+    """quantize_row_q4_0/q4_1/q5_0/q5_1_impl: per 32, weights from the whole row's mean square;
+    make_qx_quants (symmetric) or make_qkx3_quants (with a min)."""
+    n = rows.shape[1]
+    rt = np.ascontiguousarray(rows.T)
+    sigma2 = np.repeat(seq_sum(rt * rt) / F32(n), n // 32)
+    x, qw = _row_weights(rows, imatrix, 32)
+    xt = elements_first(x, 32)
+    w = _importance(xt, elements_first(qw, 32), sigma2)
+    if affine:
+        L, d, the_min = make_qkx3_quants(xt, w, nmax, -0.9, 0.05, 36)
+        head = [f16_bytes(f16(d)), f16_bytes(f16(-the_min))]
+    else:
+        L, d = make_qx_quants(xt, (nmax + 1) // 2, w)
+        head = [f16_bytes(f16(d))]
+    q = groups_last(L.astype(np.uint8), x.shape[0])
+    if nmax == 31:
+        head.append(np.packbits((q >> 4) & 1, axis=1, bitorder="little"))
+    return np.concatenate([*head, pack_nibble_pairs(q & 0xF, 16)], axis=1).reshape(rows.shape[0], -1)
+
+
+def quantize_q4_0_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    return _legacy_imatrix(rows, imatrix, 15, False)
+
+
+def quantize_q4_1_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    return _legacy_imatrix(rows, imatrix, 15, True)
+
+
+def quantize_q5_0_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    return _legacy_imatrix(rows, imatrix, 31, False)
+
+
+def quantize_q5_1_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    return _legacy_imatrix(rows, imatrix, 31, True)
+
+
 HostKernel = Callable[[np.ndarray], np.ndarray]
 
 KQUANT_KERNELS: dict[GGMLType, HostKernel] = {
@@ -402,3 +647,19 @@ KQUANT_KERNELS: dict[GGMLType, HostKernel] = {
     GGMLType.Q5_K: quantize_q5_k,
     GGMLType.Q6_K: quantize_q6_k,
 }
+
+# Rows [r, n_per_row] and an importance per column [n_per_row] -> uint8 [r, row bytes].
+ImatrixKernel = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+IMATRIX_KERNELS: dict[GGMLType, ImatrixKernel] = {
+    GGMLType.Q2_K: quantize_q2_k_imatrix,
+    GGMLType.Q3_K: quantize_q3_k_imatrix,
+    GGMLType.Q4_K: quantize_q4_k_imatrix,
+    GGMLType.Q5_K: quantize_q5_k_imatrix,
+    GGMLType.Q6_K: quantize_q6_k_imatrix,
+    GGMLType.Q4_0: quantize_q4_0_imatrix,
+    GGMLType.Q4_1: quantize_q4_1_imatrix,
+    GGMLType.Q5_0: quantize_q5_0_imatrix,
+    GGMLType.Q5_1: quantize_q5_1_imatrix,
+}
+

@@ -15,6 +15,7 @@ from .kquants import (
     F32,
     GROUP_MAX_EPS,
     HostKernel,
+    ImatrixKernel,
     elements_first,
     f16,
     f16_bytes,
@@ -57,9 +58,8 @@ def _iq4_sums(x: np.ndarray, w: np.ndarray, iscale: np.ndarray):
     return seq_sum(wq * x), seq_sum(wq * q)
 
 
-def _iq4_group_scales(xt: np.ndarray) -> np.ndarray:
-    """Groups of 32 [32, m] -> each group's scale (quantize_row_iq4_nl_impl's search, ntry 7)."""
-    w = xt * xt
+def _iq4_group_scales(xt: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Groups of 32 [32, m], weights w -> each group's scale (quantize_row_iq4_nl_impl's search, ntry 7)."""
     amax, mx = signed_absmax(xt)
     v0 = F32(_IQ4[0])
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -74,25 +74,37 @@ def _iq4_group_scales(xt: np.ndarray) -> np.ndarray:
     return np.where(amax < GROUP_MAX_EPS, F32(0), d)
 
 
+def _iq4_weights(x: np.ndarray, qw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of 32 of the super-blocks x [nb, 32 or 256] and their weights: x*x, or with an
+    importance qw [nb, k] qw * sqrt(sigma2 + x*x), sigma2 = sum x^2 * 2 / k over the super-block."""
+    xt = elements_first(x, 32)
+    if qw is None:
+        return xt, xt * xt
+    k = x.shape[1]
+    xs = elements_first(x, k)
+    sigma2 = np.repeat(seq_sum(xs * xs) * F32(2.0 / k), k // 32)
+    return xt, elements_first(qw, 32) * np.sqrt(sigma2 + xt * xt)
+
+
 def _inverse(d: np.ndarray) -> np.ndarray:
     """`d ? 1/d : 0`."""
     with np.errstate(divide="ignore"):
         return np.where(d != 0, F32(1) / d, F32(0))
 
 
-def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+def quantize_iq4_nl(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     """block_iq4_nl: d (f16), qs[16] (4-bit indices into kvalues_iq4nl)."""
-    xt = elements_first(x, 32)
-    d = _iq4_group_scales(xt)
+    xt, w = _iq4_weights(x, qw)
+    d = _iq4_group_scales(xt, w)
     L = groups_last(_best_index_iq4(_inverse(d) * xt)[0].astype(np.uint8), x.shape[0])
     return np.concatenate([f16_bytes(f16(d)), pack_nibble_pairs(L, 16)], axis=1)
 
 
-def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+def quantize_iq4_xs(x: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
     """block_iq4_xs: d (f16), scales_h (u16), scales_l[4], qs[128]; eight 6-bit group scales."""
     nb = x.shape[0]
-    xt = elements_first(x, 32)
-    scales = _iq4_group_scales(xt).reshape(nb, 8)
+    xt, w = _iq4_weights(x, qw)
+    scales = _iq4_group_scales(xt, w).reshape(nb, 8)
     _, max_scale = signed_absmax(scales.T)
     d = -max_scale / F32(32)
     q = np.clip(nearest_int(_inverse(d)[:, None] * scales), -32, 31)
@@ -106,6 +118,18 @@ def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
     scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
     return np.concatenate([f16_bytes(f16(d)), scales_h.view(np.uint8).reshape(nb, 2), scales_l,
                            pack_nibble_pairs(L, 16)], axis=1)
+
+
+def quantize_iq4_nl_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """quantize_iq4_nl with quant_weights (per 32: the importance, sigma2 over the 32)."""
+    qw = np.ascontiguousarray(np.broadcast_to(imatrix.astype(F32), rows.shape)).reshape(-1, 32)
+    return quantize_iq4_nl(rows.reshape(-1, 32), qw).reshape(rows.shape[0], -1)
+
+
+def quantize_iq4_xs_imatrix(rows: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """quantize_iq4_xs with quant_weights (sigma2 over each 256)."""
+    qw = np.ascontiguousarray(np.broadcast_to(imatrix.astype(F32), rows.shape)).reshape(-1, 256)
+    return quantize_iq4_xs(rows.reshape(-1, 256), qw).reshape(rows.shape[0], -1)
 
 
 # --- ternary ------------------------------------------------------------------------------------
@@ -190,3 +214,9 @@ NL_KERNELS: dict[GGMLType, HostKernel] = {
     GGMLType.TQ2_0: quantize_tq2_0,
     GGMLType.MXFP4: quantize_mxfp4,
 }
+
+NL_IMATRIX_KERNELS: dict[GGMLType, ImatrixKernel] = {
+    GGMLType.IQ4_NL: quantize_iq4_nl_imatrix,
+    GGMLType.IQ4_XS: quantize_iq4_xs_imatrix,
+}
+

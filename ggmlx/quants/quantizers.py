@@ -15,11 +15,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..types import GGMLType, TypeSizeError, block_size, type_size
+from ..types import GGMLType, TypeSizeError, block_size, row_size, type_size
 from .jax_dequant import JAX
 from .kernels import NUMPY, ArrayOps
-from .kquants import KQUANT_KERNELS, HostKernel
-from .nlquants import NL_KERNELS
+from .kquants import IMATRIX_KERNELS as KQUANT_IMATRIX_KERNELS
+from .kquants import KQUANT_KERNELS, HostKernel, ImatrixKernel
+from .nlquants import NL_IMATRIX_KERNELS, NL_KERNELS
 from .numpy_ref import CHUNK_ELEMENTS
 
 F32 = np.float32
@@ -151,6 +152,10 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 HOST_CHUNK_ELEMENTS = 1 << 18
 HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS}
 
+# Kernels that take an importance matrix (the others ignore it).
+IMATRIX_KERNELS: dict[GGMLType, ImatrixKernel] = {**KQUANT_IMATRIX_KERNELS, **NL_IMATRIX_KERNELS}
+IMATRIX_TYPES: tuple[GGMLType, ...] = tuple(IMATRIX_KERNELS)
+
 QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS,
                                         *HOST_KERNELS)
 
@@ -169,12 +174,13 @@ def _check_quantize(x_shape: tuple[int, ...], t: GGMLType | int, what: str, allo
     return t
 
 
-def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
+def quantize(x: np.ndarray, type: GGMLType | int, imatrix: np.ndarray | None = None) -> np.ndarray:
     """float32 array [..., ne0] -> uint8 [..., row bytes]: the GGUF bytes of each row.
 
-    Bit-exact with ggml_quantize_chunk without an importance matrix (for the legacy types
-    also with gguf-py's quantize). Non-finite input raises ValueError (ggml's result for it
-    is undefined).
+    Bit-exact with ggml_quantize_chunk (for the legacy types without an importance matrix also
+    with gguf-py's quantize). `imatrix` [ne0]: the importance of each column, for the types whose
+    quantizers use one (IMATRIX_TYPES; the others ignore it, as ggml does). Non-finite input
+    raises ValueError (ggml's result for it is undefined).
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     t = _check_quantize(x.shape, type, "quantize", QUANTIZE_TYPES)
@@ -187,12 +193,27 @@ def quantize(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
         return _bf16_bits(x).view(np.uint8).reshape(*x.shape[:-1], -1)
     if not np.isfinite(x).all():
         raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
+    if imatrix is not None and t in IMATRIX_KERNELS:
+        return _quantize_rows(x, t, np.asarray(imatrix, dtype=np.float32))
     blocks = x.reshape(-1, block_size(t))
     out = np.empty((blocks.shape[0], type_size(t)), dtype=np.uint8)
     step = (HOST_CHUNK_ELEMENTS if t in HOST_KERNELS else CHUNK_ELEMENTS) // block_size(t)
     with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond the f16 range is inf, as in ggml
         for start in range(0, blocks.shape[0], step):
             out[start:start + step] = _kernel(t, blocks[start:start + step])
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def _quantize_rows(x: np.ndarray, t: GGMLType, imatrix: np.ndarray) -> np.ndarray:
+    """The imatrix kernels work on whole rows (some weigh by the row's mean square)."""
+    if imatrix.shape != (x.shape[-1],):
+        raise ValueError(f"quantize: imatrix of shape {imatrix.shape} for rows of {x.shape[-1]}")
+    rows = x.reshape(-1, x.shape[-1])
+    out = np.empty((rows.shape[0], row_size(t, rows.shape[1])), dtype=np.uint8)
+    step = max(1, HOST_CHUNK_ELEMENTS // rows.shape[1])
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, rows.shape[0], step):
+            out[start:start + step] = IMATRIX_KERNELS[t](rows[start:start + step], imatrix)
     return out.reshape(*x.shape[:-1], -1)
 
 

@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("type", help="the file type, e.g. Q4_K_M")
     p.add_argument("nthreads", nargs="?", type=int, default=None, help="threads (llama-quantize's positional form)")
     p.add_argument("--nthread", type=int, default=0, help="threads; 0: one per CPU")
-    p.add_argument("--imatrix", default=None, help="importance matrix file")
+    p.add_argument("--imatrix", default=None, help="importance matrix file (llama-imatrix's GGUF or legacy .dat)")
     p.add_argument("--include-weights", action="append", default=[], metavar="PAT",
                    help="use the importance matrix only for tensors whose name contains PAT (repeatable)")
     p.add_argument("--exclude-weights", action="append", default=[], metavar="PAT",
@@ -74,7 +74,14 @@ def params_from_args(a: argparse.Namespace) -> tuple[q.QuantizeParams, str]:
         keep_split=a.keep_split, include_weights=a.include_weights, exclude_weights=a.exclude_weights,
         tensor_types=[_tensor_type(s) for s in a.tensor_type])
     if a.imatrix:
-        raise UsageError("--imatrix: importance matrices are not implemented yet")
+        try:
+            imatrix = q.load_imatrix(a.imatrix)
+        except OSError as e:
+            raise UsageError(f"cannot read the imatrix {a.imatrix}: {e.strerror}") from None
+        params.imatrix = imatrix.values
+        kept = params.importance()
+        if kept:        # llama-quantize records where the importance came from
+            params.kv_overrides = q.imatrix_overrides(a.imatrix, imatrix, len(kept))
     return params, out
 
 

@@ -31,8 +31,39 @@ def _silence(lc) -> None:
     lc.llama_log_set(callback, ctypes.c_void_p())
 
 
-def _quantize_file(in_path: str, out_path: str, ftype: int, nthread: int, flags: dict[str, object]) -> float:
-    """In the child: llama_model_quantize with default params changed by `flags`; its seconds."""
+def _c_imatrix(lc, imatrix: dict[str, np.ndarray]):
+    """llama_model_imatrix_data[] (terminated by a NULL name), and the buffers it points into."""
+    arrays = [np.ascontiguousarray(v, np.float32) for v in imatrix.values()]
+    entries = (lc.llama_model_imatrix_data * (len(arrays) + 1))()
+    for e, name, a in zip(entries, imatrix, arrays, strict=False):
+        e.name, e.data, e.size = name.encode(), a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), a.size
+    return entries, arrays
+
+
+def _c_kv_overrides(lc, overrides: list[tuple[str, str, object]]):
+    """llama_model_kv_override[] from (key, "int" | "float" | "bool" | "str", value), terminated."""
+    entries = (lc.llama_model_kv_override * (len(overrides) + 1))()
+    tags = {"int": lc.LLAMA_KV_OVERRIDE_TYPE_INT, "float": lc.LLAMA_KV_OVERRIDE_TYPE_FLOAT,
+            "bool": lc.LLAMA_KV_OVERRIDE_TYPE_BOOL, "str": lc.LLAMA_KV_OVERRIDE_TYPE_STR}
+    fields = {"int": "val_i64", "float": "val_f64", "bool": "val_bool", "str": "val_str"}
+    for e, (key, kind, value) in zip(entries, overrides, strict=False):
+        e.key, e.tag = key.encode(), tags[kind]
+        setattr(e.value, fields[kind], value.encode() if isinstance(value, str) else value)
+    return entries
+
+
+def _c_tensor_types(lc, tensor_types: list[tuple[str, int]]):
+    entries = (lc.llama_model_tensor_override * (len(tensor_types) + 1))()
+    for e, (pattern, t) in zip(entries, tensor_types, strict=False):
+        e.pattern, e.type = pattern.encode(), t
+    entries[len(tensor_types)].type = 43       # GGML_TYPE_COUNT: the terminator's type
+    return entries
+
+
+def _quantize_file(in_path: str, out_path: str, ftype: int, nthread: int, flags: dict[str, object],
+                   imatrix: dict[str, np.ndarray] | None, kv_overrides: list[tuple[str, str, object]],
+                   tensor_types: list[tuple[str, int]]) -> float:
+    """In the child: llama_model_quantize with default params changed by the arguments; its seconds."""
     import llama_cpp as lc
     _silence(lc)
     p = lc.llama_model_quantize_default_params()
@@ -40,6 +71,19 @@ def _quantize_file(in_path: str, out_path: str, ftype: int, nthread: int, flags:
     p.nthread = nthread
     for k, v in flags.items():
         setattr(p, k, v)
+    keep = []
+    if imatrix:
+        entries, arrays = _c_imatrix(lc, imatrix)
+        keep += [entries, arrays]
+        p.imatrix = ctypes.cast(entries, ctypes.POINTER(lc.llama_model_imatrix_data))
+    if kv_overrides:
+        kvs = _c_kv_overrides(lc, kv_overrides)
+        keep.append(kvs)
+        p.kv_overrides = ctypes.cast(kvs, ctypes.POINTER(lc.llama_model_kv_override))
+    if tensor_types:
+        tts = _c_tensor_types(lc, tensor_types)
+        keep.append(tts)
+        p.tt_overrides = ctypes.cast(tts, ctypes.POINTER(lc.llama_model_tensor_override))
     t0 = time.perf_counter()
     rc = lc.llama_model_quantize(in_path.encode(), out_path.encode(), ctypes.byref(p))
     seconds = time.perf_counter() - t0
@@ -49,14 +93,19 @@ def _quantize_file(in_path: str, out_path: str, ftype: int, nthread: int, flags:
 
 
 def quantize_file(in_path: str | os.PathLike, out_path: str | os.PathLike, ftype: int, nthread: int = 1,
-                  **flags: object) -> float:
+                  imatrix: dict[str, np.ndarray] | None = None,
+                  kv_overrides: list[tuple[str, str, object]] | None = None,
+                  tensor_types: list[tuple[str, int]] | None = None, **flags: object) -> float:
     """llama.cpp quantizes in_path to out_path as llama_ftype `ftype`; returns its wall time in
-    seconds (the call alone, not the child's start). flags: llama_model_quantize_params fields
-    (pure, keep_split, quantize_output_tensor, output_tensor_type, allow_requantize, ...).
-    RuntimeError when llama.cpp refuses."""
+    seconds (the call alone, not the child's start). imatrix: {tensor name: importance}
+    (llama_model_imatrix_data); kv_overrides: (key, "int"/"float"/"bool"/"str", value);
+    tensor_types: (regex, ggml type id); flags: other llama_model_quantize_params fields (pure,
+    keep_split, quantize_output_tensor, output_tensor_type, allow_requantize, ...).
+    RuntimeError with llama.cpp's message when it refuses."""
     llamacpp_child.require_llama_cpp()
     return llamacpp_child.call(_quantize_file, os.fspath(in_path), os.fspath(out_path), int(ftype), nthread,
-                               dict(flags), model_path=in_path)
+                               dict(flags), imatrix, list(kv_overrides or []), list(tensor_types or []),
+                               model_path=in_path)
 
 
 def _ggml_base(lc) -> ctypes.CDLL:
@@ -69,16 +118,19 @@ def _ggml_base(lc) -> ctypes.CDLL:
     return lib
 
 
-def _quantize_rows(ggml_type: int, rows: np.ndarray) -> np.ndarray:
+def _quantize_rows(ggml_type: int, rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
     import llama_cpp as lc
     lib = _ggml_base(lc)
     x = np.ascontiguousarray(rows, np.float32)
+    im = None if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
     out = np.zeros((x.shape[0], lib.ggml_row_size(ggml_type, x.shape[1])), np.uint8)
-    lib.ggml_quantize_chunk(ggml_type, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], None)
+    lib.ggml_quantize_chunk(ggml_type, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+                            None if im is None else im.ctypes.data)
     return out
 
 
-def quantize_rows(ggml_type: int, rows: np.ndarray) -> np.ndarray:
-    """ggml_quantize_chunk(type, rows) without an importance matrix: uint8 [n_rows, row bytes]."""
+def quantize_rows(ggml_type: int, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """ggml_quantize_chunk(type, rows, imatrix): uint8 [n_rows, row bytes]."""
     llamacpp_child.require_llama_cpp()
-    return llamacpp_child.call(_quantize_rows, int(ggml_type), np.asarray(rows, np.float32), model_path="(rows)")
+    return llamacpp_child.call(_quantize_rows, int(ggml_type), np.asarray(rows, np.float32), imatrix,
+                               model_path="(rows)")

@@ -4,8 +4,9 @@
 
 Rebuilds the test inputs from their seeds (tests/test_quantize.py: quantizer_rows, build), runs
 llama.cpp on them in a child process (llm.research.quantize_llamacpp: ggml_quantize_chunk per
-row, llama_model_quantize per model and file type) and writes reference.json: per row its
-sha256; per case the sha256 of each output file and each tensor's type and hash, or
+row, without and with an importance matrix; llama_model_quantize per model and file type, and
+with a seeded importance matrix and llama-quantize's provenance keys) and writes reference.json:
+per row its sha256; per case the sha256 of each output file and each tensor's type and hash, or
 llama.cpp's error when it refuses the case.
 """
 from __future__ import annotations
@@ -42,9 +43,18 @@ def _case(t, q, inp: Path, out: Path, ftype_name: str, keep_split: bool) -> dict
     return t.describe(quantize.output_paths(out, n_split, keep_split))
 
 
+def _imatrix_case(t, q, inp: Path, out: Path, model: str, ftype_name: str) -> dict:
+    params = t.imatrix_params(model, ftype_name)
+    kinds = {bool: "bool", int: "int", float: "float", str: "str"}
+    kv = [(k, kinds[type(v)], v) for k, v in params.kv_overrides]
+    q.quantize_file(inp, out, int(params.ftype), nthread=2, imatrix=params.imatrix, kv_overrides=kv)
+    return t.describe([str(out)])
+
+
 def main() -> None:
     import llama_cpp
 
+    from ggmlx import quants
     from ggmlx.types import GGMLType
     from llm.research import quantize_llamacpp as q
     t = _module("test_quantize", ROOT / "tests" / "test_quantize.py")
@@ -52,12 +62,19 @@ def main() -> None:
     ref: dict = {"llama_cpp_python": llama_cpp.__version__, "rows": {}, "models": {}}
     for name in t.ROW_TYPES:
         ref["rows"][name] = [t.sha(r) for r in q.quantize_rows(int(GGMLType[name]), rows)]
+    ref["rows_imatrix"] = {im_name: {ty.name: [t.sha(r) for r in q.quantize_rows(int(ty), rows, im)]
+                                     for ty in quants.IMATRIX_TYPES}
+                           for im_name, im in t.row_imatrices().items()}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         for model in t.MODELS:
             inp = t.build(model, d)
             ref["models"][model] = {f: _case(t, q, inp, d / f"{model}-{f}.gguf", f, False) for f in t.FTYPES}
             print(model, sum("error" in c for c in ref["models"][model].values()), "refused", flush=True)
+        ref["models_imatrix"] = {}
+        for model, f in t.IMATRIX_CASES:
+            ref["models_imatrix"].setdefault(model, {})[f] = _imatrix_case(
+                t, q, d / f"{model}.gguf", d / f"{model}-{f}-imatrix.gguf", model, f)
         inp = t.build("gemma3-split", d)
         ref["models"]["gemma3-split"] = {case: _case(t, q, inp, d / f"split-{f}", f, keep)
                                          for case, f, keep in t.SPLIT_CASES}
