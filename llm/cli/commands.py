@@ -19,7 +19,7 @@ import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
 from llm import distributed, hub, params
-from llm.cli import bench, finetune
+from llm.cli import bench, finetune, quantize
 from llm.errors import UsageError
 from llm.research import diff_llamacpp
 
@@ -558,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_pull)
     bench.add_parser(sub)
     finetune.add_parser(sub)
+    quantize.add_parser(sub)
     diff_llamacpp.add_parser(sub)
     p = add("dump-graph", "print the compute graph of one decode")
     _add_model(p)
