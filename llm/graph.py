@@ -419,6 +419,16 @@ class GraphBuilder:
             cur = ops.add(cur, b)
         return cur
 
+    def build_qk_norm_all_heads(self, layer: Layer, q: Tensor, k: Tensor, il: int) -> tuple[Tensor, Tensor]:
+        """RMS-norm Q and K over all their heads at once (OLMoE, MiniMax-M2: weights [n_head *
+        head_dim]), then split the heads again: [d, n_head, n_tokens] in and out."""
+        hp, d = self.hparams, self.hparams.n_embd_head_k
+        q = ops.reshape_2d(q, d * hp.n_head(il), self.n_tokens)
+        k = ops.reshape_2d(k, d * hp.n_head_kv(il), self.n_tokens)
+        q = self.cb(self.build_norm(q, layer.attn_q_norm, None, LLMNormType.RMS, il), "Qcur_normed", il)
+        k = self.cb(self.build_norm(k, layer.attn_k_norm, None, LLMNormType.RMS, il), "Kcur_normed", il)
+        return ops.reshape_3d(q, d, hp.n_head(il), self.n_tokens), ops.reshape_3d(k, d, hp.n_head_kv(il), self.n_tokens)
+
     def build_qkv(self, layer: Layer, cur: Tensor, il: int) -> tuple[Tensor, Tensor, Tensor]:
         """Qcur [d_k, n_head, n_tokens], Kcur and Vcur [d, n_head_kv, n_tokens] from separate
         wq/wk/wv (plus optional biases) or a fused wqkv whose rows are [Q; K; V]."""

@@ -62,7 +62,7 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
 
 def build_graph(g: GraphBuilder) -> None:
     m, hp = g.model, g.hparams
-    d, n_tokens = hp.n_embd_head_k, g.n_tokens
+    d = hp.n_embd_head_k
     gating = ExpertGatingFuncType(hp.expert_gating_func)
 
     inpL = g.build_inp_embd(m.tok_embd)
@@ -75,12 +75,7 @@ def build_graph(g: GraphBuilder) -> None:
         inpSA = inpL
         cur = g.cb(g.build_norm(inpL, layer.attn_norm, None, LLMNormType.RMS, il), "attn_norm", il)
         q, k, v = g.build_qkv(layer, cur, il)
-        q = ops.reshape_2d(q, d * hp.n_head(il), n_tokens)     # the norms span all heads
-        k = ops.reshape_2d(k, d * hp.n_head_kv(il), n_tokens)
-        q = g.cb(g.build_norm(q, layer.attn_q_norm, None, LLMNormType.RMS, il), "Qcur_normed", il)
-        k = g.cb(g.build_norm(k, layer.attn_k_norm, None, LLMNormType.RMS, il), "Kcur_normed", il)
-        q = ops.reshape_3d(q, d, hp.n_head(il), n_tokens)
-        k = ops.reshape_3d(k, d, hp.n_head_kv(il), n_tokens)
+        q, k = g.build_qk_norm_all_heads(layer, q, k, il)
         q = g.cb(ops.rope_ext(q, inp_pos, None, **g.rope_params(il)), "Qcur", il)
         k = g.cb(ops.rope_ext(k, inp_pos, None, **g.rope_params(il)), "Kcur", il)
         cur = g.build_attn(inp_attn, layer.wo, None, q, k, v, 1.0 / math.sqrt(d), il)
