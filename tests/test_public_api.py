@@ -42,7 +42,7 @@ MODULE_NAMES = {
                             "logprobs_of", "stop_strings"],
     "llm.generation.batcher": ["Batcher", "Job", "Done", "Failed"],
     "llm.generation.speculative": ["PromptLookup", "DraftModel", "Speculative", "DraftPolicy", "sample_and_accept_n"],
-    "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType"],
+    "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType", "GraphBuilder"],
     "llm.hparams": ["ExpertGatingFuncType"],
     "llm.arch": ["ArchBuilder"],
     "llm.serving.routes": ["router"],
@@ -64,10 +64,25 @@ MODULE_NAMES = {
     "llm.adapter": ["LoraAdapter", "LoraWeight", "LoraScales", "adapter_lora_init", "write_lora", "fuse"],
     # issue 35: embeddings stop when the client leaves
     "llm.api": ["EmbedAborted", "GenerationError"],
+    # issue 31: fine-tuning
+    "llm.finetune": ["LoraConfig", "train", "TrainResult", "StepInfo", "DatasetError", "TrainingError"],
+    # issue 32: native tool-call formats, reasoning, the server's info routes
+    "llm.chat.formats": ["ChatFormat", "ReasoningFormat", "detect", "ChatSyntax"],
+    "llm.chat.prompt": ["ChatOptions", "ChatPrompt", "apply"],
+    "llm.chat.grammars": ["tool_grammar", "ToolSpec"],
+    "llm.chat.parsers": ["parse", "ChatStream", "ChatMsg", "ToolCall", "MsgDelta"],
+    "llm.sampling.structured": ["GrammarTrigger", "TriggerKind", "spec_lark", "check_schema"],
+    # issue 34: llm quantize
+    "llm.quantize": ["model_quantize", "QuantizeParams", "QuantizeError", "LlamaFType"],
+    # issue 29: the shared blocks
+    "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows"],
 }
 
 METHODS = {
-    "llm.api:LLM": ["generate", "stream", "chat", "score", "embed", "tokenize", "reset"],
+    "llm.api:LLM": ["generate", "stream", "chat", "score", "embed", "tokenize", "reset", "set_adapters_lora",
+                    "chat_prompt"],
+    "llm.graph:GraphBuilder": ["build_lora_mm", "build_lora_mm_id", "build_attn_mla", "build_moe_ffn",
+                               "group_limited", "rope_multi_params"],
     "llm.context:Context": ["decode", "get_logits_ith", "get_embeddings_seq", "get_embeddings_ith",
                             "state_save_file", "state_load_file", "set_adapters_lora", "set_adapter_scales_seq"],
     "llm.batch:Batch": ["get_one"],
