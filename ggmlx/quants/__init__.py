@@ -5,7 +5,7 @@
   device (layout: ggmlx.quants.jax_dequant; `weights.to_device` puts them there).
 - `int8.to_int8(blocks, type, n_rows)`: the exact int8 form of the linear block types.
 - `quantize(x, type)`: every type in QUANTIZE_TYPES (F32, F16, BF16, the legacy types,
-  Q2_K..Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4), bit-exact with ggml_quantize_chunk
+  Q2_K..Q6_K, IQ4_NL, IQ4_XS, IQ3_S, TQ1_0, TQ2_0, MXFP4), bit-exact with ggml_quantize_chunk
   without an importance matrix, and with one (`imatrix`) for IMATRIX_TYPES; `quantize_jax(x, type)`:
   the legacy types on device.
 
