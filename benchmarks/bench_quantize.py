@@ -30,7 +30,8 @@ from llm.research import quantize_llamacpp  # noqa: E402
 
 # Every file type both can make without an importance matrix.
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
-         "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4_MOE", "F16", "BF16", "F32")
+         "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE", "F16",
+         "BF16", "F32")
 
 
 def file_sha(path: str | os.PathLike) -> str:

@@ -27,8 +27,8 @@ _TRIALS = range(-9, 10)
 @functools.cache
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """kmap [4096]: the grid index of each level code (-1 off the grid); for an off-grid code its
-    neighbours in ggml's order (iq3xs_init_impl), padded to K: their levels [4096, K, 4], their
-    values as [K, 4, 4096] planes, and how many there are [4096]."""
+    neighbours in ggml's order (iq3xs_init_impl), padded to K: their levels (float32 rows
+    [4096 * K, 4], code-major), their values as [K, 4, 4096] planes, and how many there are [4096]."""
     grid = _GRID.astype(np.int64)
     shifts = 3 * np.arange(4)
     kmap = np.full(4096, -1, np.int64)
@@ -42,7 +42,7 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     k = int(keep.sum(axis=1).max())
     nb = np.where(keep, order, 0)[:, :k]
     values = np.ascontiguousarray(_GRID[nb].transpose(1, 2, 0))
-    return kmap, ((grid[nb] - 1) // 2).astype(np.int64), values, keep.sum(axis=1)
+    return kmap, ((_GRID[nb] - 1) // 2).reshape(-1, 4), values, keep.sum(axis=1)
 
 
 _CODE_WEIGHTS = np.array([1, 8, 64, 512], np.int64)
@@ -66,14 +66,14 @@ def _best_neighbours(code: np.ndarray, xv: np.ndarray, wa: np.ndarray, scale: np
         m = int(have[j])
         if m == 0:
             break
-        v = values[j][:, c[:m]]                                     # [4, m]
-        d2 = (wa[0, :m] * (diff := s[:m] * v[0] - xv[0, :m])) * diff
+        cm = c[:m]
+        d2 = (wa[0, :m] * (diff := s[:m] * values[j, 0].take(cm) - xv[0, :m])) * diff
         for i in range(1, 4):
-            diff = s[:m] * v[i] - xv[i, :m]
+            diff = s[:m] * values[j, i].take(cm) - xv[i, :m]
             d2 = d2 + (wa[i, :m] * diff) * diff
-        closer = d2 < best[:m]
-        best[:m] = select(closer, d2, best[:m])
-        pick[:m] = select(closer, np.int32(j), pick[:m])
+        closer = (d2 < best[:m]).astype(np.int32)
+        np.minimum(d2, best[:m], out=best[:m])                     # d2 >= 0: the same as the select
+        pick[:m] += (np.int32(j) - pick[:m]) * closer
     out = np.empty(n, np.int64)
     out[order] = pick
     return out
@@ -92,11 +92,11 @@ def _levels(xv_t: np.ndarray, wa_t: np.ndarray, xval: np.ndarray, iscale: np.nda
     lv_t = np.ascontiguousarray(lv.T).reshape(m, 8, 4)
     code = lv_t.astype(np.int64) @ _CODE_WEIGHTS                     # [m, 8]
     on_grid = kmap[code] >= 0
-    col, k = np.nonzero(~on_grid)
-    if col.size:
-        c = code[col, k]
-        j = _best_neighbours(c, xv_t[col, k], wa_t[col, k], scale[col])
-        lv_t[col, k] = nb_levels[c, j]
+    g = np.flatnonzero(~on_grid)                                     # off-grid groups, as block * 8 + k
+    if g.size:
+        c = code.reshape(-1)[g]
+        j = _best_neighbours(c, xv_t.reshape(-1, 4)[g], wa_t.reshape(-1, 4)[g], scale[g // 8])
+        lv_t.reshape(-1, 4)[g] = nb_levels[c * _tables()[2].shape[0] + j]
     return np.ascontiguousarray(lv_t.reshape(m, 32).T), on_grid.T
 
 
