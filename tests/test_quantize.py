@@ -38,7 +38,7 @@ from llm.quantize import (
 
 REF_PATH = Path(__file__).parent / "data" / "quantize" / "reference.json"
 ROW_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-             "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16")
+             "IQ3_S", "IQ3_XXS", "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16")
 # File types whose quantizers are not implemented yet (llama.cpp makes them without an imatrix).
 NOT_IMPLEMENTED: set[str] = set()
 # Every name llama-quantize takes, without its aliases (Q3_K = Q3_K_M, Q4_K = Q4_K_M, Q5_K = Q5_K_M).
@@ -202,7 +202,7 @@ def seeded_imatrix(name: str, drop: tuple[str, ...] = ("blk.0.ffn_down.weight",)
 IMATRIX_FILE, IMATRIX_DATASET, IMATRIX_CHUNKS = "imatrix.gguf", "calibration.txt", 3
 IMATRIX_CASES = (*((m, f) for m in ("llama-gqa4",) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K_S", "Q3_K_M",
                                                           "Q4_K_M", "Q5_K_S", "Q6_K", "IQ4_NL", "IQ4_XS")),
-                 ("llama-gqa4", "IQ3_S"), ("llama-gqa4", "IQ3_M"),
+                 ("llama-gqa4", "IQ3_S"), ("llama-gqa4", "IQ3_M"), ("llama-gqa4", "IQ3_XS"), ("moe8", "IQ3_XS"),
                  ("moe8", "Q2_K"), ("moe8", "Q4_K_M"), ("moe8", "IQ4_XS"), ("gemma3-tied", "Q4_K_M"))
 
 

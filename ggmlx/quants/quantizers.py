@@ -4,8 +4,8 @@ The legacy block types have one kernel each, written for numpy and jax.numpy ali
 ggmlx.quants.kernels): float32 [n_blocks, 32] -> uint8 [n_blocks, type_size]. `quantize` runs
 them on the host and returns file bytes; `quantize_jax` runs them on device (inside jit too,
 e.g. for a quantized KV cache) and returns the device layout that `dequantize_jax` reads.
-The K-quants, IQ4, IQ3_S, ternary and MXFP4 types have host (numpy) kernels only
-(ggmlx.quants.kquants, ggmlx.quants.nlquants, ggmlx.quants.iq3s): their searches loop over
+The K-quants, IQ4, IQ3_S, IQ3_XXS, ternary and MXFP4 types have host (numpy) kernels only
+(ggmlx.quants.kquants, ggmlx.quants.nlquants, ggmlx.quants.iq3): their searches loop over
 trial scales.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..types import GGMLType, TypeSizeError, block_size, row_size, type_size
-from .iq3s import IQ3S_IMATRIX_KERNELS, quantize_iq3_s
+from .iq3 import IQ3_IMATRIX_KERNELS, quantize_iq3_s, quantize_iq3_xxs
 from .jax_dequant import JAX
 from .kernels import NUMPY, ArrayOps
 from .kquants import IMATRIX_KERNELS as KQUANT_IMATRIX_KERNELS
@@ -152,11 +152,12 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 # Host-only kernels: float32 blocks [n, block_size] -> uint8 [n, type_size]. Their searches make
 # many passes over a chunk; chunks twice numpy_ref's size amortize the per-call overhead better.
 HOST_CHUNK_ELEMENTS = 1 << 18
-HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS, GGMLType.IQ3_S: quantize_iq3_s}
+HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS, GGMLType.IQ3_S: quantize_iq3_s,
+                                         GGMLType.IQ3_XXS: quantize_iq3_xxs}
 
 # Kernels that take an importance matrix (the others ignore it).
 IMATRIX_KERNELS: dict[GGMLType, ImatrixKernel] = {**KQUANT_IMATRIX_KERNELS, **NL_IMATRIX_KERNELS,
-                                                  **IQ3S_IMATRIX_KERNELS}
+                                                  **IQ3_IMATRIX_KERNELS}
 IMATRIX_TYPES: tuple[GGMLType, ...] = tuple(IMATRIX_KERNELS)
 
 QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS,
