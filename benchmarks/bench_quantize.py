@@ -1,6 +1,7 @@
 """`llm quantize` against llama-quantize on a real model: the same bytes, and the time side by side.
 
     python benchmarks/bench_quantize.py [--model smollm2-135m] [--types Q4_K_M,Q8_0 | all] [--nthread 1]
+                                        [--reps 3] [--imatrix]
 
 The input is the model's F32 twin made by llama.cpp itself (llama_model_quantize to ALL_F32 with
 allow_requantize, which dequantizes every tensor with ggml's dequantizers; ours must give the same
@@ -32,6 +33,7 @@ from llm.research import quantize_llamacpp  # noqa: E402
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
          "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE", "F16",
          "BF16", "F32")
+IMATRIX_TYPES = ("Q2_K_S", "IQ3_XS")
 
 
 def file_sha(path: str | os.PathLike) -> str:
@@ -65,7 +67,17 @@ def twin(src: Path, tmp: Path, nthread: int) -> Path:
     return theirs
 
 
-def bench_type(name: str, inp: Path, tmp: Path, nthread: int, reps: int) -> str:
+def seeded_imatrix(path: Path) -> dict[str, np.ndarray]:
+    """A log-normal importance per column (and expert) of every matrix: not a measured one, but
+    it takes the weighted quantizers the same way."""
+    rng = np.random.default_rng(7)
+    with gguf.GGUFReader(path) as r:
+        return {n: np.exp(rng.standard_normal(t.ne[0] * (t.ne[2] if len(t.ne) > 2 else 1))).astype(np.float32)
+                for n, t in r.tensors.items() if len(t.ne) >= 2 and t.ne[1] > 1}
+
+
+def bench_type(name: str, inp: Path, tmp: Path, nthread: int, reps: int,
+               imatrix: dict[str, np.ndarray] | None) -> str:
     """One table row; each time is the best of `reps` runs, taken in turn (ours, llama.cpp, ...)
     so that a change in the machine's load hits both."""
     ftype, _ = q.parse_ftype(name)
@@ -73,9 +85,9 @@ def bench_type(name: str, inp: Path, tmp: Path, nthread: int, reps: int) -> str:
     t_theirs = t_ours = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        q.model_quantize(inp, ours, q.QuantizeParams(ftype=ftype, nthread=nthread))
+        q.model_quantize(inp, ours, q.QuantizeParams(ftype=ftype, nthread=nthread, imatrix=imatrix))
         t_ours = min(t_ours, time.perf_counter() - t0)
-        t_theirs = min(t_theirs, quantize_llamacpp.quantize_file(inp, theirs, int(ftype), nthread))
+        t_theirs = min(t_theirs, quantize_llamacpp.quantize_file(inp, theirs, int(ftype), nthread, imatrix=imatrix))
     same_type, same_bytes, n = tensor_agreement(str(ours), str(theirs))
     identical = file_sha(ours) == file_sha(theirs)
     theirs.unlink()
@@ -90,19 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="all", help="comma-separated llama-quantize types, or all")
     ap.add_argument("--nthread", type=int, default=1, help="threads for both")
     ap.add_argument("--reps", type=int, default=3, help="runs of each; the best time counts")
+    ap.add_argument("--imatrix", action="store_true",
+                    help="both quantize with the same seeded importance matrix (the weighted quantizers; "
+                         "adds the types that need one: Q2_K_S, IQ3_XS)")
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("llm.quantize").setLevel(logging.ERROR)      # the per-model fallback warnings
-    types = TYPES if a.types == "all" else tuple(t.strip().upper() for t in a.types.split(","))
+    types = TYPES + (IMATRIX_TYPES if a.imatrix else ()) if a.types == "all" else \
+        tuple(t.strip().upper() for t in a.types.split(","))
     src = Path(hub.model_file(a.model))
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
         tmp = Path(d)
         inp = twin(src, tmp, a.nthread)
-        print(f"\n{inp.stat().st_size / 2**20:.0f} MiB F32 input, {a.nthread} thread(s)\n")
+        imatrix = seeded_imatrix(inp) if a.imatrix else None
+        print(f"\n{inp.stat().st_size / 2**20:.0f} MiB F32 input, {a.nthread} thread(s)"
+              f"{', seeded imatrix' if imatrix else ''}\n")
         print("| type      | same type | same bytes | file | llama.cpp s | ours s | ours/llama.cpp |")
         print("|-----------|---------|---------|-----|----------|----------|-------|")
         for name in types:
-            print(bench_type(name, inp, tmp, a.nthread, a.reps), flush=True)
+            print(bench_type(name, inp, tmp, a.nthread, a.reps, imatrix), flush=True)
     return 0
 
 

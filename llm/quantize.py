@@ -12,7 +12,9 @@ leaves no partial file.
 
 With an importance matrix (`imatrix`, as `load_imatrix` reads llama-imatrix's files) the
 quantizers take ggml's weighted paths, also bit-exact. Not implemented (QuantizeError says so):
-the IQ1/IQ2/IQ3 quant types, and the NVFP4 / Q1_0 / Q2_0 file types (no such ggmlx types).
+the IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS and IQ2_S quantizers, so the file types IQ1_S, IQ1_M, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ2_M and IQ3_XXS (its attention Q/K are IQ2_S); and the NVFP4 / Q1_0 / Q2_0 file
+types (no such ggmlx types).
 """
 from __future__ import annotations
 

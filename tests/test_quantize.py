@@ -6,13 +6,17 @@ tests/data/quantize/make_reference.py; the inputs are rebuilt here from seeds, s
 llama-cpp-python is needed to run these tests.
 
 - every quantizer on seeded rows (random at several scales, and edge rows: zeros, constants,
-  ties, one outlier, tiny and large magnitudes, near powers of two), per row;
+  ties, one outlier, tiny and large magnitudes, near powers of two), per row, and the weighted
+  ones with two importance vectors;
 - model_quantize on small models made to reach the type-choice rules (8 layers with GQA 4 for
   use_more_bits; tied embeddings with rows of 96 and 200 columns for the fallbacks and F16; an
   8-expert MoE with 3-d expert tensors; falcon with a fused QKV), for every file type
-  llama-quantize offers: whole output files by sha256, and per tensor type and hash;
+  llama-quantize offers: whole output files by sha256, and per tensor type and hash; with a
+  seeded importance matrix and llama-quantize's provenance keys for 18 cases;
 - a split model, with --keep-split (two output files) and without (one);
-- the refusals: unknown types, requantizing, a missing importance matrix, an unwritable output.
+- imatrix files (GGUF and legacy .dat) through the command;
+- the refusals: unknown types, requantizing, a missing importance matrix, an imatrix for
+  another model, an unwritable output.
 """
 from __future__ import annotations
 
