@@ -186,7 +186,7 @@ def _w(name: str, x: np.ndarray) -> Tensor:
 def _builder() -> tuple[GraphBuilder, Tensor, np.ndarray]:
     """A GraphBuilder over a stand-in model (the blocks read only hparams' epsilons and the
     output tensors) and an input x [N_EMBD, N_TOKENS] with its value."""
-    hp = SimpleNamespace(f_norm_eps=EPS, f_norm_rms_eps=RMS_EPS)
+    hp = SimpleNamespace(f_norm_eps=EPS, f_norm_rms_eps=RMS_EPS, n_expert_groups=0)
     model = SimpleNamespace(hparams=hp, path="stand-in.gguf", arch="test", output_norm=None,
                             output_norm_b=None, output=_w("output.weight", RNG.normal(size=(5, N_EMBD))),
                             output_b=None)
