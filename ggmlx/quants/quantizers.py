@@ -138,6 +138,23 @@ QUANTIZE_KERNELS: dict[GGMLType, Callable[[ArrayOps, Any], Any]] = {
 }
 
 
+def _f16_bits(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_fp16 (the FP16 library's float-arithmetic conversion): round to
+    nearest even, beyond the range inf, NaN as 0x7E00; in whole-array integer and float steps,
+    twice as fast as numpy's astype(float16)."""
+    with np.errstate(over="ignore"):
+        base = (np.abs(x) * F32(2.0 ** 112)) * F32(2.0 ** -110)
+    w = x.view(np.uint32)
+    shl1 = w + w
+    bias = np.maximum(shl1 & np.uint32(0xFF000000), np.uint32(0x71000000))
+    bits = (((bias >> 1) + np.uint32(0x07800000)).view(np.float32) + base).view(np.uint32)
+    nonsign = ((bits >> 13) & np.uint32(0x7C00)) + (bits & np.uint32(0x0FFF))
+    nan = shl1 > np.uint32(0xFF000000)
+    if nan.any():
+        nonsign = np.where(nan, np.uint32(0x7E00), nonsign)
+    return (((w & np.uint32(0x80000000)) >> 16) | nonsign).astype(np.uint16)
+
+
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
     """ggml_compute_fp32_to_bf16: round to nearest even; NaN stays NaN (quieted). In uint32: only
     NaN bit patterns overflow the rounding add, and those are replaced."""
@@ -190,11 +207,13 @@ def quantize(x: np.ndarray, type: GGMLType | int, imatrix: np.ndarray | None = N
     t = _check_quantize(x.shape, type, "quantize", QUANTIZE_TYPES)
     if t == GGMLType.F32:
         return x.view(np.uint8).reshape(*x.shape[:-1], -1)
-    if t == GGMLType.F16:
-        with np.errstate(over="ignore"):  # beyond the f16 range -> inf, as in ggml
-            return x.astype(np.float16).view(np.uint8).reshape(*x.shape[:-1], -1)
-    if t == GGMLType.BF16:
-        return _bf16_bits(x).view(np.uint8).reshape(*x.shape[:-1], -1)
+    if t in (GGMLType.F16, GGMLType.BF16):
+        convert = _f16_bits if t == GGMLType.F16 else _bf16_bits
+        flat = x.reshape(-1)
+        out16 = np.empty(flat.size, np.uint16)
+        for start in range(0, flat.size, CHUNK_ELEMENTS):      # cache-sized temporaries
+            out16[start:start + CHUNK_ELEMENTS] = convert(flat[start:start + CHUNK_ELEMENTS])
+        return out16.view(np.uint8).reshape(*x.shape[:-1], -1)
     if not np.isfinite(x).all():
         raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
     if imatrix is not None and t in IMATRIX_KERNELS:
@@ -254,13 +273,15 @@ def validate_row_data(data: np.ndarray, type: GGMLType | int) -> bool:
     t = GGMLType(type)
     if t == GGMLType.F32:
         return bool(np.isfinite(data.view(np.float32)).all())
-    if t == GGMLType.F16:
-        return bool(np.isfinite(data.view(np.float16)).all())
+    if t == GGMLType.F16:       # by the exponent bits: numpy's float16 isfinite is slow
+        return _finite_f16(data.view(np.uint16))
     if t == GGMLType.BF16:
         return bool(((data.view(np.uint16) & 0x7F80) != 0x7F80).all())
     blocks = data.reshape(-1, type_size(t))
-    for off in _SCALE_FIELDS.get(t, ()):
-        if not np.isfinite(np.ascontiguousarray(blocks[:, off:off + 2]).view(np.float16)).all():
-            return False
-    return True
+    return all(_finite_f16(np.ascontiguousarray(blocks[:, off:off + 2]).view(np.uint16))
+               for off in _SCALE_FIELDS.get(t, ()))
+
+
+def _finite_f16(bits: np.ndarray) -> bool:
+    return bool(((bits & 0x7C00) != 0x7C00).all())
 
