@@ -23,7 +23,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -127,11 +127,17 @@ _FTYPE_OF_TYPE: dict[GGMLType, LlamaFType] = {
 FTYPE_GUESSED = 1024
 
 
+# llama-quantize's file types whose tensor types ggmlx does not have.
+_NO_GGMLX_TYPE = {"NVFP4": 39, "Q1_0": 40, "Q2_0": 41}
+
+
 def parse_ftype(name: str) -> tuple[LlamaFType, bool]:
     """A llama-quantize TYPE (a name, any case, or a number) -> (ftype, only_copy)."""
     upper = name.upper()
     if upper in FTYPE_NAMES:
         return FTYPE_NAMES[upper], upper == "COPY"
+    if upper in _NO_GGMLX_TYPE or upper in {str(v) for v in _NO_GGMLX_TYPE.values()}:
+        raise QuantizeError(f"file type {upper} is not implemented (ggmlx has no such tensor type)")
     try:
         return LlamaFType(int(name)), False
     except ValueError:
@@ -686,17 +692,19 @@ def _quantized(p: _Planned, pool: ThreadPoolExecutor | None, importance: dict[st
             for e in range(n_expert) for i in range(0, per_expert, step)]
 
     def one(job: tuple[np.ndarray, np.ndarray | None]) -> np.ndarray:
-        return quants.quantize(job[0], t, job[1])
+        part = quants.quantize(job[0], t, job[1]).reshape(-1)
+        if not quants.validate_row_data(part, t):       # checked while the chunk is in cache
+            raise QuantizeError(f"tensor {ti.name}: quantized data validation failed ({t.name} scales or "
+                                f"values are not finite: the input is out of range)")
+        return part
 
     try:
         parts = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
+    except QuantizeError:
+        raise
     except ValueError as e:
         raise QuantizeError(f"tensor {ti.name}: {e}") from None
-    out = np.concatenate(parts).reshape(-1)
-    if not quants.validate_row_data(out, t):
-        raise QuantizeError(f"tensor {ti.name}: quantized data validation failed ({t.name} scales or "
-                            f"values are not finite: the input is out of range)")
-    return out
+    return np.concatenate(parts)
 
 
 @contextmanager
@@ -763,9 +771,10 @@ def model_quantize(in_path: str | os.PathLike, out_path: str | os.PathLike,
     Raises QuantizeError for what llama.cpp refuses (and for what is not implemented here), with
     nothing written; ggmlx.gguf.GGUFError for a broken input file."""
     params = params or QuantizeParams()
-    ftype = LlamaFType(params.ftype)
-    if ftype not in DEFAULT_TYPE:
-        raise QuantizeError(f"invalid output file type {int(ftype)}")
+    try:
+        ftype = LlamaFType(params.ftype)
+    except ValueError:
+        raise QuantizeError(f"invalid output file type {params.ftype}") from None
     importance = params.importance()
     if importance is not None and not all(np.isfinite(v).all() for v in importance.values()):
         raise QuantizeError("the imatrix contains non-finite values")
@@ -781,7 +790,10 @@ def model_quantize(in_path: str | os.PathLike, out_path: str | os.PathLike,
         paths = output_paths(out_path, len(writers), params.keep_split)
         pool = stack.enter_context(ThreadPoolExecutor(nthread)) if nthread > 1 else None
         by_name = {p.info.name: p for p in planned}
-        data: Callable[[str], np.ndarray] = lambda name: _quantized(by_name[name], pool, importance, ftype)  # noqa: E731
+
+        def data(name: str) -> np.ndarray:
+            return _quantized(by_name[name], pool, importance, ftype)
+
         with _temporary(paths) as temps:
             for w, tmp in zip(writers, temps, strict=True):
                 w.write(tmp, data)

@@ -387,6 +387,10 @@ def test_type_names_as_llama_quantize_takes_them():
         parse_ftype("Q4_K_X")
     with pytest.raises(QuantizeError, match="invalid ggml_type 'q9_0'"):
         parse_ggml_type("q9_0")
+    with pytest.raises(QuantizeError, match="NVFP4 is not implemented"):
+        parse_ftype("nvfp4")
+    with pytest.raises(QuantizeError, match="invalid output file type 99"):
+        model_quantize("unused.gguf", "unused-out.gguf", QuantizeParams(ftype=99))      # type: ignore[arg-type]
 
 
 def test_requantizing_needs_allow_requantize(inputs, tmp_path):
