@@ -24,7 +24,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 GGML_QNT_VERSION = 2        # general.quantization_version that ggml writes
 # Elements each thread quantizes at a time (whole rows): llama.cpp's chunks are 32 * 512.
 _THREAD_CHUNK = 1 << 18
+# Input elements quantized ahead of the writer, at most (plus one tensor).
+_AHEAD_ELEMENTS = 1 << 24
 
 
 class QuantizeError(ValueError):
@@ -675,36 +677,74 @@ def _tensor_importance(p: _Planned, importance: dict[str, np.ndarray] | None, ft
     return v.reshape(n_expert, ne[0])
 
 
-def _quantized(p: _Planned, pool: ThreadPoolExecutor | None, importance: dict[str, np.ndarray] | None,
-               ftype: LlamaFType) -> np.ndarray:
-    """The bytes of one output tensor: the input's own if the type stays, else quantized (each
-    expert with its own importance; rows split among the threads, as llama.cpp's chunks) and
-    checked as ggml_validate_row_data does."""
-    ti, t = p.info, p.new_type
-    if t == ti.type:
-        return ti.data
+_Job = tuple[np.ndarray, np.ndarray | None]     # rows of one expert, and its importance
+
+
+def _jobs(p: _Planned, importance: dict[str, np.ndarray] | None, ftype: LlamaFType) -> list[_Job]:
+    """One tensor's rows in chunks of about _THREAD_CHUNK elements (never across experts: each has
+    its own importance), as llama.cpp hands them to its threads."""
+    ti = p.info
     im = _tensor_importance(p, importance, ftype)
     rows = _f32_rows(ti)
     n_expert = ti.ne[2] if len(ti.ne) > 2 else 1
     per_expert = rows.shape[0] // n_expert
     step = max(1, min(per_expert, _THREAD_CHUNK // rows.shape[1]))
-    jobs = [(rows[e * per_expert + i:e * per_expert + min(i + step, per_expert)], None if im is None else im[e])
+    return [(rows[e * per_expert + i:e * per_expert + min(i + step, per_expert)], None if im is None else im[e])
             for e in range(n_expert) for i in range(0, per_expert, step)]
 
-    def one(job: tuple[np.ndarray, np.ndarray | None]) -> np.ndarray:
-        part = quants.quantize(job[0], t, job[1]).reshape(-1)
-        if not quants.validate_row_data(part, t):       # checked while the chunk is in cache
-            raise QuantizeError(f"tensor {ti.name}: quantized data validation failed ({t.name} scales or "
-                                f"values are not finite: the input is out of range)")
-        return part
 
+def _run_job(name: str, t: GGMLType, job: _Job) -> np.ndarray:
+    """Quantize one chunk and check it as ggml_validate_row_data does (while it is in cache)."""
     try:
-        parts = list(pool.map(one, jobs)) if pool is not None and len(jobs) > 1 else [one(j) for j in jobs]
-    except QuantizeError:
-        raise
+        part = quants.quantize(job[0], t, job[1]).reshape(-1)
     except ValueError as e:
-        raise QuantizeError(f"tensor {ti.name}: {e}") from None
-    return np.concatenate(parts)
+        raise QuantizeError(f"tensor {name}: {e}") from None
+    if not quants.validate_row_data(part, t):
+        raise QuantizeError(f"tensor {name}: quantized data validation failed ({t.name} scales or "
+                            f"values are not finite: the input is out of range)")
+    return part
+
+
+class _Pipeline:
+    """The output tensors' bytes in file order, quantized ahead of the writer: the chunks of the
+    next tensors (up to _AHEAD_ELEMENTS) wait in the pool while the current one is written, so the
+    threads stay busy across tensors and writes."""
+
+    def __init__(self, planned: list[_Planned], pool: ThreadPoolExecutor | None,
+                 importance: dict[str, np.ndarray] | None, ftype: LlamaFType):
+        self.planned, self.pool, self.importance, self.ftype = planned, pool, importance, ftype
+        self.by_name = {p.info.name: p for p in planned}
+        self.pending: dict[str, list[Future[np.ndarray]]] = {}
+        self.next = 0
+        self.ahead = 0
+
+    def _submit(self) -> None:
+        while self.pool is not None and self.next < len(self.planned) and self.ahead < _AHEAD_ELEMENTS:
+            p = self.planned[self.next]
+            self.next += 1
+            if p.new_type != p.info.type:
+                jobs = _jobs(p, self.importance, self.ftype)
+                self.pending[p.info.name] = [self.pool.submit(_run_job, p.info.name, p.new_type, j) for j in jobs]
+                self.ahead += p.info.n_elements
+
+    def data(self, name: str) -> np.ndarray:
+        p = self.by_name[name]
+        if p.new_type == p.info.type:
+            return p.info.data
+        self._submit()
+        futures = self.pending.pop(name, None)
+        if futures is None:         # no pool: quantized here, in turn
+            return np.concatenate([_run_job(name, p.new_type, j) for j in _jobs(p, self.importance, self.ftype)])
+        parts = [f.result() for f in futures]
+        self.ahead -= p.info.n_elements
+        self._submit()
+        return np.concatenate(parts)
+
+    def cancel(self) -> None:
+        """Drop the chunks still queued (after an error: the pool would otherwise run them)."""
+        for futures in self.pending.values():
+            for f in futures:
+                f.cancel()
 
 
 @contextmanager
@@ -789,14 +829,11 @@ def model_quantize(in_path: str | os.PathLike, out_path: str | os.PathLike,
         writers = _writers(reader, planned, params, file_ftype)
         paths = output_paths(out_path, len(writers), params.keep_split)
         pool = stack.enter_context(ThreadPoolExecutor(nthread)) if nthread > 1 else None
-        by_name = {p.info.name: p for p in planned}
-
-        def data(name: str) -> np.ndarray:
-            return _quantized(by_name[name], pool, importance, ftype)
-
+        pipeline = _Pipeline(planned, pool, importance, ftype)
+        stack.callback(pipeline.cancel)
         with _temporary(paths) as temps:
             for w, tmp in zip(writers, temps, strict=True):
-                w.write(tmp, data)
+                w.write(tmp, pipeline.data)
     log.info("quantized %s to %s as %s", in_path, ", ".join(paths), ftype.name)
     return paths
 
