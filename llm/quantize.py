@@ -38,8 +38,9 @@ from llm.arch import LLMKV
 log = logging.getLogger(__name__)
 
 GGML_QNT_VERSION = 2        # general.quantization_version that ggml writes
-# Elements each thread quantizes at a time (whole rows): llama.cpp's chunks are 32 * 512.
-_THREAD_CHUNK = 1 << 18
+# Elements each thread quantizes at a time (whole rows; llama.cpp's chunks are 32 * 512): large,
+# as the quantizers run best on large chunks, and the pipeline runs several tensors at once.
+_THREAD_CHUNK = 1 << 20
 # Input elements quantized ahead of the writer, at most (plus one tensor).
 _AHEAD_ELEMENTS = 1 << 24
 

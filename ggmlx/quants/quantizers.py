@@ -169,6 +169,8 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 # Host-only kernels: float32 blocks [n, block_size] -> uint8 [n, type_size]. Their searches make
 # many passes over a chunk; chunks twice numpy_ref's size amortize the per-call overhead better.
 HOST_CHUNK_ELEMENTS = 1 << 18
+# Q3_K's later descent passes run on few groups, so their per-call cost wants larger chunks still.
+_CHUNK = {GGMLType.Q3_K: 1 << 20}
 HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS, GGMLType.IQ3_S: quantize_iq3_s,
                                          GGMLType.IQ3_XXS: quantize_iq3_xxs}
 
@@ -220,7 +222,7 @@ def quantize(x: np.ndarray, type: GGMLType | int, imatrix: np.ndarray | None = N
         return _quantize_rows(x, t, np.asarray(imatrix, dtype=np.float32))
     blocks = x.reshape(-1, block_size(t))
     out = np.empty((blocks.shape[0], type_size(t)), dtype=np.uint8)
-    step = (HOST_CHUNK_ELEMENTS if t in HOST_KERNELS else CHUNK_ELEMENTS) // block_size(t)
+    step = _CHUNK.get(t, HOST_CHUNK_ELEMENTS if t in HOST_KERNELS else CHUNK_ELEMENTS) // block_size(t)
     with np.errstate(over="ignore", invalid="ignore"):  # a scale beyond the f16 range is inf, as in ggml
         for start in range(0, blocks.shape[0], step):
             out[start:start + step] = _kernel(t, blocks[start:start + step])
