@@ -835,7 +835,7 @@ def model_quantize(in_path: str | os.PathLike, out_path: str | os.PathLike,
         with _temporary(paths) as temps:
             for w, tmp in zip(writers, temps, strict=True):
                 w.write(tmp, pipeline.data)
-    log.info("quantized %s to %s as %s", in_path, ", ".join(paths), ftype.name)
+    log.debug("quantized %s to %s as %s", in_path, ", ".join(paths), ftype.name)
     return paths
 
 
