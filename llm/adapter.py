@@ -202,10 +202,10 @@ class LoraScales:
     def per_token(self, seq_ids: tuple[tuple[int, ...], ...], n_tokens: int) -> np.ndarray:
         """[n_adapters, n_tokens] float32: each token's scales (its first sequence's; padding 0)."""
         out = np.zeros((len(self.adapters), n_tokens), np.float32)
-        base = np.asarray(self.scales, np.float32)
-        for i, ids in enumerate(seq_ids):
-            own = self.seq.get(ids[0]) if ids else None
-            out[:, i] = base if own is None else own
+        first = np.fromiter((ids[0] if ids else -1 for ids in seq_ids), np.int64, len(seq_ids))
+        out[:, :len(first)] = np.asarray(self.scales, np.float32)[:, None]
+        for seq_id, own in self.seq.items():        # per sequence, not per token
+            out[:, :len(first)][:, first == seq_id] = np.asarray(own, np.float32)[:, None]
         return out
 
 

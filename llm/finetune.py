@@ -41,7 +41,7 @@ from ggmlx.compile import Program
 from ggmlx.tensor import Tensor, new_input, new_weight
 from ggmlx.types import GGMLType
 from llm import params as params_mod
-from llm.adapter import TOKEN_EMBD, LoraAdapter, LoraScales, LoraWeight, adapter_lora_init, write_lora
+from llm.adapter import LoraAdapter, LoraScales, LoraWeight, adapter_lora_init, write_lora
 from llm.batch import Batch, BatchAllocator
 from llm.chat import templates as chat_mod
 from llm.graph import GraphBuilder, GraphParams, InpEmbd
@@ -383,23 +383,16 @@ def write_adapter(path: str | os.PathLike, arch: str, pairs: Pairs, alpha: float
 
 class _DropoutGraph(GraphBuilder):
     """The graph with LoRA dropout: an adapted product is W x + alpha/r * B (A (x * m)), m an
-    input per product (0, or 1/(1-p)) drawn each step; the base product keeps x. The scale
-    input is left out: it is 1 for every training token."""
+    input per product (0, or 1/(1-p)) drawn each step; the base product keeps x."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.drops: list[Tensor] = []
 
-    def build_lora_mm(self, w: Tensor, cur: Tensor) -> Tensor:
-        (adapter,) = self.params.loras
-        lw = adapter.get_weight(w.name)
-        if lw is None or w.name == TOKEN_EMBD:      # a tied output: the embedding's pair is not for it
-            return super().build_lora_mm(w, cur)
+    def lora_input(self, w: Tensor, cur: Tensor) -> Tensor:
         mask = new_input(GGMLType.F32, cur.ne, f"{w.name}.lora_drop")
         self.drops.append(mask)
-        ax = ops.mul_mat(lw.a, ops.mul(cur, mask)).set_name(f"{w.name}.lora_ax-0")
-        delta = ops.scale(ops.mul_mat(lw.b, ax), lw.alpha_scale(adapter.alpha)).set_name(f"{w.name}.lora-0")
-        return ops.add(ops.mul_mat(w, cur), delta)
+        return ops.mul(cur, mask)
 
 
 def _segments(prog: Program) -> list[tuple[list[Tensor], list[Tensor], list[Tensor]]]:

@@ -376,11 +376,15 @@ class GraphBuilder:
             lw = adapter.get_weight(w.name)
             if lw is None:
                 continue
-            ax = ops.mul_mat(lw.a, cur).set_name(f"{w.name}.lora_ax-{k}")
+            ax = ops.mul_mat(lw.a, self.lora_input(w, cur)).set_name(f"{w.name}.lora_ax-{k}")
             delta = ops.scale(ops.mul_mat(lw.b, ax), lw.alpha_scale(adapter.alpha))
             delta = ops.mul(delta, self.lora_scale(k, cur.ne[1])).set_name(f"{w.name}.lora-{k}")
             res = ops.add(res, delta)
         return res
+
+    def lora_input(self, w: Tensor, cur: Tensor) -> Tensor:
+        """What an adapter of w reads: cur (llm.finetune's training graph applies dropout here)."""
+        return cur
 
     def build_lora_mm_id(self, w: Tensor, cur: Tensor, ids: Tensor) -> Tensor:
         """mul_mat_id(w, cur, ids) plus each adapter's expert pairs, B_e (A_e cur) for the chosen
