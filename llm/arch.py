@@ -47,6 +47,7 @@ class LLMArch(enum.Enum):
     QWEN2MOE = "qwen2moe"
     QWEN2VL = "qwen2vl"
     QWEN3VL = "qwen3vl"
+    QWEN3VLMOE = "qwen3vlmoe"
     QWEN3 = "qwen3"
     QWEN3MOE = "qwen3moe"
     PHI2 = "phi2"

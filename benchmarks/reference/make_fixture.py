@@ -415,6 +415,30 @@ def spec_qwen3vl(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_qwen3vlmoe(d: Dims, w: Weights) -> dict:
+    """Qwen3-VL-MoE's text tower: qwen3vl's IMROPE sections and DeepStack layers with
+    qwen3moe's experts."""
+    a = "qwen3vlmoe"
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.dimension_sections"] = [3, 3, 1, 0]
+    kv[f"{a}.n_deepstack_layers"] = 2
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = 32
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        moe(w, p, d, 32)
+    return kv
+
+
 def spec_glm4moe(d: Dims, w: Weights) -> dict:
     """GLM-4.5: a dense layer, a sigmoid MoE layer (selection bias, renormalized and scaled
     weights, a shared expert), half-head NEOX rope, Q/K norms, and a NextN (MTP) block after
@@ -828,6 +852,7 @@ ARCHS: dict[str, ArchSpec] = {
     "exaone4": ArchSpec(spec_exaone4, 126),
     "deepseek2": ArchSpec(spec_deepseek2, 127),
     "minimax-m2": ArchSpec(spec_minimax_m2, 128),
+    "qwen3vlmoe": ArchSpec(spec_qwen3vlmoe, 129),
 }
 
 
