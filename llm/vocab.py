@@ -237,6 +237,31 @@ class Vocab:
     def nl(self) -> int:
         return self.special.nl
 
+    # FIM tokens (llama_vocab_fim_pre, ...): LLAMA_TOKEN_NULL when the model has none
+    @property
+    def fim_pre(self) -> int:
+        return self.special.fim_pre
+
+    @property
+    def fim_suf(self) -> int:
+        return self.special.fim_suf
+
+    @property
+    def fim_mid(self) -> int:
+        return self.special.fim_mid
+
+    @property
+    def fim_pad(self) -> int:
+        return self.special.fim_pad
+
+    @property
+    def fim_rep(self) -> int:
+        return self.special.fim_rep
+
+    @property
+    def fim_sep(self) -> int:
+        return self.special.fim_sep
+
     @property
     def add_bos(self) -> bool:
         return self.flags.add_bos

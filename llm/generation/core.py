@@ -90,6 +90,7 @@ class Delta:
     tokens: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    stop_word: str | None = None        # the stop string that ended the sample (finish reason "stop")
 
 
 def logprobs_of(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -188,8 +189,11 @@ class SeqState:
         self.text += self.decoder.push(token, special=token in p.preserved_tokens)
         cut = min((i for i in (self.text.find(s, start) for s in p.stop) if i >= 0), default=-1)
         if cut >= 0:
+            word = next(s for s in p.stop if self.text.find(s, start) == cut)
             self.text = self.text[:cut]
-            return self.finish(FINISH_STOP, [token], lps)
+            delta = self.finish(FINISH_STOP, [token], lps)
+            delta.stop_word = word
+            return delta
         if (p.max_tokens is not None and len(self.tokens) >= p.max_tokens) or full:
             return self.finish(FINISH_LENGTH, [token], lps)
         safe = max(len(self.text) - self.hold, self.emitted)
