@@ -298,12 +298,16 @@ class ServerTimeouts:
 @dataclasses.dataclass(frozen=True)
 class ServerEndpoints:
     """The server's optional routes (`serve` flags, llama-server's): Prometheus metrics at
-    GET /metrics (off by default, as there) and the chat page at / (on)."""
+    GET /metrics (off by default, as there), the chat page at / (on) and /rerank on a model
+    whose GGUF pooling type is not rank (off)."""
 
     metrics: bool = param(False, flags=("--metrics",), request=False,
                           help="answer GET /metrics (Prometheus text, llama-server's metric names)")
     webui: bool = param(True, flags=("--webui",), request=False,
                         help="serve the chat page at / (--no-webui: / is a 404)")
+    reranking: bool = param(False, flags=("--reranking", "--rerank"), request=False,
+                            help="answer /rerank with the model's classifier head even when its pooling type is "
+                                 "not 'rank' (a model whose pooling is 'rank' reranks without it)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server (`python -m llm serve`) on FastAPI + uvicorn.
 
 Routes: POST /v1/chat/completions and /v1/completions (SSE with `stream: true`; a
-`response_format` constrains the output to JSON or a JSON schema), POST /v1/embeddings, GET
+`response_format` constrains the output to JSON or a JSON schema), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API: llm.serving.anthropic), POST /infill and
+/rerank (llama-server's own: llm.serving.native), POST /v1/embeddings, GET
 /v1/models, GET /health, GET /slots, POST /slots/{id}?action=save|restore (with
 --slot-save-path), POST /tokenize and /detokenize, GET /props and /metrics (with --metrics;
 llm.serving.info) as llama-server has them, and the chat page at / (llm.serving.webui; off
@@ -18,7 +20,8 @@ Bad input gets an OpenAI-style error object {"error": {"message", "type", "param
 for a busy one, 408 for a body that stops arriving (serve --timeout), 413 for a body over 8 MiB,
 503 with Retry-After when the queue is full, 500 when the engine fails inside a request (only
 that request; the engine keeps serving the others). Error messages show no absolute paths.
-A connection whose request head does not arrive in time is closed (llm.serving.protocol).
+Under /v1/messages the same errors are in Anthropic's shape ({"type": "error", "error": {"type",
+"message"}}). A connection whose request head does not arrive in time is closed (llm.serving.protocol).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llm.params import ReasoningParams, ServerEndpoints, ServerTimeouts
-from llm.serving import info, webui
+from llm.serving import anthropic, info, native, webui
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
 from llm.serving.engine import Engine
 from llm.serving.requests import (
@@ -60,6 +63,8 @@ log = logging.getLogger(__name__)
 
 
 async def api_error(request: Request, e: APIError):
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(e)
     return e.response()
 
 
@@ -68,31 +73,36 @@ async def http_error(request: Request, e: StarletteHTTPException):
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
     message = (f"no route {request.method} {request.url.path}" if e.status_code in (404, 405)
                else str(e.detail))
-    return APIError(e.status_code, message, code=code, headers=dict(e.headers or {})).response()
+    return await api_error(request, APIError(e.status_code, message, code=code, headers=dict(e.headers or {})))
 
 
 async def internal_error(request: Request, e: Exception):
     log.exception("internal error on %s", request.url.path)
-    return APIError(500, f"internal server error: {type(e).__name__}", type="server_error").response()
+    return await api_error(request, APIError(500, f"internal server error: {type(e).__name__}", type="server_error"))
 
 
 class APIKeyMiddleware:
     """With an API key set, every route but the `public` ones (/health, the chat page's files)
-    needs `Authorization: Bearer KEY`. A plain ASGI middleware: Starlette's BaseHTTPMiddleware
+    needs `Authorization: Bearer KEY` or, as Anthropic's clients send it, `X-Api-Key: KEY`
+    (llama-server takes both). A plain ASGI middleware: Starlette's BaseHTTPMiddleware
     would hide a client's disconnect from the handlers, so a non-streaming request whose client
     left would run on to max_tokens."""
 
     def __init__(self, app, api_key: str | None, public: tuple[str, ...] = ("/health",)):
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.key = None if api_key is None else api_key.encode()
         self.public = frozenset(public)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.expected is not None and scope["path"] not in self.public:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                    code="invalid_api_key").response()
+            headers = dict(scope["headers"])
+            assert self.key is not None
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                e = APIError(401, "invalid or missing API key (Authorization: Bearer ... or X-Api-Key)",
+                             code="invalid_api_key")
+                response = anthropic.error_response(e) if anthropic.is_anthropic(scope["path"]) else e.response()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -116,11 +126,14 @@ def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str,
     max_token_bytes(llm.vocab)      # computed once here, not on the event loop by the first request
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
                                    api_key=api_key, slot_save_path=slot_save_path,
-                                   special_in_content=special_in_content, reasoning=reasoning or ReasoningParams())
+                                   special_in_content=special_in_content, reasoning=reasoning or ReasoningParams(),
+                                   reranking=endpoints.reranking)
     app.add_middleware(APIKeyMiddleware, api_key=api_key,
                        public=("/health", *webui.PAGES) if endpoints.webui else ("/health",))
     app.include_router(router)
     app.include_router(info.router)
+    app.include_router(anthropic.router)
+    app.include_router(native.router)
     if endpoints.webui:
         app.include_router(webui.router)
     return app

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from llm.api import EmbedAborted
 from llm.chat.formats import ChatSyntax
+from llm.chat.prompt import ChatOptions, ChatPrompt
 from llm.chat.templates import ChatTemplateError
 from llm.errors import GrammarError, StateError
 from llm.generation.batcher import SlotBusy, SlotNotFound
@@ -70,6 +71,7 @@ class ServerState:
     slot_save_path: str | Path | None = None
     special_in_content: bool = False      # parse control tokens spelled in message content (--special-in-content)
     reasoning: ReasoningParams = ReasoningParams()     # --reasoning-format, --reasoning-budget
+    reranking: bool = False       # --reranking: /rerank on a model with a classifier head whose pooling is not rank
     created: int = field(default_factory=lambda: int(time.time()))
     embed_lock: threading.Lock = field(default_factory=threading.Lock)   # LLM.embed builds its context on first use
 
@@ -247,6 +249,19 @@ def check_prompt_length(server: ServerState, tokens: list[int], param: str) -> N
                        param=param, code="context_length_exceeded")
 
 
+async def chat_prompt_tokens(server: ServerState, messages: list[dict],
+                             options: ChatOptions) -> tuple[ChatPrompt, list[int]]:
+    """The chat prompt of `messages` (its grammar and reply syntax) and its tokens, made off the
+    event loop; a template or tools' grammar that fails is a 400."""
+    try:
+        return await run_in_threadpool(functools.partial(server.llm.chat_prompt, messages, options,
+                                                         special_in_content=server.special_in_content))
+    except ChatTemplateError as e:
+        raise bad("messages", f"the chat template failed for these messages: {e}") from None
+    except GrammarError as e:
+        raise bad("tools", f"the tools cannot be turned into a grammar: {e}") from None
+
+
 async def generate(request: Request, server: ServerState, prompts: list[list[int]], params: GenParams, *,
                    syntax: ChatSyntax | None, stream: bool, include_usage: bool, cache_prompt: bool):
     """Run one job per prompt; the completion as one JSON object, or streamed as SSE. A chat
@@ -268,13 +283,7 @@ async def chat_completions(request: Request):
     req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
                                       vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot,
                                       n_adapters=len(server.llm.adapters), reasoning=server.reasoning)
-    try:
-        chat, tokens = await run_in_threadpool(functools.partial(server.llm.chat_prompt, req.messages, req.chat,
-                                                                 special_in_content=server.special_in_content))
-    except ChatTemplateError as e:
-        raise bad("messages", f"the chat template failed for these messages: {e}") from None
-    except GrammarError as e:
-        raise bad("tools", f"the tools cannot be turned into a grammar: {e}") from None
+    chat, tokens = await chat_prompt_tokens(server, req.messages, req.chat)
     check_prompt_length(server, tokens, "messages")
     params = dataclasses.replace(req.params, constraint=chat.grammar or req.params.constraint,
                                  preserved_tokens=chat.preserved_tokens)
