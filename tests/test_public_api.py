@@ -72,6 +72,8 @@ MODULE_NAMES = {
     "llm.chat.grammars": ["tool_grammar", "ToolSpec"],
     "llm.chat.parsers": ["parse", "ChatStream", "ChatMsg", "ToolCall", "MsgDelta"],
     "llm.sampling.structured": ["GrammarTrigger", "TriggerKind", "spec_lark", "check_schema"],
+    "llm.serving.anthropic": ["router", "MessagesRequest", "Reply", "error_response"],
+    "llm.serving.native": ["router", "InfillRequest", "RerankRequest", "infill_prompt", "rerank_tokens"],
     # issue 34: llm quantize
     "llm.quantize": ["model_quantize", "QuantizeParams", "QuantizeError", "LlamaFType"],
     # issue 29: the shared blocks
