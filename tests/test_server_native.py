@@ -12,6 +12,7 @@ they build and their 4xx answers.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -197,6 +198,59 @@ def test_rerank_needs_rank_pooling(bert):
         r = c.post("/rerank", json={"query": QUERY, "documents": DOCS})
     assert r.status_code == 400 and r.json()["error"]["code"] == "not_supported", r.text
     assert "'mean', not 'rank'" in r.json()["error"]["message"]
+
+
+def llamacpp_rerank(path: Path, query: str, docs: list[str]) -> tuple[list[list[int]], np.ndarray]:
+    """llama.cpp's tokens and scores of each (query, document) pair, as llama-server makes them
+    (format_prompt_rerank without a rerank template; one decode per pair, rank pooling, the
+    first classifier output), through llama-cpp-python's C API."""
+    import ctypes
+
+    import llama_cpp as L
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    vocab = L.llama_model_get_vocab(model)
+
+    def tok(text: str) -> list[int]:
+        buf = (L.llama_token * 512)()
+        n = L.llama_tokenize(vocab, text.encode(), len(text.encode()), buf, 512, False, False)
+        return list(buf[:n])
+
+    eos = L.llama_vocab_eos(vocab) if L.llama_vocab_eos(vocab) != -1 else L.llama_vocab_sep(vocab)
+    pairs = []
+    for d in docs:
+        t = [L.llama_vocab_bos(vocab)] if L.llama_vocab_get_add_bos(vocab) else []
+        t += tok(query) + ([eos] if L.llama_vocab_get_add_eos(vocab) else [])
+        t += ([L.llama_vocab_sep(vocab)] if L.llama_vocab_get_add_sep(vocab) else []) + tok(d)
+        pairs.append(t + ([eos] if L.llama_vocab_get_add_eos(vocab) else []))
+    scores = []
+    for t in pairs:
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = 128
+        cp.n_threads = cp.n_threads_batch = 2
+        cp.embeddings, cp.pooling_type = True, 4      # LLAMA_POOLING_TYPE_RANK
+        ctx = L.llama_init_from_model(model, cp)
+        ids = (L.llama_token * len(t))(*t)      # kept alive while the batch points at it
+        batch = L.llama_batch_get_one(ids, len(t))
+        assert L.llama_decode(ctx, batch) == 0
+        scores.append(ctypes.cast(L.llama_get_embeddings_seq(ctx, 0), ctypes.POINTER(ctypes.c_float))[0])
+        L.llama_free(ctx)
+    L.llama_model_free(model)
+    return pairs, np.array(scores)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_rerank_matches_llama_cpp(rerank_app, bert):
+    """The same pairs' tokens as llama.cpp, and its scores (within the fixture's rank-pooling
+    parity: ggml's GELU table and float sums differ by a few 1e-4)."""
+    pairs, want = llamacpp_rerank(BERT, QUERY, DOCS)
+    assert pairs == [rerank_tokens(bert.vocab, None, QUERY, d) for d in DOCS]
+    res = rerank_app.post("/rerank", json={"query": QUERY, "documents": DOCS}).json()["results"]
+    got = np.array([next(r["relevance_score"] for r in res if r["index"] == i) for i in range(len(DOCS))])
+    np.testing.assert_allclose(got, want, atol=1e-3)
+    assert [r["index"] for r in res] == list(np.argsort(-want, kind="stable"))
 
 
 # ---- over real HTTP ----------------------------------------------------------------------------------
