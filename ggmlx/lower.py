@@ -688,3 +688,51 @@ def run_nodes(nodes: list[Tensor], env: dict) -> dict:
             env[n] = eval_node(n, env)
     return env
 
+
+
+# ---- state-space models ----------------------------------------------------------------
+
+def _softplus(x):
+    """ggml_compute_softplus_f32: log(1 + e^x), x itself above 20."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+@lowers(Op.SSM_CONV)
+def lower_ssm_conv(n: Tensor, env):
+    sx = _value_f32(env, n.src[0])[0]              # [n_s, d_inner, d_conv - 1 + n_t]
+    c = _value_f32(env, n.src[1])[0, 0]            # [d_inner, d_conv]
+    d_conv, n_t = c.shape[1], n.ne[1]
+    out = sx[:, :, 0:n_t] * c[:, 0:1]
+    for k in range(1, d_conv):                     # ggml's order: one tap after the other
+        out = out + sx[:, :, k:k + n_t] * c[:, k:k + 1]
+    return jnp.swapaxes(out, 1, 2)[None]           # [1, n_s, n_t, d_inner]
+
+
+@lowers(Op.SSM_SCAN)
+def lower_ssm_scan(n: Tensor, env):
+    """A compiled loop over the tokens (lax.scan), all sequences and heads at once; the state
+    stays [n_seqs, n_head, head_dim, d_state] in the carry, so memory does not grow with the
+    prompt."""
+    s_t, x_t, dt_t, a_t, b_t, c_t, ids_t = n.src
+    s = _value_f32(env, s_t)                       # [n_slots, n_head, head_dim, d_state]
+    x = _value_f32(env, x_t)                       # [n_seqs, n_tok, n_head, head_dim]
+    dt = _value_f32(env, dt_t)[0]                  # [n_seqs, n_tok, n_head]
+    a = _value_f32(env, a_t)[0, 0]                 # [n_head, d_state or 1]
+    b = _value_f32(env, b_t)                       # [n_seqs, n_tok, n_group, d_state]
+    c = _value_f32(env, c_t)
+    ids = _value(env, ids_t).reshape(-1).astype(jnp.int32)
+    n_head, n_group = x.shape[2], b.shape[2]
+    group = jnp.arange(n_head) // (n_head // n_group)
+    h0 = jnp.take(s, ids, axis=0)                  # [n_seqs, n_head, head_dim, d_state]
+
+    def step(h, t):
+        x_i, dt_i, b_i, c_i = t                    # [n_seqs, n_head, head_dim], [n_seqs, n_head], ...
+        dt_sp = _softplus(dt_i)
+        d_a = jnp.exp(dt_sp[:, :, None] * a[None])[:, :, None, :]     # [n_seqs, n_head, 1, d_state or 1]
+        bh, ch = b_i[:, group, None, :], c_i[:, group, None, :]       # [n_seqs, n_head, 1, d_state]
+        h = h * d_a + bh * (x_i * dt_sp[:, :, None])[..., None]
+        return h, jnp.sum(h * ch, axis=-1)
+
+    seq = (jnp.swapaxes(x, 0, 1), jnp.swapaxes(dt, 0, 1), jnp.swapaxes(b, 0, 1), jnp.swapaxes(c, 0, 1))
+    h, y = jax.lax.scan(step, h0, seq)             # y [n_tok, n_seqs, n_head, head_dim]
+    return jnp.concatenate([jnp.swapaxes(y, 0, 1).reshape(-1), h.reshape(-1)]).reshape(n.shape)

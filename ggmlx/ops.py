@@ -514,3 +514,46 @@ def top_k(a: Tensor, k: int) -> Tensor:
     _float("top_k", a)
     return _node(Op.TOP_K, I32, (k,) + a.ne[1:], (a,), (int(k),))
 
+
+
+# ---- state-space models ----------------------------------------------------------------
+
+def ssm_conv(sx: Tensor, c: Tensor) -> Tensor:
+    """Mamba's short causal convolution: sx [d_conv - 1 + n_t, d_inner, n_s] (each channel's
+    conv state followed by its n_t inputs), c [d_conv, d_inner] the per-channel kernels;
+    out[i, t, s] = sum_k sx[t + k, i, s] * c[k, i]. -> F32 [d_inner, n_t, n_s]."""
+    _float("ssm_conv", sx, c)
+    d_conv, d_inner = c.ne[0], c.ne[1]
+    n_t = sx.ne[0] - d_conv + 1
+    if sx.ne[3] != 1 or c.ne[2] != 1 or c.ne[3] != 1:
+        _fail("ssm_conv", "sx must be 3-D and c a matrix", sx, c)
+    if sx.ne[1] != d_inner or n_t < 0:
+        _fail("ssm_conv", "sx must be [d_conv - 1 + n_t, d_inner, n_s] for c [d_conv, d_inner]", sx, c)
+    return _node(Op.SSM_CONV, F32, (d_inner, n_t, sx.ne[2], 1), (sx, c))
+
+
+def ssm_scan(s: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ids: Tensor) -> Tensor:
+    """The selective scan of Mamba (A [d_state, n_head]: a decay per state element) and Mamba-2
+    (A [1, n_head]: one scalar decay per head), per sequence i from state s[..., ids[i]]:
+    h_t = exp(softplus(dt_t) A) h_{t-1} + B_t softplus(dt_t) x_t, y_t = C_t . h_t, with B and C
+    shared by the n_head / n_group heads of a group. s [d_state, head_dim, n_head, n_slots],
+    x [head_dim, n_head, n_seq_tokens, n_seqs], dt [n_head, n_seq_tokens, n_seqs],
+    B, C [d_state, n_group, n_seq_tokens, n_seqs], ids I32 [n_seqs].
+    -> F32 1-D [x's elements + d_state * head_dim * n_head * n_seqs]: y in x's shape, then
+    each sequence's last state (ggml's layout, K = 1)."""
+    _float("ssm_scan", s, x, dt, A, B, C)
+    d_state, head_dim, n_head = s.ne[0], s.ne[1], s.ne[2]
+    n_seq_tokens, n_seqs = x.ne[2], x.ne[3]
+    if ids.type != I32 or ids.ne[1:] != (1, 1, 1) or ids.ne[0] != n_seqs:
+        _fail("ssm_scan", "ids must be I32 [n_seqs]", ids, x)
+    if x.ne[0] != head_dim or x.ne[1] != n_head:
+        _fail("ssm_scan", "x must be [head_dim, n_head, n_seq_tokens, n_seqs] of s's head_dim, n_head", s, x)
+    if dt.ne != (n_head, n_seq_tokens, n_seqs, 1):
+        _fail("ssm_scan", "dt must be [n_head, n_seq_tokens, n_seqs]", dt, x)
+    if A.ne[1] != n_head or A.ne[0] not in (1, d_state) or A.ne[2:] != (1, 1):
+        _fail("ssm_scan", "A must be [d_state, n_head] or [1, n_head]", A, s)
+    if B.ne != C.ne or B.ne[0] != d_state or B.ne[2:] != (n_seq_tokens, n_seqs) or n_head % B.ne[1]:
+        _fail("ssm_scan", "B and C must be [d_state, n_group, n_seq_tokens, n_seqs], n_group dividing n_head",
+              B, C, s)
+    n = x.nelements() + d_state * head_dim * n_head * n_seqs
+    return _node(Op.SSM_SCAN, F32, (n, 1, 1, 1), (s, x, dt, A, B, C, ids))

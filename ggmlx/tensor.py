@@ -63,6 +63,8 @@ class Op(enum.Enum):
     TOP_K = "TOP_K"
     FLASH_ATTN_EXT = "FLASH_ATTN_EXT"
     MAP_CUSTOM1 = "MAP_CUSTOM1"
+    SSM_CONV = "SSM_CONV"
+    SSM_SCAN = "SSM_SCAN"
 
 
 # ops whose result is a window onto their source's memory (ggml's view ops)

@@ -65,6 +65,9 @@ class LLMArch(enum.Enum):
     GEMMA3N = "gemma3n"
     STARCODER2 = "starcoder2"
     MAMBA = "mamba"
+    MAMBA2 = "mamba2"
+    JAMBA = "jamba"
+    FALCON_H1 = "falcon-h1"
     XVERSE = "xverse"
     COMMAND_R = "command-r"
     COHERE2 = "cohere2"
@@ -87,6 +90,12 @@ class LLMArch(enum.Enum):
     RWKV6 = "rwkv6"
     GRANITE = "granite"
     GRANITE_MOE = "granitemoe"
+    GRANITE_HYBRID = "granitehybrid"
+    NEMOTRON_H = "nemotron_h"
+    LFM2 = "lfm2"
+    QWEN3NEXT = "qwen3next"
+    QWEN35 = "qwen35"
+    QWEN35MOE = "qwen35moe"
     CHAMELEON = "chameleon"
     SMOLLM3 = "smollm3"
     MISTRAL3 = "mistral3"
@@ -204,6 +213,13 @@ class LLMKV(enum.Enum):
     ROPE_SCALING_YARN_BETA_FAST = "%s.rope.scaling.yarn_beta_fast"
     ROPE_SCALING_YARN_BETA_SLOW = "%s.rope.scaling.yarn_beta_slow"
 
+    SSM_CONV_KERNEL = "%s.ssm.conv_kernel"
+    SSM_INNER_SIZE = "%s.ssm.inner_size"
+    SSM_STATE_SIZE = "%s.ssm.state_size"
+    SSM_TIME_STEP_RANK = "%s.ssm.time_step_rank"
+    SSM_GROUP_COUNT = "%s.ssm.group_count"
+    SSM_DT_B_C_RMS = "%s.ssm.dt_b_c_rms"
+
     SPLIT_NO = "split.no"
     SPLIT_COUNT = "split.count"
     SPLIT_TENSORS_COUNT = "split.tensors.count"
@@ -287,6 +303,17 @@ class LLMTensor(enum.Enum):
     ATTN_POST_NORM = "blk.%d.post_attention_norm"
     ATTN_ROT_EMBD = "blk.%d.attn_rot_embd"
     ATTN_SINKS = "blk.%d.attn_sinks"
+    SSM_IN = "blk.%d.ssm_in"
+    SSM_CONV1D = "blk.%d.ssm_conv1d"
+    SSM_X = "blk.%d.ssm_x"
+    SSM_DT = "blk.%d.ssm_dt"
+    SSM_A = "blk.%d.ssm_a"
+    SSM_D = "blk.%d.ssm_d"
+    SSM_NORM = "blk.%d.ssm_norm"
+    SSM_OUT = "blk.%d.ssm_out"
+    SSM_DT_NORM = "blk.%d.ssm_dt_norm"
+    SSM_B_NORM = "blk.%d.ssm_b_norm"
+    SSM_C_NORM = "blk.%d.ssm_c_norm"
     FFN_NORM = "blk.%d.ffn_norm"
     FFN_POST_NORM = "blk.%d.post_ffw_norm"
     FFN_GATE = "blk.%d.ffn_gate"
@@ -308,6 +335,17 @@ class LLMTensor(enum.Enum):
     LAYER_OUT_NORM = "blk.%d.layer_output_norm"
     CLS = "cls"
     CLS_OUT = "cls.output"
+
+
+def llm_arch_is_recurrent(arch: LLMArch) -> bool:
+    """Every layer keeps a fixed-size recurrent state instead of a KV cache (Mamba, RWKV)."""
+    return arch in (LLMArch.MAMBA, LLMArch.MAMBA2, LLMArch.RWKV6)
+
+
+def llm_arch_is_hybrid(arch: LLMArch) -> bool:
+    """Attention layers (a KV cache) mixed with recurrent ones (a recurrent memory)."""
+    return arch in (LLMArch.JAMBA, LLMArch.FALCON_H1, LLMArch.GRANITE_HYBRID, LLMArch.NEMOTRON_H,
+                    LLMArch.LFM2, LLMArch.QWEN3NEXT, LLMArch.QWEN35, LLMArch.QWEN35MOE)
 
 
 def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,

@@ -327,10 +327,12 @@ class BatchAllocator:
                                  n_seqs=min(n_ubatch, self.n_tokens - start), equal_seqs=False)
                 for start in range(0, self.n_tokens, n_ubatch)]
 
-    def split_equal(self, n_ubatch: int) -> list[UBatch]:
+    def split_equal(self, n_ubatch: int, pow2: bool = False) -> list[UBatch]:
         """Ubatches where each of several disjoint sequence sets contributes the same number of
         tokens (llama_batch_allocr::split_equal). At most n_ubatch sets per ubatch, so a ubatch
-        never exceeds n_ubatch tokens (llama.cpp lets n_ubatch + 1 sets in)."""
+        never exceeds n_ubatch tokens (llama.cpp lets n_ubatch + 1 sets in). pow2: each set's
+        run is cut to a power of two (a recurrent model's graphs then need no padded tokens,
+        one shape per power of two)."""
         self._check_n_ubatch(n_ubatch)
         self._split_reset()
         set_tokens: dict[int, np.ndarray] = {}
@@ -354,6 +356,11 @@ class BatchAllocator:
                     next_of[b] += 1
                 if (len(per_set[0]) + 1) * n_seqs > n_ubatch:
                     break
+            if pow2:
+                keep = 1 << (len(per_set[0]).bit_length() - 1)
+                for k, b in enumerate(cur_sets):
+                    next_of[b] -= len(per_set[k]) - keep
+                    per_set[k] = per_set[k][:keep]
             idxs = np.array([i for lst in per_set for i in lst], dtype=np.int64)
             ubatches.append(self._ubatch_add(idxs, n_seqs=n_seqs, equal_seqs=True))
         return ubatches

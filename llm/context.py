@@ -28,11 +28,14 @@ from ggmlx.weights import materialize
 from llm import params as params_mod
 from llm import state
 from llm.adapter import LoraAdapter, LoraScales
+from llm.arch import llm_arch_is_hybrid, llm_arch_is_recurrent
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.errors import StateError
 from llm.graph import GraphBuilder, GraphHook, GraphParams, rope_params
 from llm.hparams import PoolingType
 from llm.kv_cache import KVCache, locked
+from llm.memory_hybrid import MemoryHybrid, memory_kind
+from llm.memory_recurrent import MemoryRecurrent
 from llm.model import Model
 from llm.params import param, with_parameters
 
@@ -120,6 +123,20 @@ class ContextParams:
     reserve: tuple[int, ...] = param((), help="ubatch sizes to compile ahead when the context is made")
 
 
+def create_memory(model: Model, p: ContextParams, n_ubatch: int) -> KVCache | MemoryRecurrent | MemoryHybrid:
+    """The memory the architecture needs (llama_model::create_memory): a recurrent memory for
+    Mamba-style models, a hybrid one for models mixing attention and recurrent layers, else
+    the KV cache."""
+    arch = model.hparams.arch
+    if llm_arch_is_recurrent(arch):
+        return MemoryRecurrent(model, p.n_seq_max)
+    if llm_arch_is_hybrid(arch):
+        return MemoryHybrid(model, p.n_ctx, p.n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=n_ubatch,
+                            swa_full=p.swa_full)
+    return KVCache(model, p.n_ctx, p.n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=n_ubatch,
+                   swa_full=p.swa_full)
+
+
 def _lora_scales(scales: tuple, n: int, where: str) -> tuple[float, ...]:
     if len(scales) != n:
         raise ValueError(f"{where}: {len(scales)} scales for {n} adapters")
@@ -176,8 +193,8 @@ class Context:
         # LoRA adapters applied to every decode and their scales (set_adapters_lora; one object
         # for the context's life, read by the graphs' InpLora)
         self.lora = LoraScales()
-        self.memory = KVCache(model, n_ctx, n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=self.n_ubatch,
-                              swa_full=p.swa_full)
+        self.memory = create_memory(model, p, self.n_ubatch)
+        self.recurrent = self.memory.mem_recr is not None
         # one lock for the cache and the context: a decode and a sequence operation from
         # another thread take turns (each is short); outputs belong to the last decode
         self.lock = self.memory.lock
@@ -252,6 +269,8 @@ class Context:
         for n in n_tokens:
             if not 1 <= n <= self.n_ubatch:
                 raise ValueError(f"reserve: ubatch size {n} is outside [1, n_ubatch = {self.n_ubatch}]")
+        if self.memory.mem_attn is None:        # states only: no KV length
+            return self._reserve([self._reserve_params(n, 0) for n in n_tokens])
         for kv in kv_lengths:
             if not 1 <= kv <= self.n_ctx:
                 raise ValueError(f"reserve: KV length {kv} is outside [1, n_ctx = {self.n_ctx}]")
@@ -265,31 +284,45 @@ class Context:
         middle of it, and outside the prompt's timing. `verify`: also the ubatches of these
         sizes with every token's logits (speculative decoding's verification steps). Logs a
         line per graph it compiles. Returns the number of compilations."""
-        used = self.memory.cells.used_max_p1()
+        kv = self.memory.mem_attn
+        if kv is None:
+            return self._reserve_recurrent(n_prompt, verify)
+        used = kv.cells.used_max_p1()
         shapes: set[GraphParams] = set()
         for start in range(0, n_prompt, self.n_batch):
             chunk = min(self.n_batch, n_prompt - start)
             for first in range(0, chunk, self.n_ubatch):
                 n = min(self.n_ubatch, chunk - first)
                 used = min(used + n, self.n_ctx)
-                shapes.add(self._reserve_params(n, self.memory.n_kv_at(used)))
+                shapes.add(self._reserve_params(n, kv.n_kv_at(used)))
         last = min(used + max(n_predict - 1, 0), self.n_ctx)
-        shapes.update(self._reserve_params(1, self.memory.n_kv_at(u)) for u in range(used + 1, last + 1))
+        shapes.update(self._reserve_params(1, kv.n_kv_at(u)) for u in range(used + 1, last + 1))
         for n in verify:
             if not 1 <= n <= self.n_ubatch:
                 raise ValueError(f"reserve_generation: verification size {n} is outside "
                                  f"[1, n_ubatch = {self.n_ubatch}]")
-            shapes.update(dataclasses.replace(self._reserve_params(n, self.memory.n_kv_at(u)), n_outputs=n)
+            shapes.update(dataclasses.replace(self._reserve_params(n, kv.n_kv_at(u)), n_outputs=n)
                           for u in range(used + n, min(last + n, self.n_ctx) + 1))
         todo = sorted((p for p in shapes if p not in self._graphs), key=lambda p: (p.n_kv, p.n_tokens))
         return self._reserve(todo)
 
+    def _reserve_recurrent(self, n_prompt: int, verify: tuple[int, ...]) -> int:
+        """reserve_generation for a recurrent memory: one graph per power of two a prompt's
+        ubatches split into, and the decode step; states do not grow, so nothing else."""
+        shapes = {self._reserve_params(1, 0)}
+        for start in range(0, n_prompt, self.n_ubatch):
+            n = min(self.n_ubatch, n_prompt - start)
+            shapes.update(self._reserve_params(1 << b, 0) for b in range(n.bit_length()) if n >> b & 1)
+        shapes.update(dataclasses.replace(self._reserve_params(n, 0), n_outputs=n) for n in verify)
+        return self._reserve(sorted((p for p in shapes if p not in self._graphs), key=lambda p: p.n_tokens))
+
     def _reserve_params(self, n_tokens: int, n_kv: int) -> GraphParams:
-        """The shape of a ubatch of n_tokens that outputs the last token's logits."""
+        """The shape of a ubatch of n_tokens (of one sequence, for a recurrent memory) that
+        outputs the last token's logits."""
         return GraphParams(n_tokens=bucket(n_tokens, self.n_ubatch), n_outputs=1, n_kv=n_kv, embd_input=False,
                            embeddings=self.embeddings, flash_attn=self.flash_attn, edits=self.edits,
-                           loras=self.lora.adapters,
-                           n_kv_swa=self._n_kv_swa())
+                           loras=self.lora.adapters, n_kv_swa=self._n_kv_swa(),
+                           n_seqs=1 if self.recurrent else 0)
 
     def _reserve(self, shapes: list[GraphParams]) -> int:
         stats = self.sched.cache.stats
@@ -343,11 +376,20 @@ class Context:
         # one unified cache for all sequences: llama.cpp splits simply (any sequences mixed in a
         # ubatch, each sequence's tokens kept in order, as pooling needs), so decoding tokens and
         # a prompt chunk of other sequences run as one graph
-        ubatches = self.balloc.split_simple(self.n_ubatch)
+        if self.recurrent:
+            # a recurrent state follows one sequence: ubatches of equal runs per sequence
+            # (llama.cpp's split_equal), in powers of two so no token is padded into a state
+            if any(len(ids) > 1 for ids in self.balloc.seq_id):
+                return self._fail(DecodeStatus.INVALID_BATCH, "a recurrent model's tokens each belong to one "
+                                  "sequence (copy a shared prompt with memory.seq_cp instead)")
+            # (pooled embeddings: each sequence whole, as pooling reads a sequence in one ubatch)
+            ubatches = self.balloc.split_equal(self.n_ubatch, pow2=not self.pooled)
+        else:
+            ubatches = self.balloc.split_simple(self.n_ubatch)
         slots = self.memory.prepare(ubatches)
         if slots is None:
             return self._fail(DecodeStatus.NO_KV_SLOT, f"no KV cache slot for {batch.n_tokens} tokens "
-                                              f"(n_ctx = {self.n_ctx}, used = {self.memory.cells.get_used()})")
+                                              f"(n_ctx = {self.n_ctx}, used = {self.memory.get_used()})")
         n_outputs = self.balloc.n_outputs
         self.logits = np.zeros((n_outputs if self.has_logits else 0, self.n_vocab), np.float32)
         if self.embeddings:
@@ -374,9 +416,7 @@ class Context:
         llama_decode does, so no cell claims K/V that were never written. When the failure
         came after the cache's buffers were donated to the computation, they are gone:
         rebuild them empty, clearing every sequence. Returns what happened, for the message."""
-        for s in ub.seq_id_unq:
-            in_seq = np.array([int(s) in ids for ids in ub.seq_id])
-            self.memory.cells.seq_rm(int(s), int(ub.pos[in_seq].min()), -1)
+        self.memory.undo(ub)
         if not self.memory.lost():
             return f"; its {ub.n_tokens} tokens were removed from the KV cache"
         cleared = self.memory.rebuild()
@@ -384,14 +424,15 @@ class Context:
                 f"sequences {cleared} cleared")
 
     def _params(self, ub: UBatch) -> GraphParams:
-        n_tokens = bucket(ub.n_tokens, self.n_ubatch)
+        n_seqs = bucket(ub.n_seqs) if self.recurrent else 0      # padded with the scratch cell
+        n_tokens = ub.n_seq_tokens * n_seqs if self.recurrent else bucket(ub.n_tokens, self.n_ubatch)
         n_out = ub.n_outputs
         n_min = min(self.n_outputs_min, n_tokens)
         n_outputs = n_tokens if n_out == ub.n_tokens else bucket(max(n_out, n_min, 1), n_tokens)
         return GraphParams(n_tokens=n_tokens, n_outputs=n_outputs, n_kv=self.memory.n_kv(),
                            embd_input=ub.embd is not None, embeddings=self.embeddings,
                            flash_attn=self.flash_attn, edits=self.edits, loras=self.lora.adapters,
-                           n_kv_swa=self._n_kv_swa())
+                           n_kv_swa=self._n_kv_swa(), n_seqs=n_seqs)
 
     @staticmethod
     def _progress(params: GraphParams) -> Callable[[], None]:
@@ -434,8 +475,7 @@ class Context:
             self._perf.n_reused += 1
         else:
             g, plan = self._prev = self._build(params)
-        assert g.inp_attn is not None   # every architecture builds its attention input
-        g.inp_attn.slot, g.inp_attn.slot_swa = slot
+        g.set_slot(slot)
         values: dict = {}
         for inp in g.inputs:
             inp.set_input(ub, values)
@@ -473,7 +513,8 @@ class Context:
         """Re-rotate every cached K row by its cell's pending position shift (llama.cpp's
         build_graph_shift), one small graph over all layers (each layer with its cells)."""
         hp = self.model.hparams
-        kv = self.memory
+        kv = self.memory.mem_attn
+        assert kv is not None       # only a KV cache has shifts
         gf = Graph()
         values: dict[Tensor, object] = {}
         inputs: dict[int, tuple[Tensor, Tensor]] = {}
@@ -621,8 +662,15 @@ class Context:
             self._fingerprint = state.model_fingerprint(self.model)
         return self._fingerprint
 
+    def _kv_for_state(self, where: str) -> KVCache:
+        """The KV cache a saved state holds; a recurrent memory's states are not saved yet."""
+        if not isinstance(self.memory, KVCache):
+            raise StateError(f"{where}: saving and restoring the state of a {self.model.arch} context "
+                             f"(a {memory_kind(self.memory)} memory) is not supported yet")
+        return self.memory
+
     def _state_bytes(self, tokens, seq_id, sampler) -> bytes:
-        if self.memory.cells.has_shift:
+        if self._kv_for_state("state").cells.has_shift:
             self._apply_k_shift()      # saved K rows must already carry their positions
         return state.serialize(self, self.fingerprint, tokens, seq_id=seq_id, sampler=sampler)
 
@@ -635,6 +683,7 @@ class Context:
     def state_set_data(self, data: bytes, sampler=None, *, where: str = "state data") -> list[int]:
         """Replace the state by `data` from state_get_data; returns its tokens. StateError
         (context unchanged) when the data does not fit this context."""
+        self._kv_for_state(where)
         saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_FULL, sampler=sampler)
         state.apply_full(self, saved, sampler)
         return saved.tokens
@@ -658,8 +707,8 @@ class Context:
         its tokens. StateError (context unchanged) when it does not fit."""
         if not isinstance(dest_seq_id, int) or not 0 <= dest_seq_id < self.n_seq_max:
             raise StateError(f"{where}: dest_seq_id {dest_seq_id!r} is out of range [0, n_seq_max = {self.n_seq_max})")
+        cells = self._kv_for_state(where).cells
         saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_SEQ)
-        cells = self.memory.cells
         own = cells.seq == (np.uint64(1) << np.uint64(dest_seq_id))
         n_free = int(np.count_nonzero((cells.pos < 0) | own))
         if n_free < saved.pos.size:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from llm.adapter import LoraAdapter, LoraScales
     from llm.kv_cache import KVCache
     from llm.kv_cells import SlotInfo
+    from llm.memory_recurrent import MemoryRecurrent
     from llm.model import Model
 
 F32, I32 = GGMLType.F32, GGMLType.I32
@@ -99,6 +100,9 @@ class GraphParams:
     # the LoRA adapters applied (llm.adapter.LoraAdapter, compared by identity); their scales
     # are inputs (InpLora), so only the set selects a graph
     loras: tuple[LoraAdapter, ...] = ()
+    # recurrent memory: the ubatch's sequences (a power of two, padded with the scratch cell),
+    # each of n_tokens / n_seqs tokens (llama_ubatch's equal split); 0 without recurrent layers
+    n_seqs: int = 0
 
 
 class GraphInput:
@@ -235,6 +239,21 @@ class InpAttnKV(GraphInput):
             values[self.kq_mask_swa] = self.kv.mask(ub, n, n_kv_swa, swa=True)
 
 
+class InpRS(GraphInput):
+    """The recurrent-state input (llm_graph_input_rs): the cell each of the ubatch's n_seqs
+    sequences reads its states from and writes them back to (`inp_s_copy`)."""
+
+    def __init__(self, params: GraphParams, rs):
+        super().__init__(params)
+        self.rs = rs
+        self.s_copy = new_input(I32, (params.n_seqs,), "inp_s_copy")
+        self.slot: np.ndarray | None = None        # the ubatch's cells, set before set_input
+
+    def set_input(self, ub, values: dict) -> None:
+        assert self.slot is not None    # the context sets it before set_input
+        values[self.s_copy] = self.rs.copy_indices(self.slot, self.params.n_seqs)
+
+
 def rope_multi_params(hp: HParams, il: int) -> dict:
     """rope_multi arguments for layer il: rope_params' with the model's sections and mode."""
     p = rope_params(hp, il)
@@ -257,7 +276,9 @@ class GraphBuilder:
     """State of one graph build (llm_graph_context): the model, params, inputs and the
     graph being expanded."""
 
-    def __init__(self, model: Model, kv: KVCache, params: GraphParams, *, lora: LoraScales | None = None):
+    def __init__(self, model: Model, memory, params: GraphParams, *, lora: LoraScales | None = None):
+        """memory: the context's (KVCache, MemoryRecurrent or MemoryHybrid); attention layers
+        use its KV cache (`kv`), recurrent layers its states (`rs`)."""
         if params.loras and (lora is None or lora.adapters != params.loras):
             raise ValueError("GraphBuilder: params.loras needs the LoraScales of those adapters (lora=)")
         self.model = model
@@ -266,7 +287,11 @@ class GraphBuilder:
         self.inp_out_ids: Tensor | None = None
         self._lora_scale: dict[tuple[int, int], Tensor] = {}
         self.hparams = model.hparams
-        self.kv = kv
+        self.memory = memory
+        # None without attention layers (a recurrent memory) or without a memory (a graph for tests)
+        self.kv: KVCache = memory.mem_attn if memory is not None else None  # type: ignore[assignment]
+        self.rs: MemoryRecurrent | None = memory.mem_recr if memory is not None else None
+        self.inp_rs: InpRS | None = None
         self.params = params
         self.n_tokens = params.n_tokens
         self.n_outputs = params.n_outputs
@@ -343,6 +368,28 @@ class GraphBuilder:
         self.inp_attn = InpAttnKV(self.params, self.kv, with_swa)
         self.inputs.append(self.inp_attn)
         return self.inp_attn
+
+    def build_rs_inp(self) -> InpRS:
+        """The recurrent layers' input (llm_graph_context::build_rs_inp)."""
+        if self.rs is None or not self.params.n_seqs:
+            raise ValueError(f"{self.model.arch}: a recurrent layer needs a context with a recurrent memory "
+                             f"and ubatches split by sequence (GraphParams.n_seqs)")
+        self.inp_rs = InpRS(self.params, self.rs)
+        self.inputs.append(self.inp_rs)
+        return self.inp_rs
+
+    def build_rs(self, inp: InpRS, s: Tensor, state_size: int) -> Tensor:
+        """The states of the ubatch's sequences from a layer's buffer s [state_size, cells]:
+        -> [state_size, n_seqs] (llama.cpp's build_rs, its copies done by seq_cp instead)."""
+        return ops.get_rows(ops.reshape_2d(s, state_size, s.ne[1]), inp.s_copy)
+
+    def set_slot(self, slot) -> None:
+        """Hand the ubatch's place in the memory (Context's prepare) to the inputs that need it."""
+        attn, recr = self.memory.split_slot(slot)
+        if self.inp_attn is not None:
+            self.inp_attn.slot, self.inp_attn.slot_swa = attn
+        if self.inp_rs is not None:
+            self.inp_rs.slot = recr
 
     # ---- LoRA ------------------------------------------------------------------------
 
@@ -689,6 +736,107 @@ class GraphBuilder:
             cur = self.build_attn_mha(q, k, v, inp.kq_mask, kq_scale, 0.0, il, v_mla=v_mla)
         self.cb(cur, "kqv_out", il)
         return self.build_lora_mm(self.need(wo, "attn_output", il), cur)
+
+    def build_mamba_layer(self, inp: InpRS, cur: Tensor, layer: Layer, il: int) -> Tensor:
+        """A Mamba block (llama.cpp's llm_build_mamba_base::build_mamba_layer): in-projection
+        to x and z, the causal conv over x continuing the sequence's conv state, the
+        selective scan from its SSM state (dt, B, C from x), y + D x gated by silu(z), the
+        out-projection. cur [n_embd, n_tokens] -> [n_embd, n_tokens]; both states written back."""
+        hp, rs = self.hparams, self.rs
+        assert rs is not None       # build_rs_inp checked
+        r_all, s_all = rs.r_l[il], rs.s_l[il]
+        assert r_all is not None and s_all is not None     # the memory holds every recurrent layer
+        d_conv, d_inner, d_state, dt_rank = hp.ssm_d_conv, hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_dt_rank
+        n_seqs = self.params.n_seqs
+        n_seq_tokens = self.n_tokens // n_seqs
+        conv = ops.reshape_3d(self.build_rs(inp, r_all, hp.n_embd_r()), d_conv - 1, d_inner, n_seqs)
+        cur = ops.reshape_3d(cur, cur.ne[0], n_seq_tokens, n_seqs)
+        xz = self.build_lora_mm(self.need(layer.ssm_in, "ssm_in", il), cur)        # [2 d_inner, T, S]
+        x = ops.view_3d(xz, d_inner, xz.ne[1], xz.ne[2], xz.nb[1], xz.nb[2], 0)
+        z = ops.view_3d(xz, d_inner, xz.ne[1], xz.ne[2], xz.nb[1], xz.nb[2], d_inner * 4)
+        conv_x = ops.concat(conv, ops.transpose(x), 0)                          # [d_conv - 1 + T, d_inner, S]
+        last_conv = ops.view_3d(conv_x, d_conv - 1, d_inner, n_seqs, conv_x.nb[1], conv_x.nb[2],
+                                n_seq_tokens * conv_x.nb[0])
+        self.write_rs(r_all, ops.reshape_2d(ops.cont(last_conv), hp.n_embd_r(), n_seqs), inp)
+        x = ops.ssm_conv(conv_x, self.need(layer.ssm_conv1d, "ssm_conv1d", il))
+        x = ops.silu(ops.add(x, self.need(layer.ssm_conv1d_b, "ssm_conv1d_b", il)))
+        x_db = self.build_lora_mm(self.need(layer.ssm_x, "ssm_x", il), x)          # [dt_rank + 2 d_state, T, S]
+        dt = ops.view_3d(x_db, dt_rank, n_seq_tokens, n_seqs, x_db.nb[1], x_db.nb[2], 0)
+        B = ops.view_4d(x_db, d_state, 1, n_seq_tokens, n_seqs, d_state * 4, x_db.nb[1], x_db.nb[2], dt_rank * 4)
+        C = ops.view_4d(x_db, d_state, 1, n_seq_tokens, n_seqs, d_state * 4, x_db.nb[1], x_db.nb[2],
+                        (dt_rank + d_state) * 4)
+        if hp.ssm_dt_b_c_rms or (layer.ssm_dt_norm is not None and layer.ssm_b_norm is not None
+                                 and layer.ssm_c_norm is not None):
+            dt = self.build_norm(dt, layer.ssm_dt_norm, None, LLMNormType.RMS, il)
+            B = self.build_norm(B, layer.ssm_b_norm, None, LLMNormType.RMS, il)
+            C = self.build_norm(C, layer.ssm_c_norm, None, LLMNormType.RMS, il)
+        else:
+            dt = ops.cont(dt)
+        dt = self.build_lora_mm(self.need(layer.ssm_dt, "ssm_dt", il), dt)
+        dt = ops.add(dt, self.need(layer.ssm_dt_b, "ssm_dt_b", il))
+        x_in = x
+        x = ops.reshape_4d(x, 1, d_inner, n_seq_tokens, n_seqs)
+        ssm = ops.reshape_4d(s_all, d_state, 1, d_inner, s_all.ne[1])
+        y_ssm = ops.ssm_scan(ssm, x, dt, self.need(layer.ssm_a, "ssm_a", il), B, C, inp.s_copy)
+        self.write_rs(s_all, ops.view_2d(y_ssm, hp.n_embd_s(), n_seqs, hp.n_embd_s() * 4, x.nelements() * 4), inp)
+        y = ops.view_3d(y_ssm, d_inner, n_seq_tokens, n_seqs, x.nb[2], x.nb[3], 0)
+        y = ops.add(y, ops.mul(x_in, self.need(layer.ssm_d, "ssm_d", il)))
+        y = ops.swiglu_split(ops.cont(z), y)
+        cur = self.build_lora_mm(self.need(layer.ssm_out, "ssm_out", il), y)
+        return ops.reshape_2d(cur, cur.ne[0], n_seq_tokens * n_seqs)
+
+    def build_mamba2_layer(self, inp: InpRS, cur: Tensor, layer: Layer, il: int) -> Tensor:
+        """A Mamba-2 block (build_mamba2_layer): one in-projection to z, xBC and dt per head,
+        the causal conv over xBC, the scan with one scalar decay per head and B, C shared by
+        head groups, y + D x gated by silu(z), the grouped RMS norm, the out-projection.
+        cur [n_embd, n_tokens] -> `mamba_out` [n_embd, n_tokens]."""
+        hp, rs = self.hparams, self.rs
+        assert rs is not None       # build_rs_inp checked
+        r_all, s_all = rs.r_l[il], rs.s_l[il]
+        assert r_all is not None and s_all is not None     # the memory holds every recurrent layer
+        d_conv, d_inner, d_state = hp.ssm_d_conv, hp.ssm_d_inner, hp.ssm_d_state
+        n_head, n_group = hp.ssm_dt_rank, hp.ssm_n_group
+        head_dim = d_inner // n_head
+        conv_dim = d_inner + 2 * n_group * d_state
+        n_seqs = self.params.n_seqs
+        n_seq_tokens = self.n_tokens // n_seqs
+        conv = ops.reshape_3d(self.build_rs(inp, r_all, hp.n_embd_r()), d_conv - 1, conv_dim, n_seqs)
+        zxbcdt = self.build_lora_mm(self.need(layer.ssm_in, "ssm_in", il), cur)
+        zxbcdt = ops.reshape_3d(zxbcdt, zxbcdt.ne[0], n_seq_tokens, n_seqs)
+        nb1, nb2 = zxbcdt.nb[1], zxbcdt.nb[2]
+        z = ops.view_4d(zxbcdt, head_dim, n_head, n_seq_tokens, n_seqs, head_dim * 4, nb1, nb2, 0)
+        xbc = ops.view_3d(zxbcdt, conv_dim, n_seq_tokens, n_seqs, nb1, nb2, d_inner * 4)
+        dt = ops.view_3d(zxbcdt, n_head, n_seq_tokens, n_seqs, nb1, nb2, (d_inner + conv_dim) * 4)
+        conv_x = ops.concat(conv, ops.transpose(xbc), 0)                        # [d_conv - 1 + T, conv_dim, S]
+        last_conv = ops.view_3d(conv_x, d_conv - 1, conv_dim, n_seqs, conv_x.nb[1], conv_x.nb[2],
+                                n_seq_tokens * conv_x.nb[0])
+        self.write_rs(r_all, ops.reshape_2d(ops.cont(last_conv), hp.n_embd_r(), n_seqs), inp)
+        xbc = ops.ssm_conv(conv_x, self.need(layer.ssm_conv1d, "ssm_conv1d", il))
+        xbc = ops.silu(ops.add(xbc, self.need(layer.ssm_conv1d_b, "ssm_conv1d_b", il)))
+        nb1, nb2 = xbc.nb[1], xbc.nb[2]
+        x = ops.view_4d(xbc, head_dim, n_head, n_seq_tokens, n_seqs, head_dim * 4, nb1, nb2, 0)
+        B = ops.view_4d(xbc, d_state, n_group, n_seq_tokens, n_seqs, d_state * 4, nb1, nb2, d_inner * 4)
+        C = ops.view_4d(xbc, d_state, n_group, n_seq_tokens, n_seqs, d_state * 4, nb1, nb2,
+                        (d_inner + n_group * d_state) * 4)
+        dt = ops.add(ops.cont(dt), self.need(layer.ssm_dt_b, "ssm_dt_b", il))
+        ssm = ops.reshape_4d(s_all, d_state, head_dim, n_head, s_all.ne[1])
+        y_ssm = ops.ssm_scan(ssm, x, dt, self.need(layer.ssm_a, "ssm_a", il), B, C, inp.s_copy)
+        self.write_rs(s_all, ops.view_2d(y_ssm, hp.n_embd_s(), n_seqs, hp.n_embd_s() * 4, x.nelements() * 4), inp)
+        rs_h = head_dim * 4
+        y = ops.view_4d(y_ssm, head_dim, n_head, n_seq_tokens, n_seqs, rs_h, n_head * rs_h,
+                        n_seq_tokens * n_head * rs_h, 0)
+        y = self.cb(ops.add(y, ops.mul(x, self.need(layer.ssm_d, "ssm_d", il))), "mamba2_y_add_d", il)
+        y = ops.swiglu_split(ops.cont(z), y)
+        if layer.ssm_norm is not None:
+            y = ops.reshape_4d(y, d_inner // n_group, n_group, n_seq_tokens, n_seqs)
+            y = self.build_norm(y, layer.ssm_norm, None, LLMNormType.RMS, il)
+        y = ops.reshape_2d(y, d_inner, n_seq_tokens * n_seqs)
+        cur = self.build_lora_mm(self.need(layer.ssm_out, "ssm_out", il), y)
+        return self.cb(cur, "mamba_out", il)
+
+    def write_rs(self, s_all: Tensor, new: Tensor, inp: InpRS) -> None:
+        """The ubatch's sequences' new states [state_size, n_seqs] into their cells of s_all."""
+        self.gf.build_forward_expand(ops.set_rows(s_all, new, inp.s_copy))
 
     def build_attn_mha(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kq_scale: float,
                        softcap: float, il: int, *, v_mla: Tensor | None = None) -> Tensor:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llm.arch import LLMKV, LLMArch, arch_from_name
+from llm.arch import LLMKV, LLMArch, arch_from_name, llm_arch_is_hybrid, llm_arch_is_recurrent
 from llm.errors import MetadataError
 from llm.loader import GGUFMeta
 
@@ -156,6 +156,15 @@ class HParams:
     n_embd_head_k_mla: int = 0
     n_embd_head_v_mla: int = 0
     use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
+    # state-space layers (Mamba, Mamba-2 and the hybrids): conv kernel width, inner width,
+    # state size, dt rank (Mamba-2: the head count), B/C groups; which layers are recurrent
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_dt_rank: int = 0
+    ssm_n_group: int = 0
+    ssm_dt_b_c_rms: bool = False      # falcon-mamba: RMS norm of dt, B and C
+    recurrent_layers: list[bool] = dataclasses.field(default_factory=list)
 
     f_norm_eps: float = 0.0
     f_norm_rms_eps: float = 0.0
@@ -202,7 +211,9 @@ class HParams:
             self.swa_layers = [False] * self.n_layer
         if not self.rope_layers:
             self.rope_layers = [True] * self.n_layer
-        for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers"):
+        if not self.recurrent_layers:
+            self.recurrent_layers = [False] * self.n_layer
+        for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers", "recurrent_layers"):
             if len(getattr(self, name)) != self.n_layer:
                 raise ValueError(f"HParams.{name} has {len(getattr(self, name))} entries, "
                                  f"expected n_layer = {self.n_layer}")
@@ -220,13 +231,26 @@ class HParams:
         self.n_layer_nextn = n
         if n:
             self.n_layer -= n
-            for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers"):
+            for name in ("n_head_arr", "n_head_kv_arr", "n_ff_arr", "swa_layers", "rope_layers", "recurrent_layers"):
                 setattr(self, name, getattr(self, name)[:self.n_layer])
 
     def _layer(self, il: int) -> int:
         if not 0 <= il < self.n_layer:
             raise IndexError(f"layer {il} out of range [0, {self.n_layer})")
         return il
+
+    def is_recurrent(self, il: int) -> bool:
+        """Does layer il keep a recurrent state (a Mamba block) rather than a KV cache?"""
+        return self.recurrent_layers[self._layer(il)]
+
+    def n_embd_r(self) -> int:
+        """Width of one sequence's conv state in a recurrent layer (llama_hparams::n_embd_r):
+        the last d_conv - 1 inputs of every conv channel."""
+        return max(self.ssm_d_conv - 1, 0) * (self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state)
+
+    def n_embd_s(self) -> int:
+        """Width of one sequence's SSM state in a recurrent layer (llama_hparams::n_embd_s)."""
+        return self.ssm_d_state * self.ssm_d_inner
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[self._layer(il)]
@@ -296,19 +320,24 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     if n_embd <= 0:
         raise ml.error(f"key '{ml.key_name(LLMKV.EMBEDDING_LENGTH)}' = {n_embd} must be positive")
 
-    n_ff_arr = ml.get_key_or_arr(LLMKV.FEED_FORWARD_LENGTH, int, n_layer)
-    n_head_arr = ml.get_key_or_arr(LLMKV.ATTENTION_HEAD_COUNT, int, n_layer)
+    # recurrent layers have no heads and Mamba blocks no FFN: llama.cpp reads both as optional
+    recurrent = llm_arch_is_recurrent(arch) or llm_arch_is_hybrid(arch)
+    none = [0] * n_layer if recurrent else None
+    n_ff_arr = ml.get_key_or_arr(LLMKV.FEED_FORWARD_LENGTH, int, n_layer, default=none)
+    n_head_arr = ml.get_key_or_arr(LLMKV.ATTENTION_HEAD_COUNT, int, n_layer, default=none)
     # n_head_kv is optional and defaults to n_head (no GQA)
     n_head_kv_arr = ml.get_key_or_arr(LLMKV.ATTENTION_HEAD_COUNT_KV, int, n_layer, default=n_head_arr)
-    if n_head_arr[0] <= 0:
+    n_head0 = max(n_head_arr) if recurrent else n_head_arr[0]
+    if n_head0 <= 0 and not (recurrent and n_head0 == 0):
         raise ml.error(f"key '{ml.key_name(LLMKV.ATTENTION_HEAD_COUNT)}' = {n_head_arr[0]} "
                       f"must be positive")
-    if n_embd % n_head_arr[0] and not ml.has_key(LLMKV.ATTENTION_KEY_LENGTH):
-        raise _invalid(ml, LLMKV.ATTENTION_HEAD_COUNT, n_head_arr[0],
+    if n_head0 and n_embd % n_head0 and not ml.has_key(LLMKV.ATTENTION_KEY_LENGTH):
+        raise _invalid(ml, LLMKV.ATTENTION_HEAD_COUNT, n_head0,
                        f"does not divide '{ml.key_name(LLMKV.EMBEDDING_LENGTH)}' = {n_embd} "
                        f"(and '{ml.key_name(LLMKV.ATTENTION_KEY_LENGTH)}' is not given)")
-    n_embd_head_k = ml.get_key(LLMKV.ATTENTION_KEY_LENGTH, int, n_embd // n_head_arr[0])
-    n_embd_head_v = ml.get_key(LLMKV.ATTENTION_VALUE_LENGTH, int, n_embd // n_head_arr[0])
+    head_size = n_embd // n_head0 if n_head0 else 0
+    n_embd_head_k = ml.get_key(LLMKV.ATTENTION_KEY_LENGTH, int, head_size)
+    n_embd_head_v = ml.get_key(LLMKV.ATTENTION_VALUE_LENGTH, int, head_size)
     n_rot = ml.get_key(LLMKV.ROPE_DIMENSION_COUNT, int, n_embd_head_k)
 
     if ml.has_key(LLMKV.VOCAB_SIZE):
@@ -339,6 +368,7 @@ def _load_generic(ml: GGUFMeta) -> HParams:
 
     return HParams(
         arch=arch,
+        recurrent_layers=[llm_arch_is_recurrent(arch)] * n_layer,
         causal_attn=ml.get_key(LLMKV.ATTENTION_CAUSAL, bool, True),
         n_token_types=ml.get_key(LLMKV.TOKENIZER_TOKEN_TYPE_COUNT, int, 0),
         pooling_type=PoolingType(pooling),
@@ -384,8 +414,8 @@ def _check_sizes(hp: HParams, ml: GGUFMeta) -> None:
     ints = [  # (key, value, lowest allowed)
         (vocab_key, hp.n_vocab, 1),
         (LLMKV.CONTEXT_LENGTH, hp.n_ctx_train, 1),
-        (LLMKV.ATTENTION_KEY_LENGTH, hp.n_embd_head_k, 1),
-        (LLMKV.ATTENTION_VALUE_LENGTH, hp.n_embd_head_v, 1),
+        (LLMKV.ATTENTION_KEY_LENGTH, hp.n_embd_head_k, 0 if all(hp.recurrent_layers) else 1),
+        (LLMKV.ATTENTION_VALUE_LENGTH, hp.n_embd_head_v, 0 if all(hp.recurrent_layers) else 1),
         (LLMKV.ROPE_SCALING_ORIG_CTX_LEN, hp.n_ctx_orig_yarn, 1),
         (LLMKV.EXPERT_COUNT, hp.n_expert, 0),
         (LLMKV.EXPERT_USED_COUNT, hp.n_expert_used, 0),
@@ -393,8 +423,11 @@ def _check_sizes(hp: HParams, ml: GGUFMeta) -> None:
     for key, value, lo in ints:
         if value < lo:
             raise _invalid(ml, key, value, f"must be >= {lo}")
+    recurrent = llm_arch_is_recurrent(hp.arch) or llm_arch_is_hybrid(hp.arch)
     for il in range(hp.n_layer):
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
+        if recurrent and n_head_kv == 0 and n_head >= 0:
+            continue        # a recurrent layer (the architecture says which, and checks its sizes)
         if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv != 0:
             raise ml.error(f"layer {il}: head count {n_head} ('"
                           f"{ml.key_name(LLMKV.ATTENTION_HEAD_COUNT)}') is not a positive multiple "

@@ -129,6 +129,10 @@ def estimate_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "
 
 
 class KVCache:
+    """The attention memory (llama_kv_cache); `mem_attn` is itself, it has no recurrent part."""
+
+    mem_recr = None
+
     def __init__(self, model: Model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256, *, n_ubatch: int = 512, swa_full: bool = True):
         hp = model.hparams
@@ -161,6 +165,13 @@ class KVCache:
                 buf.data = self._zeros(buf)
             self.k_l.append(k)
             self.v_l.append(v)
+
+    @property
+    def mem_attn(self) -> KVCache:
+        return self
+
+    def get_used(self) -> int:
+        return self.cells.get_used()
 
     def _zeros(self, t: Tensor) -> jax.Array:
         if self._place.mesh is not None:
@@ -220,6 +231,19 @@ class KVCache:
         self.cells.apply(slot[0], ub)
         if self.cells_swa is not None and slot[1] is not None:
             self.cells_swa.apply(slot[1], ub)
+
+    def undo(self, ub: UBatch) -> None:
+        """Remove a failed or aborted ubatch's positions, as llama_decode does, so no cell
+        claims K/V that were never written."""
+        for s in ub.seq_id_unq:
+            in_seq = np.array([int(s) in ids for ids in ub.seq_id])
+            for c in self.all_cells():
+                c.seq_rm(int(s), int(ub.pos[in_seq].min()), -1)
+
+    @staticmethod
+    def split_slot(slot: tuple[SlotInfo, SlotInfo | None]) -> tuple:
+        """(the KV cache's slot, no recurrent cells) of a ubatch."""
+        return slot, None
 
     def can_keep(self, seq_id: int, n_keep: int) -> bool:
         """Whether decoding seq_id on from position n_keep (after seq_rm(seq_id, n_keep, -1))
@@ -289,6 +313,12 @@ class KVCache:
         """Shift positions; the cached K rows are re-rotated before the next decode."""
         for c in self.all_cells():
             c.seq_add(seq_id, p0, p1, shift)
+
+    @locked
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Divide positions [p0, p1) by d; the cached K rows are re-rotated before the next decode."""
+        for c in self.all_cells():
+            c.seq_div(seq_id, p0, p1, d)
 
     @property
     def has_shift(self) -> bool:

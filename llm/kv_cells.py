@@ -275,6 +275,22 @@ class KVCells:
         first = np.flatnonzero(freed)
         self.head = int(first[0]) if first.size else 0
 
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Divide positions [p0, p1) of seq_id by d (llama_memory_seq_div); K is re-roped by
+        the change, as for seq_add."""
+        self._check_seq("seq_id", seq_id)
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 1:
+            raise ValueError(f"seq_div: d must be an integer >= 1, got {d!r}")
+        if d == 1:
+            return
+        p0, p1 = self._range(p0, p1)
+        sel = (self.pos >= p0) & (self.pos < p1) & self._has(seq_id)
+        if sel.any():
+            new_pos = self.pos[sel] // d
+            self.shift[sel] += new_pos - self.pos[sel]
+            self.pos[sel] = new_pos
+            self.has_shift = True
+
     def clear(self) -> None:
         """Empty every cell (llama_memory_clear)."""
         self._clear_cells(slice(None))

@@ -54,6 +54,20 @@ class Layer:
     ffn_up_exps: Tensor | None = None
     ffn_down_exps: Tensor | None = None
     rope_freqs: Tensor | None = None
+    # state-space (Mamba / Mamba-2) blocks
+    ssm_in: Tensor | None = None
+    ssm_conv1d: Tensor | None = None
+    ssm_conv1d_b: Tensor | None = None
+    ssm_x: Tensor | None = None
+    ssm_dt: Tensor | None = None
+    ssm_dt_b: Tensor | None = None
+    ssm_a: Tensor | None = None
+    ssm_d: Tensor | None = None
+    ssm_norm: Tensor | None = None
+    ssm_out: Tensor | None = None
+    ssm_dt_norm: Tensor | None = None
+    ssm_b_norm: Tensor | None = None
+    ssm_c_norm: Tensor | None = None
     # biases and the extra norms of LayerNorm / encoder / shared-expert architectures
     attn_norm_b: Tensor | None = None
     bqkv: Tensor | None = None
@@ -85,6 +99,22 @@ def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.De
     layer.wk = ml.create_tensor(tn(T.ATTN_K, "weight", il), (n_embd, hp.n_embd_k_gqa(il)), dev)
     layer.wv = ml.create_tensor(tn(T.ATTN_V, "weight", il), (n_embd, hp.n_embd_v_gqa(il)), dev)
     layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd_head_v * n_head, n_embd), dev)
+
+
+def create_mamba2(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+    """A Mamba-2 block's tensors (mamba2, and the SSM layers of the hybrids): the input
+    projection to z, x, B, C and dt, the conv over x, B, C, the per-head A, D and dt bias,
+    the grouped norm and the output projection."""
+    d_inner, d_state, n_group, n_head = hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
+    conv_dim = d_inner + 2 * n_group * d_state
+    layer.ssm_in = ml.create_tensor(tn(T.SSM_IN, "weight", il), (hp.n_embd, d_inner + conv_dim + n_head), dev)
+    layer.ssm_conv1d = ml.create_tensor(tn(T.SSM_CONV1D, "weight", il), (hp.ssm_d_conv, conv_dim), dev)
+    layer.ssm_conv1d_b = ml.create_tensor(tn(T.SSM_CONV1D, "bias", il), (conv_dim,), dev)
+    layer.ssm_dt_b = ml.create_tensor(tn(T.SSM_DT, "bias", il), (n_head,), dev)
+    layer.ssm_a = ml.create_tensor(tn(T.SSM_A, None, il), (1, n_head), dev)       # no "weight" suffix
+    layer.ssm_d = ml.create_tensor(tn(T.SSM_D, None, il), (1, n_head), dev)
+    layer.ssm_norm = ml.create_tensor(tn(T.SSM_NORM, "weight", il), (d_inner // n_group, n_group), dev)
+    layer.ssm_out = ml.create_tensor(tn(T.SSM_OUT, "weight", il), (d_inner, hp.n_embd), dev)
 
 
 def create_qkv(layer: Layer, ml: ModelLoader, il: int, dev: jax.Device, n_embd: int, n_q: int, n_k: int,

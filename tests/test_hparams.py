@@ -285,7 +285,7 @@ def test_inconsistent_values(synth_kv):
 
 def test_unknown_and_unsupported_architectures(synth_kv):
     for arch, match in (("llama9", "unknown model architecture: 'llama9'"),
-                        ("mamba", "model architecture 'mamba' is not supported")):
+                        ("rwkv6", "model architecture 'rwkv6' is not supported")):
         kv = {k.replace("llama.", f"{arch}."): v for k, v in synth_kv["llama"].items()}
         kv["general.architecture"] = arch
         _bad(kv, match)

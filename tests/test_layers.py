@@ -36,7 +36,8 @@ MAX_FUNCTION_LINES = 100
 
 CORE = {f"llm.{name}" for name in (
     "adapter", "arch", "batch", "context", "cvec", "distributed", "errors", "graph", "hparams", "hub", "kv_cache",
-    "kv_cells", "layer", "loader", "model", "params", "prompt_cache", "state", "vocab")}
+    "kv_cells", "layer", "loader", "memory_hybrid", "memory_recurrent", "model", "params", "prompt_cache", "state",
+    "vocab")}
 CORE_PACKAGES = ("llm.models", "llm.tokenizers")
 UPPER = ("llm.serving", "llm.research", "llm.cli", "llm.api", "llm.__main__")
 

@@ -39,9 +39,9 @@ def test_unknown_architecture_is_named(tmp_path):
 
 
 def test_known_but_unsupported_architecture_is_named(tmp_path):
-    kv = {k.replace("llama.", "mamba."): v for k, v in model_kv(SPEC).items()}
-    kv["general.architecture"] = "mamba"
-    with pytest.raises(llm.ModelLoadError, match="'mamba' is not supported"):
+    kv = {k.replace("llama.", "rwkv6."): v for k, v in model_kv(SPEC).items()}
+    kv["general.architecture"] = "rwkv6"
+    with pytest.raises(llm.ModelLoadError, match="'rwkv6' is not supported"):
         llm.load_model(write(tmp_path, kv=kv))
 
 

@@ -62,6 +62,8 @@ TESTED_OPS: dict[Op, str] = {
     Op.ARGSORT: "test_argsort_and_top_k",
     Op.TOP_K: "test_argsort_and_top_k",
     Op.MAP_CUSTOM1: "test_map_custom1",
+    Op.SSM_CONV: "test_ssm_conv",
+    Op.SSM_SCAN: "test_ssm_scan",
 }
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
@@ -1097,3 +1099,74 @@ def test_set_rows_per_slice_indices():
         for i in range(2):
             ref[0, j, iv[j, i]] = sv[0, j, i]
     np.testing.assert_array_equal(np.asarray(out), ref.astype(np.float32))
+
+
+# ---- state-space models ----------------------------------------------------------------
+
+def ref_ssm_conv(sx: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """sx [1, n_s, d_inner, d_conv - 1 + n_t], c [1, 1, d_inner, d_conv] -> [1, n_s, n_t, d_inner]."""
+    d_conv = c.shape[-1]
+    n_t = sx.shape[-1] - d_conv + 1
+    out = np.zeros((1, sx.shape[1], n_t, sx.shape[2]))
+    for t in range(n_t):
+        out[0, :, t, :] = np.einsum("sik,ik->si", sx[0, :, :, t:t + d_conv], c[0, 0])
+    return out
+
+
+def test_ssm_conv():
+    rng = np.random.default_rng(31)
+    d_conv, d_inner, n_t, n_s = 4, 6, 5, 3
+    sx_in = new_input(T.F32, (d_conv - 1 + n_t, d_inner, n_s), "sx")
+    c_in = new_input(T.F32, (d_conv, d_inner), "c")
+    sx, c = rand(rng, sx_in.ne), rand(rng, c_in.ne)
+    (out,) = run([ops.ssm_conv(sx_in, c_in)], {sx_in: sx.astype(np.float32), c_in: c.astype(np.float32)})
+    check("ssm_conv", out, ref_ssm_conv(sx, c))
+    with pytest.raises(ShapeError, match="ssm_conv"):
+        ops.ssm_conv(new_input(T.F32, (d_conv + 1, d_inner + 1, n_s), "bad"), c_in)
+
+
+def ref_ssm_scan(s, x, dt, A, B, C, ids):
+    """The recurrence token by token in float64, numpy order in and out (y then states)."""
+    n_seqs, n_tok, n_head, head_dim = x.shape
+    n_group = B.shape[2]
+    y = np.zeros(x.shape)
+    states = np.zeros((n_seqs, n_head, head_dim, s.shape[-1]))
+    for q in range(n_seqs):
+        h = s[ids[q]].copy()                                  # [n_head, head_dim, d_state]
+        for t in range(n_tok):
+            for hd in range(n_head):
+                g = hd // (n_head // n_group)
+                d = dt[0, q, t, hd]
+                sp = d if d > 20 else np.log1p(np.exp(d))
+                decay = np.exp(sp * A[0, 0, hd])                # [d_state] or [1]
+                h[hd] = h[hd] * decay + np.outer(x[q, t, hd] * sp, B[q, t, g])
+                y[q, t, hd] = h[hd] @ C[q, t, g]
+        states[q] = h
+    return np.concatenate([y.reshape(-1), states.reshape(-1)])
+
+
+@pytest.mark.parametrize("mamba2", [False, True], ids=["mamba1", "mamba2"])
+def test_ssm_scan(mamba2):
+    """Mamba-1 (a decay per state element, head_dim 1) and Mamba-2 (a scalar per head, 2 groups),
+    two sequences starting from slots 2 and 0 of three."""
+    rng = np.random.default_rng(32)
+    d_state, n_tok, n_seqs, n_slots = 8, 5, 2, 3
+    head_dim, n_head, n_group = (4, 4, 2) if mamba2 else (1, 6, 1)
+    shapes = dict(s=(d_state, head_dim, n_head, n_slots), x=(head_dim, n_head, n_tok, n_seqs),
+                  dt=(n_head, n_tok, n_seqs), A=(1 if mamba2 else d_state, n_head),
+                  B=(d_state, n_group, n_tok, n_seqs), C=(d_state, n_group, n_tok, n_seqs))
+    ins = {k: new_input(T.F32, ne, k) for k, ne in shapes.items()}
+    vals = {k: rand(rng, ne) for k, ne in shapes.items()}
+    vals["dt"] = rand(rng, shapes["dt"], -3.0, 3.0)
+    vals["dt"][0, 0, 0, 0] = 25.0                  # softplus's linear branch
+    vals["A"] = -np.exp(rand(rng, shapes["A"]))
+    ids_in = new_input(T.I32, (n_seqs,), "ids")
+    ids = np.array([2, 0], np.int32)
+    node = ops.ssm_scan(ins["s"], ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"], ids_in)
+    feed = {ins[k]: v.astype(np.float32) for k, v in vals.items()} | {ids_in: ids}
+    (out,) = run([node], feed)
+    ref = ref_ssm_scan(vals["s"], vals["x"], vals["dt"], vals["A"], vals["B"], vals["C"], ids)
+    check("ssm_scan", out.reshape(-1), ref)
+    with pytest.raises(ShapeError, match="ssm_scan"):
+        ops.ssm_scan(ins["s"], ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"],
+                     new_input(T.I32, (n_seqs + 1,), "ids_bad"))

@@ -813,6 +813,68 @@ def spec_nomic_bert(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def ssm_kv(a: str, d: Dims, *, d_state: int, dt_rank: int, n_group: int = 0) -> dict:
+    """A recurrent model's keys: no heads, no FFN, no rope; the SSM sizes (inner = 2 n_embd)."""
+    kv = base_kv(a, d, rope=False)
+    kv[f"{a}.attention.head_count"] = 0
+    kv[f"{a}.attention.head_count_kv"] = 0
+    kv[f"{a}.feed_forward_length"] = 0
+    kv.update({f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.inner_size": 2 * d.n_embd, f"{a}.ssm.state_size": d_state,
+               f"{a}.ssm.time_step_rank": dt_rank})
+    if n_group:
+        kv[f"{a}.ssm.group_count"] = n_group
+    return kv
+
+
+def mamba2_block(w: Weights, p: str, d: Dims, *, d_state: int, n_head: int, n_group: int) -> None:
+    """A Mamba-2 block's tensors: A = -exp(.) per head (a decay), dt bias around softplus's knee."""
+    d_inner = 2 * d.n_embd
+    conv_dim = d_inner + 2 * n_group * d_state
+    w.mat(p + "ssm_in.weight", d_inner + conv_dim + n_head, d.n_embd)
+    w.mat(p + "ssm_conv1d.weight", conv_dim, 4)
+    w.bias(p + "ssm_conv1d.bias", conv_dim)
+    w.bias(p + "ssm_dt.bias", n_head, scale=0.5)
+    w.t[p + "ssm_a"] = -np.exp(0.5 * w.rng.standard_normal((n_head, 1))).astype(np.float32)
+    w.t[p + "ssm_d"] = (1.0 + 0.1 * w.rng.standard_normal((n_head, 1))).astype(np.float32)
+    w.t[p + "ssm_norm.weight"] = (1.0 + 0.1 * w.rng.standard_normal((n_group, d_inner // n_group))).astype(np.float32)
+    w.mat(p + "ssm_out.weight", d.n_embd, d_inner)
+
+
+def spec_mamba(d: Dims, w: Weights) -> dict:
+    """Mamba: 2 SSM layers (inner 128, state 16, dt rank 8); A = -exp(.) per channel and state."""
+    a, d_state, dt_rank = "mamba", 16, 8
+    kv = ssm_kv(a, d, d_state=d_state, dt_rank=dt_rank)
+    d_inner = 2 * d.n_embd
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.mat(p + "ssm_in.weight", 2 * d_inner, d.n_embd)
+        w.mat(p + "ssm_conv1d.weight", d_inner, 4)
+        w.bias(p + "ssm_conv1d.bias", d_inner)
+        w.mat(p + "ssm_x.weight", dt_rank + 2 * d_state, d_inner)
+        w.mat(p + "ssm_dt.weight", d_inner, dt_rank)
+        w.bias(p + "ssm_dt.bias", d_inner, scale=0.5)
+        w.t[p + "ssm_a"] = -np.exp(0.5 * w.rng.standard_normal((d_inner, d_state))).astype(np.float32)
+        w.t[p + "ssm_d"] = (1.0 + 0.1 * w.rng.standard_normal(d_inner)).astype(np.float32)
+        w.mat(p + "ssm_out.weight", d.n_embd, d_inner)
+    output(w, d)
+    return kv
+
+
+def spec_mamba2(d: Dims, w: Weights) -> dict:
+    """Mamba-2: 2 SSM layers of 8 heads of 16 (2 groups for B and C, state 16)."""
+    a = "mamba2"
+    kv = ssm_kv(a, d, d_state=16, dt_rank=8, n_group=2)
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        mamba2_block(w, p, d, d_state=16, n_head=8, n_group=2)
+    output(w, d)
+    return kv
+
+
 @dataclasses.dataclass(frozen=True)
 class ArchSpec:
     build: Callable[[Dims, Weights], dict]
@@ -837,6 +899,8 @@ ARCHS: dict[str, ArchSpec] = {
     "gpt-oss": ArchSpec(spec_gpt_oss, 111, qtype="MXFP4"),
     "mistral3": ArchSpec(spec_mistral3, 112),
     "exaone": ArchSpec(spec_exaone, 113),
+    "mamba": ArchSpec(spec_mamba, 140),
+    "mamba2": ArchSpec(spec_mamba2, 141),
     "llama4": ArchSpec(spec_llama4, 114),
     "granitemoe": ArchSpec(spec_granitemoe, 115),
     "command-r": ArchSpec(spec_command_r, 116),
@@ -1040,7 +1104,9 @@ def write_gguf(path: Path, kv: dict[str, object], vocab: list, tensors: dict[str
         w.add_kv(k, v, vtype, atype)
     for name, x in tensors.items():
         quantize = (wtype != "F32" and x.ndim >= 2 and x.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
-                    and "token_types" not in name and not name.endswith(".bias"))
+                    and "token_types" not in name and not name.endswith(".bias")
+                    # ggml's SSM ops read the conv kernels, A and D, and the norms in F32
+                    and not name.endswith((".ssm_a", ".ssm_d", "ssm_norm.weight", "ssm_conv1d.weight")))
         if quantize and wtype == "MXFP4" and "_exps." in name:
             w.add_tensor(name, quantize_mxfp4(x), GGMLType.MXFP4, tuple(reversed(x.shape)))
         elif quantize:

@@ -28,6 +28,8 @@ from llm.models import (
     granitemoe,
     llama,
     llama4,
+    mamba,
+    mamba2,
     minimax_m2,
     mistral3,
     nomic_bert,
@@ -49,6 +51,8 @@ from llm.models import (
 
 ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.LLAMA: llama,
+    LLMArch.MAMBA: mamba,
+    LLMArch.MAMBA2: mamba2,
     LLMArch.QWEN2: qwen2,
     LLMArch.QWEN3: qwen3,
     LLMArch.PHI3: phi3,

@@ -213,9 +213,11 @@ def _measure(ctx: Context, steps, label: str, n_steps: int, n_tokens: int) -> St
     labels, containers = _labels_of(ctx)
     ops, by_label, n_kernels, op_ms = _trace_ops(steps, n_steps, labels, containers)
     w_bytes, kv_bytes, flops = token_costs(ctx.model, ctx.memory.n_kv())
+    kv = ctx.memory.mem_attn
+    kv_bytes = kv_bytes * kv.k_l[0].data.dtype.itemsize / 4 if kv is not None else 0.0
     return StepProfile(label, n_steps, wall * 1e3, python_ms=wall * 1e3 - wait_ms - input_ms, input_ms=input_ms,
                        wait_ms=wait_ms, n_kernels=n_kernels, op_ms=op_ms, weight_bytes=w_bytes,
-                       kv_bytes=kv_bytes * ctx.memory.k_l[0].data.dtype.itemsize / 4, flops=flops,
+                       kv_bytes=kv_bytes, flops=flops,
                        n_tokens=n_tokens, ops=ops, by_label=by_label)
 
 
