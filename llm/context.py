@@ -526,7 +526,7 @@ class Context:
             values[shift] = cells.k_shift()
             values[idxs] = np.arange(n, dtype=np.int32)
         for il in range(hp.n_layer):
-            if not hp.has_rope(il):
+            if not hp.has_rope(il) or not hp.has_kv(il):    # a shared cache is shifted by its own layer
                 continue
             k = kv.k_l[il]
             cells = kv.cells_swa if kv.is_swa(il) and kv.cells_swa is not None else kv.cells

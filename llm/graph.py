@@ -301,6 +301,8 @@ class GraphBuilder:
         self.inp_attn: InpAttnKV | None = None
         self.res_logits: Tensor | None = None
         self.res_embd: Tensor | None = None
+        # each KV cache buffer as the graph last wrote it: a layer sharing another's cache reads it
+        self.kv_written: dict[Tensor, Tensor] = {}
 
     def rope_params(self, il: int) -> dict:
         return rope_params(self.hparams, il)
@@ -663,11 +665,13 @@ class GraphBuilder:
         return self.cb(moe_out, "ffn_moe_out", il)
 
     def build_attn(self, inp: InpAttnKV, wo: Tensor | None, bo: Tensor | None, q_cur: Tensor,
-                   k_cur: Tensor, v_cur: Tensor, kq_scale: float, il: int,
+                   k_cur: Tensor | None, v_cur: Tensor | None, kq_scale: float, il: int,
                    softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         """Store this ubatch's K and V in the layer's cache cells, then attend over the first
         n_kv cells. q_cur [D, n_head, n_tokens], k_cur/v_cur [D, n_head_kv, n_tokens];
-        sinks [n_head]: per-head attention sinks (gpt-oss)."""
+        sinks [n_head]: per-head attention sinks (gpt-oss). k_cur and v_cur None: a layer
+        without a cache of its own (HParams.has_kv) attends to the one it shares, as its
+        layer wrote it earlier in this graph."""
         hp = self.hparams
         d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
         n_head_kv = hp.n_head_kv(il)
@@ -676,18 +680,26 @@ class GraphBuilder:
         # as llama.cpp: q, v, k enter the graph together, in this order (also fixes the order
         # of same-named nodes that llm.trace and the llama.cpp diff match by)
         for t in (q_cur, v_cur, k_cur):
-            self.gf.build_forward_expand(t)
-        if not k_cur.is_contiguous():
-            k_cur = ops.cont(k_cur)
-        if not v_cur.is_contiguous():
-            v_cur = ops.cont(v_cur)
+            if t is not None:
+                self.gf.build_forward_expand(t)
         own_swa = self.kv.is_swa(il)
         k_idxs = inp.k_idxs_swa if own_swa and inp.k_idxs_swa is not None else inp.k_idxs
         n_kv = self.params.n_kv_swa if own_swa else self.n_kv
-        k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), k_idxs)
-        v_upd = ops.set_rows(v_cache, ops.reshape_2d(v_cur, gqa_v, self.n_tokens), k_idxs)
-        self.cb(k_upd, "k_cache_upd", il)
-        self.cb(v_upd, "v_cache_upd", il)
+        if k_cur is None or v_cur is None:
+            if hp.has_kv(il) or k_cur is not v_cur or k_cache not in self.kv_written:
+                raise ValueError(f"build_attn: layer {il} has K and V of its own, or the layer it shares "
+                                 f"({hp.kv_layer(il)}) has not written them yet")
+            k_upd, v_upd = self.kv_written[k_cache], self.kv_written[v_cache]
+        else:
+            if not k_cur.is_contiguous():
+                k_cur = ops.cont(k_cur)
+            if not v_cur.is_contiguous():
+                v_cur = ops.cont(v_cur)
+            k_upd = ops.set_rows(k_cache, ops.reshape_2d(k_cur, gqa_k, self.n_tokens), k_idxs)
+            v_upd = ops.set_rows(v_cache, ops.reshape_2d(v_cur, gqa_v, self.n_tokens), k_idxs)
+            self.cb(k_upd, "k_cache_upd", il)
+            self.cb(v_upd, "v_cache_upd", il)
+            self.kv_written[k_cache], self.kv_written[v_cache] = k_upd, v_upd
         rs_k, rs_v = types.row_size(k_cache.type, d_k), types.row_size(v_cache.type, d_v)
         k = ops.view_4d(k_upd, d_k, n_head_kv, n_kv, 1, rs_k, rs_k * n_head_kv, rs_k * n_head_kv * n_kv, 0)
         v = ops.view_4d(v_upd, d_v, n_head_kv, n_kv, 1, rs_v, rs_v * n_head_kv, rs_v * n_head_kv * n_kv, 0)

@@ -143,6 +143,15 @@ class HParams:
     n_layer_dense_lead: int = 0       # the first layers with a dense FFN (ernie4_5-moe, deepseek2, glm4moe)
     rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)    # M-RoPE pairs per t, h, w, e stream
     n_deepstack_layers: int = 0       # qwen3vl: layers that add a slice of an image's wider embedding
+    # KV sharing (gemma3n): when >= 0, only the first n_layer_kv_from_start layers write a KV
+    # cache; the later ones attend to an earlier layer's (kv_layer)
+    n_layer_kv_from_start: int = -1
+    # Gemma 3n's AltUp streams and the one the layers compute, Laurel's rank, the per-layer
+    # embedding width: llama.cpp's fixed values (no GGUF keys)
+    n_altup: int = 4
+    i_altup_act: int = 0
+    laurel_rank: int = 64
+    n_embd_altup: int = 256
     n_layer_nextn: int = 0            # MTP blocks after the trunk, in block_count but not run (glm4moe)
     n_expert_shared: int = 0          # shared experts beside the routed ones (glm4moe, deepseek2)
     expert_weights_norm: bool = False  # renormalize the chosen experts' weights (glm4moe, deepseek2)
@@ -281,6 +290,18 @@ class HParams:
     def is_swa(self, il: int) -> bool:
         """Does layer il use sliding-window attention?"""
         return self.swa_layers[self._layer(il)]
+
+    def has_kv(self, il: int) -> bool:
+        """Does layer il write a KV cache of its own (llama_hparams::has_kv)?"""
+        return self.n_layer_kv_from_start < 0 or self._layer(il) < self.n_layer_kv_from_start
+
+    def kv_layer(self, il: int) -> int:
+        """The layer whose KV cache layer il attends to: il itself when it has one, else
+        n_layer_kv_from_start - 2 for a sliding-window layer and - 1 for a full one (llama.cpp's
+        layer_reuse for Gemma 3n: the last layer of each kind in its pattern)."""
+        if self.has_kv(il):
+            return il
+        return self.n_layer_kv_from_start - (2 if self.is_swa(il) else 1)
 
     def set_swa_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
         """llama.cpp's set_swa_pattern: every n_pattern-th layer is dense (global), the rest SWA.

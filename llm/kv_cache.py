@@ -76,7 +76,7 @@ def kv_bytes_per_device(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -
     mesh_devices = list(pl.mesh.devices.flat) if pl.mesh is not None else []
     share = len(mesh_devices) if pl.kv_split else 1
     need: dict[jax.Device, int] = {}
-    for il in range(hp.n_layer):
+    for il in filter(hp.has_kv, range(hp.n_layer)):
         n_v = 0 if hp.is_mla else hp.n_embd_v_gqa(il)       # MLA: V is a view of the latent in K
         n = n_ctx * (hp.n_embd_k_gqa(il) * np.dtype(np_dtype(type_k)).itemsize
                      + n_v * np.dtype(np_dtype(type_v)).itemsize)
@@ -125,7 +125,7 @@ def estimate_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "
     esz_k, esz_v = (np.dtype(np_dtype(KV_TYPES[t])).itemsize for t in (type_k, type_v))
     n_v = [0 if hp.is_mla else hp.n_embd_v_gqa(il) for il in range(hp.n_layer)]
     return sum((n_swa_cells if hp.is_swa(il) else n_ctx) * (hp.n_embd_k_gqa(il) * esz_k + n_v[il] * esz_v)
-               for il in range(hp.n_layer))
+               for il in filter(hp.has_kv, range(hp.n_layer)))
 
 
 class KVCache:
@@ -157,6 +157,10 @@ class KVCache:
         self._device: dict[Tensor, jax.Device] = {}
         self._place = model.place
         for il in range(hp.n_layer):
+            if not hp.has_kv(il):       # KV sharing: the same buffers as the layer it reads
+                self.k_l.append(self.k_l[hp.kv_layer(il)])
+                self.v_l.append(self.v_l[hp.kv_layer(il)])
+                continue
             size = self.n_ctx_of(il)
             k = new_state(tk, (hp.n_embd_k_gqa(il), size), f"cache_k_l{il}")
             v = new_state(tv, (0 if hp.is_mla else hp.n_embd_v_gqa(il), size), f"cache_v_l{il}")   # MLA: V is in K
@@ -192,7 +196,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.data.size * t.data.dtype.itemsize for t in self.k_l + self.v_l)
+        return sum(t.data.size * t.data.dtype.itemsize for t in self.state())
 
     def state(self) -> dict[Tensor, jax.Array]:
         return {t: t.data for t in self.k_l + self.v_l}
