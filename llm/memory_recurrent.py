@@ -110,7 +110,7 @@ class MemoryRecurrent:
         if cells:
             idx = jnp.asarray(cells, jnp.int32)
             for t in self._buffers():
-                t.data = t.data.at[idx].set(0.0)      # numpy order: cells are axis 0
+                t.data = t.data.at[..., idx, :].set(0.0)      # numpy order [..., cells, state]
 
     @locked
     def clear(self) -> None:
@@ -207,7 +207,7 @@ class MemoryRecurrent:
         if seq_id_src == seq_id_dst:
             return
         for t in self._buffers():
-            t.data = t.data.at[seq_id_dst].set(t.data[seq_id_src])
+            t.data = t.data.at[..., seq_id_dst, :].set(t.data[..., seq_id_src, :])
         self.pos[seq_id_dst] = self.pos[seq_id_src]
 
     @locked

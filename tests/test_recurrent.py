@@ -1,0 +1,134 @@
+"""The recurrent memory on the Mamba-2 fixture (llama.cpp-proven in test_arch_fixtures):
+several sequences in one batch, ubatch splitting, the sequence operations llama.cpp allows
+and refuses, and graph reuse in steady state."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llm
+from llm.memory_recurrent import MemoryRecurrent
+
+FIXTURES = Path(__file__).parent / "data" / "fixtures"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llm.load_model(FIXTURES / "mamba2-F32.gguf")
+
+
+def tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 500, n).astype(np.int32)
+
+
+def alone(model, toks: np.ndarray, **kw) -> np.ndarray:
+    ctx = llm.Context(model, n_ctx=512, **kw)
+    assert ctx.decode(llm.Batch(toks, logits=np.ones(len(toks), bool))) == 0, ctx.last_error
+    return ctx.get_logits().copy()
+
+
+def test_context_holds_a_recurrent_memory(model):
+    ctx = llm.Context(model, n_ctx=64, n_seq_max=3)
+    mem = ctx.memory
+    assert isinstance(mem, MemoryRecurrent) and mem.mem_attn is None
+    hp = model.hparams
+    # one conv and one SSM state per sequence (plus the scratch cell) in each layer, nothing per token
+    assert mem.nbytes == hp.n_layer * (hp.n_embd_r() + hp.n_embd_s()) * 4 * (3 + 1)
+
+
+@pytest.mark.slow
+def test_sequences_of_different_lengths_in_one_batch_match_each_alone(model):
+    seqs = [tokens(n, s) for n, s in ((13, 1), (7, 2), (3, 3))]
+    ctx = llm.Context(model, n_ctx=64, n_seq_max=3)
+    toks = np.concatenate(seqs)
+    seq_id = [s for s, t in enumerate(seqs) for _ in t]
+    assert ctx.decode(llm.Batch(toks, seq_id=seq_id, logits=np.ones(len(toks), bool))) == 0, ctx.last_error
+    together = ctx.get_logits()
+    start = 0
+    for t in seqs:
+        ref = alone(model, t)
+        assert np.abs(together[start:start + len(t)] - ref).max() <= TOL
+        start += len(t)
+    # then one decode step of all three at once continues each as alone
+    nxt = np.array([5, 6, 7], np.int32)
+    assert ctx.decode(llm.Batch(nxt, seq_id=[0, 1, 2], logits=np.ones(3, bool))) == 0
+    for s, t in enumerate(seqs):
+        assert np.abs(ctx.get_logits_ith(s) - alone(model, np.append(t, nxt[s]))[-1]).max() <= TOL
+
+
+def test_a_long_prompt_in_small_ubatches_equals_one_ubatch(model):
+    toks = tokens(300, 4)
+    one = alone(model, toks, n_ubatch=512, n_batch=512)
+    small = alone(model, toks, n_ubatch=64, n_batch=512)
+    assert np.abs(one - small).max() <= TOL
+
+
+def test_decode_compiles_nothing_in_steady_state(model):
+    ctx = llm.Context(model, n_ctx=256)
+    assert ctx.decode(llm.Batch(tokens(20, 5))) == 0
+    for t in range(3):
+        assert ctx.decode(llm.Batch([7 + t])) == 0
+    n = ctx.perf()["n_compiles"]
+    for t in range(20):
+        assert ctx.decode(llm.Batch([9 + t])) == 0
+    assert ctx.perf()["n_compiles"] == n
+
+
+@pytest.mark.slow
+def test_seq_rm_of_a_tail_is_refused_and_changes_nothing(model):
+    toks = tokens(10, 6)
+    ctx = llm.Context(model, n_ctx=64, n_seq_max=2)
+    assert ctx.decode(llm.Batch(toks)) == 0
+    mem = ctx.memory
+    assert mem.seq_pos_max(0) == 9 and mem.seq_pos_min(0) == 9
+    before = {t: np.asarray(v) for t, v in mem.state().items()}
+    assert mem.seq_rm(0, 5, -1) is False                 # a state cannot forget its last tokens
+    assert mem.seq_pos_max(0) == 9
+    assert all(np.array_equal(np.asarray(v), before[t]) for t, v in mem.state().items())
+    assert mem.seq_rm(0, 10, -1) is True                 # nothing past the end: nothing to do
+    assert mem.seq_rm(-1, 3, 7) is False                 # every sequence, a part: refused
+    assert mem.seq_rm(0, -1, -1) is True and mem.seq_pos_max(0) == -1
+    # a sequence removed whole starts again from zero states
+    assert ctx.decode(llm.Batch(toks, logits=np.ones(10, bool))) == 0
+    assert np.abs(ctx.get_logits() - alone(model, toks)).max() <= TOL
+
+
+def test_seq_cp_copies_the_state(model):
+    toks = tokens(8, 7)
+    ctx = llm.Context(model, n_ctx=64, n_seq_max=2)
+    assert ctx.decode(llm.Batch(toks, seq_id=[0] * 8)) == 0
+    ctx.memory.seq_cp(0, 1)
+    assert ctx.memory.seq_pos_max(1) == 7
+    assert ctx.decode(llm.Batch([11, 11], seq_id=[0, 1], logits=[1, 1])) == 0
+    assert np.abs(ctx.get_logits_ith(0) - ctx.get_logits_ith(1)).max() == 0
+    ref = alone(model, np.append(toks, 11))[-1]
+    assert np.abs(ctx.get_logits_ith(1) - ref).max() <= TOL
+    ctx.memory.seq_keep(1)                               # seq 0's state is zeroed, seq 1's kept
+    assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.seq_pos_max(1) == 8
+    assert ctx.decode(llm.Batch([12], seq_id=[1])) == 0
+    ref = alone(model, np.append(toks, [11, 12]))[-1]
+    assert np.abs(ctx.get_logits_ith(0) - ref).max() <= TOL
+
+
+def test_shared_tokens_and_bad_sequences_are_refused(model):
+    ctx = llm.Context(model, n_ctx=64, n_seq_max=2)
+    assert ctx.decode(llm.Batch([1, 2], seq_id=[[0, 1], [0, 1]])) == llm.DecodeStatus.INVALID_BATCH
+    assert "one sequence" in ctx.last_error
+    with pytest.raises(ValueError, match="seq_id = 5"):
+        ctx.memory.seq_pos_max(5)
+    assert ctx.memory.seq_rm(5) is False
+    with pytest.raises(llm.StateError, match="recurrent memory"):
+        ctx.state_get_data()
+
+
+def test_positions_shift_without_touching_the_state(model):
+    ctx = llm.Context(model, n_ctx=64)
+    assert ctx.decode(llm.Batch(tokens(6, 8))) == 0
+    ctx.memory.seq_add(0, 0, -1, 10)
+    assert ctx.memory.seq_pos_max(0) == 15
+    ctx.memory.seq_div(0, 0, -1, 2)
+    assert ctx.memory.seq_pos_max(0) == 7
+    assert ctx.decode(llm.Batch([4])) == 0 and ctx.memory.seq_pos_max(0) == 8
