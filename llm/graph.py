@@ -824,7 +824,9 @@ class GraphBuilder:
                                 n_seq_tokens * conv_x.nb[0])
         self.write_rs(r_all, ops.reshape_2d(ops.cont(last_conv), hp.n_embd_r(), n_seqs), inp)
         xbc = ops.ssm_conv(conv_x, self.need(layer.ssm_conv1d, "ssm_conv1d", il))
-        xbc = ops.silu(ops.add(xbc, self.need(layer.ssm_conv1d_b, "ssm_conv1d_b", il)))
+        if layer.ssm_conv1d_b is not None:      # optional in granitehybrid
+            xbc = ops.add(xbc, layer.ssm_conv1d_b)
+        xbc = ops.silu(xbc)
         nb1, nb2 = xbc.nb[1], xbc.nb[2]
         x = ops.view_4d(xbc, head_dim, n_head, n_seq_tokens, n_seqs, head_dim * 4, nb1, nb2, 0)
         B = ops.view_4d(xbc, d_state, n_group, n_seq_tokens, n_seqs, d_state * 4, nb1, nb2, d_inner * 4)

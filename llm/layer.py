@@ -101,15 +101,17 @@ def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.De
     layer.wo = ml.create_tensor(tn(T.ATTN_OUT, "weight", il), (hp.n_embd_head_v * n_head, n_embd), dev)
 
 
-def create_mamba2(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
+def create_mamba2(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device, *,
+                  conv_bias: TensorFlag = TensorFlag.NONE) -> None:
     """A Mamba-2 block's tensors (mamba2, and the SSM layers of the hybrids): the input
-    projection to z, x, B, C and dt, the conv over x, B, C, the per-head A, D and dt bias,
-    the grouped norm and the output projection."""
+    projection to z, x, B, C and dt, the conv over x, B, C (its bias optional where
+    `conv_bias` says so), the per-head A, D and dt bias, the grouped norm and the output
+    projection."""
     d_inner, d_state, n_group, n_head = hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
     conv_dim = d_inner + 2 * n_group * d_state
     layer.ssm_in = ml.create_tensor(tn(T.SSM_IN, "weight", il), (hp.n_embd, d_inner + conv_dim + n_head), dev)
     layer.ssm_conv1d = ml.create_tensor(tn(T.SSM_CONV1D, "weight", il), (hp.ssm_d_conv, conv_dim), dev)
-    layer.ssm_conv1d_b = ml.create_tensor(tn(T.SSM_CONV1D, "bias", il), (conv_dim,), dev)
+    layer.ssm_conv1d_b = ml.create_tensor(tn(T.SSM_CONV1D, "bias", il), (conv_dim,), dev, conv_bias)
     layer.ssm_dt_b = ml.create_tensor(tn(T.SSM_DT, "bias", il), (n_head,), dev)
     layer.ssm_a = ml.create_tensor(tn(T.SSM_A, None, il), (1, n_head), dev)       # no "weight" suffix
     layer.ssm_d = ml.create_tensor(tn(T.SSM_D, None, il), (1, n_head), dev)

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import llm
+from llm.kv_cache import KVCache
+from llm.memory_hybrid import MemoryHybrid
 from llm.memory_recurrent import MemoryRecurrent
 
 FIXTURES = Path(__file__).parent / "data" / "fixtures"
@@ -18,6 +20,11 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def model():
     return llm.load_model(FIXTURES / "mamba2-F32.gguf")
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return llm.load_model(FIXTURES / "granitehybrid-F32.gguf")
 
 
 def tokens(n: int, seed: int) -> np.ndarray:
@@ -40,7 +47,9 @@ def test_context_holds_a_recurrent_memory(model):
 
 
 @pytest.mark.slow
-def test_sequences_of_different_lengths_in_one_batch_match_each_alone(model):
+@pytest.mark.parametrize("name", ["model", "hybrid"])
+def test_sequences_of_different_lengths_in_one_batch_match_each_alone(name, request):
+    model = request.getfixturevalue(name)
     seqs = [tokens(n, s) for n, s in ((13, 1), (7, 2), (3, 3))]
     ctx = llm.Context(model, n_ctx=64, n_seq_max=3)
     toks = np.concatenate(seqs)
@@ -59,7 +68,9 @@ def test_sequences_of_different_lengths_in_one_batch_match_each_alone(model):
         assert np.abs(ctx.get_logits_ith(s) - alone(model, np.append(t, nxt[s]))[-1]).max() <= TOL
 
 
-def test_a_long_prompt_in_small_ubatches_equals_one_ubatch(model):
+@pytest.mark.parametrize("name", ["model", "hybrid"])
+def test_a_long_prompt_in_small_ubatches_equals_one_ubatch(name, request):
+    model = request.getfixturevalue(name)
     toks = tokens(300, 4)
     one = alone(model, toks, n_ubatch=512, n_batch=512)
     small = alone(model, toks, n_ubatch=64, n_batch=512)
@@ -132,3 +143,21 @@ def test_positions_shift_without_touching_the_state(model):
     ctx.memory.seq_div(0, 0, -1, 2)
     assert ctx.memory.seq_pos_max(0) == 7
     assert ctx.decode(llm.Batch([4])) == 0 and ctx.memory.seq_pos_max(0) == 8
+
+
+def test_hybrid_memory_pairs_a_kv_cache_with_states(hybrid):
+    ctx = llm.Context(hybrid, n_ctx=64, n_seq_max=2)
+    mem = ctx.memory
+    assert isinstance(mem, MemoryHybrid)
+    assert isinstance(mem.mem_attn, KVCache) and isinstance(mem.mem_recr, MemoryRecurrent)
+    hp = hybrid.hparams
+    assert [mem.mem_recr.r_l[il] is not None for il in range(hp.n_layer)] == [True, False, True, False]
+    assert all(mem.mem_attn.k_l[il].ne[0] == 0 for il in (0, 2))     # no K/V for the Mamba layers
+    toks = tokens(10, 9)
+    assert ctx.decode(llm.Batch(toks)) == 0
+    assert mem.seq_pos_max(0) == 9 and mem.seq_pos_min(0) == 9        # the states' position
+    assert mem.mem_attn.seq_pos_min(0) == 0
+    used = mem.mem_attn.cells.get_used()
+    assert mem.seq_rm(0, 4, -1) is False                 # refused by the recurrent part ...
+    assert mem.mem_attn.cells.get_used() == used         # ... and the KV cells are unchanged
+    assert mem.seq_rm(0, -1, -1) is True and mem.mem_attn.cells.get_used() == 0

@@ -875,6 +875,36 @@ def spec_mamba2(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_granitehybrid(d: Dims, w: Weights) -> dict:
+    """Granite 4 hybrid: 4 layers, Mamba-2 / attention / Mamba-2 / attention (head_count_kv 0
+    marks the recurrent ones), gated FFNs, Granite's residual, attention and logit scales."""
+    a = "granitehybrid"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = ssm_kv(a, d, d_state=16, dt_rank=8, n_group=2)
+    kv[f"{a}.attention.head_count"] = d.n_head
+    kv[f"{a}.attention.head_count_kv"] = [0, d.n_head_kv, 0, d.n_head_kv]
+    kv[f"{a}.feed_forward_length"] = d.n_ff
+    kv[f"{a}.rope.freq_base"] = 10000.0
+    kv[f"{a}.rope.dimension_count"] = d.head_dim
+    kv.update({f"{a}.residual_scale": 0.5, f"{a}.attention.scale": 0.2, f"{a}.logit_scale": 2.0,
+               f"{a}.embedding_scale": 3.0})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        if il % 2 == 0:
+            mamba2_block(w, p, d, d_state=16, n_head=8, n_group=2)
+        else:
+            attn_qkv(w, p, d)
+            w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    output(w, d)
+    return kv
+
+
 @dataclasses.dataclass(frozen=True)
 class ArchSpec:
     build: Callable[[Dims, Weights], dict]
@@ -901,6 +931,7 @@ ARCHS: dict[str, ArchSpec] = {
     "exaone": ArchSpec(spec_exaone, 113),
     "mamba": ArchSpec(spec_mamba, 140),
     "mamba2": ArchSpec(spec_mamba2, 141),
+    "granitehybrid": ArchSpec(spec_granitehybrid, 142),
     "llama4": ArchSpec(spec_llama4, 114),
     "granitemoe": ArchSpec(spec_granitemoe, 115),
     "command-r": ArchSpec(spec_command_r, 116),

@@ -88,7 +88,8 @@ def probe_nodes(model, kv, flash_attn: bool) -> dict[str, NodeInfo]:
     """Every named node of the model's graph (graph order), from three symbolic builds."""
     def build(n_tokens: int, n_kv: int) -> dict[str, Tensor]:
         g = GraphBuilder(model, kv, GraphParams(n_tokens=n_tokens, n_outputs=n_tokens, n_kv=n_kv,
-                                                embd_input=False, flash_attn=flash_attn))
+                                                embd_input=False, flash_attn=flash_attn,
+                                                n_seqs=1 if kv.mem_recr is not None else 0))
         model.builder.build_graph(g)
         labels = node_labels(g.gf.nodes)
         return {labels[n.id]: n for n in g.gf.nodes if n.id in labels}
@@ -509,15 +510,18 @@ def run_gradient(llm, prompt, target, wrt: Iterable[str], interventions: Interve
         batch = Batch(tokens, logits=np.ones(n, bool))
         ctx.balloc.init(batch, n_vocab=n_vocab, n_embd=llm.model.hparams.n_embd, n_seq_max=ctx.n_seq_max,
                         memory=ctx.memory)
-        (ub,) = ctx.balloc.split_simple(ctx.n_ubatch)
-        (slot,) = ctx.memory.cells.prepare([ub])
-        ctx.memory.cells.apply(slot, ub)
+        # the whole prompt in one ubatch (a recurrent memory's: one sequence of n tokens)
+        (ub,) = ctx.balloc.split_equal(ctx.n_ubatch) if ctx.recurrent else ctx.balloc.split_simple(ctx.n_ubatch)
+        prepared = ctx.memory.prepare([ub])
+        assert prepared is not None         # an empty memory holds any one ubatch that fits n_ctx
+        (slot,) = prepared
+        ctx.memory.apply(slot, ub)
         params = ctx._params(ub)
         g = GraphBuilder(llm.model, ctx.memory, params)
         llm.model.builder.build_graph(g)
         edits.apply(g)
-        assert g.inp_attn is not None and g.res_logits is not None   # every architecture builds both
-        g.inp_attn.slot = slot
+        assert g.res_logits is not None   # every architecture builds its logits
+        g.set_slot(slot)
         values: dict[Tensor, np.ndarray] = {}
         for inp in g.inputs:
             inp.set_input(ub, values)
