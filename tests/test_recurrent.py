@@ -161,3 +161,42 @@ def test_hybrid_memory_pairs_a_kv_cache_with_states(hybrid):
     assert mem.seq_rm(0, 4, -1) is False                 # refused by the recurrent part ...
     assert mem.mem_attn.cells.get_used() == used         # ... and the KV cells are unchanged
     assert mem.seq_rm(0, -1, -1) is True and mem.mem_attn.cells.get_used() == 0
+
+
+@pytest.mark.slow
+def test_server_batcher_on_a_recurrent_model(model):
+    """The server's continuous batching: three prompts together give the tokens each gives
+    alone; n=3 samples copy the prompt's state (seq_cp); slots are reused after their state
+    is removed whole (a recurrent slot cannot keep a shorter prefix)."""
+    from llm.generation.batcher import Batcher, Delta, GenParams, Job
+    from llm.sampling import SamplingParams
+
+    ctx = llm.Context(model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=4)
+    b = Batcher(ctx, model.vocab)
+
+    def run(jobs):
+        sinks = []
+        for toks, params in jobs:
+            events: list = []
+            sinks.append(events)
+            b.submit(Job(toks, params, events.append))
+        while not b.idle:
+            b.step()
+        return [[[t for e in ev if isinstance(e, Delta) and e.index == i for t in e.tokens]
+                 for i in range(params.n)] for ev, (_, params) in zip(sinks, jobs, strict=True)]
+
+    greedy = GenParams(max_tokens=6, sampling=SamplingParams(temp=0.0))
+    prompts = [tokens(n, s) for n, s in ((8, 11), (16, 12), (12, 14))]
+    alone = [run([(p, greedy)])[0][0] for p in prompts]
+    together = run([(p, greedy) for p in prompts])
+    assert [t[0] for t in together] == alone and all(len(a) == 6 for a in alone)
+    # a prompt that extends an earlier one starts its slot again from zero states
+    longer = np.concatenate([prompts[1], tokens(4, 15)])
+    ref = llm.Context(model, n_ctx=128)
+    assert ref.decode(llm.Batch(longer)) == 0
+    first, got = int(np.argmax(ref.get_logits_ith(-1))), run([(longer, greedy)])[0][0]
+    assert got[:1] == [first] or (got == [] and model.vocab.is_eog(first))
+    sampled = GenParams(max_tokens=5, n=3, sampling=SamplingParams(temp=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=3))
+    samples = run([(prompts[0], sampled)])[0]
+    assert all(len(s) == 5 for s in samples) and len({tuple(s) for s in samples}) > 1
+    assert run([(prompts[0], sampled)])[0] == samples
