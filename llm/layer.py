@@ -89,6 +89,19 @@ class Layer:
     ffn_up_exps_b: Tensor | None = None
     ffn_down_exps_b: Tensor | None = None
     ffn_exp_probs_b: Tensor | None = None     # DeepSeek-V3-style expert selection bias
+    # Gemma 3n: the per-layer input's gate, projection and norm; AltUp's router and
+    # coefficients; Laurel's low-rank residual
+    per_layer_inp_gate: Tensor | None = None
+    per_layer_proj: Tensor | None = None
+    per_layer_post_norm: Tensor | None = None
+    altup_correct_coef: Tensor | None = None
+    altup_correct_scale: Tensor | None = None
+    altup_predict_coef: Tensor | None = None
+    altup_router: Tensor | None = None
+    altup_router_norm: Tensor | None = None
+    laurel_l: Tensor | None = None
+    laurel_r: Tensor | None = None
+    laurel_post_norm: Tensor | None = None
 
 
 def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:

@@ -252,6 +252,13 @@ class Model:
     cls_b: Tensor | None = None
     cls_out: Tensor | None = None
     cls_out_b: Tensor | None = None
+    # Gemma 3n: per-layer token embeddings and their projection from the residual, AltUp's
+    # projections into and out of the extra streams
+    per_layer_tok_embd: Tensor | None = None
+    per_layer_model_proj: Tensor | None = None
+    per_layer_proj_norm: Tensor | None = None
+    altup_proj: Tensor | None = None
+    altup_unembd_proj: Tensor | None = None
     layers: list[Layer] = field(default_factory=list)
     n_bytes: int = 0
     meta: dict = field(default_factory=dict)
@@ -271,7 +278,9 @@ class Model:
     def weight_tensors(self) -> list[Tensor]:
         out = [t for t in (self.tok_embd, self.output_norm, self.output, self.output_norm_b, self.output_b,
                            self.type_embd, self.pos_embd, self.tok_norm, self.tok_norm_b,
-                           self.cls, self.cls_b, self.cls_out, self.cls_out_b) if t is not None]
+                           self.cls, self.cls_b, self.cls_out, self.cls_out_b, self.per_layer_tok_embd,
+                           self.per_layer_model_proj, self.per_layer_proj_norm, self.altup_proj,
+                           self.altup_unembd_proj) if t is not None]
         for layer in self.layers:
             out += [t for t in vars(layer).values() if t is not None]
         return out

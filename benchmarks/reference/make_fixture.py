@@ -439,6 +439,58 @@ def spec_qwen3vlmoe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_gemma3n(d: Dims, w: Weights) -> dict:
+    """Gemma 3n: 22 layers, so that the last two attend to the KV cache of layers 18 (SWA)
+    and 19 (full) (llama.cpp fixes 20 layers with a cache and every 2nd layer dense here);
+    window 4 with its own rope base; AltUp, Laurel and per-layer embeddings at llama.cpp's
+    fixed sizes (4 streams, rank 64, 256 per layer), sparsity in layers 0-9. The post-FFN
+    and per-layer post norms sit near 0.3 and the AltUp coefficients near 0, so llama.cpp's
+    fp16 GELU table (2 GELUs a layer) moves the logits by 3e-3, not 4e-2. The per-layer
+    token embeddings (5632 x 512) are F16 in the F32 file to keep it small (the lookup is
+    exact in both engines)."""
+    a = "gemma3n"
+    d = dataclasses.replace(d, n_layer=22, n_embd=32, n_head=2, n_head_kv=1, n_ff=64)
+    n_altup, n_embd_altup, laurel_rank = 4, 256, 64
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 1000000.0
+    kv[f"{a}.rope.freq_base_swa"] = 10000.0
+    kv[f"{a}.attention.sliding_window"] = 4
+    kv[f"{a}.attention.sliding_window_pattern"] = 2
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d, tied=True)
+    w.mat("altup_proj.weight", d.n_embd, d.n_embd, n_exp=n_altup - 1)
+    w.mat("altup_unembd_proj.weight", d.n_embd, d.n_embd, n_exp=n_altup - 1)
+    w.embd("per_layer_token_embd.weight", N_VOCAB, n_embd_altup * d.n_layer, scale=0.1)
+    w.t["per_layer_token_embd.weight"] = w.t["per_layer_token_embd.weight"].astype(np.float16)
+    w.mat("per_layer_model_proj.weight", n_embd_altup * d.n_layer, d.n_embd)
+    w.norm("per_layer_proj_norm.weight", n_embd_altup)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_q_norm.weight", d.head_dim, center=0.5)
+        w.norm(p + "attn_k_norm.weight", d.head_dim, center=0.5)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.norm(p + "post_ffw_norm.weight", d.n_embd, center=0.3)
+        w.mat(p + "inp_gate.weight", n_embd_altup, d.n_embd)
+        w.mat(p + "proj.weight", d.n_embd, n_embd_altup)
+        w.norm(p + "post_norm.weight", d.n_embd, center=0.3)
+        w.mat(p + "altup_correct_coef.weight", n_altup, n_altup, gain=0.1)
+        w.norm(p + "altup_correct_scale.weight", d.n_embd)
+        w.mat(p + "altup_predict_coef.weight", n_altup * n_altup, n_altup, gain=0.1)
+        w.mat(p + "altup_router.weight", n_altup, d.n_embd, gain=float(d.n_embd))
+        w.norm(p + "altup_router_norm.weight", d.n_embd)
+        w.mat(p + "laurel_l.weight", laurel_rank, d.n_embd)
+        w.mat(p + "laurel_r.weight", d.n_embd, laurel_rank)
+        w.norm(p + "laurel_post_norm.weight", d.n_embd)
+    return kv
+
+
 def spec_glm4moe(d: Dims, w: Weights) -> dict:
     """GLM-4.5: a dense layer, a sigmoid MoE layer (selection bias, renormalized and scaled
     weights, a shared expert), half-head NEOX rope, Q/K norms, and a NextN (MTP) block after
@@ -948,6 +1000,7 @@ ARCHS: dict[str, ArchSpec] = {
     "deepseek2": ArchSpec(spec_deepseek2, 127),
     "minimax-m2": ArchSpec(spec_minimax_m2, 128),
     "qwen3vlmoe": ArchSpec(spec_qwen3vlmoe, 129),
+    "gemma3n": ArchSpec(spec_gemma3n, 130),
 }
 
 
