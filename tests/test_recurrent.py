@@ -200,3 +200,18 @@ def test_server_batcher_on_a_recurrent_model(model):
     samples = run([(prompts[0], sampled)])[0]
     assert all(len(s) == 5 for s in samples) and len({tuple(s) for s in samples}) > 1
     assert run([(prompts[0], sampled)])[0] == samples
+
+
+def test_speculative_decoding_is_refused_by_name(model):
+    m = llm.LLM(FIXTURES / "mamba2-F32.gguf")
+    with pytest.raises(llm.params.ParamError, match="speculative.*recurrent state"):
+        m.generate("hello", max_tokens=4, speculative="prompt-lookup")
+
+
+def test_info_reports_the_memory_kind(capsys):
+    from llm.cli import main
+    for name, kind in (("mamba2", "recurrent"), ("granitehybrid", "hybrid")):
+        assert main(["info", str(FIXTURES / f"{name}-F32.gguf")]) == 0
+        out = capsys.readouterr().out
+        assert f"memory: {kind}" in out and "MiB per sequence over 2 layers" in out
+        assert ("KV cache" in out) == (kind == "hybrid")

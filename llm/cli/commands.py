@@ -352,8 +352,16 @@ def cmd_info(a) -> int:
         kv = estimate_bytes(hp, n_ctx, n_ubatch=a.n_ubatch, swa_full=False)
         swa = (f"; {kv / 2**20:.1f} MiB with a sliding-window cache of {n_swa_cells} cells "
                f"(Context(swa_full=False))")
-    print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token at full attention, "
-          f"{full / 2**20:.1f} MiB at n_ctx {n_ctx}{swa}")
+    n_recurrent = sum(hp.recurrent_layers)
+    kind = "kv" if not n_recurrent else "recurrent" if n_recurrent == hp.n_layer else "hybrid"
+    print(f"memory: {kind} (llama.cpp's {'llama_kv_cache' if kind == 'kv' else 'llama_memory_' + kind})")
+    if n_recurrent:
+        per_seq = n_recurrent * (hp.n_embd_r() + hp.n_embd_s()) * 4
+        print(f"recurrent states (f32): {per_seq / 2**20:.2f} MiB per sequence over {n_recurrent} layers "
+              f"(conv {hp.n_embd_r()} + SSM {hp.n_embd_s()} values each), the same at any position")
+    if n_recurrent < hp.n_layer:
+        print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token at full attention, "
+              f"{full / 2**20:.1f} MiB at n_ctx {n_ctx}{swa}")
     return 0
 
 

@@ -44,6 +44,7 @@ from llm.generation.speculative import (
     Drafter,
     DraftModel,
     DraftPolicy,
+    check_rollback,
     make_drafter,
     max_draft,
     n_kept,
@@ -209,6 +210,7 @@ class Batcher:
         if params.speculative is not None:
             try:
                 make_drafter(params.speculative)      # names a wrong one now
+                check_rollback(self.ctx, params.speculative)
             except ValueError as e:
                 raise ParamError("speculative", str(e)) from None
             if isinstance(params.speculative, DraftModel) and params.n != 1:

@@ -226,6 +226,15 @@ class DraftPolicy:
             self.level = max(self.level - 1, 0)
 
 
+def check_rollback(ctx: Context, spec) -> None:
+    """ValueError when a context of spec cannot drop rejected drafts: a recurrent state keeps
+    no per-token history to roll back (llama.cpp's rollback snapshots are not implemented)."""
+    for what, c in (("the model", ctx), ("the draft model", spec.ctx if isinstance(spec, DraftModel) else None)):
+        if c is not None and c.recurrent:
+            raise ValueError(f"speculative decoding: {what} ({c.model.arch}) keeps a recurrent state, which "
+                             f"cannot drop rejected drafts; decode without speculative")
+
+
 def make_drafter(spec) -> Drafter:
     """A fresh drafter for one sequence from a request's `speculative`: "prompt-lookup", a
     PromptLookup (copied: it keeps per-sequence state) or a DraftModel (used as is)."""
@@ -247,6 +256,7 @@ class Speculative:
                  is_eog: Callable[[int], bool] = lambda t: False):
         if n_draft < 1:
             raise ValueError(f"n_draft must be >= 1, got {n_draft}")
+        check_rollback(ctx, drafter)
         self.ctx, self.sampler, self.drafter = ctx, sampler, drafter
         self.policy = DraftPolicy(max_draft(ctx, n_draft))
         self.lengths = self.policy.lengths
