@@ -265,6 +265,23 @@ def test_llm_embed_batches_encoder_sequences(arch):
         m.generate([101, 200, 300], max_tokens=2)
 
 
+@pytest.mark.parametrize("arch,nodes", [
+    ("qwen3vlmoe", ["Qcur_normed-1", "Kcur-0", "kq_soft_max-1", "ffn_moe_probs-0", "ffn_moe_out-1", "l_out-*"]),
+])
+@pytest.mark.slow
+def test_trace_finds_llamacpp_names(arch, nodes):
+    """LLM.trace captures the new families' nodes by llama.cpp's names (diff-llamacpp matched
+    them node by node when the fixture was made) and its logits are llama.cpp's."""
+    ref = np.load(FIXTURES / f"{arch}.npz")
+    m = llm.LLM(str(FIXTURES / f"{arch}-F32.gguf"), n_ctx=64)
+    tr = m.trace([int(t) for t in ref["tokens_0"]], capture=nodes + ["result_output"])
+    hp, n = m.model.hparams, len(ref["tokens_0"])
+    assert tr["Qcur_normed-1"].shape == (n, hp.n_head(1), hp.n_embd_head_k)
+    assert tr["ffn_moe_probs-0"].shape == (n, hp.n_expert)
+    assert [name for name in tr.names if name.startswith("l_out")] == [f"l_out-{il}" for il in range(hp.n_layer)]
+    assert np.abs(tr["result_output"] - ref["logits_0"]).max() <= tol(arch)
+
+
 def test_synthetic_companions_reproduce_the_reference():
     """The generator's runner (`--synthetic`) gives, for the committed synthetic models, the
     same dequantized-twin logits as the shared llama.cpp reference (tests/data/synthetic)."""

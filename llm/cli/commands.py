@@ -343,7 +343,8 @@ def cmd_info(a) -> int:
     print(f"arch: {model.arch}, n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head(0)}, "
           f"n_head_kv {hp.n_head_kv(0)}, head_dim {hp.n_embd_head_k}, n_ff {hp.n_ff(0)}, "
           f"n_vocab {hp.n_vocab}, n_ctx_train {hp.n_ctx_train}")
-    kv_per_token = sum(hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il) for il in range(hp.n_layer)) * 4
+    kv_per_token = sum(hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il) for il in range(hp.n_layer) if hp.has_kv(il)) * 4
+    n_shared = sum(not hp.has_kv(il) for il in range(hp.n_layer))
     n_ctx = a.n_ctx
     full = estimate_bytes(hp, n_ctx, swa_full=True)
     n_swa_cells = swa_cache_size(hp, n_ctx, n_ubatch=a.n_ubatch)
@@ -361,7 +362,8 @@ def cmd_info(a) -> int:
               f"(conv {hp.n_embd_r()} + SSM {hp.n_embd_s()} values each), the same at any position")
     if n_recurrent < hp.n_layer:
         print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token at full attention, "
-              f"{full / 2**20:.1f} MiB at n_ctx {n_ctx}{swa}")
+              f"{full / 2**20:.1f} MiB at n_ctx {n_ctx}{swa}"
+              + (f"; {n_shared} layers read an earlier layer's cache" if n_shared else ""))
     return 0
 
 
