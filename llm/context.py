@@ -34,7 +34,7 @@ from llm.errors import StateError
 from llm.graph import GraphBuilder, GraphHook, GraphParams, rope_params
 from llm.hparams import PoolingType
 from llm.kv_cache import KVCache, locked
-from llm.memory_hybrid import MemoryHybrid, memory_kind
+from llm.memory_hybrid import MemoryHybrid
 from llm.memory_recurrent import MemoryRecurrent
 from llm.model import Model
 from llm.params import param, with_parameters
@@ -662,15 +662,8 @@ class Context:
             self._fingerprint = state.model_fingerprint(self.model)
         return self._fingerprint
 
-    def _kv_for_state(self, where: str) -> KVCache:
-        """The KV cache a saved state holds; a recurrent memory's states are not saved yet."""
-        if not isinstance(self.memory, KVCache):
-            raise StateError(f"{where}: saving and restoring the state of a {self.model.arch} context "
-                             f"(a {memory_kind(self.memory)} memory) is not supported yet")
-        return self.memory
-
     def _state_bytes(self, tokens, seq_id, sampler) -> bytes:
-        if self._kv_for_state("state").cells.has_shift:
+        if self.memory.has_shift:
             self._apply_k_shift()      # saved K rows must already carry their positions
         return state.serialize(self, self.fingerprint, tokens, seq_id=seq_id, sampler=sampler)
 
@@ -683,7 +676,6 @@ class Context:
     def state_set_data(self, data: bytes, sampler=None, *, where: str = "state data") -> list[int]:
         """Replace the state by `data` from state_get_data; returns its tokens. StateError
         (context unchanged) when the data does not fit this context."""
-        self._kv_for_state(where)
         saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_FULL, sampler=sampler)
         state.apply_full(self, saved, sampler)
         return saved.tokens
@@ -707,12 +699,13 @@ class Context:
         its tokens. StateError (context unchanged) when it does not fit."""
         if not isinstance(dest_seq_id, int) or not 0 <= dest_seq_id < self.n_seq_max:
             raise StateError(f"{where}: dest_seq_id {dest_seq_id!r} is out of range [0, n_seq_max = {self.n_seq_max})")
-        cells = self._kv_for_state(where).cells
         saved = state.parse(self, self.fingerprint, bytes(data), where, kind=state.KIND_SEQ)
-        own = cells.seq == (np.uint64(1) << np.uint64(dest_seq_id))
-        n_free = int(np.count_nonzero((cells.pos < 0) | own))
-        if n_free < saved.pos.size:
-            raise StateError(f"{where}: {saved.pos.size} cells do not fit: the context has {n_free} free cells")
+        kv = self.memory.mem_attn
+        if kv is not None:
+            own = kv.cells.seq == (np.uint64(1) << np.uint64(dest_seq_id))
+            n_free = int(np.count_nonzero((kv.cells.pos < 0) | own))
+            if n_free < saved.pos.size:
+                raise StateError(f"{where}: {saved.pos.size} cells do not fit: the context has {n_free} free cells")
         self.memory.seq_rm(dest_seq_id, -1, -1)
         state.apply_seq(self, saved, dest_seq_id, state.free_cells_for(self, saved, where))
         return saved.tokens

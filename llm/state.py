@@ -15,6 +15,10 @@ Layout (little-endian):
              n_outputs u32, n_vocab u32, n_ids u32, output_ids i32[n_ids], logits f32[n_outputs * n_vocab]
              n_rng u32, per rng: key u32[624], pos u32
              per layer: K rows [n, n_embd_k_gqa], V rows [n, n_embd_v_gqa] in the cache types
+             (a memory without attention layers: types 0, no layers, no cells)
+    recurrent memory (recurrent and hybrid models only; llm.memory_recurrent):
+             n_rs u32, cell i32[n_rs] (kind FULL only), pos i32[n_rs]
+             per recurrent layer: conv rows f32[n_rs, n_embd_r], SSM rows f32[n_rs, n_embd_s]
 
 The crc32 over the body catches a flipped byte anywhere; every count is still checked
 against the context before anything is allocated from it (as the GGUF reader does), so a
@@ -85,6 +89,9 @@ class _Saved:
     rngs: list[tuple[np.ndarray, int]]
     k_rows: list[np.ndarray]
     v_rows: list[np.ndarray]
+    rs_cells: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # kind FULL
+    rs_pos: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    rs_rows: list[np.ndarray] = dataclasses.field(default_factory=list)     # per state buffer
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -106,6 +113,26 @@ def _rows(t, cells: np.ndarray) -> np.ndarray:
     return np.asarray(rows).reshape(len(cells), t.data.shape[-1])
 
 
+def _kv_parts(ctx) -> tuple[list, list]:
+    """The KV cache's K and V buffers (none for a memory without attention layers)."""
+    kv = ctx.memory.mem_attn
+    return ([], []) if kv is None else (kv.k_l, kv.v_l)
+
+
+def _kv_cells(ctx):
+    """The KV cells, or empty ones for a memory without attention layers."""
+    kv = ctx.memory.mem_attn
+    if kv is not None:
+        return kv.cells
+    from llm.kv_cells import KVCells
+    return KVCells(1, ctx.n_seq_max)
+
+
+def _rs_buffers(ctx) -> list:
+    rs = ctx.memory.mem_recr
+    return [] if rs is None else rs._buffers()
+
+
 def _check_single_cache(ctx, where: str) -> None:
     """State files hold one set of cells: a context with a separate sliding-window cache
     (Context(swa_full=False)) cannot be saved or restored yet."""
@@ -117,8 +144,8 @@ def _check_single_cache(ctx, where: str) -> None:
 def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | None = None, sampler=None) -> bytes:
     """The whole state of ctx (seq_id None) or one sequence's, as bytes (header + body)."""
     _check_single_cache(ctx, "state")
-    mem = ctx.memory
-    cells_meta = mem.cells
+    k_l, v_l = _kv_parts(ctx)
+    cells_meta = _kv_cells(ctx)
     ids = np.asarray(list(tokens), dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= ctx.n_vocab):
         raise StateError(f"state: tokens must be in [0, n_vocab = {ctx.n_vocab})")
@@ -130,7 +157,7 @@ def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | N
         has = (cells_meta.seq & (np.uint64(1) << np.uint64(seq_id))) != 0
         cells = np.flatnonzero(has & (cells_meta.pos >= 0)).astype(np.int32)
         cells = cells[np.argsort(cells_meta.pos[cells], kind="stable")]
-    parts = [fingerprint, _u32(int(mem.k_l[0].type)), _u32(int(mem.v_l[0].type)), _u32(len(mem.k_l)),
+    parts = [fingerprint, _u32(int(k_l[0].type) if k_l else 0), _u32(int(v_l[0].type) if v_l else 0), _u32(len(k_l)),
              _u32(ids.size), ids.astype("<i4").tobytes(), _u32(cells.size)]
     if seq_id is None:
         parts += [cells.astype("<i4").tobytes(), cells_meta.pos[cells].astype("<i4").tobytes(),
@@ -146,8 +173,17 @@ def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | N
     for rng in owners:
         st = rng._bits.state["state"]
         parts += [np.asarray(st["key"], "<u4").tobytes(), _u32(int(st["pos"]))]
-    for k, v in zip(mem.k_l, mem.v_l, strict=True):
+    for k, v in zip(k_l, v_l, strict=True):
         parts += [_rows(k, cells).tobytes(), _rows(v, cells).tobytes()]
+    rs = ctx.memory.mem_recr
+    if rs is not None:
+        rs_cells = np.flatnonzero(rs.pos >= 0) if seq_id is None else np.array([seq_id] if rs.pos[seq_id] >= 0 else [])
+        rs_cells = rs_cells.astype(np.int32)
+        parts.append(_u32(rs_cells.size))
+        if seq_id is None:
+            parts.append(rs_cells.astype("<i4").tobytes())
+        parts.append(rs.pos[rs_cells].astype("<i4").tobytes())
+        parts += [np.ascontiguousarray(_rows(t, rs_cells), "<f4").tobytes() for t in rs._buffers()]
     body = b"".join(parts)
     kind = KIND_FULL if seq_id is None else KIND_SEQ
     return _HEADER.pack(MAGIC, VERSION, kind, len(body), zlib.crc32(body)) + body
@@ -194,11 +230,13 @@ def read_file(path: str | os.PathLike, limit: int) -> bytes:
 
 def max_state_bytes(ctx, *, seq: bool) -> int:
     """An upper bound on the size of any state of ctx: a longer file cannot be one."""
-    mem = ctx.memory
-    row_bytes = sum(t.data.shape[-1] * t.data.dtype.itemsize for t in mem.k_l + mem.v_l)
+    k_l, v_l = _kv_parts(ctx)
+    row_bytes = sum(t.data.shape[-1] * t.data.dtype.itemsize for t in k_l + v_l)
     per_cell = 4 + 4 + 8 + row_bytes
     logits = 0 if seq else ctx.n_batch * (ctx.n_vocab * 4 + 4)
-    return _HEADER.size + 32 + 4 * 12 + ctx.n_ctx * (4 + per_cell) + logits + 64 * (_MT_WORDS + 1) * 4
+    rs_bytes = ctx.n_seq_max * (8 + sum(t.ne[0] * 4 for t in _rs_buffers(ctx)))
+    return (_HEADER.size + 32 + 4 * 13 + ctx.n_ctx * (4 + per_cell) + logits + 64 * (_MT_WORDS + 1) * 4
+            + rs_bytes)
 
 
 def slot_path(directory: str | os.PathLike, filename: str) -> Path:
@@ -289,19 +327,19 @@ def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sample
     r = _Reader(body, where)
     if bytes(r.take(32, "fingerprint")) != fingerprint:
         raise StateError(f"{where}: saved by another model (fingerprint differs from {ctx.model.path})")
-    mem = ctx.memory
-    for name, t in (("type_k", mem.k_l[0].type), ("type_v", mem.v_l[0].type)):
+    k_l, v_l = _kv_parts(ctx)
+    for name, ts in (("type_k", k_l), ("type_v", v_l)):
         got = r.u32(name)
-        if got != int(t):
-            raise StateError(f"{where}: {name} is GGML type {got}, this context's cache is {t.name}")
+        if ts and got != int(ts[0].type):
+            raise StateError(f"{where}: {name} is GGML type {got}, this context's cache is {ts[0].type.name}")
     n_layer = r.u32("n_layer")
-    if n_layer != len(mem.k_l):
-        raise StateError(f"{where}: {n_layer} layers, the context has {len(mem.k_l)}")
+    if n_layer != len(k_l):
+        raise StateError(f"{where}: {n_layer} layers, the context has {len(k_l)}")
     n_tokens = r.count("n_tokens", ctx.n_ctx, "n_ctx")
     tokens = r.array("<i4", n_tokens, "tokens")
     if n_tokens and (tokens.min() < 0 or tokens.max() >= ctx.n_vocab):
         raise r.error(f"a token id is outside [0, n_vocab = {ctx.n_vocab})")
-    n_cells = r.count("n_cells", ctx.n_ctx, "n_ctx")
+    n_cells = r.count("n_cells", ctx.n_ctx if k_l else 0, "n_ctx" if k_l else "the KV cells (none)")
     if kind == KIND_FULL:
         cells = r.array("<i4", n_cells, "cells")
         pos = r.array("<i4", n_cells, "positions")
@@ -339,26 +377,55 @@ def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sample
         rngs.append((key, mt_pos))
     k_rows: list[np.ndarray] = []
     v_rows: list[np.ndarray] = []
-    for il, (k, v) in enumerate(zip(mem.k_l, mem.v_l, strict=True)):
+    for il, (k, v) in enumerate(zip(k_l, v_l, strict=True)):
         for name, t, out in (("K", k, k_rows), ("V", v, v_rows)):
             width = t.data.shape[-1]
             out.append(r.array(t.data.dtype, n_cells * width,
                                f"layer {il} {name} rows").reshape(n_cells, width))
+    saved = _Saved(kind, tokens.tolist(), cells, pos, seq, ids, logits, rngs, k_rows, v_rows)
+    rs = ctx.memory.mem_recr
+    if rs is not None:
+        n_rs = r.count("n_rs", rs.size if kind == KIND_FULL else 1, "n_seq_max" if kind == KIND_FULL else "1")
+        if kind == KIND_FULL:
+            saved.rs_cells = r.array("<i4", n_rs, "recurrent cells")
+            if n_rs and (saved.rs_cells.min() < 0 or saved.rs_cells.max() >= rs.size
+                         or np.unique(saved.rs_cells).size != n_rs):
+                raise r.error(f"recurrent cells must be distinct and in [0, n_seq_max = {rs.size})")
+        saved.rs_pos = r.array("<i4", n_rs, "recurrent positions")
+        if n_rs and saved.rs_pos.min() < 0:
+            raise r.error("a recurrent cell has a negative position")
+        for t in rs._buffers():
+            saved.rs_rows.append(r.array("<f4", n_rs * t.ne[0], f"{t.name} rows").reshape(n_rs, t.ne[0]))
     if r.off != len(body):
         raise r.error(f"{len(body) - r.off} unexpected bytes after the last layer")
-    return _Saved(kind, tokens.tolist(), cells, pos, seq, ids, logits, rngs, k_rows, v_rows)
+    return saved
 
 
 # --- applying ----------------------------------------------------------------------------------
 
 
-def _write_rows(mem, cells: np.ndarray, saved: _Saved) -> None:
+def _set_rows(t, cells: np.ndarray, rows: np.ndarray) -> None:
     idx = np.asarray(cells, np.int32)
-    for il, (k, v) in enumerate(zip(mem.k_l, mem.v_l, strict=True)):
-        for t, rows in ((k, saved.k_rows[il]), (v, saved.v_rows[il])):
-            if idx.size:
-                rows = rows.astype(t.data.dtype).reshape(*t.data.shape[:-2], idx.size, t.data.shape[-1])
-                t.data = t.data.at[..., idx, :].set(jax.device_put(rows, t.data.sharding))
+    if idx.size:
+        rows = rows.astype(t.data.dtype).reshape(*t.data.shape[:-2], idx.size, t.data.shape[-1])
+        t.data = t.data.at[..., idx, :].set(jax.device_put(rows, t.data.sharding))
+
+
+def _write_rows(ctx, cells: np.ndarray, saved: _Saved) -> None:
+    k_l, v_l = _kv_parts(ctx)
+    for il, (k, v) in enumerate(zip(k_l, v_l, strict=True)):
+        _set_rows(k, cells, saved.k_rows[il])
+        _set_rows(v, cells, saved.v_rows[il])
+
+
+def _write_rs(ctx, cells: np.ndarray, saved: _Saved) -> None:
+    """The saved recurrent cells' positions and states into `cells` of the recurrent memory."""
+    rs = ctx.memory.mem_recr
+    if rs is None:
+        return
+    rs.pos[cells] = saved.rs_pos
+    for t, rows in zip(rs._buffers(), saved.rs_rows, strict=True):
+        _set_rows(t, cells, rows)
 
 
 def _restore_rngs(saved: _Saved, sampler) -> None:
@@ -368,15 +435,16 @@ def _restore_rngs(saved: _Saved, sampler) -> None:
 
 def apply_full(ctx, saved: _Saved, sampler=None) -> None:
     """Replace the whole context state by `saved` (already validated)."""
-    mem = ctx.memory
-    mem.clear()
-    cells = mem.cells
-    cells.pos[saved.cells] = saved.pos
-    cells.seq[saved.cells] = saved.seq
-    cells.head = int(saved.cells.max()) + 1 if saved.cells.size else 0
-    if cells.head >= ctx.n_ctx:
-        cells.head = 0
-    _write_rows(mem, saved.cells, saved)
+    ctx.memory.clear()
+    if ctx.memory.mem_attn is not None:
+        cells = ctx.memory.mem_attn.cells
+        cells.pos[saved.cells] = saved.pos
+        cells.seq[saved.cells] = saved.seq
+        cells.head = int(saved.cells.max()) + 1 if saved.cells.size else 0
+        if cells.head >= ctx.n_ctx:
+            cells.head = 0
+        _write_rows(ctx, saved.cells, saved)
+    _write_rs(ctx, saved.rs_cells, saved)
     ctx.logits = saved.logits
     ctx.output_ids = saved.output_ids.astype(np.int32)
     _restore_rngs(saved, sampler)
@@ -384,7 +452,7 @@ def apply_full(ctx, saved: _Saved, sampler=None) -> None:
 
 def free_cells_for(ctx, saved: _Saved, where: str) -> np.ndarray:
     """Cells for a sequence state: the empty cells from the start of the cache."""
-    free = np.flatnonzero(ctx.memory.cells.pos < 0)
+    free = np.flatnonzero(_kv_cells(ctx).pos < 0)
     n = saved.pos.size
     if free.size < n:
         raise StateError(f"{where}: {n} cells do not fit: the context has {free.size} free cells")
@@ -393,8 +461,9 @@ def free_cells_for(ctx, saved: _Saved, where: str) -> np.ndarray:
 
 def apply_seq(ctx, saved: _Saved, dest_seq_id: int, cells: np.ndarray) -> None:
     """Put a sequence state into dest_seq_id (its old cells removed first), in `cells`."""
-    mem = ctx.memory
-    meta = mem.cells
-    meta.pos[cells] = saved.pos
-    meta.seq[cells] = np.uint64(1) << np.uint64(dest_seq_id)
-    _write_rows(mem, cells, saved)
+    if ctx.memory.mem_attn is not None:
+        meta = ctx.memory.mem_attn.cells
+        meta.pos[cells] = saved.pos
+        meta.seq[cells] = np.uint64(1) << np.uint64(dest_seq_id)
+        _write_rows(ctx, cells, saved)
+    _write_rs(ctx, np.full(saved.rs_pos.size, dest_seq_id, np.int32), saved)

@@ -131,8 +131,6 @@ def test_shared_tokens_and_bad_sequences_are_refused(model):
     with pytest.raises(ValueError, match="seq_id = 5"):
         ctx.memory.seq_pos_max(5)
     assert ctx.memory.seq_rm(5) is False
-    with pytest.raises(llm.StateError, match="recurrent memory"):
-        ctx.state_get_data()
 
 
 def test_positions_shift_without_touching_the_state(model):
@@ -215,3 +213,32 @@ def test_info_reports_the_memory_kind(capsys):
         out = capsys.readouterr().out
         assert f"memory: {kind}" in out and "MiB per sequence over 2 layers" in out
         assert ("KV cache" in out) == (kind == "hybrid")
+
+
+@pytest.mark.parametrize("name", ["model", "hybrid"])
+def test_state_save_and_restore_continue_identically(name, request, tmp_path):
+    """A whole state and one sequence's state (its conv and SSM states, and for the hybrid its
+    KV cells) restored into a fresh context continue exactly as the original."""
+    model = request.getfixturevalue(name)
+    toks = tokens(12, 21)
+    ctx = llm.Context(model, n_ctx=64, n_seq_max=2)
+    assert ctx.decode(llm.Batch(toks, seq_id=[1] * 12)) == 0
+    ctx.state_seq_save_file(tmp_path / "seq.bin", 1, toks)
+    ctx.state_save_file(tmp_path / "all.bin", toks)
+    assert ctx.decode(llm.Batch([9], seq_id=[1])) == 0
+    want = ctx.get_logits_ith(-1).copy()
+    for kind in ("all", "seq"):
+        fresh = llm.Context(model, n_ctx=64, n_seq_max=2)
+        if kind == "all":
+            assert fresh.state_load_file(tmp_path / "all.bin") == toks.tolist()
+            dest = 1
+        else:
+            dest = 0                      # into another sequence
+            assert fresh.state_seq_load_file(tmp_path / "seq.bin", dest) == toks.tolist()
+        assert fresh.memory.seq_pos_max(dest) == 11
+        assert fresh.decode(llm.Batch([9], seq_id=[dest])) == 0
+        assert np.array_equal(fresh.get_logits_ith(-1), want), kind
+    # a state of the other model is refused by its fingerprint, nothing changed
+    other = llm.Context(request.getfixturevalue("hybrid" if name == "model" else "model"), n_ctx=64, n_seq_max=2)
+    with pytest.raises(llm.StateError, match="another model"):
+        other.state_load_file(tmp_path / "all.bin")
