@@ -133,7 +133,11 @@ class PromptCache:
         except StateError as e:
             log.warning("prompt cache: %s; ignoring the entry", e)
             return 0
-        ctx.memory.seq_rm(seq_id, n, -1)
+        if not ctx.memory.seq_rm(seq_id, n, -1):
+            # a recurrent state cannot be cut back to the shared prefix: the entry holds more
+            ctx.memory.seq_rm(seq_id, -1, -1)
+            log.debug("prompt cache: %s holds more than the %d shared tokens and cannot be cut", where, n)
+            return 0
         return n
 
 

@@ -242,3 +242,22 @@ def test_state_save_and_restore_continue_identically(name, request, tmp_path):
     other = llm.Context(request.getfixturevalue("hybrid" if name == "model" else "model"), n_ctx=64, n_seq_max=2)
     with pytest.raises(llm.StateError, match="another model"):
         other.state_load_file(tmp_path / "all.bin")
+
+
+def test_prompt_cache_reuses_a_whole_prefix_only(model, tmp_path):
+    """A cached state serves a prompt that extends it; one that is longer than the shared
+    prefix cannot be cut back (a state has no history) and is not used."""
+    from llm.prompt_cache import PromptCache
+    toks = tokens(10, 31)
+    ctx = llm.Context(model, n_ctx=64)
+    cache = PromptCache(tmp_path, ctx.fingerprint, min_tokens=2)
+    assert ctx.decode(llm.Batch(toks)) == 0
+    cache.store(toks, ctx.state_seq_get_data(0, toks))
+    fresh = llm.Context(model, n_ctx=64)
+    longer = np.concatenate([toks, tokens(3, 32)])
+    assert cache.restore(fresh, longer) == 10 and fresh.memory.seq_pos_max(0) == 9
+    assert fresh.decode(llm.Batch(longer[10:])) == 0
+    assert np.abs(fresh.get_logits_ith(-1) - alone(model, longer)[-1]).max() <= TOL
+    other = llm.Context(model, n_ctx=64)
+    assert cache.restore(other, np.concatenate([toks[:6], tokens(4, 33)])) == 0
+    assert other.memory.seq_pos_max(0) == -1
