@@ -469,6 +469,11 @@ def lower_sigmoid(n: Tensor, env):
     return jax.nn.sigmoid(_value_f32(env, n.src[0]))
 
 
+@lowers(Op.RELU)
+def lower_relu(n: Tensor, env):
+    return jnp.maximum(_value_f32(env, n.src[0]), 0.0)
+
+
 @lowers(Op.SILU)
 def lower_silu(n: Tensor, env):
     return jax.nn.silu(_value_f32(env, n.src[0]))

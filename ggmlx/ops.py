@@ -119,6 +119,11 @@ def sigmoid(a: Tensor) -> Tensor:
     return _unary(Op.SIGMOID, a)
 
 
+def relu(a: Tensor) -> Tensor:
+    """max(a, 0). -> a.ne."""
+    return _unary(Op.RELU, a)
+
+
 def silu(a: Tensor) -> Tensor:
     """a * sigmoid(a). -> a.ne."""
     return _unary(Op.SILU, a)

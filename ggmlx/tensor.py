@@ -43,6 +43,7 @@ class Op(enum.Enum):
     CLAMP = "CLAMP"
     TANH = "TANH"
     SILU = "SILU"
+    RELU = "RELU"
     SIGMOID = "SIGMOID"
     GELU = "GELU"
     GELU_QUICK = "GELU_QUICK"

@@ -44,14 +44,15 @@ class LLMNormType(enum.Enum):
 
 
 class LLMFfnOpType(enum.Enum):
-    """llm_ffn_op_type: the activation of build_ffn / build_moe_ffn (LLM_FFN_RELU, RELU_SQR and
-    REGLU have no op here)."""
+    """llm_ffn_op_type: the activation of build_ffn / build_moe_ffn (LLM_FFN_RELU and REGLU have
+    no op here)."""
 
     SILU = enum.auto()             # silu; with a parallel gate SwiGLU, silu(gate x) * up x
     GELU = enum.auto()             # gelu; with a parallel gate GeGLU
     SWIGLU = enum.auto()           # silu(g) * u of a fused ffn_up whose rows are [g; u] (Phi-3)
     GEGLU = enum.auto()            # gelu(g) * u of a fused ffn_up
     SWIGLU_OAI_MOE = enum.auto()   # gpt-oss's clamped SwiGLU (alpha 1.702, limit 7); parallel gate
+    RELU_SQR = enum.auto()         # relu(x)^2 without a gate (Nemotron-H)
 
 
 class LLMFfnGateType(enum.Enum):
@@ -538,6 +539,9 @@ class GraphBuilder:
                 cur = self.cb(ops.swiglu(tmp), "ffn_swiglu", il)
             elif type_op is LLMFfnOpType.GEGLU:
                 cur = self.cb(ops.geglu(tmp), "ffn_geglu", il)
+            elif type_op is LLMFfnOpType.RELU_SQR:
+                cur = self.cb(ops.relu(tmp), "ffn_relu", il)
+                cur = self.cb(ops.sqr(cur), "ffn_sqr(relu)", il)
             elif type_op is LLMFfnOpType.SWIGLU_OAI_MOE:
                 raise _unsupported("build_ffn", "type_op", type_op, "it needs a parallel gate (type_gate PAR)")
             else:
@@ -561,6 +565,8 @@ class GraphBuilder:
             return self.cb(ops.swiglu_oai(gate, up, 1.702, 7.0), f"{prefix}_swiglu_oai", il)
         if type_op is LLMFfnOpType.SWIGLU or type_op is LLMFfnOpType.GEGLU:
             raise _unsupported(where, "type_op", type_op, fused)
+        if type_op is LLMFfnOpType.RELU_SQR:
+            raise _unsupported(where, "type_op", type_op, "it has no gate here (type_gate SEQ)")
         assert_never(type_op)
 
     def group_limited(self, selection: Tensor, n_expert: int, n_tokens: int, il: int) -> Tensor:

@@ -454,7 +454,7 @@ def _check_sizes(hp: HParams, ml: GGUFMeta) -> None:
                           f"{ml.key_name(LLMKV.ATTENTION_HEAD_COUNT)}') is not a positive multiple "
                           f"of KV head count {n_head_kv} ('"
                           f"{ml.key_name(LLMKV.ATTENTION_HEAD_COUNT_KV)}')")
-        if hp.n_ff(il) <= 0:
+        if hp.n_ff(il) <= 0 and not (recurrent and hp.n_ff(il) == 0):     # hybrids: attention-only layers
             raise ml.error(f"layer {il}: '{ml.key_name(LLMKV.FEED_FORWARD_LENGTH)}' = "
                           f"{hp.n_ff(il)} must be positive")
 

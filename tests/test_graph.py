@@ -251,9 +251,11 @@ FFN_CASES = {
     (LLMFfnOpType.SWIGLU, LLMFfnGateType.SEQ): "ffn_swiglu",
     (LLMFfnOpType.GEGLU, LLMFfnGateType.SEQ): "ffn_geglu",
     (LLMFfnOpType.SWIGLU_OAI_MOE, LLMFfnGateType.SEQ): None,
+    (LLMFfnOpType.RELU_SQR, LLMFfnGateType.PAR): None,
+    (LLMFfnOpType.RELU_SQR, LLMFfnGateType.SEQ): "ffn_sqr(relu)",
 }
 FFN_ACT = {LLMFfnOpType.SILU: _silu, LLMFfnOpType.GELU: _gelu, LLMFfnOpType.SWIGLU: _silu,
-           LLMFfnOpType.GEGLU: _gelu}
+           LLMFfnOpType.GEGLU: _gelu, LLMFfnOpType.RELU_SQR: lambda x: np.maximum(x, 0.0) ** 2}
 
 
 @pytest.mark.parametrize("type_op, type_gate", list(itertools.product(LLMFfnOpType, LLMFfnGateType)))
@@ -313,7 +315,8 @@ def _moe_ref(xv, wr, wu, wg, wd, type_op, gating_op):
 
 # type_op -> the experts' activation node name, or None where build_moe_ffn refuses it
 MOE_OPS = {LLMFfnOpType.SILU: "ffn_moe_swiglu", LLMFfnOpType.GELU: "ffn_moe_geglu",
-           LLMFfnOpType.SWIGLU_OAI_MOE: "ffn_moe_swiglu_oai", LLMFfnOpType.SWIGLU: None, LLMFfnOpType.GEGLU: None}
+           LLMFfnOpType.SWIGLU_OAI_MOE: "ffn_moe_swiglu_oai", LLMFfnOpType.SWIGLU: None, LLMFfnOpType.GEGLU: None,
+           LLMFfnOpType.RELU_SQR: None}
 MOE_GATING = {ExpertGatingFuncType.SOFTMAX: True, ExpertGatingFuncType.SIGMOID: True,
               ExpertGatingFuncType.SOFTMAX_WEIGHT: True, ExpertGatingFuncType.NONE: False}
 

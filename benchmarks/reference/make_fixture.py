@@ -957,6 +957,33 @@ def spec_granitehybrid(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_nemotron_h(d: Dims, w: Weights) -> dict:
+    """Nemotron-H: 4 layers, Mamba-2 / attention (no rope) / squared-ReLU FFN / Mamba-2: KV heads
+    mark attention, an FFN width the FFN layers, neither the Mamba-2 ones."""
+    a = "nemotron_h"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = ssm_kv(a, d, d_state=16, dt_rank=8, n_group=2)
+    kv[f"{a}.attention.head_count"] = d.n_head
+    kv[f"{a}.attention.head_count_kv"] = [0, d.n_head_kv, 0, 0]
+    kv[f"{a}.feed_forward_length"] = [0, 0, d.n_ff, 0]
+    kv[f"{a}.attention.key_length"] = kv[f"{a}.attention.value_length"] = d.head_dim
+    kv[f"{a}.attention.layer_norm_epsilon"] = 1e-5
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        if il == 1:
+            attn_qkv(w, p, d)
+            w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        elif il == 2:
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        else:
+            mamba2_block(w, p, d, d_state=16, n_head=8, n_group=2)
+    output(w, d)
+    return kv
+
+
 @dataclasses.dataclass(frozen=True)
 class ArchSpec:
     build: Callable[[Dims, Weights], dict]
@@ -984,6 +1011,7 @@ ARCHS: dict[str, ArchSpec] = {
     "mamba": ArchSpec(spec_mamba, 140),
     "mamba2": ArchSpec(spec_mamba2, 141),
     "granitehybrid": ArchSpec(spec_granitehybrid, 142),
+    "nemotron_h": ArchSpec(spec_nemotron_h, 143),
     "llama4": ArchSpec(spec_llama4, 114),
     "granitemoe": ArchSpec(spec_granitemoe, 115),
     "command-r": ArchSpec(spec_command_r, 116),

@@ -34,6 +34,7 @@ from llm.models import (
     mamba2,
     minimax_m2,
     mistral3,
+    nemotron_h,
     nomic_bert,
     olmo2,
     olmoe,
@@ -53,6 +54,7 @@ from llm.models import (
 
 ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.LLAMA: llama,
+    LLMArch.NEMOTRON_H: nemotron_h,
     LLMArch.MAMBA: mamba,
     LLMArch.MAMBA2: mamba2,
     LLMArch.QWEN2: qwen2,
