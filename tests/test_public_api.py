@@ -77,14 +77,25 @@ MODULE_NAMES = {
     # issue 34: llm quantize
     "llm.quantize": ["model_quantize", "QuantizeParams", "QuantizeError", "LlamaFType"],
     # issue 29: the shared blocks
-    "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows"],
+    "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu"],
+    # issue 28: recurrent and hybrid memories
+    "llm.memory_recurrent": ["MemoryRecurrent"],
+    "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
+    "llm.arch": ["llm_arch_is_recurrent", "llm_arch_is_hybrid"],
 }
 
 METHODS = {
     "llm.api:LLM": ["generate", "stream", "chat", "score", "embed", "tokenize", "reset", "set_adapters_lora",
                     "chat_prompt"],
     "llm.graph:GraphBuilder": ["build_lora_mm", "build_lora_mm_id", "build_attn_mla", "build_moe_ffn",
-                               "group_limited", "rope_multi_params"],
+                               "group_limited", "rope_multi_params", "build_rs_inp", "build_rs",
+                               "build_mamba_layer", "build_mamba2_layer"],
+    "llm.memory_recurrent:MemoryRecurrent": ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min",
+                                             "seq_pos_max", "clear"],
+    "llm.memory_hybrid:MemoryHybrid": ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min",
+                                       "seq_pos_max", "clear"],
+    "llm.kv_cache:KVCache": ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",
+                             "clear"],
     "llm.context:Context": ["decode", "get_logits_ith", "get_embeddings_seq", "get_embeddings_ith",
                             "state_save_file", "state_load_file", "set_adapters_lora", "set_adapter_scales_seq"],
     "llm.batch:Batch": ["get_one"],
