@@ -33,7 +33,7 @@ from llm.research import quantize_llamacpp  # noqa: E402
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
          "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE", "F16",
          "BF16", "F32")
-IMATRIX_TYPES = ("Q2_K_S", "IQ3_XS")
+IMATRIX_TYPES = ("Q2_K_S", "IQ3_XS", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
 
 
 def file_sha(path: str | os.PathLike) -> str:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="runs of each; the best time counts")
     ap.add_argument("--imatrix", action="store_true",
                     help="both quantize with the same seeded importance matrix (the weighted quantizers; "
-                         "adds the types that need one: Q2_K_S, IQ3_XS)")
+                         "adds the types that need one: Q2_K_S, IQ3_XS, IQ3_XXS, IQ2_*, IQ1_*)")
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("llm.quantize").setLevel(logging.ERROR)      # the per-model fallback warnings

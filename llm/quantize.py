@@ -11,10 +11,10 @@ with ggml_quantize_chunk). The output goes to a temporary file renamed at the en
 leaves no partial file.
 
 With an importance matrix (`imatrix`, as `load_imatrix` reads llama-imatrix's files) the
-quantizers take ggml's weighted paths, also bit-exact. Not implemented (QuantizeError says so):
-the IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS and IQ2_S quantizers, so the file types IQ1_S, IQ1_M, IQ2_XXS,
-IQ2_XS, IQ2_S, IQ2_M and IQ3_XXS (its attention Q/K are IQ2_S); and the NVFP4 / Q1_0 / Q2_0 file
-types (no such ggmlx types).
+quantizers take ggml's weighted paths, also bit-exact; the IQ1 / IQ2 file types (IQ1_S, IQ1_M,
+IQ2_XXS, IQ2_XS, IQ2_S, IQ2_M, and IQ3_XXS whose attention Q/K are IQ2_S) need one, as in
+llama.cpp. Not implemented (QuantizeError says so): the NVFP4 / Q1_0 / Q2_0 file types (no such
+ggmlx types).
 """
 from __future__ import annotations
 

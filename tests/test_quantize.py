@@ -12,7 +12,8 @@ llama-cpp-python is needed to run these tests.
   use_more_bits; tied embeddings with rows of 96 and 200 columns for the fallbacks and F16; an
   8-expert MoE with 3-d expert tensors; falcon with a fused QKV), for every file type
   llama-quantize offers: whole output files by sha256, and per tensor type and hash; with a
-  seeded importance matrix and llama-quantize's provenance keys for 18 cases;
+  seeded importance matrix and llama-quantize's provenance keys for 31 cases (the IQ1 / IQ2 file
+  types among them);
 - a split model, with --keep-split (two output files) and without (one);
 - imatrix files (GGUF and legacy .dat) through the command;
 - the refusals: unknown types, requantizing, a missing importance matrix, an imatrix for
@@ -42,7 +43,7 @@ from llm.quantize import (
 
 REF_PATH = Path(__file__).parent / "data" / "quantize" / "reference.json"
 ROW_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-             "IQ3_S", "IQ3_XXS", "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16")
+             "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16")
 # File types whose quantizers are not implemented yet (llama.cpp makes them without an imatrix).
 NOT_IMPLEMENTED: set[str] = set()
 # Every name llama-quantize takes, without its aliases (Q3_K = Q3_K_M, Q4_K = Q4_K_M, Q5_K = Q5_K_M).
@@ -207,13 +208,21 @@ IMATRIX_FILE, IMATRIX_DATASET, IMATRIX_CHUNKS = "imatrix.gguf", "calibration.txt
 IMATRIX_CASES = (*((m, f) for m in ("llama-gqa4",) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K_S", "Q3_K_M",
                                                           "Q4_K_M", "Q5_K_S", "Q6_K", "IQ4_NL", "IQ4_XS")),
                  ("llama-gqa4", "IQ3_S"), ("llama-gqa4", "IQ3_M"), ("llama-gqa4", "IQ3_XS"), ("moe8", "IQ3_XS"),
-                 ("moe8", "Q2_K"), ("moe8", "Q4_K_M"), ("moe8", "IQ4_XS"), ("gemma3-tied", "Q4_K_M"))
+                 ("moe8", "Q2_K"), ("moe8", "Q4_K_M"), ("moe8", "IQ4_XS"), ("gemma3-tied", "Q4_K_M"),
+                 *(("llama-gqa4", f) for f in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_XXS")),
+                 ("moe8", "IQ2_XXS"), ("moe8", "IQ1_M"), ("gemma3-tied", "IQ1_S"), ("gemma3-tied", "IQ2_M"),
+                 ("falcon-qkv", "IQ2_XS"))
+
+
+# Cases whose imatrix covers every matrix (the others leave blk.0.ffn_down out, which llama.cpp
+# refuses where that tensor gets a type that needs one: falcon-qkv IQ2_XS is kept as such a case).
+FULL_IMATRIX = {("llama-gqa4", "IQ3_XXS"), ("llama-gqa4", "IQ1_M")}
 
 
 def imatrix_params(model: str, ftype_name: str) -> QuantizeParams:
     """The params llama-quantize passes for `--imatrix imatrix.gguf` (the provenance keys too)."""
     params = case_params(ftype_name)
-    params.imatrix = seeded_imatrix(model)
+    params.imatrix = seeded_imatrix(model, () if (model, ftype_name) in FULL_IMATRIX else ("blk.0.ffn_down.weight",))
     params.kv_overrides = [("quantize.imatrix.file", IMATRIX_FILE), ("quantize.imatrix.dataset", IMATRIX_DATASET),
                            ("quantize.imatrix.entries_count", len(params.imatrix)),
                            ("quantize.imatrix.chunks_count", IMATRIX_CHUNKS)]
@@ -277,6 +286,25 @@ def test_quantizer_round_trip_error_is_small():
         assert rel < bound, f"{name}: relative RMS error {rel:.3f}"
 
 
+def test_iq2_iq1_round_trip_error_is_small():
+    """The IQ2 / IQ1 quantizers' bytes (with an importance matrix) dequantize near the input, by
+    the importance-weighted error they minimise."""
+    x = np.random.default_rng(7).standard_normal((8, 512)).astype(np.float32)
+    im = row_imatrices()["lognormal"]
+    for name, bound in (("IQ2_XXS", 0.3), ("IQ2_XS", 0.22), ("IQ2_S", 0.21), ("IQ1_S", 0.4), ("IQ1_M", 0.33)):
+        t = GGMLType[name]
+        y = quants.dequantize(quants.quantize(x, t, im).reshape(-1), t, (512, 8))
+        rel = np.sqrt(np.sum(im * (y - x) ** 2) / np.sum(im * x ** 2))
+        assert rel < bound, f"{name}: weighted relative RMS error {rel:.3f}"
+
+
+@pytest.mark.parametrize("type_name", ["IQ2_XXS", "IQ2_XS", "IQ1_S"])
+def test_iq_types_that_need_an_imatrix_refuse_without(type_name):
+    """ggml_quantize_requires_imatrix: ggml asserts; quantize says so."""
+    with pytest.raises(ValueError, match="requires an importance matrix"):
+        quants.quantize(quantizer_rows(), GGMLType[type_name])
+
+
 # ---- model_quantize on the test models ------------------------------------------------------------
 
 
@@ -327,11 +355,18 @@ def test_split_model_equals_llamacpp(ref, inputs, tmp_path, case, ftype_name, ke
 
 
 @pytest.mark.parametrize("model,ftype_name", [
-    pytest.param(m, f, marks=() if (m, f) in {("llama-gqa4", "Q4_K_M"), ("moe8", "IQ4_XS")} else pytest.mark.slow,
+    pytest.param(m, f, marks=() if (m, f) in {("llama-gqa4", "Q4_K_M"), ("moe8", "IQ4_XS"), ("llama-gqa4", "IQ2_XXS")}
+                 else pytest.mark.slow,
                  id=f"{m}-{f}") for m, f in IMATRIX_CASES])
 def test_imatrix_model_quantize_equals_llamacpp(ref, inputs, tmp_path, model, ftype_name):
-    paths = model_quantize(inputs[model], tmp_path / "out.gguf", imatrix_params(model, ftype_name))
     want = ref["models_imatrix"][model][ftype_name]
+    if "error" in want:         # llama.cpp refused: a tensor that needs the matrix has none in it
+        assert "Missing importance matrix" in want["error"]
+        with pytest.raises(QuantizeError, match="missing importance matrix for tensor"):
+            model_quantize(inputs[model], tmp_path / "out.gguf", imatrix_params(model, ftype_name))
+        assert not list(tmp_path.iterdir())
+        return
+    paths = model_quantize(inputs[model], tmp_path / "out.gguf", imatrix_params(model, ftype_name))
     got = describe(paths)
     bad = {n: (t, want["tensors"].get(n)) for n, t in got["tensors"].items() if want["tensors"].get(n) != t}
     assert got["files"] == want["files"], f"{model} {ftype_name} with an imatrix: (ours, llama.cpp) {bad}"
@@ -566,6 +601,15 @@ def test_cli_imatrix_writes_llama_quantize_bytes(ref, inputs, tmp_path, monkeypa
     assert describe(["dat.gguf"])["tensors"] == want["tensors"]
     with gguf.GGUFReader("dat.gguf") as r:
         assert r.kv["quantize.imatrix.file"] == "imatrix.dat" and r.kv["quantize.imatrix.chunks_count"] == 3
+
+
+def test_cli_iq2_xxs_with_imatrix_writes_llama_quantize_bytes(ref, inputs, tmp_path, monkeypatch):
+    """`llm quantize IN OUT IQ2_XXS --imatrix F`: llama_model_quantize's file (IQ2_XXS, its Q2_K /
+    Q4_K / Q5_K mix and the provenance keys)."""
+    monkeypatch.chdir(tmp_path)
+    write_imatrix_gguf(tmp_path / IMATRIX_FILE, seeded_imatrix("llama-gqa4"), _n_mat("llama-gqa4"), 4.0)
+    assert _cli(str(inputs["llama-gqa4"]), "out.gguf", "IQ2_XXS", "--imatrix", IMATRIX_FILE) == 0
+    assert describe(["out.gguf"])["files"] == ref["models_imatrix"]["llama-gqa4"]["IQ2_XXS"]["files"]
 
 
 def test_cli_imatrix_for_another_model_is_a_usage_error(inputs, tmp_path):

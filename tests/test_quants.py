@@ -322,7 +322,9 @@ def test_unsupported_and_unknown_types():
         quants.dequantize_jax(np.zeros(4, dtype=np.int32), GGMLType.I32, (4,))
     with pytest.raises(ValueError, match="unknown ggml type id 99"):
         quants.dequantize(np.zeros(4, dtype=np.uint8), 99, (1,))
-    with pytest.raises(NotImplementedError, match="quantizing to IQ2_XXS"):
+    with pytest.raises(NotImplementedError, match="quantizing to Q8_K"):
+        quants.quantize(np.zeros(256, dtype=np.float32), GGMLType.Q8_K)
+    with pytest.raises(ValueError, match="IQ2_XXS requires an importance matrix"):
         quants.quantize(np.zeros(256, dtype=np.float32), GGMLType.IQ2_XXS)
     with pytest.raises(NotImplementedError, match="quantizing to F16"):
         quants.quantize_jax(np.zeros(32, dtype=np.float32), GGMLType.F16)

@@ -5,9 +5,9 @@
   device (layout: ggmlx.quants.jax_dequant; `weights.to_device` puts them there).
 - `int8.to_int8(blocks, type, n_rows)`: the exact int8 form of the linear block types.
 - `quantize(x, type)`: every type in QUANTIZE_TYPES (F32, F16, BF16, the legacy types,
-  Q2_K..Q6_K, IQ4_NL, IQ4_XS, IQ3_S, TQ1_0, TQ2_0, MXFP4), bit-exact with ggml_quantize_chunk
-  without an importance matrix, and with one (`imatrix`) for IMATRIX_TYPES; `quantize_jax(x, type)`:
-  the legacy types on device.
+  Q2_K..Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_S, IQ1_M, TQ1_0, TQ2_0, MXFP4), bit-exact with
+  ggml_quantize_chunk without an importance matrix, and with one (`imatrix`) for IMATRIX_TYPES
+  (IQ2_XXS, IQ2_XS and IQ1_S only with one); `quantize_jax(x, type)`: the legacy types on device.
 
 Dequantization covers F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL,
 IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0 and MXFP4.

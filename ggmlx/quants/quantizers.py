@@ -4,9 +4,10 @@ The legacy block types have one kernel each, written for numpy and jax.numpy ali
 ggmlx.quants.kernels): float32 [n_blocks, 32] -> uint8 [n_blocks, type_size]. `quantize` runs
 them on the host and returns file bytes; `quantize_jax` runs them on device (inside jit too,
 e.g. for a quantized KV cache) and returns the device layout that `dequantize_jax` reads.
-The K-quants, IQ4, IQ3_S, IQ3_XXS, ternary and MXFP4 types have host (numpy) kernels only
-(ggmlx.quants.kquants, ggmlx.quants.nlquants, ggmlx.quants.iq3): their searches loop over
-trial scales.
+The K-quants, IQ4, IQ3, IQ2, IQ1, ternary and MXFP4 types have host (numpy) kernels only
+(ggmlx.quants.kquants, ggmlx.quants.nlquants, ggmlx.quants.iq3, ggmlx.quants.iq2): their
+searches loop over trial scales. IQ2_XXS, IQ2_XS and IQ1_S need an importance matrix (as in
+ggml_quantize_requires_imatrix).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..types import GGMLType, TypeSizeError, block_size, row_size, type_size
+from .iq2 import IQ2_IMATRIX_KERNELS, IQ2_KERNELS, REQUIRE_IMATRIX
 from .iq3 import IQ3_IMATRIX_KERNELS, quantize_iq3_s, quantize_iq3_xxs
 from .jax_dequant import JAX
 from .kernels import NUMPY, ArrayOps
@@ -172,15 +174,17 @@ HOST_CHUNK_ELEMENTS = 1 << 18
 # Q3_K's later descent passes run on few groups, so their per-call cost wants larger chunks still.
 _CHUNK = {GGMLType.Q3_K: 1 << 20}
 HOST_KERNELS: dict[GGMLType, HostKernel] = {**KQUANT_KERNELS, **NL_KERNELS, GGMLType.IQ3_S: quantize_iq3_s,
-                                         GGMLType.IQ3_XXS: quantize_iq3_xxs}
+                                         GGMLType.IQ3_XXS: quantize_iq3_xxs, **IQ2_KERNELS}
 
 # Kernels that take an importance matrix (the others ignore it).
 IMATRIX_KERNELS: dict[GGMLType, ImatrixKernel] = {**KQUANT_IMATRIX_KERNELS, **NL_IMATRIX_KERNELS,
-                                                  **IQ3_IMATRIX_KERNELS}
+                                                  **IQ3_IMATRIX_KERNELS, **IQ2_IMATRIX_KERNELS}
 IMATRIX_TYPES: tuple[GGMLType, ...] = tuple(IMATRIX_KERNELS)
+# Types ggml quantizes only with an importance matrix (ggml_quantize_requires_imatrix).
+IMATRIX_ONLY_TYPES: tuple[GGMLType, ...] = REQUIRE_IMATRIX
 
 QUANTIZE_TYPES: tuple[GGMLType, ...] = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *QUANTIZE_KERNELS,
-                                        *HOST_KERNELS)
+                                        *HOST_KERNELS, *IMATRIX_ONLY_TYPES)
 
 
 def _check_quantize(x_shape: tuple[int, ...], t: GGMLType | int, what: str, allowed) -> GGMLType:
@@ -220,6 +224,8 @@ def quantize(x: np.ndarray, type: GGMLType | int, imatrix: np.ndarray | None = N
         raise ValueError(f"quantize: {t.name} input contains NaN or infinity")
     if imatrix is not None and t in IMATRIX_KERNELS:
         return _quantize_rows(x, t, np.asarray(imatrix, dtype=np.float32))
+    if t in IMATRIX_ONLY_TYPES:
+        raise ValueError(f"quantize: {t.name} requires an importance matrix (imatrix)")
     blocks = x.reshape(-1, block_size(t))
     out = np.empty((blocks.shape[0], type_size(t)), dtype=np.uint8)
     step = _CHUNK.get(t, HOST_CHUNK_ELEMENTS if t in HOST_KERNELS else CHUNK_ELEMENTS) // block_size(t)
@@ -265,7 +271,8 @@ _SCALE_FIELDS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
     GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
-    GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,),
+    GGMLType.TQ1_0: (52,), GGMLType.TQ2_0: (64,), GGMLType.IQ2_XXS: (0,), GGMLType.IQ2_XS: (0,),
+    GGMLType.IQ2_S: (0,), GGMLType.IQ1_S: (0,),
 }
 
 

@@ -47,7 +47,10 @@ def _imatrix_case(t, q, inp: Path, out: Path, model: str, ftype_name: str) -> di
     params = t.imatrix_params(model, ftype_name)
     kinds = {bool: "bool", int: "int", float: "float", str: "str"}
     kv = [(k, kinds[type(v)], v) for k, v in params.kv_overrides]
-    q.quantize_file(inp, out, int(params.ftype), nthread=2, imatrix=params.imatrix, kv_overrides=kv)
+    try:
+        q.quantize_file(inp, out, int(params.ftype), nthread=2, imatrix=params.imatrix, kv_overrides=kv)
+    except RuntimeError as e:       # a tensor that needs the matrix has none in it
+        return {"error": str(e)}
     return t.describe([str(out)])
 
 
