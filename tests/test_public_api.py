@@ -44,7 +44,7 @@ MODULE_NAMES = {
     "llm.generation.speculative": ["PromptLookup", "DraftModel", "Speculative", "DraftPolicy", "sample_and_accept_n"],
     "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType", "GraphBuilder"],
     "llm.hparams": ["ExpertGatingFuncType"],
-    "llm.arch": ["ArchBuilder"],
+    "llm.arch": ["ArchBuilder", "llm_arch_is_recurrent", "llm_arch_is_hybrid"],
     "llm.serving.routes": ["router"],
     "llm.serving.engine": ["Engine", "QueueFull"],
     "llm.research.llamacpp_child": ["LlamaCppCrashed"],
@@ -81,7 +81,6 @@ MODULE_NAMES = {
     # issue 28: recurrent and hybrid memories
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
-    "llm.arch": ["llm_arch_is_recurrent", "llm_arch_is_hybrid"],
 }
 
 METHODS = {
