@@ -24,7 +24,9 @@ pp512 / tg128 reuse compare.py's children (llm bench's bench_model and llama_cpp
 
 Run time: ~13 min on a shared 2-core machine with the defaults, most of it our engine's
 4000-token prefill (~170 s; its lax.scan ssm_scan is ~87% of a prefill ubatch's op time) and
-its compiles (~20 s per child); `-r 1` or `--skip-pos` for a quicker look.
+its compiles (~20 s per child); `-r 1` or `--skip-pos` for a quicker look. On a shared machine
+llama.cpp's tg collapses when other processes take the cores (its threads spin-wait at every
+op), so its tg numbers are only meaningful with the load average below the thread count.
 """
 from __future__ import annotations
 
@@ -281,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"[rep {rep}] pp/tg {name} {t} {e}: pp {r['pp']:.1f} tg {r['tg']:.1f}", flush=True)
     med = lambda rs, k: statistics.median(r[k] for r in rs)      # noqa: E731
     print(f"\n== summary: threads {a.threads}, reps {a.reps} (pp/tg) / {a.pos_reps} (position test), medians, "
-          f"vocab {N_VOCAB}, total {time.perf_counter() - t_start:.0f} s ==")
+          f"vocab {N_VOCAB}, total {time.perf_counter() - t_start:.0f} s, load average now "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} ==")
+    if max(os.getloadavg()) > a.threads + 0.5:
+        print("note: more runnable processes than cores: llama.cpp's spin-waiting thread pool slows down far "
+              "more than XLA's when the cores are shared (its tg can drop 10x); compare on a quiet machine")
     if pos_res:
         p0, p1 = positions[0], positions[-1]
         print(f"\ndecode ms/token at position ~{p0} and ~{p1} ({a.steps} steps timed, best of 2 windows per run)")
