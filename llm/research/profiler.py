@@ -247,9 +247,10 @@ def profile(model: Model | str, n_ctx: int = 2048, n_prompt: int = 512, n_decode
     n0 = len(prompt)
 
     def decode():
-        ctx.memory.seq_rm(0, n0, -1)
+        # a KV cache drops the last run's tokens; a recurrent state cannot, so it runs on from them
+        start = n0 if ctx.memory.seq_rm(0, n0, -1) else ctx.memory.seq_pos_max(0) + 1
         for i in range(n_decode):
-            _decode_ok(ctx, Batch(tokens=[lo + (i * 31) % (n_vocab - lo)], pos=[n0 + i], logits=[True]))
+            _decode_ok(ctx, Batch(tokens=[lo + (i * 31) % (n_vocab - lo)], pos=[start + i], logits=[True]))
 
     decode()                                        # warm-up
     out.append(_measure(ctx, decode, f"decode (1 token, n_kv {ctx.memory.n_kv()})", n_decode, 1))
