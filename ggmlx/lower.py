@@ -469,6 +469,11 @@ def lower_sigmoid(n: Tensor, env):
     return jax.nn.sigmoid(_value_f32(env, n.src[0]))
 
 
+@lowers(Op.SOFTPLUS)
+def lower_softplus(n: Tensor, env):
+    return _softplus(_value_f32(env, n.src[0]))
+
+
 @lowers(Op.RELU)
 def lower_relu(n: Tensor, env):
     return jnp.maximum(_value_f32(env, n.src[0]), 0.0)
@@ -742,3 +747,46 @@ def lower_ssm_scan(n: Tensor, env):
     seq = (jnp.swapaxes(x, 0, 1), jnp.swapaxes(dt, 0, 1), jnp.swapaxes(b, 0, 1), jnp.swapaxes(c, 0, 1))
     h, y = jax.lax.scan(step, h0, seq)             # y [n_tok, n_seqs, n_head, head_dim]
     return jnp.concatenate([jnp.swapaxes(y, 0, 1).reshape(-1), h.reshape(-1)]).reshape(n.shape)
+
+
+@lowers(Op.GATED_DELTA_NET)
+def lower_gated_delta_net(n: Tensor, env):
+    """A compiled loop over the tokens, all sequences and heads at once (the state [n_seqs,
+    H_v, S_v, S_v] in the carry, in ggml's order: M[j, i] = S[i, j]); the last K tokens run
+    in a second loop that also returns each state, for the snapshots."""
+    q_t, k_t, v_t, g_t, b_t, s_t = n.src
+    K = n.op_params[0]
+    q = _value_f32(env, q_t)                       # [n_seqs, n_tok, H_k, S]
+    k = _value_f32(env, k_t)
+    v = _value_f32(env, v_t)                       # [n_seqs, n_tok, H_v, S]
+    g = _value_f32(env, g_t)                       # [n_seqs, n_tok, H_v, 1 or S]
+    beta = _value_f32(env, b_t)[..., 0]            # [n_seqs, n_tok, H_v]
+    m0 = _value_f32(env, s_t)                      # [n_seqs, H_v, S (j), S (i)]
+    n_seqs, n_tok, H_v, S = v.shape
+    heads = jnp.arange(H_v) % q.shape[2]           # tiled, as ggml broadcasts q and k heads
+    q, k = q[:, :, heads], k[:, :, heads]
+    scale = 1.0 / math.sqrt(S)
+    prec = weights.matmul_precision()
+
+    def step(m, t):
+        q_i, k_i, v_i, g_i, b_i = t                # [n_seqs, H_v, S], ..., [n_seqs, H_v, 1 or S], [n_seqs, H_v]
+        m = m * jnp.exp(g_i)[:, :, None, :]
+        d = (v_i - jnp.einsum("shji,shi->shj", m, k_i, precision=prec)) * b_i[..., None]
+        m = m + d[..., :, None] * k_i[..., None, :]
+        return m, jnp.einsum("shji,shi->shj", m, q_i, precision=prec) * scale
+
+    def step_keep(m, t):
+        m, o = step(m, t)
+        return m, (o, m)
+
+    def scan(m, lo, hi, fn):
+        return jax.lax.scan(fn, m, tuple(jnp.swapaxes(a[:, lo:hi], 0, 1) for a in (q, k, v, g, beta)))
+
+    n_keep = min(K, n_tok)
+    m, o1 = scan(m0, 0, n_tok - n_keep, step) if n_tok > n_keep else (m0, None)
+    m, (o2, snaps) = scan(m, n_tok - n_keep, n_tok, step_keep)
+    o = o2 if o1 is None else jnp.concatenate([o1, o2])            # [n_tok, n_seqs, H_v, S]
+    snaps = snaps[::-1]                                              # most recent first
+    if K > n_keep:
+        snaps = jnp.concatenate([snaps, jnp.zeros((K - n_keep,) + m.shape, snaps.dtype)])
+    return jnp.concatenate([jnp.swapaxes(o, 0, 1).reshape(-1), snaps.reshape(-1)]).reshape(n.shape)

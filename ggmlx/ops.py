@@ -119,6 +119,11 @@ def sigmoid(a: Tensor) -> Tensor:
     return _unary(Op.SIGMOID, a)
 
 
+def softplus(a: Tensor) -> Tensor:
+    """log(1 + exp(a)), a itself above 20 (ggml's threshold). -> a.ne."""
+    return _unary(Op.SOFTPLUS, a)
+
+
 def relu(a: Tensor) -> Tensor:
     """max(a, 0). -> a.ne."""
     return _unary(Op.RELU, a)
@@ -562,3 +567,30 @@ def ssm_scan(s: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, 
               B, C, s)
     n = x.nelements() + d_state * head_dim * n_head * n_seqs
     return _node(Op.SSM_SCAN, F32, (n, 1, 1, 1), (s, x, dt, A, B, C, ids))
+
+
+def gated_delta_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                    K: int = 1) -> Tensor:
+    """The gated delta rule of Gated DeltaNet (Qwen3-Next, Qwen3.5) and Kimi's KDA, per head
+    and sequence from state S [S_k, S_v] (stored as ggml does, v index outer):
+    S = exp(g_t) S (KDA: row i scaled by exp(g_t[i])), d = beta_t (v_t - S^T k_t),
+    S += k_t d^T, o_t = S^T q_t / sqrt(S_v). Heads of q and k tile over v's (head h reads
+    q head h % H_k). q, k [S_k, H_k, n_tokens, n_seqs], v [S_v, H_v, n_tokens, n_seqs],
+    g [1 or S_v, H_v, n_tokens, n_seqs], beta [1, H_v, n_tokens, n_seqs],
+    state [S_v, S_v, H_v, n_seqs]. -> F32 1-D: o [S_v, H_v, n_tokens, n_seqs], then K state
+    snapshots, most recent first (slot j = the state j tokens before the last; slots past
+    n_tokens are zero), ggml_gated_delta_net's layout."""
+    _float("gated_delta_net", q, k, v, g, beta, state)
+    S_v, H_v, n_tokens, n_seqs = v.ne
+    if q.ne != k.ne or q.ne[0] != S_v or q.ne[2:] != (n_tokens, n_seqs) or H_v % q.ne[1]:
+        _fail("gated_delta_net", "q and k must be [S_v, H_k, n_tokens, n_seqs], H_k dividing v's H_v", q, k, v)
+    if g.ne[0] not in (1, S_v) or g.ne[1:] != v.ne[1:]:
+        _fail("gated_delta_net", "g must be [1 or S_v, H_v, n_tokens, n_seqs]", g, v)
+    if beta.ne != (1,) + v.ne[1:]:
+        _fail("gated_delta_net", "beta must be [1, H_v, n_tokens, n_seqs]", beta, v)
+    if state.ne != (S_v, S_v, H_v, n_seqs):
+        _fail("gated_delta_net", "state must be [S_v, S_v, H_v, n_seqs]", state, v)
+    if K < 1:
+        raise ValueError(f"gated_delta_net: K={K} snapshots, must be >= 1")
+    n = v.nelements() + K * state.nelements()
+    return _node(Op.GATED_DELTA_NET, F32, (n, 1, 1, 1), (q, k, v, g, beta, state), (int(K),))

@@ -45,6 +45,7 @@ class Op(enum.Enum):
     SILU = "SILU"
     RELU = "RELU"
     SIGMOID = "SIGMOID"
+    SOFTPLUS = "SOFTPLUS"
     GELU = "GELU"
     GELU_QUICK = "GELU_QUICK"
     GLU = "GLU"
@@ -66,6 +67,7 @@ class Op(enum.Enum):
     MAP_CUSTOM1 = "MAP_CUSTOM1"
     SSM_CONV = "SSM_CONV"
     SSM_SCAN = "SSM_SCAN"
+    GATED_DELTA_NET = "GATED_DELTA_NET"
 
 
 # ops whose result is a window onto their source's memory (ggml's view ops)

@@ -65,6 +65,8 @@ TESTED_OPS: dict[Op, str] = {
     Op.MAP_CUSTOM1: "test_map_custom1",
     Op.SSM_CONV: "test_ssm_conv",
     Op.SSM_SCAN: "test_ssm_scan",
+    Op.SOFTPLUS: "test_unary",
+    Op.GATED_DELTA_NET: "test_gated_delta_net",
 }
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
@@ -309,6 +311,7 @@ UNARY = {
     "tanh": (ops.tanh, np.tanh),
     "silu": (ops.silu, silu_ref),
     "relu": (ops.relu, lambda x: np.maximum(x, 0.0)),
+    "softplus": (ops.softplus, lambda x: np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))),
     "sigmoid": (ops.sigmoid, lambda x: 1.0 / (1.0 + np.exp(-x))),
     "gelu": (ops.gelu, gelu_ref),
     "gelu_quick": (ops.gelu_quick, lambda x: x / (1.0 + np.exp(-1.702 * x))),
@@ -1172,3 +1175,47 @@ def test_ssm_scan(mamba2):
     with pytest.raises(ShapeError, match="ssm_scan"):
         ops.ssm_scan(ins["s"], ins["x"], ins["dt"], ins["A"], ins["B"], ins["C"],
                      new_input(T.I32, (n_seqs + 1,), "ids_bad"))
+
+
+def ref_gated_delta_net(q, k, v, g, beta, s0, K):
+    """The delta rule token by token in float64 on S[i, j] (k index i, v index j), numpy
+    order in (ggml's ne reversed) and out (o, then K snapshots most recent first)."""
+    n_seqs, n_tok, H_v, S = v.shape
+    H_k = q.shape[2]
+    o = np.zeros(v.shape)
+    snaps = np.zeros((K, n_seqs, H_v, S, S))
+    for sq in range(n_seqs):
+        for h in range(H_v):
+            st = s0[sq, h].T.copy()                            # stored M[j, i] = S[i, j]
+            for t in range(n_tok):
+                qi, ki = q[sq, t, h % H_k], k[sq, t, h % H_k]
+                st = st * np.exp(g[sq, t, h])[:, None]            # row i by exp(g[i]) (or a scalar)
+                d = beta[sq, t, h, 0] * (v[sq, t, h] - st.T @ ki)
+                st = st + np.outer(ki, d)
+                o[sq, t, h] = st.T @ qi / np.sqrt(S)
+                slot = n_tok - 1 - t
+                if slot < K:
+                    snaps[slot, sq, h] = st.T
+    return np.concatenate([o.reshape(-1), snaps.reshape(-1)])
+
+
+@pytest.mark.parametrize("kda,K,n_tok", [(False, 1, 7), (True, 1, 5), (False, 3, 6), (False, 4, 2)],
+                         ids=["gdn", "kda", "snapshots", "snapshots-past-tokens"])
+def test_gated_delta_net(kda, K, n_tok):
+    """Scalar gates (Qwen3-Next) and per-channel ones (KDA), 4 value heads over 2 query/key
+    heads, two sequences; K snapshots of the last states."""
+    rng = np.random.default_rng(33)
+    S, H_k, H_v, n_seqs = 4, 2, 4, 2
+    shapes = dict(q=(S, H_k, n_tok, n_seqs), k=(S, H_k, n_tok, n_seqs), v=(S, H_v, n_tok, n_seqs),
+                  g=(S if kda else 1, H_v, n_tok, n_seqs), beta=(1, H_v, n_tok, n_seqs), s=(S, S, H_v, n_seqs))
+    ins = {name: new_input(T.F32, ne, name) for name, ne in shapes.items()}
+    vals = {name: rand(rng, ne) for name, ne in shapes.items()}
+    vals["g"] = -np.abs(vals["g"])
+    vals["beta"] = 1.0 / (1.0 + np.exp(-vals["beta"]))
+    node = ops.gated_delta_net(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], ins["s"], K)
+    (out,) = run([node], {ins[n]: val.astype(np.float32) for n, val in vals.items()})
+    ref = ref_gated_delta_net(vals["q"], vals["k"], vals["v"], vals["g"], vals["beta"], vals["s"], K)
+    check("gated_delta_net", out.reshape(-1), ref)
+    with pytest.raises(ShapeError, match="gated_delta_net"):
+        ops.gated_delta_net(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"],
+                            new_input(T.F32, (S, S, H_v, n_seqs + 1), "s_bad"))

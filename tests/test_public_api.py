@@ -77,7 +77,8 @@ MODULE_NAMES = {
     # issue 34: llm quantize
     "llm.quantize": ["model_quantize", "QuantizeParams", "QuantizeError", "LlamaFType"],
     # issue 29: the shared blocks
-    "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu"],
+    "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu", "softplus",
+                  "gated_delta_net"],
     # issue 28: recurrent and hybrid memories
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
