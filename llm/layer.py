@@ -68,6 +68,16 @@ class Layer:
     ssm_dt_norm: Tensor | None = None
     ssm_b_norm: Tensor | None = None
     ssm_c_norm: Tensor | None = None
+    # Gated DeltaNet (qwen3next, qwen35): the output gate z's projection, beta and alpha (fused
+    # in qwen3next's ssm_ba)
+    wqkv_gate: Tensor | None = None
+    ssm_beta: Tensor | None = None
+    ssm_alpha: Tensor | None = None
+    ssm_beta_alpha: Tensor | None = None
+    # LFM2's short convolution: its kernel and the projections around it
+    shortconv_conv: Tensor | None = None
+    shortconv_in_proj: Tensor | None = None
+    shortconv_out_proj: Tensor | None = None
     # biases and the extra norms of LayerNorm / encoder / shared-expert architectures
     attn_norm_b: Tensor | None = None
     bqkv: Tensor | None = None
