@@ -173,6 +173,7 @@ class HParams:
     ssm_dt_rank: int = 0
     ssm_n_group: int = 0
     ssm_dt_b_c_rms: bool = False      # falcon-mamba: RMS norm of dt, B and C
+    n_shortconv_l_cache: int = 0      # LFM2: the short convolution's kernel width
     recurrent_layers: list[bool] = dataclasses.field(default_factory=list)
 
     f_norm_eps: float = 0.0
@@ -254,7 +255,9 @@ class HParams:
 
     def n_embd_r(self) -> int:
         """Width of one sequence's conv state in a recurrent layer (llama_hparams::n_embd_r):
-        the last d_conv - 1 inputs of every conv channel."""
+        the last d_conv - 1 inputs of every conv channel (LFM2: of its n_embd channels)."""
+        if self.n_shortconv_l_cache:
+            return self.n_embd * (self.n_shortconv_l_cache - 1)
         return max(self.ssm_d_conv - 1, 0) * (self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state)
 
     def n_embd_s(self) -> int:

@@ -125,11 +125,11 @@ def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.De
 
 
 def create_mamba2(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device, *,
-                  conv_bias: TensorFlag = TensorFlag.NONE) -> None:
+                  conv_bias: TensorFlag = TensorFlag.NONE, norm: TensorFlag = TensorFlag.NONE) -> None:
     """A Mamba-2 block's tensors (mamba2, and the SSM layers of the hybrids): the input
     projection to z, x, B, C and dt, the conv over x, B, C (its bias optional where
-    `conv_bias` says so), the per-head A, D and dt bias, the grouped norm and the output
-    projection."""
+    `conv_bias` says so), the per-head A, D and dt bias, the grouped norm (optional where
+    `norm` says so: falcon-h1) and the output projection."""
     d_inner, d_state, n_group, n_head = hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
     conv_dim = d_inner + 2 * n_group * d_state
     layer.ssm_in = ml.create_tensor(tn(T.SSM_IN, "weight", il), (hp.n_embd, d_inner + conv_dim + n_head), dev)
@@ -138,7 +138,7 @@ def create_mamba2(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.
     layer.ssm_dt_b = ml.create_tensor(tn(T.SSM_DT, "bias", il), (n_head,), dev)
     layer.ssm_a = ml.create_tensor(tn(T.SSM_A, None, il), (1, n_head), dev)       # no "weight" suffix
     layer.ssm_d = ml.create_tensor(tn(T.SSM_D, None, il), (1, n_head), dev)
-    layer.ssm_norm = ml.create_tensor(tn(T.SSM_NORM, "weight", il), (d_inner // n_group, n_group), dev)
+    layer.ssm_norm = ml.create_tensor(tn(T.SSM_NORM, "weight", il), (d_inner // n_group, n_group), dev, norm)
     layer.ssm_out = ml.create_tensor(tn(T.SSM_OUT, "weight", il), (d_inner, hp.n_embd), dev)
 
 
@@ -219,11 +219,13 @@ def create_embd_output(model: Model, ml: ModelLoader) -> None:
     create_output(model, ml, hp.n_embd, hp.n_vocab)
 
 
-def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int) -> None:
-    """Output norm and projection; a model without output.weight ties it to token_embd
-    (loaded again on the output device when that differs, like TENSOR_DUPLICATED)."""
+def create_output(model: Model, ml: ModelLoader, n_embd: int, n_vocab: int, *,
+                  norm: T = T.OUTPUT_NORM) -> None:
+    """Output norm (`norm`: LFM2 names it token_embd_norm) and projection; a model without
+    output.weight ties it to token_embd (loaded again on the output device when that
+    differs, like TENSOR_DUPLICATED)."""
     dev = model.place.dev_output
-    model.output_norm = ml.create_tensor(tn(T.OUTPUT_NORM, "weight"), (n_embd,), dev)
+    model.output_norm = ml.create_tensor(tn(norm, "weight"), (n_embd,), dev)
     model.output = ml.create_tensor(tn(T.OUTPUT, "weight"), (n_embd, n_vocab), dev,
                                     TensorFlag.NOT_REQUIRED)
     if model.output is None:

@@ -878,9 +878,11 @@ def ssm_kv(a: str, d: Dims, *, d_state: int, dt_rank: int, n_group: int = 0) -> 
     return kv
 
 
-def mamba2_block(w: Weights, p: str, d: Dims, *, d_state: int, n_head: int, n_group: int) -> None:
-    """A Mamba-2 block's tensors: A = -exp(.) per head (a decay), dt bias around softplus's knee."""
-    d_inner = 2 * d.n_embd
+def mamba2_block(w: Weights, p: str, d: Dims, *, d_state: int, n_head: int, n_group: int,
+                 d_inner: int = 0) -> None:
+    """A Mamba-2 block's tensors: A = -exp(.) per head (a decay), dt bias around softplus's knee;
+    inner width 2 n_embd unless given."""
+    d_inner = d_inner or 2 * d.n_embd
     conv_dim = d_inner + 2 * n_group * d_state
     w.mat(p + "ssm_in.weight", d_inner + conv_dim + n_head, d.n_embd)
     w.mat(p + "ssm_conv1d.weight", conv_dim, 4)
@@ -984,6 +986,104 @@ def spec_nemotron_h(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_lfm2(d: Dims, w: Weights) -> dict:
+    """LFM2: 4 layers, short conv / attention / short conv / attention (head_count_kv 0 marks
+    the conv ones; kernel width 3 as the released models), gated FFNs, Q/K norms, the output
+    norm named token_embd_norm and the output tied to the embeddings."""
+    a = "lfm2"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 1000000.0
+    kv[f"{a}.attention.head_count_kv"] = [0, d.n_head_kv, 0, d.n_head_kv]
+    kv[f"{a}.shortconv.l_cache"] = 3
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd, scale=0.4)      # tied: logits of a few units
+    w.norm("token_embd_norm.weight", d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        if il % 2:
+            w.norm(p + "attn_q_norm.weight", d.head_dim)
+            w.norm(p + "attn_k_norm.weight", d.head_dim)
+            attn_qkv(w, p, d)
+            w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        else:
+            w.t[p + "shortconv.conv.weight"] = (w.rng.standard_normal((d.n_embd, 3)) / np.sqrt(3)).astype(np.float32)
+            w.mat(p + "shortconv.in_proj.weight", 3 * d.n_embd, d.n_embd)
+            w.mat(p + "shortconv.out_proj.weight", d.n_embd, d.n_embd)
+    return kv
+
+
+def spec_falcon_h1(d: Dims, w: Weights) -> dict:
+    """Falcon-H1: 2 layers, each attention (NEOX rope) and a Mamba-2 block in parallel (inner
+    width 96 = 6 heads of 16, 2 groups, state 16) over one norm, then a gated FFN; the FFN norm
+    has no .weight suffix, as llama.cpp's loader names it."""
+    a = "falcon-h1"
+    kv = base_kv(a, d)
+    kv.update({f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.inner_size": 96, f"{a}.ssm.state_size": 16,
+               f"{a}.ssm.time_step_rank": 6, f"{a}.ssm.group_count": 2})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        mamba2_block(w, p, d, d_state=16, n_head=6, n_group=2, d_inner=96)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "ffn_norm", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    output(w, d)
+    return kv
+
+
+def spec_jamba(d: Dims, w: Weights) -> dict:
+    """Jamba: 4 layers, Mamba / attention (no rope) / Mamba / attention with a gated FFN on
+    layers 0 and 3 and a softmax mixture of 4 experts (2 used) on 1 and 2; Mamba-1 blocks (inner
+    128, state 16, dt rank 8) with Jamba's RMS norms of dt, B and C."""
+    a, d_state, dt_rank = "jamba", 16, 8
+    d = dataclasses.replace(d, n_layer=4)
+    kv = ssm_kv(a, d, d_state=d_state, dt_rank=dt_rank)
+    kv[f"{a}.attention.head_count"] = d.n_head
+    kv[f"{a}.attention.head_count_kv"] = [0, d.n_head_kv, 0, d.n_head_kv]
+    kv[f"{a}.feed_forward_length"] = d.n_ff
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    d_inner = 2 * d.n_embd
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        if il % 2 == 0:
+            w.mat(p + "ssm_in.weight", 2 * d_inner, d.n_embd)
+            w.mat(p + "ssm_conv1d.weight", d_inner, 4)
+            w.bias(p + "ssm_conv1d.bias", d_inner)
+            w.mat(p + "ssm_x.weight", dt_rank + 2 * d_state, d_inner)
+            w.norm(p + "ssm_dt_norm.weight", dt_rank)
+            w.mat(p + "ssm_dt.weight", d_inner, dt_rank)
+            w.bias(p + "ssm_dt.bias", d_inner, scale=0.5)
+            w.norm(p + "ssm_b_norm.weight", d_state)
+            w.norm(p + "ssm_c_norm.weight", d_state)
+            w.t[p + "ssm_a"] = -np.exp(0.5 * w.rng.standard_normal((d_inner, d_state))).astype(np.float32)
+            w.t[p + "ssm_d"] = (1.0 + 0.1 * w.rng.standard_normal(d_inner)).astype(np.float32)
+            w.mat(p + "ssm_out.weight", d.n_embd, d_inner)
+        else:
+            attn_qkv(w, p, d)
+            w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        if il in (1, 2):
+            moe(w, p, d, d.n_ff)
+        else:
+            w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    output(w, d)
+    return kv
+
+
 @dataclasses.dataclass(frozen=True)
 class ArchSpec:
     build: Callable[[Dims, Weights], dict]
@@ -1012,6 +1112,9 @@ ARCHS: dict[str, ArchSpec] = {
     "mamba2": ArchSpec(spec_mamba2, 141),
     "granitehybrid": ArchSpec(spec_granitehybrid, 142),
     "nemotron_h": ArchSpec(spec_nemotron_h, 143),
+    "lfm2": ArchSpec(spec_lfm2, 144),
+    "falcon-h1": ArchSpec(spec_falcon_h1, 145),
+    "jamba": ArchSpec(spec_jamba, 146),
     "llama4": ArchSpec(spec_llama4, 114),
     "granitemoe": ArchSpec(spec_granitemoe, 115),
     "command-r": ArchSpec(spec_command_r, 116),
