@@ -639,6 +639,16 @@ class Context:
     def memory_clear(self) -> None:
         self.memory.clear()
 
+    @locked
+    def set_causal_attn(self, causal: bool) -> None:
+        """llama_set_causal_attn: whether the next decodes mask later positions. libmtmd turns it
+        off while it decodes an image that the model attends over whole (Gemma 3) and back on
+        after; the mask is a graph input, so no graph changes."""
+        kv = self.memory.mem_attn if isinstance(self.memory, MemoryHybrid) else self.memory
+        if not isinstance(kv, KVCache):
+            raise ValueError(f"set_causal_attn: a {type(self.memory).__name__} has no attention mask")
+        kv.causal_attn = bool(causal)
+
     def perf(self) -> dict:
         p = self._perf
         return {

@@ -146,6 +146,9 @@ class KVCache:
         self.hparams = hp
         self.n_ctx = n_ctx
         self.kv_bucket = kv_bucket
+        # llama.cpp's cparams.causal_attn: the model's, switched off around an image's tokens by
+        # llama_set_causal_attn (Context.set_causal_attn) for models that attend over it whole
+        self.causal_attn = hp.causal_attn
         self.lock = threading.RLock()     # one decode or sequence operation at a time
         self.cells = KVCells(n_ctx, n_seq_max)
         self.cells_swa: KVCells | None = None     # the sliding-window layers' own cells, if any
@@ -280,11 +283,11 @@ class KVCache:
     def mask(self, ub: UBatch, n_tokens_pad: int, n_kv: int, swa: bool) -> np.ndarray:
         hp = self.hparams
         if swa and self.cells_swa is not None:
-            return self.cells_swa.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad)
+            return self.cells_swa.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=self.causal_attn)
         if swa:
-            return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=hp.causal_attn,
+            return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=self.causal_attn,
                                          swa_type=hp.swa_type, n_swa=hp.n_swa)
-        return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=hp.causal_attn,
+        return self.cells.build_mask(ub, n_kv, n_tokens_pad=n_tokens_pad, causal=self.causal_attn,
                                      swa_type=SWAType.NONE)
 
     # ---- sequence ops (llama_memory_seq_*) ---------------------------------------------

@@ -1,0 +1,272 @@
+"""Tiny seeded vision fixtures (a text model and its mmproj) with llama.cpp's libmtmd as the oracle.
+
+    python benchmarks/reference/make_mmproj.py            # every projector below
+    python benchmarks/reference/make_mmproj.py gemma3
+
+For each projector NAME it writes, under tests/data/mtmd/:
+
+- `NAME.gguf`: the text model (make_fixture.py's seeded weights and its 512-token SPM
+  vocabulary, plus the projector's image begin/end control tokens);
+- `NAME.mmproj.gguf`: the vision encoder and projector, every key and tensor libmtmd reads,
+  at a tiny size (a 64 x 64 image in 4 x 4 patches, 2 layers of width 32);
+- `NAME.npz`: llama.cpp (llama-cpp-python's mtmd bindings, CPU, flash attention off, F32
+  KV cache, in a child process) on PROMPTS with the committed test images: per prompt k the
+  chunks (`k_types`, `k_n_tokens`, `k_n_pos`, `k_text_<i>` tokens), every image chunk's
+  embeddings `k_embd_<i>` [n_tokens, n_embd] (mtmd_encode_chunk + mtmd_get_output_embd), the
+  last logits `k_logits` after mtmd_helper_eval_chunks and its `k_n_past`.
+
+`--images` rewrites the two test images (seeded; committed, so normally never needed).
+The GGUFs are byte-identical on rerun; the tests read only the stored files.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import make_fixture as mf  # noqa: E402  (the shared writers and vocabulary)
+
+OUT = ROOT / "tests" / "data" / "mtmd"
+IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
+N_CTX = 128
+_MTMD_LOG = None
+CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
+# prompts of the oracle: the text, and which of IMAGES its markers stand for
+PROMPTS = (
+    ("Look at this: <__media__> What is in the picture?", (0,)),
+    ("<__media__>two <__media__> images", (1, 0)),
+)
+
+
+def make_images() -> None:
+    """A 96 x 72 picture (resized down with padding) and a 40 x 40 one (resized up), seeded."""
+    from PIL import Image
+    rng = np.random.default_rng(2024)
+    y, x = np.mgrid[0:72, 0:96]
+    a = np.stack([x * 255 // 95, y * 255 // 71, (x + y) * 255 // 166], axis=2).astype(np.int32)
+    a[20:50, 30:60] = [230, 40, 40]
+    a = np.clip(a + rng.integers(-12, 13, a.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(a).save(IMAGES[0], optimize=True)
+    b = rng.integers(0, 256, (5, 5, 3)).astype(np.uint8).repeat(8, 0).repeat(8, 1)
+    Image.fromarray(b).save(IMAGES[1], optimize=True)
+
+
+def vocab_with(extra: list[str]) -> list:
+    """make_fixture's SPM vocabulary with `extra` control tokens appended."""
+    out = []
+    for k, v, vtype, atype in mf.spm_vocab_kv():
+        if k == "tokenizer.ggml.tokens":
+            v = list(v) + extra
+        elif k == "tokenizer.ggml.scores":
+            v = list(v) + [0.0] * len(extra)
+        elif k == "tokenizer.ggml.token_type":
+            v = list(v) + [CONTROL] * len(extra)
+        out.append((k, v, vtype, atype))
+    return out
+
+
+def gemma3_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """Gemma 3's text model: tied embeddings, QK norms, post-attention and post-FFN norms;
+    every layer sliding-window (pattern 6) with a window longer than the context."""
+    kv = mf.base_kv("gemma3", d)
+    kv["gemma3.attention.sliding_window"] = 512
+    kv["gemma3.attention.key_length"] = d.head_dim
+    kv["gemma3.attention.value_length"] = d.head_dim
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        mf.attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.norm(p + "post_ffw_norm.weight", d.n_embd)
+    w.norm("output_norm.weight", d.n_embd)
+    return kv
+
+
+def gemma3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """A SigLIP ViT (2 layers, width 32, 4 heads, FFN 64) over a 64 x 64 image in 4 x 4
+    patches (256), pooled 4 x 4 to 16 tokens, projected to the text width."""
+    n_embd, n_ff, n_layer, image_size, patch, merge = 32, 64, 2, 64, 4, 4
+    n_patches = (image_size // patch) ** 2
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "gemma3",
+        "clip.has_vision_encoder": True,
+        "clip.use_gelu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 4,
+        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.image_size": image_size,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.5, 0.5, 0.5],
+        "clip.vision.image_std": [0.5, 0.5, 0.5],
+        "clip.vision.projector.scale_factor": merge,
+    }
+    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
+                                  ).astype(np.float32)
+    w.bias("v.patch_embd.bias", n_embd)
+    w.embd("v.position_embd.weight", n_patches, n_embd, scale=0.5)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("v.post_ln.weight", n_embd)
+    w.bias("v.post_ln.bias", n_embd)
+    w.t["mm.input_projection.weight"] = (w.rng.standard_normal((n_embd, n_embd_text)) / np.sqrt(n_embd)
+                                         ).astype(np.float32)
+    w.norm("mm.soft_emb_norm.weight", n_embd)
+    return kv
+
+
+SPECS = {
+    # name: (text kv/weights, mmproj kv/weights, extra control tokens, seed)
+    "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
+}
+
+
+def make_files(name: str, out: Path = OUT) -> tuple[Path, Path]:
+    text_fn, mm_fn, extra, seed = SPECS[name]
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = vocab_with(extra)
+    n_vocab = mf.N_VOCAB + len(extra)
+    d = mf.Dims()
+    w = mf.Weights(seed)
+    kv = text_fn(w, d, n_vocab)
+    paths = out / f"{name}.gguf", out / f"{name}.mmproj.gguf"
+    mf.write_gguf(paths[0], kv, vocab, w.t)
+    wm = mf.Weights(seed + 1)
+    mf.write_gguf(paths[1], mm_fn(wm, d.n_embd), [], wm.t)
+    return paths
+
+
+def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
+                  prompts: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, np.ndarray]:
+    """In llama.cpp (run in a child process): every prompt tokenized, its images encoded and
+    the whole evaluated into a fresh context; the arrays of the module docstring."""
+    import llama_cpp as L
+    import llama_cpp.mtmd_cpp as M
+    mf.quiet_llamacpp(L)
+    global _MTMD_LOG
+    _MTMD_LOG = L.llama_log_callback(lambda level, text, user_data: None)     # kept alive: C holds it
+    M.mtmd_helper_log_set(_MTMD_LOG, None)
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(model_path.encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {model_path}")
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    p = M.mtmd_context_params_default()
+    p.use_gpu = False
+    p.n_threads = 2
+    p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    p.warmup = False
+    mctx = M.mtmd_init_from_file(mmproj_path.encode(), model, p)
+    if not mctx:
+        raise RuntimeError(f"libmtmd could not load {mmproj_path}")
+    bitmaps = [M.mtmd_helper_bitmap_init_from_file(mctx, path.encode(), False) for path in image_paths]
+    if not all(bitmaps):
+        raise RuntimeError(f"libmtmd could not decode {image_paths}")
+    arrays: dict[str, np.ndarray] = {}
+    for k, (text, which) in enumerate(prompts):
+        chunks = M.mtmd_input_chunks_init()
+        raw = text.encode()
+        inp = M.mtmd_input_text(raw, len(raw), True, True)
+        bms = (M.mtmd_bitmap_p_ctypes * len(which))(*[bitmaps[i] for i in which])
+        rc = M.mtmd_tokenize(mctx, chunks, ctypes.byref(inp), bms, len(which))
+        if rc != 0:
+            raise RuntimeError(f"mtmd_tokenize returned {rc} for prompt {k}")
+        types, n_tokens, n_pos = [], [], []
+        for i in range(M.mtmd_input_chunks_size(chunks)):
+            ch = M.mtmd_input_chunks_get(chunks, i)
+            t = M.mtmd_input_chunk_get_type(ch)
+            n = M.mtmd_input_chunk_get_n_tokens(ch)
+            types.append(t)
+            n_tokens.append(n)
+            n_pos.append(M.mtmd_input_chunk_get_n_pos(ch))
+            if t == 0:      # MTMD_INPUT_CHUNK_TYPE_TEXT
+                cnt = ctypes.c_size_t()
+                toks = M.mtmd_input_chunk_get_tokens_text(ch, ctypes.byref(cnt))
+                arrays[f"{k}_text_{i}"] = np.array([toks[j] for j in range(cnt.value)], np.int32)
+            else:
+                if M.mtmd_encode_chunk(mctx, ch) != 0:
+                    raise RuntimeError(f"mtmd_encode_chunk failed on prompt {k} chunk {i}")
+                n_embd = L.llama_model_n_embd(model)
+                out = M.mtmd_get_output_embd(mctx)
+                arrays[f"{k}_embd_{i}"] = np.ctypeslib.as_array(out, (n * n_embd,)).reshape(n, n_embd).copy()
+        arrays[f"{k}_types"] = np.array(types, np.int32)
+        arrays[f"{k}_n_tokens"] = np.array(n_tokens, np.int32)
+        arrays[f"{k}_n_pos"] = np.array(n_pos, np.int32)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = N_CTX
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = 2
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k = cp.type_v = 0       # F32
+        lctx = L.llama_init_from_model(model, cp)
+        new_n_past = L.llama_pos(0)
+        rc = M.mtmd_helper_eval_chunks(mctx, lctx, chunks, 0, 0, N_CTX, True, ctypes.byref(new_n_past))
+        if rc != 0:
+            raise RuntimeError(f"mtmd_helper_eval_chunks returned {rc} for prompt {k}")
+        arrays[f"{k}_logits"] = np.ctypeslib.as_array(L.llama_get_logits_ith(lctx, -1), (n_vocab,)).copy()
+        arrays[f"{k}_n_past"] = np.array(new_n_past.value, np.int32)
+        L.llama_free(lctx)
+        M.mtmd_input_chunks_free(chunks)
+    for bm in bitmaps:
+        M.mtmd_bitmap_free(bm)
+    M.mtmd_free(mctx)
+    L.llama_model_free(model)
+    return arrays
+
+
+def make_oracle(name: str, out: Path = OUT) -> Path:
+    from llm.research import llamacpp_child
+    model, mmproj = make_files(name, out)
+    arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(mmproj), [str(p) for p in IMAGES], PROMPTS,
+                                 model_path=str(model))
+    npz = out / f"{name}.npz"
+    np.savez_compressed(npz, **arrays)
+    return npz
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="*", help=f"projectors ({', '.join(SPECS)}; default: all)")
+    ap.add_argument("--images", action="store_true", help="rewrite the committed test images")
+    args = ap.parse_args(argv)
+    if args.images:
+        OUT.mkdir(parents=True, exist_ok=True)
+        make_images()
+    for name in args.names or list(SPECS):
+        print(make_oracle(name))
+
+
+if __name__ == "__main__":
+    main()

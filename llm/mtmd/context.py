@@ -1,0 +1,256 @@
+"""libmtmd's context: tokenize a prompt with media markers into chunks, encode image chunks
+with the projector's graph, and evaluate chunks into a text model's Context.
+
+llama.cpp: tools/mtmd/mtmd.cpp (mtmd_init_from_file, mtmd_tokenize, mtmd_encode_chunk) and
+mtmd-helper.cpp (mtmd_helper_eval_chunks). The text is split at each marker; every text
+part is tokenized alone (parse_special, no BOS), an image becomes the projector's begin
+text, an image chunk and its end text, and BOS goes first when the vocabulary adds one.
+Encoder graphs are built once per image shape and compiled through ggmlx's graph cache;
+the embeddings of an image are cached by its content hash, so asking about the same image
+again runs no encoder.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ggmlx.compile import compute
+from llm.batch import Batch
+from llm.errors import ModelLoadError
+from llm.mtmd import clip
+from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
+from llm.mtmd.image import normalize, resize
+from llm.mtmd.siglip import GEMMA3
+
+if TYPE_CHECKING:
+    from llm.context import Context
+    from llm.model import Model
+
+logger = logging.getLogger(__name__)
+
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3,)}
+EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
+
+
+class EvalError(RuntimeError):
+    """A decode of the text model failed while chunks were evaluated; `status` is its code."""
+
+    def __init__(self, what: str, status: int, detail: str | None):
+        super().__init__(f"decoding {what} failed with status {status}: {detail or 'no detail'}")
+        self.status = status
+
+
+@dataclass(eq=False)
+class ImageTokens:
+    """mtmd_image_tokens: the preprocessed image (float32 [3, ny, nx], normalized) and the
+    grid its tokens cover (nx x ny; nx = n_tokens, ny = 1 where the positions are 1-d)."""
+    nx: int
+    ny: int
+    id: str
+    pixels: np.ndarray = field(repr=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.nx * self.ny
+
+
+@dataclass(eq=False)
+class InputChunk:
+    """mtmd_input_chunk: "text" (its tokens) or "image" (its ImageTokens)."""
+    type: str
+    tokens: list[int] = field(default_factory=list)
+    image: ImageTokens | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) if self.image is None else self.image.n_tokens
+
+    @property
+    def n_pos(self) -> int:
+        """Positions the chunk takes in the text model (its tokens, for 1-d positions)."""
+        return self.n_tokens
+
+    @property
+    def id(self) -> str:
+        return self.image.id if self.image is not None else ""
+
+
+class MtmdContext:
+    """An mmproj's encoder bound to a text model (mtmd_context)."""
+
+    def __init__(self, mmproj_path: str | os.PathLike, model: Model, *, n_threads: int | None = None):
+        self.path = os.fspath(mmproj_path)
+        self.text_model = model
+        self.n_threads = n_threads       # XLA sizes its own pool; kept for mtmd's signature
+        device = model.place.dev_output
+        self.clip, reader = clip.load_model(self.path, device)
+        reader.close()
+        name = self.clip.hparams.projector
+        proj = PROJECTORS.get(name)
+        if proj is None:
+            raise ModelLoadError(f"{self.path}: projector type '{name}' is not supported "
+                                 f"(supported: {', '.join(sorted(PROJECTORS))})")
+        arch = model.hparams.arch.value
+        if arch not in proj.text_archs:
+            raise ModelLoadError(f"{self.path}: a '{name}' projector feeds {', '.join(sorted(proj.text_archs))} "
+                                 f"text models; {model.path} is '{arch}'")
+        self.projector = proj
+        self.n_mmproj_embd = proj.load(self.clip)
+        if self.n_mmproj_embd != model.hparams.n_embd:
+            raise ModelLoadError(f"{self.path}: the projector gives {self.n_mmproj_embd} values per token; "
+                                 f"{model.path} has n_embd {model.hparams.n_embd}")
+        self.marker = default_marker()
+        vocab = model.vocab
+        self.tok_beg = vocab.tokenize(proj.img_beg, False, True) if proj.img_beg else []
+        self.tok_end = vocab.tokenize(proj.img_end, False, True) if proj.img_end else []
+        self._graphs: dict[tuple[int, int], clip.ClipGraph] = {}
+        self._embd: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.n_encode = 0               # encoder runs (a cached image does not count)
+        self.t_encode = 0.0
+
+    # ---- tokenize -----------------------------------------------------------------------
+
+    def preprocess(self, bm: Bitmap) -> ImageTokens:
+        """The image as the encoder reads it (mtmd_image_preprocessor_fixed_size)."""
+        hp, proj = self.clip.hparams, self.projector
+        sz = hp.image_size
+        img = resize(bm.data, sz, sz, proj.resize_algo, proj.resize_pad, proj.pad_color)
+        pixels = normalize(img, hp.image_mean, hp.image_std)
+        return ImageTokens(proj.n_output_tokens(hp, sz, sz), 1, bm.id, pixels)
+
+    def tokenize(self, text: str, bitmaps: list[Bitmap] | tuple[Bitmap, ...] = (), *,
+                 add_special: bool = True, parse_special: bool = True) -> list[InputChunk]:
+        """mtmd_tokenize. A MediaError when the markers and the bitmaps do not pair up."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        bitmaps = list(bitmaps)
+        for i, bm in enumerate(bitmaps):
+            if not isinstance(bm, Bitmap):
+                raise TypeError(f"bitmaps[{i}] is a {type(bm).__name__}, not an llm.mtmd.Bitmap")
+        parts = text.split(self.marker)
+        n_markers = len(parts) - 1
+        if n_markers != len(bitmaps):
+            raise MediaError(f"the prompt has {n_markers} media marker{'s' * (n_markers != 1)} ({self.marker}) "
+                             f"but {len(bitmaps)} image{'s' * (len(bitmaps) != 1)} were given")
+        vocab = self.text_model.vocab
+        chunks: list[InputChunk] = []
+
+        def add_text(tokens: list[int]) -> None:
+            if not tokens:
+                return
+            if chunks and chunks[-1].type == "text":
+                chunks[-1].tokens.extend(tokens)
+            else:
+                chunks.append(InputChunk("text", list(tokens)))
+
+        for i, part in enumerate(parts):
+            if part:
+                add_text(vocab.tokenize(part, False, parse_special))
+            if i < len(bitmaps):
+                add_text(self.tok_beg)
+                chunks.append(InputChunk("image", image=self.preprocess(bitmaps[i])))
+                add_text(self.tok_end)
+        if add_special and vocab.add_bos:
+            if chunks and chunks[0].type == "text":
+                chunks[0].tokens.insert(0, vocab.bos)
+            else:
+                chunks.insert(0, InputChunk("text", [vocab.bos]))
+        if add_special and vocab.add_eos:
+            add_text([vocab.eos])
+        return chunks
+
+    # ---- encode -------------------------------------------------------------------------
+
+    def graph(self, nx: int, ny: int) -> clip.ClipGraph:
+        """The encoder graph for images of this size (built once; compiled once per shape)."""
+        g = self._graphs.get((nx, ny))
+        if g is None:
+            g = clip.ClipGraph(self.clip, nx, ny)
+            g.finish(self.projector.build(g))
+            self._graphs[(nx, ny)] = g
+        return g
+
+    def encode_chunk(self, chunk: InputChunk) -> np.ndarray:
+        """mtmd_encode_chunk + mtmd_get_output_embd: float32 [n_tokens, n_mmproj_embd]."""
+        if chunk.image is None:
+            raise MediaError(f"encode_chunk: a {chunk.type} chunk has nothing to encode")
+        img = chunk.image
+        hit = self._embd.get(img.id)
+        if hit is not None:
+            self._embd.move_to_end(img.id)
+            return hit
+        t0 = time.perf_counter()
+        ny, nx = img.pixels.shape[1:]
+        g = self.graph(nx, ny)
+        assert g.out is not None
+        outs, _ = compute(g.gf, {g.inp_raw: img.pixels}, device=self.text_model.place.dev_output)
+        embd = np.asarray(outs[g.out], np.float32).reshape(-1, self.n_mmproj_embd)
+        if embd.shape[0] != img.n_tokens:
+            raise RuntimeError(f"the encoder gave {embd.shape[0]} tokens for an image of {img.n_tokens}")
+        self.n_encode += 1
+        self.t_encode += time.perf_counter() - t0
+        self._embd[img.id] = embd
+        while len(self._embd) > EMBD_CACHE_ENTRIES:
+            self._embd.popitem(last=False)
+        return embd
+
+    # ---- eval ---------------------------------------------------------------------------
+
+    def eval_chunks(self, ctx: Context, chunks: list[InputChunk], n_past: int = 0, seq_id: int = 0,
+                    n_batch: int = 512, logits_last: bool = True) -> int:
+        """mtmd_helper_eval_chunks: decode every chunk into `ctx` at positions from n_past in
+        sequence seq_id, in batches of n_batch; image chunks are encoded (or read from the
+        cache) and fed as embeddings, with causal attention off around them where the model
+        wants it. Returns the new n_past. Raises MediaError before decoding anything when
+        the chunks do not fit, EvalError when a decode fails."""
+        if n_batch <= 0:
+            raise ValueError(f"n_batch must be > 0, got {n_batch}")
+        n_total = sum(c.n_pos for c in chunks)
+        if n_past + n_total > ctx.n_ctx:
+            raise MediaError(f"the chunks take {n_total} positions from {n_past}; the context holds {ctx.n_ctx}")
+        n_batch = min(n_batch, ctx.n_batch)
+        for i, chunk in enumerate(chunks):
+            last = logits_last and i == len(chunks) - 1
+            if chunk.type == "text":
+                toks = chunk.tokens
+                for s in range(0, len(toks), n_batch):
+                    part = toks[s:s + n_batch]
+                    want = np.zeros(len(part), bool)
+                    want[-1] = last and s + n_batch >= len(toks)
+                    self._decode(ctx, Batch(tokens=part, pos=np.arange(n_past, n_past + len(part)),
+                                            seq_id=[seq_id] * len(part), logits=want), "text")
+                    n_past += len(part)
+                continue
+            embd = self.encode_chunk(chunk)
+            non_causal = self.projector.non_causal
+            if non_causal:
+                ctx.set_causal_attn(False)
+            try:
+                for s in range(0, embd.shape[0], n_batch):
+                    rows = embd[s:s + n_batch]
+                    self._decode(ctx, Batch(embd=rows, pos=np.arange(n_past + s, n_past + s + len(rows)),
+                                            seq_id=[seq_id] * len(rows), logits=np.zeros(len(rows), bool)),
+                                 "image")
+            finally:
+                if non_causal:
+                    ctx.set_causal_attn(True)
+            n_past += chunk.n_pos
+        return n_past
+
+    @staticmethod
+    def _decode(ctx: Context, batch: Batch, what: str) -> None:
+        status = ctx.decode(batch)
+        if status != 0:
+            raise EvalError(what, int(status), ctx.last_error)
+
+
+def init_from_file(mmproj_path: str | os.PathLike, model: Model, *, n_threads: int | None = None) -> MtmdContext:
+    """mtmd_init_from_file: the mmproj's encoder for `model`; ModelLoadError when the file is
+    not an mmproj, its projector is not supported or does not fit the model (naming both)."""
+    return MtmdContext(mmproj_path, model, n_threads=n_threads)

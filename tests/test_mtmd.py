@@ -1,0 +1,235 @@
+"""llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
+
+tests/data/mtmd/ holds a tiny Gemma 3 text model, its gemma3 mmproj, two test images and
+llama.cpp's chunks, image embeddings and last logits for two prompts
+(benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's
+fp16 GELU table (2 ViT layers: 2.9e-4 relative); everything else is F32 math in both.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import importlib.util
+import io
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llm
+from ggmlx import gguf
+from llm import mtmd
+from llm.errors import ModelLoadError
+from llm.mtmd.image import ResizeAlgo, resize_pillow
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "mtmd"
+MODEL, MMPROJ = DATA / "gemma3.gguf", DATA / "gemma3.mmproj.gguf"
+TOL = 1e-3          # relative: max |ours - llama.cpp| / max |llama.cpp|
+
+
+def gen():
+    spec = importlib.util.spec_from_file_location("make_mmproj", ROOT / "benchmarks" / "reference" / "make_mmproj.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_mmproj", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rel(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return dict(np.load(DATA / "gemma3.npz"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llm.load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def mctx(model):
+    return mtmd.init_from_file(MMPROJ, model)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[mtmd.Bitmap]:
+    return [mtmd.Bitmap.from_file(p) for p in gen().IMAGES]
+
+
+def prompt_chunks(mctx, images, k: int) -> list[mtmd.InputChunk]:
+    text, which = gen().PROMPTS[k]
+    return mctx.tokenize(text, [images[i] for i in which])
+
+
+def new_ctx(model) -> llm.Context:
+    n = gen().N_CTX
+    return llm.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, flash_attn=False)
+
+
+# ---- against llama.cpp -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_chunks_and_embeddings_equal_llamacpp(mctx, images, ref, k):
+    chunks = prompt_chunks(mctx, images, k)
+    types = {"text": 0, "image": 1}
+    assert [types[c.type] for c in chunks] == list(ref[f"{k}_types"])
+    assert [c.n_tokens for c in chunks] == list(ref[f"{k}_n_tokens"])
+    assert [c.n_pos for c in chunks] == list(ref[f"{k}_n_pos"])
+    for i, c in enumerate(chunks):
+        if c.type == "text":
+            assert c.tokens == list(ref[f"{k}_text_{i}"])       # BOS, <start_of_image> / <end_of_image>
+        else:
+            embd = mctx.encode_chunk(c)
+            assert embd.shape == ref[f"{k}_embd_{i}"].shape == (16, 64)
+            assert rel(embd, ref[f"{k}_embd_{i}"]) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_eval_chunks_logits_and_n_past_equal_llamacpp(model, mctx, images, ref, k):
+    ctx = new_ctx(model)
+    n_past = mctx.eval_chunks(ctx, prompt_chunks(mctx, images, k))
+    assert n_past == int(ref[f"{k}_n_past"])
+    assert rel(ctx.get_logits_ith(-1), ref[f"{k}_logits"]) < TOL
+
+
+@pytest.mark.slow
+def test_the_image_is_attended_non_causally(model, mctx, images, ref):
+    """Gemma 3 reads the image with causal attention off (mtmd_decode_use_non_causal):
+    decoding it causally moves the logits far past the tolerance."""
+    causal = dataclasses.replace(mctx.projector, non_causal=False)
+    ctx = new_ctx(model)
+    orig, mctx.projector = mctx.projector, causal
+    try:
+        mctx.eval_chunks(ctx, prompt_chunks(mctx, images, 0))
+    finally:
+        mctx.projector = orig
+    assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) > 10 * TOL      # 1.9e-2 against 1.9e-5
+    assert ctx.memory.causal_attn          # switched back on after the image
+
+
+@pytest.mark.slow
+def test_a_cached_image_runs_no_encoder(mctx, images):
+    chunk = next(c for c in prompt_chunks(mctx, images, 0) if c.type == "image")
+    first = mctx.encode_chunk(chunk)
+    n = mctx.n_encode
+    again = next(c for c in mctx.tokenize(f"other text {mtmd.default_marker()}", [images[0]]) if c.type == "image")
+    assert np.array_equal(mctx.encode_chunk(again), first) and mctx.n_encode == n
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def png_header(nx: int, ny: int) -> bytes:
+    """A PNG that declares nx x ny pixels, with a tiny IDAT (a decompression bomb's header)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", nx, ny, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_refused_before_decoding():
+    t0 = time.perf_counter()
+    with pytest.raises(mtmd.MediaError, match="over the pixel limit, refused before decoding"):
+        mtmd.Bitmap.from_bytes(png_header(30000, 30000))
+    with pytest.raises(mtmd.MediaError, match="10000x10000 pixels is over the pixel limit"):
+        mtmd.Bitmap.from_bytes(png_header(10000, 10000))      # under Pillow's limit, over ours
+    assert time.perf_counter() - t0 < 1.0       # nothing of 2.7 GB was decoded
+    with pytest.raises(mtmd.MediaError, match="over the pixel limit"):
+        mtmd.Bitmap.from_array(np.zeros((1, 1), np.uint8).repeat(mtmd.MAX_PIXELS + 1, 0))
+
+
+def test_corrupt_and_truncated_images_are_media_errors():
+    png = (DATA / "test-image.png").read_bytes()
+    with pytest.raises(mtmd.MediaError, match="cannot decode"):
+        mtmd.Bitmap.from_bytes(png[: len(png) // 2], "half.png")
+    with pytest.raises(mtmd.MediaError, match="not an image in a known format"):
+        mtmd.Bitmap.from_bytes(b"GIF89a but not really" + bytes(40))
+    with pytest.raises(mtmd.MediaError, match="no-such-file.png"):
+        mtmd.Bitmap.from_file(DATA / "no-such-file.png")
+    with pytest.raises(mtmd.MediaError, match="uint8"):
+        mtmd.Bitmap.from_array(np.zeros((4, 4, 3), np.float32))
+
+
+def test_image_formats_decode_to_the_same_pixels():
+    from PIL import Image
+    png = mtmd.Bitmap.from_file(DATA / "test-image.png")
+    im = Image.fromarray(png.data)
+    for fmt, lossless in (("BMP", True), ("WEBP", True), ("JPEG", False), ("GIF", False)):
+        buf = io.BytesIO()
+        im.save(buf, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+        bm = mtmd.Bitmap.from_bytes(buf.getvalue(), fmt)
+        assert bm.data.shape == png.data.shape, fmt
+        assert np.array_equal(bm.data, png.data) == lossless, fmt
+    frames = [Image.new("RGB", (8, 6), c) for c in ((255, 0, 0), (0, 0, 255))]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    assert tuple(mtmd.Bitmap.from_bytes(buf.getvalue()).data[0, 0]) == (255, 0, 0)     # the first frame
+    assert mtmd.Bitmap.from_array(png.data).id == png.id
+
+
+def test_data_urls():
+    png = (DATA / "test-image.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    assert mtmd.Bitmap.from_url(url).id == mtmd.Bitmap.from_bytes(png).id
+    with pytest.raises(mtmd.MediaError, match="not base64-encoded"):
+        mtmd.Bitmap.from_url("data:image/png,rawbytes")
+    with pytest.raises(mtmd.MediaError, match="base64 is invalid"):
+        mtmd.Bitmap.from_url("data:image/png;base64,@@@")
+    with pytest.raises(mtmd.MediaError, match="remote URLs are not fetched"):
+        mtmd.Bitmap.from_url("https://example.com/cat.png")
+
+
+def test_resize_is_pillows_resampling():
+    """llama.cpp's resize_pillow is Pillow's fixed-point resampler: ours equals Pillow's output."""
+    from PIL import Image
+    rng = np.random.default_rng(5)
+    for (w, h, nw, nh) in ((96, 72, 64, 48), (40, 40, 64, 64), (37, 23, 17, 33)):
+        a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        for algo, pil in ((ResizeAlgo.BILINEAR, Image.BILINEAR), (ResizeAlgo.BICUBIC, Image.BICUBIC)):
+            assert np.array_equal(resize_pillow(a, nw, nh, algo), np.asarray(Image.fromarray(a).resize((nw, nh), pil)))
+
+
+@pytest.mark.slow
+def test_markers_must_pair_with_images_and_nothing_changes(model, mctx, images):
+    m = mtmd.default_marker()
+    with pytest.raises(mtmd.MediaError, match="2 media markers .* but 1 image"):
+        mctx.tokenize(f"{m} and {m}", [images[0]])
+    with pytest.raises(mtmd.MediaError, match="0 media markers .* but 1 image"):
+        mctx.tokenize("no marker", [images[0]])
+    ctx = new_ctx(model)
+    chunks = mctx.tokenize(f"{m}" * 8, [images[0]] * 8)        # 8 x 18 positions > n_ctx 128
+    n = mctx.n_encode
+    with pytest.raises(mtmd.MediaError, match="the context holds 128"):
+        mctx.eval_chunks(ctx, chunks)
+    assert ctx.memory.seq_pos_max(0) == -1 and mctx.n_encode == n
+
+
+@pytest.mark.slow
+def test_an_mmproj_that_does_not_fit_names_both_files(model, tmp_path):
+    with pytest.raises(ModelLoadError, match="no projector type"):
+        mtmd.init_from_file(MODEL, model)
+    other = llm.load_model(ROOT / "tests" / "data" / "fixtures" / "smollm3-F32.gguf")
+    with pytest.raises(ModelLoadError, match=r"feeds gemma3 text models; .*smollm3-F32.gguf is 'smollm3'"):
+        mtmd.init_from_file(MMPROJ, other)
+    narrow = tmp_path / "narrow.mmproj.gguf"
+    with gguf.GGUFReader(MMPROJ) as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+        for name, ti in f.tensors.items():
+            x = np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne))))
+            w.add_tensor(name, x[:, :48] if name == "mm.input_projection.weight" else x)
+        w.write(narrow)
+    with pytest.raises(ModelLoadError, match=r"narrow.mmproj.gguf: the projector gives 48 .*gemma3.gguf has n_embd 64"):
+        mtmd.init_from_file(narrow, model)
