@@ -531,7 +531,7 @@ class Context:
             k = kv.k_l[il]
             cells = kv.cells_swa if kv.is_swa(il) and kv.cells_swa is not None else kv.cells
             shift, idxs = inputs[id(cells)]
-            cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k, hp.n_head_kv(il), cells.n_ctx)
+            cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k_l(il), hp.n_head_kv(il), cells.n_ctx)
             cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **rope_params(hp, il))
             cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), cells.n_ctx), idxs)
             gf.build_forward_expand(cur.set_name(f"k_shifted-{il}"))

@@ -133,6 +133,11 @@ class HParams:
     n_embd_head_k: int
     n_embd_head_v: int
     n_rot: int
+    # the sliding-window layers' head sizes and rotated dimensions where they differ (gemma4:
+    # 256 against the full layers' 512; llama.cpp's n_embd_head_k_swa, ...); 0: the full layers'
+    n_embd_head_k_swa: int = 0
+    n_embd_head_v_swa: int = 0
+    n_rot_swa: int = 0
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0                 # one expert's FFN width (0: n_ff / n_expert_used)
@@ -152,6 +157,7 @@ class HParams:
     i_altup_act: int = 0
     laurel_rank: int = 64
     n_embd_altup: int = 256
+    n_embd_per_layer: int = 0         # gemma4: each layer's per-layer embedding width (0: none)
     n_layer_nextn: int = 0            # MTP blocks after the trunk, in block_count but not run (glm4moe)
     n_expert_shared: int = 0          # shared experts beside the routed ones (glm4moe, deepseek2)
     expert_weights_norm: bool = False  # renormalize the chosen experts' weights (glm4moe, deepseek2)
@@ -278,13 +284,25 @@ class HParams:
         n_head_kv = self.n_head_kv(il)
         return self.n_head(il) // n_head_kv if n_head_kv else 0
 
+    def n_embd_head_k_l(self, il: int) -> int:
+        """Layer il's key head size (llama_hparams::n_embd_head_k(il)): SWA layers may have their own."""
+        return (self.n_embd_head_k_swa or self.n_embd_head_k) if self.is_swa(il) else self.n_embd_head_k
+
+    def n_embd_head_v_l(self, il: int) -> int:
+        """Layer il's value head size (llama_hparams::n_embd_head_v(il))."""
+        return (self.n_embd_head_v_swa or self.n_embd_head_v) if self.is_swa(il) else self.n_embd_head_v
+
+    def n_rot_l(self, il: int) -> int:
+        """Layer il's rotated dimensions (llama_hparams::n_rot(il))."""
+        return (self.n_rot_swa or self.n_rot) if self.is_swa(il) else self.n_rot
+
     def n_embd_k_gqa(self, il: int = 0) -> int:
         """Width of one token's keys over all KV heads of layer il."""
-        return self.n_embd_head_k * self.n_head_kv(il)
+        return self.n_embd_head_k_l(il) * self.n_head_kv(il)
 
     def n_embd_v_gqa(self, il: int = 0) -> int:
         """Width of one token's values over all KV heads of layer il."""
-        return self.n_embd_head_v * self.n_head_kv(il)
+        return self.n_embd_head_v_l(il) * self.n_head_kv(il)
 
     def has_rope(self, il: int) -> bool:
         """Does layer il rotate its queries and keys (and so its cached keys on a shift)?"""
@@ -407,6 +425,9 @@ def _load_generic(ml: GGUFMeta) -> HParams:
         n_embd_head_k=n_embd_head_k,
         n_embd_head_v=n_embd_head_v,
         n_rot=n_rot,
+        n_embd_head_k_swa=ml.get_key(LLMKV.ATTENTION_KEY_LENGTH_SWA, int, 0),
+        n_embd_head_v_swa=ml.get_key(LLMKV.ATTENTION_VALUE_LENGTH_SWA, int, 0),
+        n_rot_swa=ml.get_key(LLMKV.ROPE_DIMENSION_COUNT_SWA, int, 0),
         n_expert=ml.get_key(LLMKV.EXPERT_COUNT, int, 0),
         n_expert_used=ml.get_key(LLMKV.EXPERT_USED_COUNT, int, 0),
         rope_finetuned=ml.get_key(LLMKV.ROPE_SCALING_FINETUNED, bool, False),
@@ -440,6 +461,8 @@ def _check_sizes(hp: HParams, ml: GGUFMeta) -> None:
         (LLMKV.CONTEXT_LENGTH, hp.n_ctx_train, 1),
         (LLMKV.ATTENTION_KEY_LENGTH, hp.n_embd_head_k, 0 if all(hp.recurrent_layers) else 1),
         (LLMKV.ATTENTION_VALUE_LENGTH, hp.n_embd_head_v, 0 if all(hp.recurrent_layers) else 1),
+        (LLMKV.ATTENTION_KEY_LENGTH_SWA, hp.n_embd_head_k_swa, 0),
+        (LLMKV.ATTENTION_VALUE_LENGTH_SWA, hp.n_embd_head_v_swa, 0),
         (LLMKV.ROPE_SCALING_ORIG_CTX_LEN, hp.n_ctx_orig_yarn, 1),
         (LLMKV.EXPERT_COUNT, hp.n_expert, 0),
         (LLMKV.EXPERT_USED_COUNT, hp.n_expert_used, 0),
@@ -495,6 +518,10 @@ def _check_values(hp: HParams, ml: GGUFMeta) -> None:
     if hp.rope_type != RopeType.NONE and not (0 < hp.n_rot <= hp.n_embd_head_k and hp.n_rot % 2 == 0):
         raise _invalid(ml, LLMKV.ROPE_DIMENSION_COUNT, hp.n_rot,
                        f"must be even and in [2, head size {hp.n_embd_head_k}]: rope turns pairs of values")
+    if hp.rope_type != RopeType.NONE and hp.n_rot_swa and not (
+            0 < hp.n_rot_swa <= (hp.n_embd_head_k_swa or hp.n_embd_head_k) and hp.n_rot_swa % 2 == 0):
+        raise _invalid(ml, LLMKV.ROPE_DIMENSION_COUNT_SWA, hp.n_rot_swa,
+                       "must be even and in [2, the sliding-window layers' head size]: rope turns pairs of values")
     if hp.n_expert_used > hp.n_expert:
         raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_USED_COUNT)}' = {hp.n_expert_used} exceeds "
                       f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' = {hp.n_expert}")

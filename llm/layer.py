@@ -112,6 +112,15 @@ class Layer:
     laurel_l: Tensor | None = None
     laurel_r: Tensor | None = None
     laurel_post_norm: Tensor | None = None
+    # Gemma 4: the layer scalar; the MoE block's router scale, second pre-norm, the post norms
+    # of its dense and expert branches, fused gate+up experts, per-expert output scales
+    out_scale: Tensor | None = None
+    ffn_gate_inp_s: Tensor | None = None
+    ffn_pre_norm_2: Tensor | None = None
+    ffn_post_norm_1: Tensor | None = None
+    ffn_post_norm_2: Tensor | None = None
+    ffn_gate_up_exps: Tensor | None = None
+    ffn_down_exps_s: Tensor | None = None
 
 
 def create_attn(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:

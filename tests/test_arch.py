@@ -102,9 +102,9 @@ def test_arch_from_name():
 
 def test_registry():
     assert registered_archs() == ["bert", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone",
-                                  "exaone4", "falcon-h1", "gemma2", "gemma3", "gemma3n", "glm4", "glm4moe", "gpt-oss",
-                                  "gpt2", "granite", "granitehybrid", "granitemoe", "jamba", "lfm2", "llama", "llama4",
-                                  "mamba", "mamba2",
+                                  "exaone4", "falcon-h1", "gemma2", "gemma3", "gemma3n", "gemma4", "glm4", "glm4moe",
+                                  "gpt-oss", "gpt2", "granite", "granitehybrid", "granitemoe", "jamba", "lfm2", "llama",
+                                  "llama4", "mamba", "mamba2",
                                   "minimax-m2", "mistral3", "nemotron_h", "nomic-bert", "olmo2", "olmoe", "phi2",
                                   "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3vl",
                                   "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
@@ -112,6 +112,6 @@ def test_registry():
     assert all(ARCHS[arch_from_name(name)] is get_arch(name) for name in registered_archs())
     with pytest.raises(ModelLoadError, match="unknown model architecture: 'nope'"):
         get_arch("nope")
-    nearest = "'gptj' is not supported.*gemma3, gemma3n, glm4, glm4moe, gpt-oss.*nearest supported one is 'gpt2'"
+    nearest = "'gptj' is not supported.*gemma3, gemma3n, gemma4, glm4, glm4moe.*nearest supported one is 'gpt2'"
     with pytest.raises(ModelLoadError, match=nearest):
         get_arch("gptj")

@@ -99,6 +99,8 @@ METHODS = {
     "llm.context:Context": ["decode", "get_logits_ith", "get_embeddings_seq", "get_embeddings_ith",
                             "state_save_file", "state_load_file", "set_adapters_lora", "set_adapter_scales_seq"],
     "llm.batch:Batch": ["get_one"],
+    # issue 29: per-layer head sizes (gemma4)
+    "llm.hparams:HParams": ["n_embd_head_k_l", "n_embd_head_v_l", "n_rot_l", "has_kv", "kv_layer"],
 }
 
 

@@ -491,6 +491,115 @@ def spec_gemma3n(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def gemma4_layer(w: Weights, p: str, d: Dims, *, n_head_kv: int, head_dim: int, n_ff: int, kv: bool = True,
+                 v: bool = True) -> None:
+    """One Gemma 4 layer's attention and dense FFN (no K, V or K norm in a layer that reads an
+    earlier layer's cache; no V where V comes from K). The post-FFN norm sits near 0.3 so
+    that llama.cpp's fp16 GELU table moves the logits by ~1e-3, not ~1e-2."""
+    w.norm(p + "attn_norm.weight", d.n_embd)
+    w.mat(p + "attn_q.weight", d.n_head * head_dim, d.n_embd)
+    if kv:
+        w.mat(p + "attn_k.weight", n_head_kv * head_dim, d.n_embd)
+        if v:
+            w.mat(p + "attn_v.weight", n_head_kv * head_dim, d.n_embd)
+        w.norm(p + "attn_k_norm.weight", head_dim, center=0.5)
+    w.mat(p + "attn_output.weight", d.n_embd, d.n_head * head_dim)
+    w.norm(p + "attn_q_norm.weight", head_dim, center=0.5)
+    w.norm(p + "post_attention_norm.weight", d.n_embd)
+    w.norm(p + "layer_output_scale.weight", 1, center=0.8)
+    w.norm(p + "ffn_norm.weight", d.n_embd)
+    w.mat(p + "ffn_gate.weight", n_ff, d.n_embd)
+    w.mat(p + "ffn_up.weight", n_ff, d.n_embd)
+    w.mat(p + "ffn_down.weight", d.n_embd, n_ff)
+    w.norm(p + "post_ffw_norm.weight", d.n_embd, center=0.3)
+
+
+def gemma4_kv(a: str, d: Dims, swa: list[bool], *, head_full: int, head_swa: int, n_head_kv_full: int) -> dict:
+    """Gemma 4's keys: the per-layer SWA pattern, full / SWA head sizes and KV head counts,
+    full layers rotating head_full (their rope_freqs leave most of it unrotated), window 4."""
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 1000000.0
+    kv[f"{a}.rope.freq_base_swa"] = 10000.0
+    kv[f"{a}.rope.dimension_count"] = head_full
+    kv[f"{a}.rope.dimension_count_swa"] = head_swa
+    kv[f"{a}.attention.key_length"] = kv[f"{a}.attention.value_length"] = head_full
+    kv[f"{a}.attention.key_length_swa"] = kv[f"{a}.attention.value_length_swa"] = head_swa
+    kv[f"{a}.attention.head_count_kv"] = [d.n_head_kv if s else n_head_kv_full for s in swa]
+    kv[f"{a}.attention.sliding_window"] = 4
+    kv[f"{a}.attention.sliding_window_pattern"] = swa
+    kv[f"{a}.attention.layer_norm_rms_epsilon"] = 1e-6
+    kv[f"{a}.final_logit_softcapping"] = 30.0
+    return kv
+
+
+def gemma4_rope_freqs(w: Weights, head_full: int) -> None:
+    """The proportional rope of the full layers: the first quarter of each head rotates, the
+    rest has a frequency factor of 1e30 (no rotation), as the converter writes it."""
+    n_rot = head_full // 8
+    w.t["rope_freqs.weight"] = np.array([1.0] * n_rot + [1e30] * (head_full // 2 - n_rot), np.float32)
+
+
+def spec_gemma4(d: Dims, w: Weights) -> dict:
+    """Gemma 4 like E2B/E4B: 7 layers (S S F S F S F), full layers with 32-wide heads and one
+    KV head, SWA layers 16-wide with two; the last 2 layers share the caches of layers 3 (SWA)
+    and 4 (full) and have a double-wide FFN; per-layer embeddings of 32 per layer; tied output."""
+    a = "gemma4"
+    swa = [True, True, False, True, False, True, False]
+    d = dataclasses.replace(d, n_layer=len(swa))
+    head_full, head_swa, n_shared, n_pl = 32, 16, 2, 32
+    kv = gemma4_kv(a, d, swa, head_full=head_full, head_swa=head_swa, n_head_kv_full=1)
+    n_ff = [d.n_ff if il < d.n_layer - n_shared else 2 * d.n_ff for il in range(d.n_layer)]
+    kv[f"{a}.feed_forward_length"] = n_ff
+    kv[f"{a}.attention.shared_kv_layers"] = n_shared
+    kv[f"{a}.embedding_length_per_layer_input"] = n_pl
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d, tied=True)
+    gemma4_rope_freqs(w, head_full)
+    w.embd("per_layer_token_embd.weight", N_VOCAB, n_pl * d.n_layer, scale=0.1)
+    w.mat("per_layer_model_proj.weight", n_pl * d.n_layer, d.n_embd)
+    w.norm("per_layer_proj_norm.weight", n_pl)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        head = head_swa if swa[il] else head_full
+        gemma4_layer(w, p, d, n_head_kv=d.n_head_kv if swa[il] else 1, head_dim=head, n_ff=n_ff[il],
+                     kv=il < d.n_layer - n_shared)
+        w.mat(p + "inp_gate.weight", n_pl, d.n_embd)
+        w.mat(p + "proj.weight", d.n_embd, n_pl)
+        w.norm(p + "post_norm.weight", d.n_embd, center=0.3)
+    return kv
+
+
+def spec_gemma4_moe(d: Dims, w: Weights) -> dict:
+    """Gemma 4 like 26B-A4B: 4 layers (S S S F), each a dense FFN beside 4 experts (2 used,
+    fused gate+up, a per-expert output scale) routed from the normed residual; the full layer
+    has no V projection (V from K); no per-layer embeddings, no shared KV, an output matrix."""
+    a = "gemma4"
+    swa = [True, True, True, False]
+    d = dataclasses.replace(d, n_layer=len(swa))
+    head_full, head_swa, n_ff_exp = 32, 16, 32
+    kv = gemma4_kv(a, d, swa, head_full=head_full, head_swa=head_swa, n_head_kv_full=1)
+    kv[f"{a}.embedding_length_per_layer_input"] = 0
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = n_ff_exp
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    gemma4_rope_freqs(w, head_full)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        gemma4_layer(w, p, d, n_head_kv=d.n_head_kv if swa[il] else 1, head_dim=head_swa if swa[il] else head_full,
+                     n_ff=d.n_ff, v=swa[il])
+        w.mat(p + "ffn_gate_inp.weight", d.n_expert, d.n_embd, gain=4.0)
+        w.norm(p + "ffn_gate_inp.scale", d.n_embd)
+        w.norm(p + "pre_ffw_norm_2.weight", d.n_embd)
+        w.norm(p + "post_ffw_norm_1.weight", d.n_embd, center=0.3)
+        w.norm(p + "post_ffw_norm_2.weight", d.n_embd, center=0.3)
+        w.mat(p + "ffn_gate_up_exps.weight", 2 * n_ff_exp, d.n_embd, n_exp=d.n_expert)
+        w.mat(p + "ffn_down_exps.weight", d.n_embd, n_ff_exp, n_exp=d.n_expert)
+        w.norm(p + "ffn_down_exps.scale", d.n_expert)
+    return kv
+
+
 def spec_glm4moe(d: Dims, w: Weights) -> dict:
     """GLM-4.5: a dense layer, a sigmoid MoE layer (selection bias, renormalized and scaled
     weights, a shared expert), half-head NEOX rope, Q/K norms, and a NextN (MTP) block after
@@ -1132,6 +1241,8 @@ ARCHS: dict[str, ArchSpec] = {
     "minimax-m2": ArchSpec(spec_minimax_m2, 128),
     "qwen3vlmoe": ArchSpec(spec_qwen3vlmoe, 129),
     "gemma3n": ArchSpec(spec_gemma3n, 130),
+    "gemma4": ArchSpec(spec_gemma4, 131),
+    "gemma4-moe": ArchSpec(spec_gemma4_moe, 132),
 }
 
 
