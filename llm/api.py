@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from llm import cvec, distributed, hub
+from llm import mtmd as mtmd_mod
 from llm import params as params_mod
 from llm.adapter import LoraAdapter, adapter_lora_init
 from llm.batch import Batch
@@ -106,6 +107,10 @@ class GenerationChunk:
     reasoning_content: str = ""     # chat_stream: new reasoning text (`text` is then new content)
 
 
+# the token the batcher sees at an image's positions (never decoded: those cells hold the image)
+MEDIA_PLACEHOLDER = 0
+
+
 class LLM:
     """A loaded model with one context. Known names: see `llm.hub.KNOWN_MODELS`."""
 
@@ -117,16 +122,25 @@ class LLM:
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  cb_eval: Callable | None = None, abort_callback: Callable[[], bool] | None = None,
                  lora: Sequence[tuple[str | os.PathLike, float]] = (),
+                 mmproj: str | os.PathLike | None = None,
                  params: ContextParams | None = None, **kwargs):
         """The context's settings are ContextParams' fields (n_ctx, n_batch, n_seq_max, ...), as
         keyword arguments or `params`; cb_eval and abort_callback go to the Context. `lora`:
-        LoRA adapter files and their scales (llama.cpp's --lora-scaled), applied to every call."""
+        LoRA adapter files and their scales (llama.cpp's --lora-scaled), applied to every call.
+        `mmproj`: the vision projector of a multimodal model (llama.cpp's --mmproj), so that
+        generate takes `images` and chat takes image_url content parts (llm.mtmd)."""
         path = hub.resolve(model)
         cparams = params_mod.from_kwargs(ContextParams, kwargs, where="LLM", base=params or ContextParams())
         t0 = time.perf_counter()
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                        progress_callback=progress_callback, weight_format=weight_format,
                                        split_mode=split_mode, row_plan=row_plan)
+        # the vision encoder (libmtmd's context), and what slot 0's cells hold when an image is
+        # among them: the batcher sees placeholder tokens there, so its record of slot 0 is cut
+        # before the first image (no text prompt can match an image) and the whole is kept here
+        self.mtmd = mtmd_mod.init_from_file(mmproj, self.model) if mmproj is not None else None
+        self._media_held: list = []
+        self._media_cut: list[int] | None = None
         self.t_load = time.perf_counter() - t0
         if self.model.output is None:       # an encoder gives embeddings only
             cparams = dataclasses.replace(cparams, embeddings=True)
@@ -383,9 +397,10 @@ class LLM:
             for job in jobs:
                 self._batcher.cancel(job)
 
-    def _stream(self, tokens: list[int], params: GenParams,
-                edits: trace_mod.GraphEdits | None) -> Iterator[GenerationChunk]:
-        """One prompt through the batcher: one chunk per sampled token, then the final one."""
+    def _stream(self, tokens: list[int], params: GenParams, edits: trace_mod.GraphEdits | None,
+                media: bool = False) -> Iterator[GenerationChunk]:
+        """One prompt through the batcher: one chunk per sampled token, then the final one.
+        media: the prompt's cells were filled by _stream_media (never a prompt-cache entry)."""
         with self._under(edits):
             perf0 = self.ctx.perf()
             n_keep = self._prepare(tokens, params)
@@ -405,7 +420,8 @@ class LLM:
             if out.failed is not None:
                 raise GenerationError(out.failed)
             self._last_slot = job.seqs[0].seq_id
-            if self.prompt_cache is not None and edits is None and len(tokens) - n_keep >= self.prompt_cache.min_tokens:
+            if (self.prompt_cache is not None and edits is None and not media
+                    and len(tokens) - n_keep >= self.prompt_cache.min_tokens):
                 self.save_prompt_cache()
             completion = self._completions(tokens, params, out, perf0)[0]
         yield GenerationChunk(last_text, None, completion.finish_reason, completion)
@@ -451,7 +467,8 @@ class LLM:
                  stop: str | list[str] | None = None, grammar=None, json_schema=None,
                  interventions: trace_mod.Interventions | None = None, n: int = 1, logprobs: bool = False,
                  top_logprobs: int = 0, speculative=None, sampling: SamplingParams | None = None,
-                 lora: Sequence[float] | None = None, **kwargs) -> Completion | list[Completion]:
+                 lora: Sequence[float] | None = None, images: Sequence | None = None,
+                 **kwargs) -> Completion | list[Completion]:
         """Continue `prompt` (text, or token ids as given) until end-of-generation, a stop
         string (cut from the text) or max_tokens. Sampling: the keyword arguments of
         SamplingParams' fields under llama-server's names (temperature, top_k, top_p, min_p,
@@ -469,11 +486,20 @@ class LLM:
         under the model's distribution before sampling, with the top_logprobs (<= 20) best.
         speculative: "prompt-lookup", an llm.speculative.PromptLookup or DraftModel, or a draft
         LLM sharing the vocabulary (llm/generation/speculative.py). lora: this call's scale of
-        each adapter in `self.adapters` (0 leaves one off), instead of those set for the LLM."""
+        each adapter in `self.adapters` (0 leaves one off), instead of those set for the LLM.
+        images: with an mmproj, the images the prompt's markers (llm.mtmd.default_marker())
+        stand for, in order: llm.mtmd.Bitmaps, file paths, image bytes, data URLs or uint8
+        arrays; a MediaError when they do not pair up or cannot be read."""
         batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=n,
                                   logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
                                   sampling=sampling, lora=lora, kwargs=kwargs, where="generate")
+        if images is not None:
+            if batched or n != 1 or not isinstance(prompt, str):
+                raise ValueError("images go with one text prompt and n = 1 (its markers stand for them)")
+            *_, done = self._media_checked(prompt, images, params, interventions)
+            assert done.completion is not None
+            return done.completion
         if batched or n != 1:
             items = cast(list, prompt if batched else [prompt])
             out = self._generate_batch([self._prompt_tokens(p) for p in items], params,
@@ -488,7 +514,7 @@ class LLM:
                grammar=None, json_schema=None, interventions: trace_mod.Interventions | None = None,
                logprobs: bool = False, top_logprobs: int = 0, speculative=None,
                sampling: SamplingParams | None = None, lora: Sequence[float] | None = None,
-               **kwargs) -> Iterator[GenerationChunk]:
+               images: Sequence | None = None, **kwargs) -> Iterator[GenerationChunk]:
         """GenerationChunks as tokens are generated: their texts join to the completion's text,
         never splitting a UTF-8 character or a stop string; the last chunk has the finish reason
         and the Completion. Arguments as for generate (one prompt), checked at once, before the
@@ -496,6 +522,10 @@ class LLM:
         params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=1,
                                   logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
                                   sampling=sampling, lora=lora, kwargs=kwargs, where="stream")
+        if images is not None:
+            if not isinstance(prompt, str):
+                raise ValueError("images go with a text prompt (its markers stand for them)")
+            return self._media_checked(prompt, images, params, interventions)
         return self._stream_checked(prompt, params, interventions)
 
     def _stream_checked(self, prompt: str | list[int], params: GenParams,
@@ -694,14 +724,147 @@ class LLM:
             chat_template_kwargs=dict(chat_template_kwargs or {}))
         if options.calls_tools and grammar is not None:
             raise ValueError("tools cannot be combined with grammar (json_schema gives the answer's schema)")
-        chat, tokens = self.chat_prompt(messages, options)
+        messages, images = self._media_messages(messages)
+        if images:
+            tmpl, bos_eos = self._template(), self._bos_eos()
+            chat = prompt_mod.apply(tmpl, messages, options, vocab=self.vocab, **bos_eos)
+        else:
+            chat, tokens = self.chat_prompt(messages, options)
         if chat.grammar is not None:
             grammar, json_schema = chat.grammar, None
         params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=1,
                                   logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
                                   sampling=sampling, lora=lora, kwargs=kwargs, where="chat")
         params = dataclasses.replace(params, preserved_tokens=chat.preserved_tokens)
+        if images:
+            return self._parse_reply(self._media_checked(chat.prompt, images, params, interventions), chat.syntax)
         return self._parse_reply(self._stream_checked(tokens, params, interventions), chat.syntax)
+
+    # ---- images (llm.mtmd) ------------------------------------------------------------
+
+    def _media_messages(self, messages: list[dict]) -> tuple[list[dict], list[mtmd_mod.Bitmap]]:
+        """OpenAI content parts to text: each image_url part becomes the media marker (as
+        llama-server does), its image decoded here; messages without parts are unchanged."""
+        out, images = [], []
+        marker = mtmd_mod.default_marker()
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            text = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                where = f"messages[{i}].content[{j}]"
+                if kind == "text":
+                    text.append(str(part.get("text", "")))
+                elif kind == "image_url":
+                    ref = part.get("image_url")
+                    url = ref.get("url") if isinstance(ref, dict) else ref
+                    if not isinstance(url, str):
+                        raise mtmd_mod.MediaError(f"{where}: an image_url part needs {{'url': 'data:...'}}")
+                    images.append(mtmd_mod.Bitmap.from_url(url, where))
+                    text.append(marker)
+                else:
+                    raise mtmd_mod.MediaError(f"{where}: content part type {kind!r} is not supported "
+                                              f"(text, image_url)")
+            out.append({**m, "content": "".join(text)})
+        if images and self.mtmd is None:
+            raise mtmd_mod.MediaError("the messages hold images but this LLM has no vision projector: "
+                                      "LLM(model, mmproj='....mmproj.gguf')")
+        return out, images
+
+    def _bitmaps(self, images: Sequence) -> list[mtmd_mod.Bitmap]:
+        out = []
+        for i, im in enumerate(images):
+            what = f"images[{i}]"
+            if isinstance(im, mtmd_mod.Bitmap):
+                out.append(im)
+            elif isinstance(im, np.ndarray):
+                out.append(mtmd_mod.Bitmap.from_array(im))
+            elif isinstance(im, (bytes, bytearray)):
+                out.append(mtmd_mod.Bitmap.from_bytes(bytes(im), what))
+            elif isinstance(im, str) and im.startswith(("data:", "http://", "https://")):
+                out.append(mtmd_mod.Bitmap.from_url(im, what))
+            elif isinstance(im, (str, os.PathLike)):
+                out.append(mtmd_mod.Bitmap.from_file(im))
+            else:
+                raise TypeError(f"{what} is a {type(im).__name__}: pass an llm.mtmd.Bitmap, a path, image bytes, "
+                                f"a data URL or a uint8 array")
+        return out
+
+    def _media_checked(self, text: str, images: Sequence, params: GenParams,
+                       interventions: trace_mod.Interventions | None) -> Iterator[GenerationChunk]:
+        """The prompt's chunks, checked before the first chunk is asked for."""
+        if self.mtmd is None:
+            raise ValueError("images need a vision projector: LLM(model, mmproj='....mmproj.gguf')")
+        if interventions is not None or params.lora is not None or params.speculative is not None:
+            raise ValueError("images cannot be combined with interventions, a per-call lora or speculative "
+                             "decoding yet")
+        chunks = self.mtmd.tokenize(text, self._bitmaps(images), add_special=False)
+        bos = self.vocab.bos
+        if self.vocab.add_bos and not (chunks and chunks[0].type == "text" and chunks[0].tokens[:1] == [bos]):
+            chunks.insert(0, mtmd_mod.InputChunk("text", [bos]))
+        if not chunks or chunks[-1].type != "text":
+            raise mtmd_mod.MediaError("the prompt must end with text after its last image")
+        keys: list = []         # per position: its token, or (image id, index) of an image's
+        tokens: list[int] = []  # ... as the batcher sees it
+        for c in chunks:
+            if c.image is None:
+                keys += c.tokens
+                tokens += c.tokens
+            else:
+                keys += [(c.id, j) for j in range(c.n_pos)]
+                tokens += [MEDIA_PLACEHOLDER] * c.n_pos
+        self._batcher.check(tokens, params)
+        return self._one_at_a_time(self._stream_media(chunks, keys, tokens, params))
+
+    def _stream_media(self, chunks: list[mtmd_mod.InputChunk], keys: list, tokens: list[int],
+                      params: GenParams) -> Iterator[GenerationChunk]:
+        """Fill slot 0 with the prompt but its last token (keeping what the cells already hold
+        of it, never part of an image; images encoded or read from the encoder's cache), then
+        generate from the last token through the batcher, which sees the prompt's tokens with
+        a placeholder per image position."""
+        assert self.mtmd is not None        # _media_checked made sure
+        cached = self._batcher.cached.get(0)
+        held = self._media_held if cached is not None and cached == self._media_cut else (cached or [])
+        n_keep = 0
+        for a, b in zip(held, keys[:-1], strict=False):
+            if a != b:
+                break
+            n_keep += 1
+        pos, rest = 0, []
+        for c in chunks:
+            if c.image is not None and pos < n_keep < pos + c.n_pos:
+                n_keep = pos
+            pos += c.n_pos
+        if not self.ctx.memory.can_keep(0, n_keep):
+            n_keep = 0
+        pos = 0
+        for c in chunks:
+            end = pos + c.n_pos
+            if end > n_keep:
+                rest.append(c if pos >= n_keep else mtmd_mod.InputChunk("text", c.tokens[n_keep - pos:]))
+            pos = end
+        rest[-1] = mtmd_mod.InputChunk("text", rest[-1].tokens[:-1])
+        self._batcher.keep_prefix(0, n_keep)
+        self._media_cut = None
+        try:
+            self.mtmd.eval_chunks(self.ctx, [c for c in rest if c.n_tokens], n_past=n_keep, seq_id=0,
+                                  n_batch=self.ctx.n_batch, logits_last=False)
+        except Exception:
+            self._forget()
+            raise
+        self._batcher.cached[0] = tokens[:-1]
+        self._batcher.cached_lora.pop(0, None)
+        try:
+            yield from self._stream(tokens, params, None, media=True)
+        finally:
+            first = next(i for i, t in enumerate(tokens) if keys[i] != t)      # the first image position
+            now = self._batcher.cached.get(0)
+            if now is not None and now[:first] == tokens[:first]:
+                self._media_held = keys + now[len(tokens):] if len(now) >= len(tokens) else keys[:len(now)]
+                self._media_cut = self._batcher.cached[0] = now[:first]
 
     @staticmethod
     def _parse_reply(chunks: Iterator[GenerationChunk], syntax: ChatSyntax) -> Iterator[GenerationChunk]:

@@ -233,3 +233,77 @@ def test_an_mmproj_that_does_not_fit_names_both_files(model, tmp_path):
         w.write(narrow)
     with pytest.raises(ModelLoadError, match=r"narrow.mmproj.gguf: the projector gives 48 .*gemma3.gguf has n_embd 64"):
         mtmd.init_from_file(narrow, model)
+
+
+# ---- the API -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return llm.LLM(MODEL, mmproj=MMPROJ, n_ctx=256)
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+@pytest.mark.slow
+def test_generate_with_an_image_starts_with_llamacpps_greedy_token(vlm, ref):
+    text, _ = gen().PROMPTS[0]
+    c = vlm.generate(text, images=[gen().IMAGES[0]], max_tokens=1, temperature=0)
+    assert c.tokens == [int(ref["0_logits"].argmax())] and c.n_prompt_tokens == int(ref["0_n_past"])
+
+
+@pytest.mark.slow
+def test_a_second_question_about_the_image_encodes_nothing(vlm):
+    """The encoder's cache is keyed by the image's content; the cells of the shared prefix
+    (text and image) are kept, and give what a fresh decode of the prompt gives."""
+    img = gen().IMAGES[0]
+    vlm.generate(f"Look at this: {mtmd.default_marker()} What is it?", images=[img], max_tokens=4, temperature=0)
+    n = vlm.mtmd.n_encode
+    t0 = time.perf_counter()
+    second = vlm.generate(f"Look at this: {mtmd.default_marker()} What colour?", images=[mtmd.Bitmap.from_file(img)],
+                          max_tokens=4, temperature=0)
+    assert vlm.mtmd.n_encode == n
+    t_second = time.perf_counter() - t0
+    vlm.reset()                                  # the cells are gone, the encoder's cache is not
+    fresh = vlm.generate(f"Look at this: {mtmd.default_marker()} What colour?", images=[img], max_tokens=4,
+                         temperature=0)
+    assert fresh.tokens == second.tokens and vlm.mtmd.n_encode == n
+    chat = vlm.chat([{"role": "user", "content": [{"type": "text", "text": "What is this? "},
+                                                  {"type": "image_url", "image_url": {"url": data_url(img)}}]}],
+                    max_tokens=2, temperature=0)
+    assert chat.n_completion_tokens == 2 and vlm.mtmd.n_encode == n
+    assert t_second < 30
+
+
+@pytest.mark.slow
+def test_text_after_an_image_does_not_reuse_its_cells(vlm):
+    """The batcher sees an image's positions as placeholder tokens; after an image prompt its
+    record of the cells stops before the image, so a text prompt cannot match them."""
+    vlm.generate(f"hi {mtmd.default_marker()}", images=[gen().IMAGES[1]], max_tokens=2, temperature=0)
+    ids = vlm.tokenize("hi <start_of_image>") + [0] * 16        # the placeholders the batcher saw
+    def top3() -> np.ndarray:
+        c = vlm.generate(ids, max_tokens=1, temperature=0, logprobs=True, top_logprobs=3)
+        return np.array(c.logprobs[0].top)
+    after = top3()
+    vlm.reset()
+    # reading the image's cells as these tokens' would move the 2nd/3rd logprobs by ~2 (-48.4 vs -50.5)
+    assert np.allclose(top3(), after, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_bad_media_in_the_api_are_media_errors(vlm):
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+    with pytest.raises(mtmd.MediaError, match=r"messages\[0\].content\[0\]: remote URLs are not fetched"):
+        vlm.chat(msg)
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%"}}]}]
+    with pytest.raises(mtmd.MediaError, match="base64 is invalid"):
+        vlm.chat(msg)
+    with pytest.raises(mtmd.MediaError, match="1 media marker .* but 2 images"):
+        vlm.generate(f"one {mtmd.default_marker()}", images=gen().IMAGES, max_tokens=1)
+    with pytest.raises(mtmd.MediaError, match=r"images\[0\]: not an image"):
+        vlm.generate(f"one {mtmd.default_marker()}", images=[b"\x89PNG\r\n\x1a\n" + bytes(30)], max_tokens=1)
+    text_only = llm.LLM(MODEL, n_ctx=64)
+    with pytest.raises(ValueError, match="images need a vision projector"):
+        text_only.generate(f"one {mtmd.default_marker()}", images=[gen().IMAGES[0]])
