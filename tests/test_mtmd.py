@@ -307,3 +307,16 @@ def test_bad_media_in_the_api_are_media_errors(vlm):
     text_only = llm.LLM(MODEL, n_ctx=64)
     with pytest.raises(ValueError, match="images need a vision projector"):
         text_only.generate(f"one {mtmd.default_marker()}", images=[gen().IMAGES[0]])
+
+
+@pytest.mark.slow
+def test_the_cli_generates_about_an_image(vlm, capsys):
+    from llm import cli
+    img = str(gen().IMAGES[0])
+    rc = cli.main(["generate", "-m", str(MODEL), "--mmproj", str(MMPROJ), "--image", img, "-p", "What is it?",
+                   "-n", "3", "--temp", "0", "-c", "128"])
+    out = capsys.readouterr()
+    want = vlm.generate(mtmd.default_marker() + "What is it?", images=[img], max_tokens=3, temperature=0)
+    assert rc == 0 and out.out == want.text + "\n"
+    assert cli.main(["generate", "-m", str(MODEL), "--image", img, "-p", "x"]) == 2
+    assert "--image needs --mmproj" in capsys.readouterr().err

@@ -188,7 +188,15 @@ def _row_plan(a):
     return RowPlan(**{k: v for k, v in given.items() if v is not None})
 
 
-def _open(a):
+def _add_media(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mmproj", default=None, metavar="FNAME",
+                   help="the vision projector (mmproj GGUF) of a multimodal model, as llama-mtmd-cli")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the prompt (repeatable; PNG, JPEG, WebP, GIF, BMP): each stands for a "
+                        "<__media__> marker in -p, or the markers go before the prompt, one per image")
+
+
+def _open(a, mmproj: str | None = None):
     """Resolve, load and make the context, one status line per phase."""
     from llm.api import LLM
     path = hub.model_file(a.model)
@@ -204,7 +212,7 @@ def _open(a):
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
     llm = LLM(path, params=_ctx_params(a), weight_format=a.weight_format, split_mode=a.split_mode,
               tensor_split=tensor_split, row_plan=_row_plan(a), progress_callback=_progress(a),
-              abort_callback=a.interrupt.abort, lora=_lora(a))
+              abort_callback=a.interrupt.abort, lora=_lora(a), mmproj=mmproj)
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
     if n_train and a.n_ctx > n_train:
@@ -239,18 +247,30 @@ def _print_perf(result) -> None:
 
 
 def cmd_generate(a) -> int:
-    llm = _open(a)
+    if a.image and not a.mmproj:
+        raise UsageError("--image needs --mmproj (the model's vision projector GGUF)")
+    llm = _open(a, a.mmproj)
     if not distributed.is_leader():
         llm.follow()
         return 0
-    tokens = llm.tokenize(a.prompt)
-    if len(tokens) >= a.n_ctx:
+    if a.image:
+        from llm import mtmd
+        marker = mtmd.default_marker()
+        prompt = a.prompt if marker in a.prompt else marker * len(a.image) + a.prompt
+        n_prompt = sum(c.n_pos for c in llm.mtmd.tokenize(prompt, [mtmd.Bitmap.from_file(f) for f in a.image]))
+    else:
+        tokens = llm.tokenize(a.prompt)
+        n_prompt = len(tokens)
+    if n_prompt >= a.n_ctx:
         llm.close()
-        raise UsageError(f"the prompt has {len(tokens)} tokens; -c {a.n_ctx} holds at most {a.n_ctx - 1}")
+        raise UsageError(f"the prompt has {n_prompt} tokens; -c {a.n_ctx} holds at most {a.n_ctx - 1}")
     try:
         t0 = time.perf_counter()
-        completion = _write_stream(a, llm.stream(tokens, interventions=_interventions(a, llm),
-                                                 **_sampling_kwargs(a, len(tokens))), t0)
+        if a.image:
+            chunks = llm.stream(prompt, images=a.image, **_sampling_kwargs(a, n_prompt))
+        else:
+            chunks = llm.stream(tokens, interventions=_interventions(a, llm), **_sampling_kwargs(a, n_prompt))
+        completion = _write_stream(a, chunks, t0)
     finally:
         llm.close()
     if a.perf:
@@ -546,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", required=True, help="the text to continue")
     _add_ctx(p)
     _add_lora(p)
+    _add_media(p)
     _add_sampling(p)
     p.set_defaults(fn=cmd_generate)
     p = add("chat", "interactive multi-turn chat (Ctrl-D to quit)")
