@@ -79,6 +79,13 @@ MODULE_NAMES = {
     # issue 29: the shared blocks
     "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu", "softplus",
                   "gated_delta_net"],
+    # issue 30: images in (libmtmd)
+    "llm.mtmd": ["init_from_file", "MtmdContext", "Bitmap", "InputChunk", "ImageTokens", "MediaError", "EvalError",
+                 "default_marker", "MAX_PIXELS", "PROJECTORS"],
+    "llm.mtmd.clip": ["ClipModel", "ClipGraph", "ClipHParams", "ClipKV", "ClipTensor", "Projector", "ctn",
+                      "load_model"],
+    "llm.mtmd.image": ["resize_pillow", "resize", "normalize", "ResizeAlgo", "PadStyle"],
+    "llm.mtmd.siglip": ["GEMMA3", "pool_2d_avg"],
     # issue 28: recurrent and hybrid memories
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
@@ -97,8 +104,12 @@ METHODS = {
     "llm.kv_cache:KVCache": ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",
                              "clear"],
     "llm.context:Context": ["decode", "get_logits_ith", "get_embeddings_seq", "get_embeddings_ith",
-                            "state_save_file", "state_load_file", "set_adapters_lora", "set_adapter_scales_seq"],
+                            "state_save_file", "state_load_file", "set_adapters_lora", "set_adapter_scales_seq",
+                            "set_causal_attn"],
     "llm.batch:Batch": ["get_one"],
+    # issue 30: images in
+    "llm.mtmd:MtmdContext": ["tokenize", "encode_chunk", "eval_chunks", "preprocess", "graph"],
+    "llm.mtmd:Bitmap": ["from_file", "from_bytes", "from_array", "from_url"],
     # issue 29: per-layer head sizes (gemma4)
     "llm.hparams:HParams": ["n_embd_head_k_l", "n_embd_head_v_l", "n_rot_l", "has_kv", "kv_layer"],
 }
@@ -143,6 +154,13 @@ def test_moved_modules_are_the_same_objects():
     import llm.trace
     assert llm.trace is llm.research.trace
     assert llm.research.trace.__spec__.name == "llm.research.trace"
+
+
+def test_media_keywords():
+    """Issue 30: LLM(model, mmproj=...), generate/stream(..., images=[...])."""
+    assert "mmproj" in inspect.signature(llm.LLM.__init__).parameters
+    for method in (llm.LLM.generate, llm.LLM.stream):
+        assert "images" in inspect.signature(method).parameters
 
 
 @pytest.mark.parametrize("owner, names", METHODS.items())
