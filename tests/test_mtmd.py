@@ -119,6 +119,18 @@ def test_the_image_is_attended_non_causally(model, mctx, images, ref):
 
 
 @pytest.mark.slow
+def test_encoder_nodes_carry_clip_cpps_names(mctx):
+    g = mctx.graph(64, 64)
+    names = {n.name for n in g.gf.nodes} | {g.inp_raw.name}
+    for il in (0, 1):
+        assert {f"{n}-{il}" for n in ("layer_inp_normed", "Qcur", "Kcur", "Vcur", "kqv_out", "attn_out", "ffn_inp",
+                                      "ffn_inp_normed", "ffn_up", "ffn_up_b", "ffn_gelu", "ffn_down", "ffn_out",
+                                      "layer_out", "norm_w")} <= names     # norm_b is renamed, as in clip.cpp
+    assert {"inp_raw", "patch_bias", "pos_embed"} <= names
+    assert mctx.graph(64, 64) is g                  # one graph per image shape
+
+
+@pytest.mark.slow
 def test_a_cached_image_runs_no_encoder(mctx, images):
     chunk = next(c for c in prompt_chunks(mctx, images, 0) if c.type == "image")
     first = mctx.encode_chunk(chunk)
