@@ -94,6 +94,7 @@ class LLMArch(enum.Enum):
     GRANITE_HYBRID = "granitehybrid"
     NEMOTRON_H = "nemotron_h"
     LFM2 = "lfm2"
+    LFM2MOE = "lfm2moe"
     QWEN3NEXT = "qwen3next"
     QWEN35 = "qwen35"
     QWEN35MOE = "qwen35moe"
@@ -384,7 +385,7 @@ def llm_arch_is_recurrent(arch: LLMArch) -> bool:
 def llm_arch_is_hybrid(arch: LLMArch) -> bool:
     """Attention layers (a KV cache) mixed with recurrent ones (a recurrent memory)."""
     return arch in (LLMArch.JAMBA, LLMArch.FALCON_H1, LLMArch.GRANITE_HYBRID, LLMArch.NEMOTRON_H,
-                    LLMArch.LFM2, LLMArch.QWEN3NEXT, LLMArch.QWEN35, LLMArch.QWEN35MOE)
+                    LLMArch.LFM2, LLMArch.LFM2MOE, LLMArch.QWEN3NEXT, LLMArch.QWEN35, LLMArch.QWEN35MOE)
 
 
 def tn(tensor: LLMTensor, suffix: str | None = None, bid: int | None = None,

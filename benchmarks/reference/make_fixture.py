@@ -1126,6 +1126,42 @@ def spec_lfm2(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_lfm2moe(d: Dims, w: Weights) -> dict:
+    """LFM2-MoE: LFM2's 4 layers (short conv / attention / short conv / attention), the first 2
+    dense, then a sigmoid-gated mixture of 4 experts (2 used, width 32) with a selection bias."""
+    a = "lfm2moe"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 1000000.0
+    kv[f"{a}.attention.head_count_kv"] = [0, d.n_head_kv, 0, d.n_head_kv]
+    kv.update({f"{a}.shortconv.l_cache": 3, f"{a}.leading_dense_block_count": 2, f"{a}.expert_count": d.n_expert,
+               f"{a}.expert_used_count": d.n_expert_used, f"{a}.expert_feed_forward_length": 32,
+               f"{a}.expert_gating_func": 2})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd, scale=0.4)
+    w.norm("token_embd_norm.weight", d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        if il >= 2:
+            moe(w, p, d, 32)
+            w.bias(p + "exp_probs_b.bias", d.n_expert)
+        else:
+            w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        if il % 2:
+            w.norm(p + "attn_q_norm.weight", d.head_dim)
+            w.norm(p + "attn_k_norm.weight", d.head_dim)
+            attn_qkv(w, p, d)
+            w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        else:
+            w.t[p + "shortconv.conv.weight"] = (w.rng.standard_normal((d.n_embd, 3)) / np.sqrt(3)).astype(np.float32)
+            w.mat(p + "shortconv.in_proj.weight", 3 * d.n_embd, d.n_embd)
+            w.mat(p + "shortconv.out_proj.weight", d.n_embd, d.n_embd)
+    return kv
+
+
 def spec_falcon_h1(d: Dims, w: Weights) -> dict:
     """Falcon-H1: 2 layers, each attention (NEOX rope) and a Mamba-2 block in parallel (inner
     width 96 = 6 heads of 16, 2 groups, state 16) over one norm, then a gated FFN; the FFN norm
@@ -1224,6 +1260,7 @@ ARCHS: dict[str, ArchSpec] = {
     "lfm2": ArchSpec(spec_lfm2, 144),
     "falcon-h1": ArchSpec(spec_falcon_h1, 145),
     "jamba": ArchSpec(spec_jamba, 146),
+    "lfm2moe": ArchSpec(spec_lfm2moe, 147),
     "llama4": ArchSpec(spec_llama4, 114),
     "granitemoe": ArchSpec(spec_granitemoe, 115),
     "command-r": ArchSpec(spec_command_r, 116),

@@ -1,4 +1,4 @@
-"""LFM2: llama.cpp's src/models/lfm2.cpp (the dense models).
+"""LFM2: llama.cpp's src/models/lfm2.cpp (the graph is lfm2moe's too).
 
 Short-convolution layers (no KV heads) and attention layers with RMS-normed Q and K and
 NEOX rope, each followed by a gated FFN. A short-conv block projects to three chunks b, c,
@@ -8,7 +8,8 @@ result by c and projects back. The context holds a hybrid memory: a KV cache for
 attention layers, each sequence's last l_cache - 1 columns of b * x for the conv layers (no
 SSM state). The output norm is the tensor llama.cpp reads as `token_embd_norm`. The names
 are llama.cpp's, Hugging Face module paths with `{}` for the layer
-(`model.layers.{}.conv.in_proj-3`)."""
+(`model.layers.{}.conv.in_proj-3`). Layers from `n_layer_dense_lead` on route to a
+mixture of experts instead of the dense FFN (lfm2moe; in LFM2 every layer is dense)."""
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ from ggmlx import ops
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
 from llm.graph import GraphBuilder, InpAttnKV, InpRS, LLMFfnGateType, LLMFfnOpType, LLMNormType
-from llm.hparams import HParams, RopeType, SWAType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeType, SWAType
 from llm.layer import Layer, create_output, create_qkv
 from llm.loader import GGUFMeta, ModelLoader
 
@@ -28,22 +29,30 @@ if TYPE_CHECKING:
 
 
 def load_hparams(hp: HParams, ml: GGUFMeta) -> None:
+    load_shortconv_hparams(hp, ml)
+    hp.n_layer_dense_lead = hp.n_layer      # every layer dense
+    check_ffn(hp, ml)
+
+
+def load_shortconv_hparams(hp: HParams, ml: GGUFMeta) -> None:
+    """The keys LFM2 and LFM2-MoE share: the conv width, the norm epsilon, which layers are
+    convolutions (no KV heads), an optional sliding window on the attention layers."""
     hp.rope_type = RopeType.NEOX
     hp.n_shortconv_l_cache = ml.get_key(LLMKV.SHORTCONV_L_CACHE, int)
     hp.f_norm_rms_eps = ml.get_key(LLMKV.ATTENTION_LAYERNORM_RMS_EPS, float)
     if hp.n_shortconv_l_cache < 2:       # llama.cpp asserts it: the state holds l_cache - 1 columns
         raise ml.error(f"'{ml.key_name(LLMKV.SHORTCONV_L_CACHE)}' = {hp.n_shortconv_l_cache} must be at least 2")
-    if hp.n_expert:
-        raise ml.error(f"'{ml.key_name(LLMKV.EXPERT_COUNT)}' = {hp.n_expert}: LFM2's mixture-of-experts "
-                       f"layers (lfm2moe) are not supported")
     hp.recurrent_layers = [hp.n_head_kv(il) == 0 for il in range(hp.n_layer)]
-    hp.n_layer_dense_lead = hp.n_layer
     hp.n_swa = ml.get_key(LLMKV.ATTENTION_SLIDING_WINDOW, int, 0)
     if hp.n_swa > 0:
         hp.swa_type = SWAType.STANDARD
         hp.swa_layers = [not r for r in hp.recurrent_layers]
+
+
+def check_ffn(hp: HParams, ml: GGUFMeta) -> None:
+    """Dense layers need an FFN width, attention layers n_head heads of n_embd."""
     for il in range(hp.n_layer):
-        if hp.n_ff(il) <= 0:
+        if il < hp.n_layer_dense_lead and hp.n_ff(il) <= 0:
             raise ml.error(f"layer {il}: '{ml.key_name(LLMKV.FEED_FORWARD_LENGTH)}' = {hp.n_ff(il)} must be positive")
         if not hp.is_recurrent(il) and hp.n_embd_head_k * hp.n_head(il) != hp.n_embd:
             raise ml.error(f"layer {il}: {hp.n_head(il)} heads of {hp.n_embd_head_k} must make n_embd = {hp.n_embd} "
@@ -59,10 +68,18 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
         dev = model.place.dev_layer[il]
         layer = Layer()
         layer.ffn_norm = ml.create_tensor(tn(T.FFN_NORM, "weight", il), (n_embd,), dev)
-        n_ff = hp.n_ff(il)
-        layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
-        layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
-        layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
+        if il >= hp.n_layer_dense_lead:
+            n_ff, n_exp = hp.n_ff_exp, hp.n_expert
+            layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
+            layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+            layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff, n_embd, n_exp), dev)
+            layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff, n_exp), dev)
+            layer.ffn_exp_probs_b = ml.create_tensor(tn(T.FFN_EXP_PROBS_B, "bias", il), (n_exp,), dev)
+        else:
+            n_ff = hp.n_ff(il)
+            layer.ffn_gate = ml.create_tensor(tn(T.FFN_GATE, "weight", il), (n_embd, n_ff), dev)
+            layer.ffn_down = ml.create_tensor(tn(T.FFN_DOWN, "weight", il), (n_ff, n_embd), dev)
+            layer.ffn_up = ml.create_tensor(tn(T.FFN_UP, "weight", il), (n_embd, n_ff), dev)
         layer.attn_norm = ml.create_tensor(tn(T.ATTN_NORM, "weight", il), (n_embd,), dev)
         if not hp.is_recurrent(il):
             layer.attn_q_norm = ml.create_tensor(tn(T.ATTN_Q_NORM, "weight", il), (hp.n_embd_head_k,), dev)
@@ -140,8 +157,14 @@ def build_graph(g: GraphBuilder) -> None:
         cur = ops.add(prev_cur, cur)
         ffn_norm_out = g.cb(g.build_norm(cur, layer.ffn_norm, None, LLMNormType.RMS, il),
                             "model.layers.{}.ffn_norm", il)
-        ffn_out = g.build_ffn(ffn_norm_out, layer.ffn_up, layer.ffn_gate, layer.ffn_down, LLMFfnOpType.SILU,
-                              LLMFfnGateType.PAR, il)
+        if il >= hp.n_layer_dense_lead:
+            ffn_out = g.build_moe_ffn(ffn_norm_out, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
+                                      layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, True,
+                                      ExpertGatingFuncType(hp.expert_gating_func), il,
+                                      exp_probs_b=layer.ffn_exp_probs_b, w_scale=hp.expert_weights_scale)
+        else:
+            ffn_out = g.build_ffn(ffn_norm_out, layer.ffn_up, layer.ffn_gate, layer.ffn_down, LLMFfnOpType.SILU,
+                                  LLMFfnGateType.PAR, il)
         g.cb(ffn_norm_out, "model.layers.{}.ffn_out", il)      # llama.cpp renames the FFN's input so
         cur = g.cb(ops.add(cur, ffn_out), "l_out", il)
 
