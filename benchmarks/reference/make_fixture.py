@@ -415,6 +415,99 @@ def spec_qwen3vl(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def delta_net_block(w: Weights, p: str, d: Dims, *, d_state: int, n_k_heads: int, n_v_heads: int,
+                    fused: bool = False) -> None:
+    """A Gated DeltaNet layer's tensors: q, k, v (attn_qkv) and z (attn_gate), or qwen3next's
+    fused per-key-head [q, k, v, z] (ssm_in) and [beta, alpha] (ssm_ba); the conv, the dt bias,
+    A = -exp(.) per value head, the head-wide output norm and the output projection."""
+    key_dim, value_dim = d_state * n_k_heads, d_state * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    if fused:
+        w.mat(p + "ssm_in.weight", 2 * key_dim + 2 * value_dim, d.n_embd)
+        w.mat(p + "ssm_ba.weight", 2 * n_v_heads, d.n_embd, gain=2.0)
+    else:
+        w.mat(p + "attn_qkv.weight", conv_dim, d.n_embd)
+        w.mat(p + "attn_gate.weight", value_dim, d.n_embd)
+        w.mat(p + "ssm_beta.weight", n_v_heads, d.n_embd, gain=2.0)
+        w.mat(p + "ssm_alpha.weight", n_v_heads, d.n_embd, gain=2.0)
+    w.mat(p + "ssm_conv1d.weight", conv_dim, 4)
+    w.bias(p + "ssm_dt.bias", n_v_heads, scale=0.5)
+    w.t[p + "ssm_a"] = -np.exp(0.5 * w.rng.standard_normal(n_v_heads)).astype(np.float32)
+    w.norm(p + "ssm_norm.weight", d_state)
+    w.mat(p + "ssm_out.weight", d.n_embd, value_dim)
+
+
+def gated_attn_block(w: Weights, p: str, d: Dims) -> None:
+    """Full attention with the output gate in the query projection ([q; gate] per head) and
+    Q/K norms."""
+    attn_qkv(w, p, d, n_q=2 * d.n_embd)
+    w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+    w.norm(p + "attn_q_norm.weight", d.head_dim)
+    w.norm(p + "attn_k_norm.weight", d.head_dim)
+
+
+def delta_net_kv(a: str, d: Dims, *, d_state: int, n_k_heads: int, n_v_heads: int) -> dict:
+    kv = base_kv(a, d)
+    kv.update({f"{a}.ssm.conv_kernel": 4, f"{a}.ssm.inner_size": d_state * n_v_heads,
+               f"{a}.ssm.state_size": d_state, f"{a}.ssm.time_step_rank": n_v_heads,
+               f"{a}.ssm.group_count": n_k_heads, f"{a}.full_attention_interval": 4})
+    return kv
+
+
+def spec_qwen35(d: Dims, w: Weights) -> dict:
+    """Qwen3.5: 4 layers, three Gated DeltaNet (2 key heads over 4 value heads of 16) then one
+    gated full attention; IMROPE over half of each head (4 pairs: sections 2/1/1, as the
+    released models rotate a quarter of theirs)."""
+    a = "qwen35"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = delta_net_kv(a, d, d_state=16, n_k_heads=2, n_v_heads=4)
+    kv[f"{a}.rope.dimension_count"] = d.head_dim // 2
+    kv[f"{a}.rope.dimension_sections"] = [2, 1, 1, 0]
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        if il % 4 == 3:
+            gated_attn_block(w, p, d)
+        else:
+            delta_net_block(w, p, d, d_state=16, n_k_heads=2, n_v_heads=4)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
+def spec_qwen35moe(d: Dims, w: Weights) -> dict:
+    """Qwen3.5 MoE: spec_qwen35's trunk with 4 experts of 32 (top 2) and a gated shared
+    expert of 64 in every layer. (Seed 150: 148 put the 2nd and 3rd experts' probabilities
+    within 1e-5 of each other at one position, a tie that rounding decides.)"""
+    a = "qwen35moe"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = delta_net_kv(a, d, d_state=16, n_k_heads=2, n_v_heads=4)
+    kv[f"{a}.rope.dimension_count"] = d.head_dim // 2
+    kv[f"{a}.rope.dimension_sections"] = [2, 1, 1, 0]
+    kv.update({f"{a}.expert_count": d.n_expert, f"{a}.expert_used_count": d.n_expert_used,
+               f"{a}.expert_feed_forward_length": 32, f"{a}.expert_shared_feed_forward_length": 64})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        if il % 4 == 3:
+            gated_attn_block(w, p, d)
+        else:
+            delta_net_block(w, p, d, d_state=16, n_k_heads=2, n_v_heads=4)
+        moe(w, p, d, 32)
+        w.t[p + "ffn_gate_inp_shexp.weight"] = (w.rng.standard_normal(d.n_embd) / np.sqrt(d.n_embd)).astype(np.float32)
+        w.mat(p + "ffn_gate_shexp.weight", 64, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, 64)
+        w.mat(p + "ffn_up_shexp.weight", 64, d.n_embd)
+    return kv
+
+
 def spec_qwen3vlmoe(d: Dims, w: Weights) -> dict:
     """Qwen3-VL-MoE's text tower: qwen3vl's IMROPE sections and DeepStack layers with
     qwen3moe's experts."""
@@ -1275,6 +1368,8 @@ ARCHS: dict[str, ArchSpec] = {
     "olmoe": ArchSpec(spec_olmoe, 125),
     "exaone4": ArchSpec(spec_exaone4, 126),
     "deepseek2": ArchSpec(spec_deepseek2, 127),
+    "qwen35": ArchSpec(spec_qwen35, 147),
+    "qwen35moe": ArchSpec(spec_qwen35moe, 150),
     "minimax-m2": ArchSpec(spec_minimax_m2, 128),
     "qwen3vlmoe": ArchSpec(spec_qwen3vlmoe, 129),
     "gemma3n": ArchSpec(spec_gemma3n, 130),

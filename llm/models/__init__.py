@@ -53,6 +53,8 @@ from llm.models import (
     qwen3vl,
     qwen3vlmoe,
     seed_oss,
+    qwen35,
+    qwen35moe,
     smollm3,
     starcoder2,
 )
@@ -100,6 +102,8 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.QWEN3VLMOE: qwen3vlmoe,
     LLMArch.GLM4_MOE: glm4moe,
     LLMArch.OLMOE: olmoe,
+    LLMArch.QWEN35: qwen35,
+    LLMArch.QWEN35MOE: qwen35moe,
     LLMArch.EXAONE4: exaone4,
     LLMArch.DEEPSEEK2: deepseek2,
     LLMArch.MINIMAX_M2: minimax_m2,
