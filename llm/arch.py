@@ -108,6 +108,7 @@ class LLMArch(enum.Enum):
     SEED_OSS = "seed_oss"
     EXAONE4 = "exaone4"
     MINIMAX_M2 = "minimax-m2"
+    HUNYUAN_MOE = "hunyuan-moe"
 
 
 def arch_from_name(name: str) -> LLMArch:

@@ -693,6 +693,32 @@ def spec_gemma4_moe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_hunyuan_moe(d: Dims, w: Weights) -> dict:
+    """Hunyuan-MoE: 2 layers of Q/K-normed (after rope) attention and 4 SiLU experts (2 used,
+    renormalized) beside a shared expert of another width; experts feed_forward_length wide."""
+    a = "hunyuan-moe"
+    kv = base_kv(a, d)
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = d.n_ff
+    kv[f"{a}.expert_shared_feed_forward_length"] = 96
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        moe(w, p, d, d.n_ff)
+        w.mat(p + "ffn_gate_shexp.weight", 96, d.n_embd)
+        w.mat(p + "ffn_up_shexp.weight", 96, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, 96)
+    output(w, d)
+    return kv
+
+
 def spec_glm4moe(d: Dims, w: Weights) -> dict:
     """GLM-4.5: a dense layer, a sigmoid MoE layer (selection bias, renormalized and scaled
     weights, a shared expert), half-head NEOX rope, Q/K norms, and a NextN (MTP) block after
@@ -1375,6 +1401,7 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma3n": ArchSpec(spec_gemma3n, 130),
     "gemma4": ArchSpec(spec_gemma4, 131),
     "gemma4-moe": ArchSpec(spec_gemma4_moe, 132),
+    "hunyuan-moe": ArchSpec(spec_hunyuan_moe, 133),
 }
 
 
