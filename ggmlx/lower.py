@@ -1,7 +1,10 @@
 """Lowering: what each op computes, in JAX.
 
 A value is a jax array in numpy order: shape `tuple(reversed(t.ne))`, i.e. [ne3, ne2, ne1,
-ne0]. Each op's lowering is one function registered in `LOWERINGS` by `@lowers(Op.X)`
+ne0]; of a block type (a quantized KV cache, its views) the rows of block bytes
+(`tensor.buffer_layout`), which views, permutes and set_rows move as bytes and every other
+op reads dequantized (`_value`): attention over a view of the cache dequantizes only the
+cells it reads. Each op's lowering is one function registered in `LOWERINGS` by `@lowers(Op.X)`
 (docs/adding-an-op.md). `run_nodes` evaluates a list of nodes in order, each inside
 `jax.named_scope(name)`, and is called only while tracing: after compilation no Python runs
 per op.
@@ -16,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ggmlx import ops as ops_mod
-from ggmlx import types, weights
+from ggmlx import quants, types, weights
 from ggmlx.ops import GLU_GEGLU, GLU_REGLU, GLU_SWIGLU, GLU_SWIGLU_OAI, ROPE_TYPE_NORMAL, SORT_DESC
-from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, np_dtype
+from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, buffer_layout, np_dtype
 from ggmlx.types import GGMLType
 
 
@@ -41,11 +44,26 @@ def _tile_to(b, shape):
 
 def _value(env, t: Tensor):
     """A source's value; a weight leaf is read where it is used: plain types keep their
-    dtype, block-quantized ones are dequantized to f32."""
+    dtype, block-quantized ones are dequantized to f32 (so are block-typed nodes: a window
+    of a quantized KV cache)."""
     if t.flags & Flag.WEIGHT:
         w = env[t]
         return w.array if w.spec.format == weights.FORMAT_PLAIN else weights.materialize(w)
+    if _holds_blocks(t):
+        return quants.dequantize_jax(env[t], t.type, t.ne)
     return env[t]
+
+
+def _holds_blocks(t: Tensor) -> bool:
+    """Is t's value the bytes of its blocks: a block-typed state (a quantized KV cache) and
+    the views of it? (A block-typed weight and its views are dequantized where read.)"""
+    return types.traits(t.type).is_quantized and not _view_base(t)[0].flags & Flag.WEIGHT
+
+
+def _memory(env, t: Tensor):
+    """A source's value as the ops that only move memory see it: block bytes where t holds
+    them (tensor.buffer_layout), else _value."""
+    return env[t] if _holds_blocks(t) else _value(env, t)
 
 
 def _value_f32(env, t: Tensor):
@@ -95,7 +113,10 @@ def strided_window(flat, esz: int, ne, nb, offset: int):
 
 def _view(env, t: Tensor):
     base, offs = _view_base(t)
-    flat = _value(env, base).reshape(-1)
+    flat = _memory(env, base).reshape(-1)
+    if _holds_blocks(t):        # rows of block bytes
+        ne = (types.row_size(t.type, t.ne[0]), *t.ne[1:])
+        return strided_window(flat, 1, ne, (1, *t.nb[1:]), offs)
     return strided_window(flat, types.type_size(t.type), t.ne, t.nb, offs)
 
 
@@ -351,8 +372,11 @@ def _get_rows(env, n: Tensor):
 
 def _set_rows(env, n: Tensor):
     dst, src, idx = n.src
-    d = _value(env, dst)
-    v = _value_f32(env, src).astype(d.dtype)
+    d = _memory(env, dst)
+    v = _value_f32(env, src)
+    if types.traits(dst.type).is_quantized:     # ggml's from_float of each row
+        v = quants.quantize_jax(v, dst.type).reshape(*v.shape[:-1], -1)
+    v = v.astype(d.dtype)
     if idx.ne[1] > 1:           # per ne2 slice j: its own rows c[:, j] (ne3 = 1)
         rows2 = _value(env, idx).reshape(idx.ne[1], idx.ne[0]).astype(jnp.int32)
         slices = jnp.arange(idx.ne[1])[:, None]
@@ -614,7 +638,7 @@ def lower_view(n: Tensor, env):
 
 @lowers(Op.RESHAPE)
 def lower_reshape(n: Tensor, env):
-    return _value(env, n.src[0]).reshape(n.shape)
+    return _memory(env, n.src[0]).reshape(buffer_layout(n)[0] if _holds_blocks(n) else n.shape)
 
 
 @lowers(Op.PERMUTE)
@@ -623,7 +647,7 @@ def lower_permute(n: Tensor, env):
     order = [0] * 4
     for i, ax in enumerate(n.op_params):
         order[3 - ax] = 3 - i
-    return jnp.transpose(_value(env, n.src[0]), order)
+    return jnp.transpose(_memory(env, n.src[0]), order)
 
 
 @lowers(Op.CONT)

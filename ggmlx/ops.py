@@ -11,7 +11,8 @@ import math
 import numpy as np
 
 from ggmlx import types
-from ggmlx.tensor import Op, Tensor, new_tensor, pad_ne
+from ggmlx.quants import ROW_KERNELS
+from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, new_tensor, pad_ne
 from ggmlx.types import GGMLType
 
 F32 = GGMLType.F32
@@ -247,7 +248,8 @@ def get_rows(a: Tensor, b: Tensor) -> Tensor:
 
 def set_rows(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """a with rows c[i] replaced by b's row i (converted to a's type). a [ne0, n_rows, ...]
-    is usually a state buffer (a KV cache layer); b F32 [ne0, n, ...]; c I32/I64 [n] for every
+    is usually a state buffer (a KV cache layer; a block type is written by ggml's
+    quantize_row_*_ref, ggmlx.quants.ROW_KERNELS); b F32 [ne0, n, ...]; c I32/I64 [n] for every
     ne2 slice, or [n, ne2] with its own rows per slice (ggml's broadcast; ne3 = 1 then).
     Indices outside [0, n_rows) are dropped, so padded tokens write nothing. -> a.ne, a.type."""
     if a.ne[0] != b.ne[0] or a.ne[2:] != b.ne[2:]:
@@ -255,8 +257,8 @@ def set_rows(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     per_slice = c.ne[1] == b.ne[2] and c.ne[1] > 1 and b.ne[3] == 1 and c.ne[2] == c.ne[3] == 1
     if c.type not in (I32, GGMLType.I64) or c.ne[0] != b.ne[1] or (c.nrows() != 1 and not per_slice):
         _fail("set_rows", "indices must be I32/I64 [n_rows of src] or [n_rows of src, ne2 of src]", c, b)
-    if types.traits(a.type).is_quantized:
-        _fail("set_rows", "quantized destinations are not supported", a)
+    if types.traits(a.type).is_quantized and a.type not in ROW_KERNELS:
+        _fail("set_rows", f"quantized destinations are {', '.join(t.name for t in ROW_KERNELS)}", a)
     return _node(Op.SET_ROWS, a.type, a.ne, (a, b, c))
 
 
@@ -383,11 +385,6 @@ def map_custom1(a: Tensor, fn) -> Tensor:
 
 # ---- shape ops and views ---------------------------------------------------------------
 
-def _check_view_type(op: str, a: Tensor) -> None:
-    if types.traits(a.type).is_quantized:
-        _fail(op, "views of block-quantized tensors are not supported", a)
-
-
 def reshape(a: Tensor, *ne: int) -> Tensor:
     """Same data, new shape (a must be contiguous, element counts equal). 1..4 dims."""
     ne4 = pad_ne(ne)
@@ -417,15 +414,25 @@ def reshape_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int) -> Tensor:
 def view_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int, nb1: int, nb2: int, nb3: int,
             offset: int) -> Tensor:
     """A strided window into a's memory: element (i0..i3) is at byte offset + i0*nb0 +
-    i1*nb1 + i2*nb2 + i3*nb3 of a (nb0 = a's element size); must stay inside a."""
-    _check_view_type("view", a)
+    i1*nb1 + i2*nb2 + i3*nb3 of a (nb0 = a's element size); must stay inside a. Of a block
+    type (a quantized KV cache; not a weight) the rows are whole blocks: ne0 a multiple of the
+    block size, nb0 the block's bytes."""
     ne4 = pad_ne((ne0, ne1, ne2, ne3))
     esz = types.type_size(a.type)
     nb = (esz, int(nb1), int(nb2), int(nb3))
     if offset < 0 or any(s % esz for s in nb) or offset % esz:
         _fail("view", f"offset {offset} and strides {nb} must be multiples of {esz}", a)
-    last = offset + sum((n - 1) * s for n, s in zip(ne4, nb, strict=False)) + esz if min(ne4) > 0 else 0
-    span = a.nelements() * esz
+    if types.traits(a.type).is_quantized:
+        root = a
+        while root.op in VIEW_OPS:
+            root = root.src[0]
+        if root.flags & Flag.WEIGHT:
+            _fail("view", "views of block-quantized weights are not supported", a)
+        if ne4[0] % types.block_size(a.type):
+            _fail("view", f"ne0 = {ne4[0]} is not a multiple of the {a.type.name} block size", a)
+    last = (offset + types.row_size(a.type, ne4[0]) + sum((n - 1) * s for n, s in zip(ne4[1:], nb[1:], strict=True))
+            if min(ne4) > 0 else 0)
+    span = types.row_size(a.type, a.ne[0]) * a.nrows()
     if last > span:
         _fail("view", f"window {list(ne4)} nb={list(nb)} offset={offset} ends at byte {last} > {span}", a)
     t = new_tensor(a.type, ne4, op=Op.VIEW, src=(a,), op_params=(nb, int(offset)))
@@ -452,6 +459,8 @@ def permute(a: Tensor, axis0: int, axis1: int, axis2: int, axis3: int) -> Tensor
     axes = (axis0, axis1, axis2, axis3)
     if sorted(axes) != [0, 1, 2, 3]:
         raise ValueError(f"permute: axes {axes} are not a permutation of 0..3")
+    if types.traits(a.type).is_quantized and axis0 != 0:
+        _fail("permute", "the rows of blocks of a block-quantized tensor must stay dim 0", a)
     ne = [0] * 4
     nb = [0] * 4
     for i, ax in enumerate(axes):
@@ -465,6 +474,11 @@ def permute(a: Tensor, axis0: int, axis1: int, axis2: int, axis3: int) -> Tensor
 def transpose(a: Tensor) -> Tensor:
     """Swap dims 0 and 1 (a permuted view)."""
     return permute(a, 1, 0, 2, 3)
+
+
+def _check_view_type(op: str, a: Tensor) -> None:
+    if types.traits(a.type).is_quantized:
+        _fail(op, "copies of block-quantized tensors are not supported", a)
 
 
 def cont(a: Tensor) -> Tensor:

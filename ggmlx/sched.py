@@ -26,7 +26,7 @@ from ggmlx import flags, lower, weights
 from ggmlx.backend import Backend, backend_of_array, backends
 from ggmlx.compile import CompiledProgram, GraphCache, Program, get_default_cache
 from ggmlx.graph import Graph
-from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor
+from ggmlx.tensor import VIEW_OPS, Flag, Op, Tensor, buffer_layout
 
 EvalCallback = Callable[[object, bool], bool]
 
@@ -184,10 +184,10 @@ def _state_buffer(t: Tensor, state: dict[Tensor, jax.Array]) -> jax.Array:
     if t not in state:
         raise ValueError(f"no buffer for state {t.name!r}")
     buf = state[t]
-    want = lower.jnp_dtype(t.type)
-    if tuple(buf.shape) != t.shape or buf.dtype != want:
+    shape, want = buffer_layout(t)
+    if tuple(buf.shape) != shape or buf.dtype != want:
         raise ValueError(f"state {t.name!r}: buffer is {buf.dtype}{list(buf.shape)}, "
-                         f"the graph needs {want}{list(t.shape)} (ne={list(t.ne)})")
+                         f"the graph needs {want}{list(shape)} (ne={list(t.ne)})")
     return buf
 
 

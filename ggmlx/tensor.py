@@ -186,6 +186,15 @@ NP_DTYPES: dict[GGMLType, np.dtype] = {
 }
 
 
+def buffer_layout(t: Tensor) -> tuple[tuple[int, ...], np.dtype]:
+    """(numpy shape, dtype) of the array that holds t's value: its elements in t.shape, or for a
+    block type its rows of block bytes, uint8 [ne3, ne2, ne1, row bytes] (a quantized KV cache
+    and the views of it; dequantize_jax reads that as it reads the packed blocks)."""
+    if types.traits(t.type).is_quantized:
+        return (t.ne[3], t.ne[2], t.ne[1], types.row_size(t.type, t.ne[0])), np.dtype(np.uint8)
+    return t.shape, np_dtype(t.type)
+
+
 def np_dtype(t: GGMLType) -> np.dtype:
     """numpy dtype of an unquantized type (BF16 through ml_dtypes)."""
     if t == GGMLType.BF16:

@@ -17,7 +17,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from ggmlx import ops
+from ggmlx import ops, types
 from ggmlx.backend import backend_of, mesh_backend
 from ggmlx.compile import get_default_cache
 from ggmlx.graph import Graph
@@ -31,13 +31,13 @@ from llm.adapter import LoraAdapter, LoraScales
 from llm.arch import llm_arch_is_hybrid, llm_arch_is_recurrent
 from llm.batch import POS_MAX, Batch, BatchAllocator, BatchError, UBatch
 from llm.errors import StateError
-from llm.graph import GraphBuilder, GraphHook, GraphParams, rope_params
+from llm.graph import GraphBuilder, GraphHook, GraphParams, mul_mat_hadamard, rope_params
 from llm.hparams import PoolingType
-from llm.kv_cache import KVCache, locked
+from llm.kv_cache import KV_TYPES, KVCache, hadamard, locked
 from llm.memory_hybrid import MemoryHybrid
 from llm.memory_recurrent import MemoryRecurrent
 from llm.model import Model
-from llm.params import param, with_parameters
+from llm.params import ParamError, param, with_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +107,10 @@ class ContextParams:
     n_ubatch: int = param(512, flags=("-ub", "--ubatch-size"), lo=1, help="physical maximum batch size")
     n_seq_max: int = param(1, flags=("-np", "--parallel"), lo=1,
                            help="number of parallel sequences (server slots)")
-    type_k: str = param("f32", flags=("-ctk", "--cache-type-k"), choices=("f32", "f16", "bf16"),
+    type_k: str = param("f32", flags=("-ctk", "--cache-type-k"), choices=tuple(KV_TYPES),
                         help="KV cache data type for K")
-    type_v: str = param("f32", flags=("-ctv", "--cache-type-v"), choices=("f32", "f16", "bf16"),
-                        help="KV cache data type for V")
+    type_v: str = param("f32", flags=("-ctv", "--cache-type-v"), choices=tuple(KV_TYPES),
+                        help="KV cache data type for V (a quantized one needs flash_attn)")
     kv_bucket: int = param(256, lo=1, help="KV lengths are padded to a multiple of this (one graph per bucket)")
     swa_full: bool = param(True, flags=("--swa-full",),
                            help="full-size cache for sliding-window layers (needed to save/restore state)")
@@ -166,6 +166,9 @@ class Context:
             raise ValueError(f"n_ctx = {n_ctx} is more than the {POS_MAX + 1} cells a KV cache can index "
                              f"(int32 positions; the model was trained with {model.hparams.n_ctx_train})")
         hp = model.hparams
+        if not flash_attn and types.traits(KV_TYPES[p.type_v]).is_quantized:
+            raise ParamError("type_v", f"type_v = {p.type_v}: a quantized V cache needs flash_attn "
+                                       f"(as llama.cpp: the unfused path multiplies by V transposed)")
         self.embeddings = bool(embeddings)
         self.pooling_type = hp.pooling_type if pooling_type is None else PoolingType.parse(pooling_type)
         if self.pooling_type == PoolingType.UNSPECIFIED:
@@ -525,6 +528,10 @@ class Context:
             inputs[id(cells)] = (shift, idxs)
             values[shift] = cells.k_shift()
             values[idxs] = np.arange(n, dtype=np.int32)
+        k_rot = None
+        if kv.n_rot_k:      # a quantized K is held turned: back, rope, turn again (llama.cpp's build_rope_shift)
+            k_rot = new_input(GGMLType.F32, (kv.n_rot_k, kv.n_rot_k), "attn_inp_k_rot")
+            values[k_rot] = hadamard(kv.n_rot_k)
         for il in range(hp.n_layer):
             if not hp.has_rope(il) or not hp.has_kv(il):    # a shared cache is shifted by its own layer
                 continue
@@ -532,7 +539,11 @@ class Context:
             cells = kv.cells_swa if kv.is_swa(il) and kv.cells_swa is not None else kv.cells
             shift, idxs = inputs[id(cells)]
             cur = ops.reshape_3d(ops.cast(k, GGMLType.F32), hp.n_embd_head_k_l(il), hp.n_head_kv(il), cells.n_ctx)
+            if k_rot is not None:
+                cur = mul_mat_hadamard(cur, k_rot)
             cur = ops.rope_ext(cur, shift, self.model.layers[il].rope_freqs, **rope_params(hp, il))
+            if k_rot is not None:
+                cur = mul_mat_hadamard(cur, k_rot)
             cur = ops.set_rows(k, ops.reshape_2d(cur, hp.n_embd_k_gqa(il), cells.n_ctx), idxs)
             gf.build_forward_expand(cur.set_name(f"k_shifted-{il}"))
         plan = self.sched.alloc_graph(gf)

@@ -18,6 +18,7 @@ from ggmlx.types import GGMLType
 from llm.adapter import TOKEN_EMBD
 from llm.errors import ModelLoadError
 from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType, RopeType
+from llm.kv_cache import hadamard
 from llm.layer import Layer
 
 if TYPE_CHECKING:
@@ -212,7 +213,8 @@ class InpOutIds(GraphInput):
 class InpAttnKV(GraphInput):
     """The KV-cache attention inputs: the cells this ubatch writes (k_idxs) and the masks
     (one for full-attention layers, one for sliding-window layers when the model has them;
-    with a separate window cache, its own write indices and a mask over its n_kv_swa cells)."""
+    with a separate window cache, its own write indices and a mask over its n_kv_swa cells);
+    with a quantized cache the Hadamard matrices that turn Q and K, and V (k_rot, v_rot)."""
 
     def __init__(self, params: GraphParams, kv, with_swa: bool):
         super().__init__(params)
@@ -225,11 +227,16 @@ class InpAttnKV(GraphInput):
         self.kq_mask_swa = new_input(F32, (n_kv_swa, params.n_tokens), "kq_mask_swa") if with_swa else None
         self.slot: SlotInfo | None = None          # the ubatch's cells, set before set_input
         self.slot_swa: SlotInfo | None = None      # ... in the window cache, when there is one
+        self.k_rot = new_input(F32, (kv.n_rot_k, kv.n_rot_k), "attn_inp_k_rot") if kv.n_rot_k else None
+        self.v_rot = new_input(F32, (kv.n_rot_v, kv.n_rot_v), "attn_inp_v_rot") if kv.n_rot_v else None
 
     def set_input(self, ub, values: dict) -> None:
         n, n_kv = self.params.n_tokens, self.params.n_kv
         assert self.slot is not None    # the context sets it before set_input
         slot, slot_swa = self.slot, self.slot_swa
+        for rot in (self.k_rot, self.v_rot):
+            if rot is not None:
+                values[rot] = hadamard(rot.ne[0])
         values[self.k_idxs] = self.kv.write_indices(slot, n)
         values[self.kq_mask] = self.kv.mask(ub, n, n_kv, swa=False)
         if self.k_idxs_swa is not None:
@@ -253,6 +260,15 @@ class InpRS(GraphInput):
     def set_input(self, ub, values: dict) -> None:
         assert self.slot is not None    # the context sets it before set_input
         values[self.s_copy] = self.rs.copy_indices(self.slot, self.params.n_seqs)
+
+
+def mul_mat_hadamard(cur: Tensor, rot: Tensor) -> Tensor:
+    """cur turned by the Hadamard matrix rot [n, n] in runs of n along ne0 (llama.cpp's
+    llama_mul_mat_hadamard): -> cur.ne."""
+    n = rot.ne[0]
+    res = ops.cont_2d(cur, n, cur.nelements() // n) if not cur.is_contiguous() else \
+        ops.reshape_2d(cur, n, cur.nelements() // n)
+    return ops.reshape_4d(ops.mul_mat(rot, res), *cur.ne)
 
 
 def rope_multi_params(hp: HParams, il: int) -> dict:
@@ -684,6 +700,11 @@ class GraphBuilder:
         n_head_kv = hp.n_head_kv(il)
         gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
+        if inp.k_rot is not None:       # a quantized cache holds K turned by a Hadamard matrix, Q turns alike
+            q_cur = mul_mat_hadamard(q_cur, inp.k_rot)
+            k_cur = None if k_cur is None else mul_mat_hadamard(k_cur, inp.k_rot)
+        if inp.v_rot is not None and v_cur is not None:
+            v_cur = mul_mat_hadamard(v_cur, inp.v_rot)
         # as llama.cpp: q, v, k enter the graph together, in this order (also fixes the order
         # of same-named nodes that llm.trace and the llama.cpp diff match by)
         for t in (q_cur, v_cur, k_cur):
@@ -720,6 +741,8 @@ class GraphBuilder:
         else:
             cur = self.build_attn_mha(q, k, v, mask, kq_scale, softcap, il)
         self.cb(cur, "kqv_out", il)
+        if inp.v_rot is not None:       # back from V's rotation
+            cur = mul_mat_hadamard(cur, inp.v_rot)
         if wo is None:          # the caller gates the heads' output before its own projection (qwen35)
             return cur
         cur = self.build_lora_mm(wo, cur)

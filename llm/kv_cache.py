@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ggmlx import types
 from ggmlx.backend import MESH_AXIS
-from ggmlx.tensor import Tensor, new_state, np_dtype
-from ggmlx.types import GGMLType
+from ggmlx.tensor import Tensor, buffer_layout, new_state
+from ggmlx.types import GGMLType, block_size, row_size
 from llm.batch import UBatch
 from llm.errors import SizeError
 from llm.hparams import HParams, SWAType
@@ -34,7 +35,11 @@ from llm.kv_cells import KVCells, SlotInfo
 if TYPE_CHECKING:
     from llm.model import Model
 
-KV_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16}
+# llama.cpp's cache types (common/arg.cpp's kv_cache_types). A block type holds each cell's row
+# as ggml's blocks, written by set_rows' quantize_row_*_ref; attention dequantizes the cells it reads.
+KV_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0,
+            "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1, "iq4_nl": GGMLType.IQ4_NL, "q5_0": GGMLType.Q5_0,
+            "q5_1": GGMLType.Q5_1}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -78,8 +83,7 @@ def kv_bytes_per_device(model, n_ctx: int, type_k: GGMLType, type_v: GGMLType) -
     need: dict[jax.Device, int] = {}
     for il in filter(hp.has_kv, range(hp.n_layer)):
         n_v = 0 if hp.is_mla else hp.n_embd_v_gqa(il)       # MLA: V is a view of the latent in K
-        n = n_ctx * (hp.n_embd_k_gqa(il) * np.dtype(np_dtype(type_k)).itemsize
-                     + n_v * np.dtype(np_dtype(type_v)).itemsize)
+        n = n_ctx * (row_size(type_k, hp.n_embd_k_gqa(il)) + row_size(type_v, n_v))
         for dev in mesh_devices or [pl.dev_layer[il]]:
             need[dev] = need.get(dev, 0) + n // share
     return need
@@ -102,9 +106,8 @@ def _zeros_on_mesh(t: Tensor, pl) -> jax.Array:
     P = jax.sharding.PartitionSpec
     spec = P(None, None, None, MESH_AXIS) if pl.kv_split else P()
     sharding = jax.sharding.NamedSharding(pl.mesh, spec)
-    dt = np_dtype(t.type)
-    return jax.make_array_from_callback(t.shape, sharding,
-                                        lambda idx: np.zeros(sharding.shard_shape(t.shape), dt))
+    shape, dt = buffer_layout(t)
+    return jax.make_array_from_callback(shape, sharding, lambda idx: np.zeros(sharding.shard_shape(shape), dt))
 
 
 def swa_cache_size(hp: HParams, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, kv_bucket: int = 256,
@@ -119,29 +122,73 @@ def swa_cache_size(hp: HParams, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 
 
 
 def estimate_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "f32", **swa) -> int:
-    """Bytes of the K and V buffers a KVCache(n_ctx, ...) allocates; swa: the keyword
-    arguments of swa_cache_size (n_seq_max, n_ubatch, kv_bucket, swa_full)."""
+    """Bytes of the K and V buffers a KVCache(n_ctx, ...) allocates (llama.cpp's: a row of
+    n_embd_{k,v}_gqa values per cell and layer in the type's bytes, ggml_row_size); swa: the
+    keyword arguments of swa_cache_size (n_seq_max, n_ubatch, kv_bucket, swa_full)."""
     n_swa_cells = swa_cache_size(hp, n_ctx, **swa) or n_ctx
-    esz_k, esz_v = (np.dtype(np_dtype(KV_TYPES[t])).itemsize for t in (type_k, type_v))
+    tk, tv = (kv_type(name, t) for name, t in (("type_k", type_k), ("type_v", type_v)))
     n_v = [0 if hp.is_mla else hp.n_embd_v_gqa(il) for il in range(hp.n_layer)]
-    return sum((n_swa_cells if hp.is_swa(il) else n_ctx) * (hp.n_embd_k_gqa(il) * esz_k + n_v[il] * esz_v)
+    return sum((n_swa_cells if hp.is_swa(il) else n_ctx) * (row_size(tk, hp.n_embd_k_gqa(il)) + row_size(tv, n_v[il]))
                for il in filter(hp.has_kv, range(hp.n_layer)))
 
 
+def kv_type(name: str, t: str) -> GGMLType:
+    """The GGML type of cache type t (llama.cpp's name); ValueError naming the argument."""
+    if t not in KV_TYPES:
+        raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {t!r}")
+    return KV_TYPES[t]
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of order n (a power of two) as llama.cpp's
+    ggml_gen_hadamard builds it, float32 [n, n]; it is its own inverse."""
+    h = np.zeros((n, n), np.float32)
+    h[0, 0] = 1.0 / np.sqrt(np.float32(n))
+    s = 1
+    while s < n:
+        h[s:2 * s, :s], h[:s, s:2 * s], h[s:2 * s, s:2 * s] = h[:s, :s], h[:s, :s], -h[:s, :s]
+        s *= 2
+    return h
+
+
+def rotation_sizes(hp: HParams, tk: GGMLType, tv: GGMLType) -> tuple[int, int]:
+    """Orders of the Hadamard rotations llama.cpp applies to Q and K, and to V (0: none): with
+    a quantized cache and one head size in every layer that is a multiple of 64, K and Q turn
+    by the largest power of two >= 64 dividing it, V by 64 (and the attention output back), so
+    the quantized rows spread an outlier over the block (llama_kv_cache's attn_rot_k/v)."""
+    layers = [il for il in range(hp.n_layer) if hp.has_kv(il) and hp.n_head_kv(il) > 0]
+    heads_k = {hp.n_embd_k_gqa(il) // hp.n_head_kv(il) for il in layers}
+    heads_v = {hp.n_embd_v_gqa(il) // hp.n_head_kv(il) for il in layers}
+    n_k = n_v = 0
+    if types.traits(tk).is_quantized and len(heads_k) == 1 and (d_k := heads_k.pop()) % 64 == 0 and d_k > 0:
+        n_k = 64
+        while d_k % (2 * n_k) == 0:
+            n_k *= 2
+    if types.traits(tv).is_quantized and len(heads_v) == 1 and (d_v := heads_v.pop()) % 64 == 0 and d_v > 0:
+        n_v = 64
+    return n_k, n_v
+
+
 class KVCache:
-    """The attention memory (llama_kv_cache); `mem_attn` is itself, it has no recurrent part."""
+    """The attention memory (llama_kv_cache); `mem_attn` is itself, it has no recurrent part.
+    n_rot_k / n_rot_v: the orders of the Hadamard rotations of a quantized cache (rotation_sizes)."""
 
     mem_recr = None
 
     def __init__(self, model: Model, n_ctx: int, n_seq_max: int, type_k: str = "f32", type_v: str = "f32",
                  kv_bucket: int = 256, *, n_ubatch: int = 512, swa_full: bool = True):
         hp = model.hparams
-        for name, t in (("type_k", type_k), ("type_v", type_v)):
-            if t not in KV_TYPES:
-                raise ValueError(f"{name} must be one of {sorted(KV_TYPES)}, got {t!r}")
+        tk, tv = kv_type("type_k", type_k), kv_type("type_v", type_v)
         if kv_bucket < 1:
             raise ValueError(f"kv_bucket must be >= 1, got {kv_bucket}")
-        tk, tv = KV_TYPES[type_k], KV_TYPES[type_v]
+        for name, t, n in (("type_k", tk, hp.n_embd_head_k), ("type_v", tv, hp.n_embd_head_v)):
+            if n % block_size(t):
+                raise ValueError(f"{name} = {t.name.lower()}: the head size {n} is not a multiple of "
+                                 f"its block size {block_size(t)}")
+            if hp.is_mla and types.traits(t).is_quantized:
+                raise ValueError(f"{name} = {t.name.lower()}: a quantized cache of multi-head latent "
+                                 f"attention is not supported")
+        self.n_rot_k, self.n_rot_v = rotation_sizes(hp, tk, tv)
         check_fits(model, n_ctx, tk, tv)
         self.hparams = hp
         self.n_ctx = n_ctx
@@ -183,7 +230,8 @@ class KVCache:
     def _zeros(self, t: Tensor) -> jax.Array:
         if self._place.mesh is not None:
             return _zeros_on_mesh(t, self._place)
-        return jax.device_put(jnp.zeros(t.shape, np_dtype(t.type)), self._device[t])
+        shape, dt = buffer_layout(t)
+        return jax.device_put(jnp.zeros(shape, dt), self._device[t])
 
     def lost(self) -> bool:
         """Were buffers donated to a computation that failed before handing them back?"""

@@ -462,7 +462,7 @@ def test_context_argument_errors(llama, tmp_path):
     with pytest.raises(ValueError, match="n_ctx"):
         llm.Context(llama, n_ctx=0)
     with pytest.raises(ValueError, match="type_k"):
-        llm.Context(llama, n_ctx=N_CTX, type_k="q4_0")
+        llm.Context(llama, n_ctx=N_CTX, type_k="q6_k")
     for n_ctx in (2**40, 2**31, True, 2.0):
         with pytest.raises(ValueError, match="n_ctx") as e:
             llm.Context(llama, n_ctx=n_ctx)

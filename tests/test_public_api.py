@@ -42,13 +42,13 @@ MODULE_NAMES = {
                             "logprobs_of", "stop_strings"],
     "llm.generation.batcher": ["Batcher", "Job", "Done", "Failed"],
     "llm.generation.speculative": ["PromptLookup", "DraftModel", "Speculative", "DraftPolicy", "sample_and_accept_n"],
-    "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType", "GraphBuilder"],
+    "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType", "GraphBuilder", "mul_mat_hadamard"],
     "llm.hparams": ["ExpertGatingFuncType"],
     "llm.arch": ["ArchBuilder", "llm_arch_is_recurrent", "llm_arch_is_hybrid"],
     "llm.serving.routes": ["router"],
     "llm.serving.engine": ["Engine", "QueueFull"],
     "llm.research.llamacpp_child": ["LlamaCppCrashed"],
-    "llm.kv_cache": ["kv_bytes_per_device"],
+    "llm.kv_cache": ["kv_bytes_per_device", "KV_TYPES", "estimate_bytes", "kv_type", "hadamard", "rotation_sizes"],
     "llm.serving": ["Batcher", "Engine", "GenParams", "Job", "Delta", "Done", "logprobs_of"],
     "llm.chat": ["render", "ChatTemplateError"],
     # old module paths of moved modules
@@ -79,6 +79,9 @@ MODULE_NAMES = {
     # issue 29: the shared blocks
     "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu", "softplus",
                   "gated_delta_net"],
+    # issue 33: quantized KV caches (block-typed state buffers, set_rows' row quantizers)
+    "ggmlx.quants": ["quantize_row", "quantize_jax", "ROW_KERNELS"],
+    "ggmlx.tensor": ["buffer_layout"],
     # issue 30: images in (libmtmd)
     "llm.mtmd": ["init_from_file", "MtmdContext", "Bitmap", "InputChunk", "ImageTokens", "MediaError", "EvalError",
                  "default_marker", "MAX_PIXELS", "PROJECTORS"],

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..types import GGMLType, TypeSizeError, block_size, row_size, type_size
+from . import iq_tables as tab
 from .iq2 import IQ2_IMATRIX_KERNELS, IQ2_KERNELS, REQUIRE_IMATRIX
 from .iq3 import IQ3_IMATRIX_KERNELS, quantize_iq3_s, quantize_iq3_xxs
 from .jax_dequant import JAX
@@ -139,6 +140,50 @@ QUANTIZE_KERNELS: dict[GGMLType, Callable[[ArrayOps, Any], Any]] = {
     GGMLType.Q8_0: quantize_q8_0,
 }
 
+_IQ4_LEVELS = tab.KVALUES_IQ4NL.astype(F32)
+
+
+def _best_index_iq4(ops: ArrayOps, v):
+    """ggml's best_index_int8 over kvalues_iq4nl -> (index, level): the first level at or below
+    v (clamped to 0..14) and the one above, the nearer by float32 distances `v - lo < hi - v`."""
+    xp = ops.xp
+    lo_i = xp.clip(xp.sum((v[..., None] >= _IQ4_LEVELS).astype(xp.int32), axis=-1) - 1, 0, 14)
+    levels = xp.asarray(_IQ4_LEVELS)
+    lo, hi = levels[lo_i], levels[lo_i + 1]
+    lower = ops.rounded(v - lo) < ops.rounded(hi - v)
+    return xp.where(lower, lo_i, lo_i + 1), xp.where(lower, lo, hi)
+
+
+def _seq_sum(ops: ArrayOps, a):
+    """Sum over the 32 columns one after another (C's `s += a[j]`), each product rounded first."""
+    s = a[:, 0]
+    for j in range(1, a.shape[1]):
+        s = ops.rounded(s + a[:, j])
+    return s[:, None]
+
+
+def quantize_row_iq4_nl(ops: ArrayOps, x):
+    """quantize_row_iq4_nl_ref (what ggml-cpu's set_rows runs; ggml_quantize_chunk searches 7
+    trial scales more): d = max / -127, the nearest level of each x / d, then the least-squares
+    scale over them with weights x * x. A block below GROUP_MAX_EPS stores d = 0 (its
+    indices are whatever ggml's reused buffer held; here those for x / 1)."""
+    xp = ops.xp
+    mx = _signed_max(ops, x)
+    small = xp.abs(mx) < F32(1e-15)
+    d0 = xp.where(small, F32(1), mx / _IQ4_LEVELS[0])
+    idx, q = _best_index_iq4(ops, ops.rounded(x * (F32(1) / d0)))
+    wq = ops.rounded(ops.rounded(x * x) * q)
+    sumqx, sumq2 = _seq_sum(ops, ops.rounded(wq * x)), _seq_sum(ops, ops.rounded(wq * q))
+    d = xp.where(small | (sumq2 <= 0), F32(0), sumqx / xp.where(sumq2 > 0, sumq2, F32(1)))
+    return xp.concatenate([_f16_bytes(ops, d), _pack_nibbles(idx.astype(xp.uint8))], axis=1)
+
+
+# What ggml-cpu's set_rows writes into a quantized destination (its type's from_float): the
+# quantize_row_*_ref functions. (On x86 its Q8_0 from_float is a SIMD variant with 127 / amax
+# and round-half-even, which can differ from the reference in a last bit of a rare element.)
+ROW_KERNELS: dict[GGMLType, Callable[[ArrayOps, Any], Any]] = {**QUANTIZE_KERNELS,
+                                                             GGMLType.IQ4_NL: quantize_row_iq4_nl}
+
 
 def _f16_bits(x: np.ndarray) -> np.ndarray:
     """ggml_compute_fp32_to_fp16 (the FP16 library's float-arithmetic conversion): round to
@@ -257,13 +302,24 @@ def _kernel(t: GGMLType, blocks: np.ndarray) -> np.ndarray:
 def quantize_jax(x, type: GGMLType | int):
     """float32 [..., ne0] -> uint8 [..., ne0 // 32, type_size] on device (the layout of dequantize_jax).
 
-    Usable inside jax.jit; types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. Same bytes as `quantize` for
-    finite input.
+    Usable inside jax.jit; types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (same bytes as `quantize` for
+    finite input) and IQ4_NL (ggml's quantize_row_iq4_nl_ref, as `quantize_row`).
     """
     x = jnp.asarray(x, dtype=jnp.float32)
-    t = _check_quantize(tuple(x.shape), type, "quantize_jax", tuple(QUANTIZE_KERNELS))
-    q = QUANTIZE_KERNELS[t](JAX, x.reshape(-1, block_size(t)))
+    t = _check_quantize(tuple(x.shape), type, "quantize_jax", tuple(ROW_KERNELS))
+    q = ROW_KERNELS[t](JAX, x.reshape(-1, block_size(t)))
     return q.reshape(*x.shape[:-1], x.shape[-1] // block_size(t), type_size(t))
+
+
+def quantize_row(x: np.ndarray, type: GGMLType | int) -> np.ndarray:
+    """float32 [..., ne0] -> uint8 [..., row bytes] on the host by ggml's quantize_row_*_ref
+    (ROW_KERNELS: what set_rows writes into a quantized KV cache); equal to `quantize` but
+    for IQ4_NL, whose ggml_quantize_chunk searches more scales."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    t = _check_quantize(x.shape, type, "quantize_row", tuple(ROW_KERNELS))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        q = ROW_KERNELS[t](NUMPY, x.reshape(-1, block_size(t)))
+    return q.reshape(*x.shape[:-1], -1)
 
 
 # Byte offsets of the f16 scale fields of each block (d, and m / dmin where the type has one).

