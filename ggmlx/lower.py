@@ -666,6 +666,12 @@ def lower_concat(n: Tensor, env):
     return jnp.concatenate([_value(env, a), _value(env, b)], axis=3 - n.op_params[0])
 
 
+@lowers(Op.REPEAT)
+def lower_repeat(n: Tensor, env):
+    a = n.src[0]
+    return jnp.tile(_value(env, a), tuple(m // k for m, k in zip(n.shape, a.shape, strict=True)))
+
+
 @lowers(Op.SUM_ROWS)
 def lower_sum_rows(n: Tensor, env):
     return jnp.sum(_value_f32(env, n.src[0]), axis=-1, keepdims=True)

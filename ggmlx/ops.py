@@ -517,6 +517,14 @@ def concat(a: Tensor, b: Tensor, dim: int) -> Tensor:
     return _node(Op.CONCAT, a.type, ne, (a, b), (int(dim),))
 
 
+def repeat_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int) -> Tensor:
+    """a tiled to [ne0, ne1, ne2, ne3], each ne a multiple of a's (ggml_repeat_4d). -> that shape."""
+    ne = (ne0, ne1, ne2, ne3)
+    if any(n < 1 or n % m for n, m in zip(ne, a.ne, strict=True)):
+        _fail("repeat_4d", f"every ne of {list(ne)} must be a positive multiple of a's", a)
+    return _node(Op.REPEAT, a.type, ne, (a,))
+
+
 def sum_rows(a: Tensor) -> Tensor:
     """Sum over ne0. -> [1, ne1, ne2, ne3]."""
     _float("sum_rows", a)

@@ -60,6 +60,7 @@ class Op(enum.Enum):
     CPY = "CPY"
     SET_ROWS = "SET_ROWS"
     CONCAT = "CONCAT"
+    REPEAT = "REPEAT"
     SUM_ROWS = "SUM_ROWS"
     ARGSORT = "ARGSORT"
     TOP_K = "TOP_K"

@@ -67,6 +67,7 @@ TESTED_OPS: dict[Op, str] = {
     Op.SSM_SCAN: "test_ssm_scan",
     Op.SOFTPLUS: "test_unary",
     Op.GATED_DELTA_NET: "test_gated_delta_net",
+    Op.REPEAT: "test_repeat_4d",
 }
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
@@ -1219,3 +1220,13 @@ def test_gated_delta_net(kda, K, n_tok):
     with pytest.raises(ShapeError, match="gated_delta_net"):
         ops.gated_delta_net(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"],
                             new_input(T.F32, (S, S, H_v, n_seqs + 1), "s_bad"))
+
+
+def test_repeat_4d():
+    rng = np.random.default_rng(34)
+    a = new_input(T.F32, (3, 1, 2), "a")
+    av = rand(rng, a.ne)
+    (out,) = run([ops.repeat_4d(a, 6, 4, 2, 3)], {a: av.astype(np.float32)})
+    np.testing.assert_array_equal(np.asarray(out), np.tile(av, (3, 1, 4, 2)).astype(np.float32))
+    with pytest.raises(ShapeError, match="repeat_4d"):
+        ops.repeat_4d(a, 4, 1, 2, 1)

@@ -78,7 +78,7 @@ MODULE_NAMES = {
     "llm.quantize": ["model_quantize", "QuantizeParams", "QuantizeError", "LlamaFType"],
     # issue 29: the shared blocks
     "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu", "softplus",
-                  "gated_delta_net"],
+                  "gated_delta_net", "repeat_4d"],
     # issue 33: quantized KV caches (block-typed state buffers, set_rows' row quantizers)
     "ggmlx.quants": ["quantize_row", "quantize_jax", "ROW_KERNELS"],
     "ggmlx.tensor": ["buffer_layout"],
