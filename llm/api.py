@@ -814,7 +814,7 @@ class LLM:
                 keys += c.tokens
                 tokens += c.tokens
             else:
-                keys += [(c.id, j) for j in range(c.n_pos)]
+                keys += [(c.key, j) for j in range(c.n_pos)]
                 tokens += [MEDIA_PLACEHOLDER] * c.n_pos
         self._batcher.check(tokens, params)
         return self._one_at_a_time(self._stream_media(chunks, keys, tokens, params))

@@ -1,9 +1,10 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
-tests/data/mtmd/ holds a tiny Gemma 3 text model, its gemma3 mmproj, two test images and
-llama.cpp's chunks, image embeddings and last logits for two prompts
-(benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's
-fp16 GELU table (2 ViT layers: 2.9e-4 relative); everything else is F32 math in both.
+tests/data/mtmd/ holds, per projector (gemma3; idefics3 with a llama text model), a tiny
+text model, its mmproj, and llama.cpp's chunks, image embeddings and last logits for two
+prompts over two committed test images (benchmarks/reference/make_mmproj.py). Embeddings
+differ from llama.cpp's by ggml-cpu's fp16 GELU table (2 ViT layers: <= 3.8e-4 relative);
+everything else is F32 math in both.
 """
 from __future__ import annotations
 
@@ -44,9 +45,20 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
+PROJECTORS = ["gemma3", "idefics3"]
+
+
 @pytest.fixture(scope="module")
 def ref() -> dict:
     return dict(np.load(DATA / "gemma3.npz"))
+
+
+@pytest.fixture(scope="module", params=PROJECTORS)
+def each(request) -> tuple:
+    """(model, its MtmdContext, llama.cpp's arrays) per projector fixture."""
+    name = request.param
+    model = llm.load_model(DATA / f"{name}.gguf")
+    return model, mtmd.init_from_file(DATA / f"{name}.mmproj.gguf", model), dict(np.load(DATA / f"{name}.npz"))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +91,10 @@ def new_ctx(model) -> llm.Context:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1])
-def test_chunks_and_embeddings_equal_llamacpp(mctx, images, ref, k):
+def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
+    """gemma3: <start_of_image> image <end_of_image>; idefics3: 2 x 2 slices, each after
+    <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview."""
+    _, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
     assert [types[c.type] for c in chunks] == list(ref[f"{k}_types"])
@@ -96,7 +111,8 @@ def test_chunks_and_embeddings_equal_llamacpp(mctx, images, ref, k):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1])
-def test_eval_chunks_logits_and_n_past_equal_llamacpp(model, mctx, images, ref, k):
+def test_eval_chunks_logits_and_n_past_equal_llamacpp(each, images, k):
+    model, mctx, ref = each
     ctx = new_ctx(model)
     n_past = mctx.eval_chunks(ctx, prompt_chunks(mctx, images, k))
     assert n_past == int(ref[f"{k}_n_past"])
@@ -220,9 +236,9 @@ def test_markers_must_pair_with_images_and_nothing_changes(model, mctx, images):
     with pytest.raises(mtmd.MediaError, match="0 media markers .* but 1 image"):
         mctx.tokenize("no marker", [images[0]])
     ctx = new_ctx(model)
-    chunks = mctx.tokenize(f"{m}" * 8, [images[0]] * 8)        # 8 x 18 positions > n_ctx 128
+    chunks = mctx.tokenize(f"{m}" * 16, [images[0]] * 16)        # 16 x 18 positions > n_ctx 256
     n = mctx.n_encode
-    with pytest.raises(mtmd.MediaError, match="the context holds 128"):
+    with pytest.raises(mtmd.MediaError, match="the context holds 256"):
         mctx.eval_chunks(ctx, chunks)
     assert ctx.memory.seq_pos_max(0) == -1 and mctx.n_encode == n
 

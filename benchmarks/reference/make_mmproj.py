@@ -35,9 +35,10 @@ import make_fixture as mf  # noqa: E402  (the shared writers and vocabulary)
 
 OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
-N_CTX = 128
+N_CTX = 256
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
+USER_DEFINED = 4
 # prompts of the oracle: the text, and which of IMAGES its markers stand for
 PROMPTS = (
     ("Look at this: <__media__> What is in the picture?", (0,)),
@@ -59,7 +60,8 @@ def make_images() -> None:
 
 
 def vocab_with(extra: list[str]) -> list:
-    """make_fixture's SPM vocabulary with `extra` control tokens appended."""
+    """make_fixture's SPM vocabulary with `extra` tokens appended: control tokens, and
+    user-defined ones for texts that are not <...> markup (idefics3's "\\n\\n")."""
     out = []
     for k, v, vtype, atype in mf.spm_vocab_kv():
         if k == "tokenizer.ggml.tokens":
@@ -67,9 +69,20 @@ def vocab_with(extra: list[str]) -> list:
         elif k == "tokenizer.ggml.scores":
             v = list(v) + [0.0] * len(extra)
         elif k == "tokenizer.ggml.token_type":
-            v = list(v) + [CONTROL] * len(extra)
+            v = list(v) + [CONTROL if t.startswith("<") else USER_DEFINED for t in extra]
         out.append((k, v, vtype, atype))
     return out
+
+
+def llama_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """SmolVLM's text model is a llama: make_fixture's llama blocks, an untied output."""
+    kv = mf.base_kv("llama", d)
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    for il in range(d.n_layer):
+        mf.llama_block(w, f"blk.{il}.", d)
+    w.norm("output_norm.weight", d.n_embd)
+    w.mat("output.weight", n_vocab, d.n_embd, gain=3.0)
+    return kv
 
 
 def gemma3_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
@@ -97,15 +110,15 @@ def gemma3_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
     return kv
 
 
-def gemma3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
-    """A SigLIP ViT (2 layers, width 32, 4 heads, FFN 64) over a 64 x 64 image in 4 x 4
-    patches (256), pooled 4 x 4 to 16 tokens, projected to the text width."""
-    n_embd, n_ff, n_layer, image_size, patch, merge = 32, 64, 2, 64, 4, 4
+def siglip_vit(w: mf.Weights, projector: str, n_embd_text: int, image_size: int, merge: int) -> dict:
+    """A SigLIP ViT (2 layers, width 32, 4 heads, FFN 64) over image_size x image_size
+    images in 4 x 4 patches, its keys for `projector`; the projector's own tensors follow."""
+    n_embd, n_ff, n_layer, patch = 32, 64, 2, 4
     n_patches = (image_size // patch) ** 2
     kv: dict[str, object] = {
         "general.architecture": "clip",
         "general.name": "fixture mmproj",
-        "clip.projector_type": "gemma3",
+        "clip.projector_type": projector,
         "clip.has_vision_encoder": True,
         "clip.use_gelu": True,
         "clip.vision.embedding_length": n_embd,
@@ -139,15 +152,31 @@ def gemma3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
         w.bias(p + "ffn_down.bias", n_embd)
     w.norm("v.post_ln.weight", n_embd)
     w.bias("v.post_ln.bias", n_embd)
-    w.t["mm.input_projection.weight"] = (w.rng.standard_normal((n_embd, n_embd_text)) / np.sqrt(n_embd)
-                                         ).astype(np.float32)
-    w.norm("mm.soft_emb_norm.weight", n_embd)
+    return kv
+
+
+def gemma3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """A 64 x 64 image (256 patches) pooled 4 x 4 to 16 tokens, projected to the text width."""
+    kv = siglip_vit(w, "gemma3", n_embd_text, 64, 4)
+    w.t["mm.input_projection.weight"] = (w.rng.standard_normal((32, n_embd_text)) / np.sqrt(32)).astype(np.float32)
+    w.norm("mm.soft_emb_norm.weight", 32)
+    return kv
+
+
+def idefics3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """32 x 32 tiles (64 patches) pixel-shuffled 2 x 2 to 16 tokens of 128, projected; the
+    image resized to a longest edge of 64 (so 2 x 2 tiles) plus the overview."""
+    kv = siglip_vit(w, "idefics3", n_embd_text, 32, 2)
+    kv["clip.vision.preproc_image_size"] = 64
+    w.mat("mm.model.fc.weight", n_embd_text, 32 * 4)
     return kv
 
 
 SPECS = {
-    # name: (text kv/weights, mmproj kv/weights, extra control tokens, seed)
+    # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
+    "idefics3": (llama_text, idefics3_mmproj, ["\n\n", "<fake_token_around_image>", "<global-img>"]
+                 + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
 }
 
 

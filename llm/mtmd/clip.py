@@ -23,7 +23,7 @@ from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input, new_weight
 from ggmlx.types import GGMLType
 from llm.errors import ModelLoadError
-from llm.mtmd.image import PadStyle, ResizeAlgo
+from llm.mtmd.image import PadStyle, ResizeAlgo, resize
 
 PREFIX_VISION = "v"
 
@@ -48,6 +48,7 @@ class ClipKV(enum.Enum):
     IMAGE_MEAN = "clip.vision.image_mean"
     IMAGE_STD = "clip.vision.image_std"
     PROJ_SCALE_FACTOR = "clip.vision.projector.scale_factor"
+    PREPROC_IMAGE_SIZE = "clip.vision.preproc_image_size"
 
     def key(self, prefix: str = "vision") -> str:
         return self.value % prefix if "%s" in self.value else self.value
@@ -70,6 +71,7 @@ class ClipTensor(enum.Enum):
     LN_PRE = "{p}.pre_ln.{s}"
     LN_POST = "{p}.post_ln.{s}"
     MM_INP_PROJ = "mm.input_projection.weight"      # gemma3
+    MM_PROJECTOR = "mm.model.fc.{s}"                # idefics3
     MM_SOFT_EMB_N = "mm.soft_emb_norm.weight"       # gemma3
 
 
@@ -102,6 +104,7 @@ class ClipHParams:
     image_std: tuple[float, float, float]
     ffn_op: FfnOp
     n_merge: int = 1             # the projector's spatial merge / pooling factor per side
+    image_longest_edge: int = 0  # idefics3: the longer side the image is resized to before tiling
 
     @property
     def n_patches_side(self) -> int:
@@ -401,19 +404,45 @@ class ClipGraph:
         return ops.reshape_3d(inpL, self.n_embd, n_pos, 1)
 
 
+@dataclass
+class Preprocessed:
+    """mtmd_image_preproc_out: the images the encoder reads (uint8 [ny, nx, 3] each, before
+    normalization), and for a tiled image its grid of slices and the overview."""
+    entries: list[np.ndarray]
+    grid_x: int = 0
+    grid_y: int = 0
+    overview: np.ndarray | None = None
+
+
+def preprocess_fixed_size(model: ClipModel, proj: Projector, img: np.ndarray) -> Preprocessed:
+    """mtmd_image_preprocessor_fixed_size: one image_size x image_size image."""
+    sz = model.hparams.image_size
+    return Preprocessed([resize(img, sz, sz, proj.resize_algo, proj.resize_pad, proj.pad_color)])
+
+
 @dataclass(frozen=True)
 class Projector:
     """What one projector type needs, from clip.cpp (tensors, graph, output tokens) and
-    mtmd.cpp (the text around an image, the preprocessor, whether the text model attends
-    over the image non-causally)."""
+    mtmd.cpp (the text around an image, the preprocessor and the slice layout, whether the
+    text model attends over the image non-causally). Token texts in `tok_*` are looked up
+    as single tokens (mtmd's lookup_token); `img_beg`, `img_end` and the slice template are
+    tokenized."""
     name: str                       # clip.projector_type
     text_archs: frozenset[str]      # the text models it feeds
     load: Callable[[ClipModel], int]            # picks and checks its tensors; -> n_mmproj_embd
     build: Callable[[ClipGraph], Tensor]        # the graph of one image -> [n_mmproj_embd, n_tokens]
     n_output_tokens: Callable[[ClipHParams, int, int], int]   # (hp, nx, ny) of the preprocessed image
     resize_algo: ResizeAlgo
+    preprocess: Callable[[ClipModel, Projector, np.ndarray], Preprocessed] = preprocess_fixed_size
     resize_pad: PadStyle = PadStyle.CEIL
     pad_color: tuple[int, int, int] = (0, 0, 0)
     img_beg: str = ""
     img_end: str = ""
     non_causal: bool = False        # mtmd_decode_use_non_causal
+    # a tiled image (llava-uhd style): the overview's surrounding tokens, the row end, the
+    # text before each slice (`% (row, col)`, from 1), the overview before the slices or after
+    tok_ov_img_start: tuple[str, ...] = ()
+    tok_ov_img_end: tuple[str, ...] = ()
+    tok_row_end: tuple[str, ...] = ()
+    sli_img_start_tmpl: str = ""
+    ov_img_first: bool = False

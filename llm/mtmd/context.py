@@ -25,8 +25,8 @@ from llm.batch import Batch
 from llm.errors import ModelLoadError
 from llm.mtmd import clip
 from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
-from llm.mtmd.image import normalize, resize
-from llm.mtmd.siglip import GEMMA3
+from llm.mtmd.image import normalize
+from llm.mtmd.siglip import GEMMA3, IDEFICS3
 
 if TYPE_CHECKING:
     from llm.context import Context
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3,)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 
@@ -49,11 +49,13 @@ class EvalError(RuntimeError):
 @dataclass(eq=False)
 class ImageTokens:
     """mtmd_image_tokens: the preprocessed image (float32 [3, ny, nx], normalized) and the
-    grid its tokens cover (nx x ny; nx = n_tokens, ny = 1 where the positions are 1-d)."""
+    grid its tokens cover (nx x ny; nx = n_tokens, ny = 1 where the positions are 1-d). `id`
+    is the bitmap's; `key` tells the slices of one image apart (id#k, the overview k = 0)."""
     nx: int
     ny: int
     id: str
     pixels: np.ndarray = field(repr=False)
+    key: str = ""
 
     @property
     def n_tokens(self) -> int:
@@ -79,6 +81,10 @@ class InputChunk:
     @property
     def id(self) -> str:
         return self.image.id if self.image is not None else ""
+
+    @property
+    def key(self) -> str:
+        return self.image.key if self.image is not None else ""
 
 
 class MtmdContext:
@@ -109,6 +115,9 @@ class MtmdContext:
         vocab = model.vocab
         self.tok_beg = vocab.tokenize(proj.img_beg, False, True) if proj.img_beg else []
         self.tok_end = vocab.tokenize(proj.img_end, False, True) if proj.img_end else []
+        self.tok_ov_img_start = [self.lookup_token(t) for t in proj.tok_ov_img_start]
+        self.tok_ov_img_end = [self.lookup_token(t) for t in proj.tok_ov_img_end]
+        self.tok_row_end = [self.lookup_token(t) for t in proj.tok_row_end]
         self._graphs: dict[tuple[int, int], clip.ClipGraph] = {}
         self._embd: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self.n_encode = 0               # encoder runs (a cached image does not count)
@@ -116,13 +125,27 @@ class MtmdContext:
 
     # ---- tokenize -----------------------------------------------------------------------
 
-    def preprocess(self, bm: Bitmap) -> ImageTokens:
-        """The image as the encoder reads it (mtmd_image_preprocessor_fixed_size)."""
-        hp, proj = self.clip.hparams, self.projector
-        sz = hp.image_size
-        img = resize(bm.data, sz, sz, proj.resize_algo, proj.resize_pad, proj.pad_color)
-        pixels = normalize(img, hp.image_mean, hp.image_std)
-        return ImageTokens(proj.n_output_tokens(hp, sz, sz), 1, bm.id, pixels)
+    def lookup_token(self, text: str) -> int:
+        """mtmd's lookup_token: the first token whose piece (special tokens spelled) is text."""
+        vocab = self.text_model.vocab
+        want = text.encode()
+        for t in range(vocab.n_tokens):
+            if vocab.token_to_piece(t, special=True) == want:
+                return t
+        raise ModelLoadError(f"{self.path}: the '{self.projector.name}' projector needs the token {text!r}; "
+                             f"{self.text_model.path}'s vocabulary has none")
+
+    def _image(self, img: np.ndarray, bm: Bitmap, k: int) -> ImageTokens:
+        hp = self.clip.hparams
+        n = self.projector.n_output_tokens(hp, img.shape[1], img.shape[0])
+        return ImageTokens(n, 1, bm.id, normalize(img, hp.image_mean, hp.image_std), f"{bm.id}#{k}")
+
+    def preprocess(self, bm: Bitmap) -> list[ImageTokens]:
+        """The images the encoder reads for one bitmap (the projector's preprocessor): one,
+        or for a tiled image the overview then each slice, row by row."""
+        pre = self.projector.preprocess(self.clip, self.projector, bm.data)
+        images = [] if pre.overview is None else [pre.overview]
+        return [self._image(img, bm, k) for k, img in enumerate(images + pre.entries)]
 
     def tokenize(self, text: str, bitmaps: list[Bitmap] | tuple[Bitmap, ...] = (), *,
                  add_special: bool = True, parse_special: bool = True) -> list[InputChunk]:
@@ -149,13 +172,38 @@ class MtmdContext:
             else:
                 chunks.append(InputChunk("text", list(tokens)))
 
+        proj = self.projector
         for i, part in enumerate(parts):
             if part:
                 add_text(vocab.tokenize(part, False, parse_special))
-            if i < len(bitmaps):
-                add_text(self.tok_beg)
-                chunks.append(InputChunk("image", image=self.preprocess(bitmaps[i])))
-                add_text(self.tok_end)
+            if i == len(bitmaps):
+                break
+            add_text(self.tok_beg)
+            pre = proj.preprocess(self.clip, proj, bitmaps[i].data)
+            if pre.overview is None:
+                chunks += [InputChunk("image", image=self._image(img, bitmaps[i], k))
+                           for k, img in enumerate(pre.entries)]
+            else:
+                # mtmd_tokenizer::add_media, llava-uhd style: slices row by row, the overview
+                # before or after them, each among its projector's tokens
+                overview = InputChunk("image", image=self._image(pre.overview, bitmaps[i], 0))
+                if proj.ov_img_first:
+                    add_text(self.tok_ov_img_start)
+                    chunks.append(overview)
+                    add_text(self.tok_ov_img_end)
+                for y in range(pre.grid_y):
+                    for x in range(pre.grid_x):
+                        if proj.sli_img_start_tmpl:
+                            add_text(vocab.tokenize(proj.sli_img_start_tmpl % (y + 1, x + 1), False, True))
+                        k = 1 + y * pre.grid_x + x
+                        chunks.append(InputChunk("image", image=self._image(pre.entries[k - 1], bitmaps[i], k)))
+                    if y != pre.grid_y - 1:
+                        add_text(self.tok_row_end)
+                if not proj.ov_img_first:
+                    add_text(self.tok_ov_img_start)
+                    chunks.append(overview)
+                    add_text(self.tok_ov_img_end)
+            add_text(self.tok_end)
         if add_special and vocab.add_bos:
             if chunks and chunks[0].type == "text":
                 chunks[0].tokens.insert(0, vocab.bos)
@@ -181,9 +229,9 @@ class MtmdContext:
         if chunk.image is None:
             raise MediaError(f"encode_chunk: a {chunk.type} chunk has nothing to encode")
         img = chunk.image
-        hit = self._embd.get(img.id)
+        hit = self._embd.get(img.key)
         if hit is not None:
-            self._embd.move_to_end(img.id)
+            self._embd.move_to_end(img.key)
             return hit
         t0 = time.perf_counter()
         ny, nx = img.pixels.shape[1:]
@@ -195,7 +243,7 @@ class MtmdContext:
             raise RuntimeError(f"the encoder gave {embd.shape[0]} tokens for an image of {img.n_tokens}")
         self.n_encode += 1
         self.t_encode += time.perf_counter() - t0
-        self._embd[img.id] = embd
+        self._embd[img.key] = embd
         while len(self._embd) > EMBD_CACHE_ENTRIES:
             self._embd.popitem(last=False)
         return embd
