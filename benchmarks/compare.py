@@ -1,8 +1,14 @@
 """Our engine side by side with llama-cpp-python (and transformers), same model, prompt
 length and thread count, runs alternating in one process tree; prints tok/s and ratios.
 
-    .venv/bin/python benchmarks/compare.py [-m MODEL] [-p 512] [-n 128] [-r 3] [-t 2] [--hf HF_ID]
-        [--ggmlx-dir DIR] [--no-transformers]
+    .venv/bin/python benchmarks/compare.py [-m MODEL] [-p 512] [-n 128] [-d 0] [-ctk f32] [-ctv f32] [-r 3]
+        [-t 2] [--hf HF_ID] [--ggmlx-dir DIR] [--no-transformers]
+
+`-d N` measures each test after N cached tokens (llama-bench's -d; the depth is filled
+untimed), `-ctk/-ctv` set both engines' KV cache types (llama.cpp's names), e.g. SmolLM2's
+decode at depth 4096 with a Q8_0 cache: `-p 0 -n 128 -d 4096 -ctk q8_0 -ctv q8_0`. llama.cpp
+runs with flash attention on, as llama-bench's default (auto) does on the CPU and as a
+quantized V cache needs.
 
 Peers are optional: `pip install llama-cpp-python` (builds from source, ~10 min on 2 cores);
 `pip install torch transformers accelerate` for the transformers column (it loads the same
@@ -22,6 +28,9 @@ import sys
 import time
 
 from llm import hub
+from llm.kv_cache import KV_TYPES
+
+DEFAULT = "default"     # -ctk / -ctv not given: each engine's own cache type
 
 PEER_INSTALL = {
     "llama_cpp": "pip install llama-cpp-python  (builds from source, ~10 min)",
@@ -29,22 +38,30 @@ PEER_INSTALL = {
 }
 
 
-def _ours(model: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+def _ours(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str, type_v: str) -> dict:
     from llm.cli.bench import bench_model
-    res = {r.test[:2]: r.tok_s_median for r in bench_model(model, n_prompt=n_prompt, n_gen=n_gen, reps=1)}
-    return {"pp": res["pp"], "tg": res["tg"]}
+    types = {k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v != DEFAULT}
+    res = {r.test[:2]: r.tok_s_median for r in bench_model(model, n_prompt=n_prompt, n_gen=n_gen, reps=1,
+                                                            n_depth=n_depth, **types)}
+    return {"pp": res.get("pp", 0.0), "tg": res.get("tg", 0.0)}
 
 
-def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str, type_v: str) -> dict:
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, n_threads=threads, verbose=False)
+    types = {k: getattr(llama_cpp, f"GGML_TYPE_{v.upper()}") for k, v in (("type_k", type_k), ("type_v", type_v))
+             if v != DEFAULT}
+    llm = llama_cpp.Llama(model_path=model, n_ctx=max(2048, n_depth + n_prompt + n_gen), n_batch=512,
+                          n_threads=threads, verbose=False, flash_attn=True, **types)
+    depth = [1000 + (i * 7919) % 20000 for i in range(n_depth)]
     toks = [1000 + (i * 7919) % 20000 for i in range(n_prompt)]
-    llm.eval(toks[:8])                                      # warm-up
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(toks)
-    pp = n_prompt / (time.perf_counter() - t0)
-    llm.reset()
+    llm.eval(depth + [1000 + i for i in range(8)])          # the depth (untimed), and a warm-up
+    llm.n_tokens = n_depth                                  # eval removes the cells from n_tokens on
+    pp = 0.0
+    if n_prompt:
+        t0 = time.perf_counter()
+        llm.eval(toks)
+        pp = n_prompt / (time.perf_counter() - t0)
+        llm.n_tokens = n_depth
     t0 = time.perf_counter()
     for i in range(n_gen):
         llm.eval([1000 + i])
@@ -52,7 +69,8 @@ def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int) -> dict:
     return {"pp": pp, "tg": tg}
 
 
-def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str,
+                  type_v: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
@@ -79,8 +97,9 @@ def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int) -> dict:
 ENGINES = {"ggmlx": _ours, "llama.cpp": _llama_cpp, "transformers": _transformers}
 
 
-def _child(engine: str, target: str, n_prompt: int, n_gen: int, threads: int) -> None:
-    print(json.dumps(ENGINES[engine](target, n_prompt, n_gen, threads)))
+def _child(engine: str, target: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str,
+           type_v: str) -> None:
+    print(json.dumps(ENGINES[engine](target, n_prompt, n_gen, threads, n_depth, type_k, type_v)))
 
 
 def _run_child(engine: str, target: str, a) -> dict:
@@ -88,7 +107,8 @@ def _run_child(engine: str, target: str, a) -> dict:
     if engine.startswith("ggmlx@"):        # another checkout of ggmlx (before/after side by side)
         env["PYTHONPATH"] = engine.split("@", 1)[1]
         engine = "ggmlx"
-    cmd = [sys.executable, __file__, "--child", engine, target, str(a.n_prompt), str(a.n_gen), str(a.threads)]
+    cmd = [sys.executable, __file__, "--child", engine, target, str(a.n_prompt), str(a.n_gen), str(a.threads),
+           str(a.depth), a.type_k, a.type_v]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{engine} failed:\n{out.stderr[-2000:]}")
@@ -102,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                                                  "(default: transformers loads the GGUF itself)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-d", "--depth", type=int, default=0, help="cached tokens before each test (llama-bench's -d)")
+    ap.add_argument("-ctk", "--cache-type-k", dest="type_k", default=DEFAULT, choices=(DEFAULT, *KV_TYPES),
+                    help="KV cache type of K, both engines (default: each engine's own, ours f32, llama.cpp f16)")
+    ap.add_argument("-ctv", "--cache-type-v", dest="type_v", default=DEFAULT, choices=(DEFAULT, *KV_TYPES),
+                    help="KV cache type of V, both engines (default: each engine's own)")
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--ggmlx-dir", action="append", default=[],
@@ -112,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"ggmlx": a.model}
     engines.update({f"ggmlx@{os.path.abspath(d)}": a.model for d in a.ggmlx_dir})
     for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf or a.model)):
-        if engine == "transformers" and a.no_transformers:
-            continue
+        if engine == "transformers" and (a.no_transformers or a.depth or (a.type_k, a.type_v) != (DEFAULT, DEFAULT)):
+            continue        # its column has no depth and no cache types
         if importlib.util.find_spec(mod) is None:
             print(f"{engine}: not installed ({PEER_INSTALL[mod]})")
         else:
@@ -123,19 +148,23 @@ def main(argv: list[str] | None = None) -> int:
         for engine, target in engines.items():
             runs[engine].append(_run_child(engine, target, a))
     med = {e: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")} for e, rs in runs.items()}
-    print(f"model {a.model}  pp{a.n_prompt} / tg{a.n_gen}  threads {a.threads}  reps {a.reps}")
+    at = f" @ d{a.depth}" if a.depth else ""
+    print(f"model {a.model}  pp{a.n_prompt} / tg{a.n_gen}{at}  cache K {a.type_k} V {a.type_v}  "
+          f"threads {a.threads}  reps {a.reps}  load average {os.getloadavg()[0]:.1f}")
     for e, rs in runs.items():
         print(f"  {e}: pp {[round(r['pp'], 1) for r in rs]}  tg {[round(r['tg'], 1) for r in rs]}")
     print("| engine | pp t/s | tg t/s | ggmlx pp ratio | ggmlx tg ratio |")
     print("|---|---:|---:|---:|---:|")
+    def ratio(k: str, m: dict) -> str:
+        return f"{med['ggmlx'][k] / m[k]:.2f}" if m[k] else "-"
     for e, m in med.items():
-        print(f"| {e} | {m['pp']:.1f} | {m['tg']:.1f} | {med['ggmlx']['pp'] / m['pp']:.2f} | "
-              f"{med['ggmlx']['tg'] / m['tg']:.2f} |")
+        print(f"| {e} | {m['pp']:.1f} | {m['tg']:.1f} | {ratio('pp', m)} | {ratio('tg', m)} |")
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        _child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]),
+               sys.argv[8], sys.argv[9])
     else:
         sys.exit(main())

@@ -242,3 +242,11 @@ def test_info_reports_the_cache_bytes(capsys):
     assert main(["info", str(MODEL), "-c", "4096", "-ctk", "q8_0", "-ctv", "q8_0"]) == 0
     out = capsys.readouterr().out
     assert "KV cache (K q8_0, V q8_0)" in out and f"({4096 * 2 * 2 * 136} bytes) at n_ctx 4096" in out
+
+
+@pytest.mark.slow
+def test_bench_at_depth_with_a_quantized_cache(smollm2_path):
+    from llm.cli.bench import bench_model
+    res = bench_model(str(smollm2_path), n_prompt=16, n_gen=4, reps=1, n_depth=40, type_k="q8_0", type_v="q8_0")
+    assert [r.test for r in res] == ["pp16 @ d40", "tg4 @ d40"]
+    assert all(r.tok_s_median > 0 for r in res)

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
-from llm import hub
+from llm import hub, params
 from llm.batch import Batch
-from llm.context import Context
+from llm.context import Context, ContextParams
 from llm.errors import SizeError, UsageError
 from llm.model import load_model
 
@@ -57,22 +57,41 @@ def _decode(ctx: Context, batch: Batch) -> None:
         raise RuntimeError(f"decode failed with {rc}: {ctx.last_error}")
 
 
-def _run_pp(ctx: Context, tokens: list[int]) -> float:
+def _keep_depth(ctx: Context, n_depth: int) -> None:
+    """Back to the n_depth tokens _fill_depth left (an empty cache without depth)."""
+    if n_depth:
+        ctx.memory.seq_rm(0, n_depth, -1)
+    else:
+        ctx.memory_clear()
+
+
+def _fill_depth(ctx: Context, n_depth: int, n_vocab: int) -> None:
+    """n_depth prompt tokens in the cache before a test, untimed (llama-bench's -d)."""
     ctx.memory_clear()
+    tokens = _prompt(n_depth, n_vocab)
+    for i in range(0, n_depth, ctx.n_batch):
+        chunk = tokens[i:i + ctx.n_batch]
+        _decode(ctx, Batch(tokens=chunk, pos=list(range(i, i + len(chunk))),
+                           logits=[j == len(chunk) - 1 for j in range(len(chunk))]))
+
+
+def _run_pp(ctx: Context, tokens: list[int], n_depth: int = 0) -> float:
+    _keep_depth(ctx, n_depth)
     t0 = time.perf_counter()
     for i in range(0, len(tokens), ctx.n_batch):
         chunk = tokens[i:i + ctx.n_batch]
-        _decode(ctx, Batch(tokens=chunk, pos=list(range(i, i + len(chunk))),
+        _decode(ctx, Batch(tokens=chunk, pos=list(range(n_depth + i, n_depth + i + len(chunk))),
                            logits=[j == len(chunk) - 1 for j in range(len(chunk))]))
     return time.perf_counter() - t0
 
 
-def _run_tg(ctx: Context, n_gen: int, n_vocab: int) -> float:
-    """n_gen single-token decodes on an empty cache, as llama-bench's tg test."""
-    ctx.memory_clear()
+def _run_tg(ctx: Context, n_gen: int, n_vocab: int, n_depth: int = 0) -> float:
+    """n_gen single-token decodes after n_depth cached tokens (none: an empty cache), as
+    llama-bench's tg test."""
+    _keep_depth(ctx, n_depth)
     t0 = time.perf_counter()
     for i in range(n_gen):
-        _decode(ctx, Batch(tokens=[1000 + (i * 31) % (n_vocab - 1000)], pos=[i], logits=[True]))
+        _decode(ctx, Batch(tokens=[1000 + (i * 31) % (n_vocab - 1000)], pos=[n_depth + i], logits=[True]))
     return time.perf_counter() - t0
 
 
@@ -91,39 +110,48 @@ def _summary(model: str, fmt: str, test: str, n: int, times: list[float], compil
 
 def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: int = 5,
                 n_ubatch: int = 512, n_ctx: int = 2048, weight_format: str = "auto",
-                abort_callback: Callable[[], bool] | None = None) -> list[BenchResult]:
-    """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped).
-    SizeError when the prompt and generation do not fit the model's training context (a
-    pp100000 would run for many minutes); abort_callback stops loading and decoding."""
+                abort_callback: Callable[[], bool] | None = None, n_depth: int = 0, type_k: str = "f32",
+                type_v: str = "f32") -> list[BenchResult]:
+    """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped), each
+    after n_depth cached tokens (llama-bench's -d: "tg128 @ d4096"), with the cache types
+    type_k / type_v. SizeError when the depth, prompt and generation do not fit the model's
+    training context (a pp100000 would run for many minutes); abort_callback stops loading and
+    decoding."""
     t0 = time.perf_counter()
     model = load_model(model_path, weight_format=weight_format,
                        progress_callback=None if abort_callback is None else lambda f: not abort_callback())
     load_s = time.perf_counter() - t0
     n_train = model.hparams.n_ctx_train
-    if n_train and n_prompt + n_gen > n_train:
-        raise SizeError(f"bench: -p {n_prompt} + -n {n_gen} = {n_prompt + n_gen} tokens, more than the "
+    n_total = n_depth + n_prompt + n_gen
+    if n_train and n_total > n_train:
+        raise SizeError(f"bench: -d {n_depth} + -p {n_prompt} + -n {n_gen} = {n_total} tokens, more than the "
                         f"model's training context ({n_train})")
-    n_batch = max(n_ubatch, min(n_prompt, n_ctx)) if n_prompt else n_ubatch
-    ctx = Context(model, n_ctx=max(n_ctx, n_prompt + n_gen), n_batch=n_batch, n_ubatch=n_ubatch,
-                  abort_callback=abort_callback)
+    n_batch = max(n_ubatch, min(max(n_prompt, n_depth), n_ctx)) if n_prompt or n_depth else n_ubatch
+    ctx = Context(model, n_ctx=max(n_ctx, n_total), n_batch=n_batch, n_ubatch=n_ubatch,
+                  abort_callback=abort_callback, type_k=type_k, type_v=type_v)
     n_vocab = model.n_vocab
     name = str(model_path)
+    at = f" @ d{n_depth}" if n_depth else ""
     results = []
     t_first = time.perf_counter()
+    if n_depth:
+        _fill_depth(ctx, n_depth, n_vocab)
     if n_prompt:
-        _run_pp(ctx, _prompt(n_prompt, n_vocab))                        # warm-up: compiles
-    _decode(ctx, Batch(tokens=[1000], pos=[n_prompt], logits=[True]))
+        _run_pp(ctx, _prompt(n_prompt, n_vocab), n_depth)               # warm-up: compiles
+    _decode(ctx, Batch(tokens=[1000], pos=[n_depth + n_prompt], logits=[True]))
     ttft_s = time.perf_counter() - t_first
     if n_prompt:
         comp = _compile_seconds(ctx)
-        times = [_run_pp(ctx, _prompt(n_prompt, n_vocab)) for _ in range(reps)]
-        results.append(_summary(name, model.weight_format, f"pp{n_prompt}", n_prompt, times, comp, load_s, ttft_s))
+        times = [_run_pp(ctx, _prompt(n_prompt, n_vocab), n_depth) for _ in range(reps)]
+        results.append(_summary(name, model.weight_format, f"pp{n_prompt}{at}", n_prompt, times, comp, load_s,
+                                ttft_s))
     if n_gen:
         c0 = _compile_seconds(ctx)
-        _run_tg(ctx, min(n_gen, 8), n_vocab)                             # warm-up
+        # warm-up; at depth the whole run, so that every KV bucket it reaches is compiled
+        _run_tg(ctx, n_gen if n_depth else min(n_gen, 8), n_vocab, n_depth)
         comp = _compile_seconds(ctx) - c0
-        times = [_run_tg(ctx, n_gen, n_vocab) for _ in range(reps)]
-        results.append(_summary(name, model.weight_format, f"tg{n_gen}", n_gen, times, comp, load_s, ttft_s))
+        times = [_run_tg(ctx, n_gen, n_vocab, n_depth) for _ in range(reps)]
+        results.append(_summary(name, model.weight_format, f"tg{n_gen}{at}", n_gen, times, comp, load_s, ttft_s))
     return results
 
 
@@ -156,6 +184,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test")
     p.add_argument("-ub", "--ubatch", type=int, default=512, help="physical batch size (n_ubatch)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (n_ctx)")
+    p.add_argument("-d", "--n-depth", type=int, default=0,
+                   help="tokens in the cache before each test (llama-bench's -d: tg128 @ d4096)")
+    params.add_arguments(p, ContextParams, only=("type_k", "type_v"))
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md", help="table format")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
@@ -168,10 +199,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("n_prompt", "n_gen", "reps", "ubatch", "ctx_size"):
+    for name in ("n_prompt", "n_gen", "n_depth", "reps", "ubatch", "ctx_size"):
         v = getattr(args, name)
-        if v < (0 if name in ("n_prompt", "n_gen") else 1):
-            bound = ">= 0" if name in ("n_prompt", "n_gen") else ">= 1"
+        if v < (0 if name in ("n_prompt", "n_gen", "n_depth") else 1):
+            bound = ">= 0" if name in ("n_prompt", "n_gen", "n_depth") else ">= 1"
             raise UsageError(f"bench: --{name.replace('_', '-')} must be {bound}, got {v}")
     if args.profile:
         from llm.research.profiler import profile
@@ -181,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     results = bench_model(str(hub.model_file(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
                           reps=args.reps, n_ubatch=args.ubatch, n_ctx=args.ctx_size,
-                          weight_format=args.weight_format, abort_callback=args.interrupt.abort)
+                          weight_format=args.weight_format, abort_callback=args.interrupt.abort,
+                          n_depth=args.n_depth, type_k=args.type_k, type_v=args.type_v)
     print(format_results(results, args.output))
     return 0
