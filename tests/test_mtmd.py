@@ -1,9 +1,9 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
-tests/data/mtmd/ holds, per projector (gemma3; idefics3 with a llama text model), a tiny
+tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models), a tiny
 text model, its mmproj, and llama.cpp's chunks, image embeddings and last logits for two
 prompts over two committed test images (benchmarks/reference/make_mmproj.py). Embeddings
-differ from llama.cpp's by ggml-cpu's fp16 GELU table (2 ViT layers: <= 3.8e-4 relative);
+differ from llama.cpp's by ggml-cpu's fp16 GELU tables (2 ViT layers: <= 4.8e-4 relative);
 everything else is F32 math in both.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3"]
+PROJECTORS = ["gemma3", "idefics3", "mlp"]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,8 @@ def new_ctx(model) -> llm.Context:
 @pytest.mark.parametrize("k", [0, 1])
 def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     """gemma3: <start_of_image> image <end_of_image>; idefics3: 2 x 2 slices, each after
-    <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview."""
+    <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview; mlp:
+    the image's 64 patch tokens alone."""
     _, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
@@ -105,7 +106,7 @@ def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
             assert c.tokens == list(ref[f"{k}_text_{i}"])       # BOS, <start_of_image> / <end_of_image>
         else:
             embd = mctx.encode_chunk(c)
-            assert embd.shape == ref[f"{k}_embd_{i}"].shape == (16, 64)
+            assert embd.shape == ref[f"{k}_embd_{i}"].shape and embd.shape[1] == 64
             assert rel(embd, ref[f"{k}_embd_{i}"]) < TOL
 
 

@@ -172,11 +172,60 @@ def idefics3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def mlp_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """LLaVA 1.5's shape: a CLIP ViT (3 quick-GELU layers of 32, class embedding, pre-LN, no
+    post-LN; read at layer 2) over a 32 x 32 image in 4 x 4 patches (64 tokens), CLIP's
+    mean and std, then the mm.0 / GELU / mm.2 MLP to the text width."""
+    n_embd, n_ff, n_layer, image_size, patch = 32, 64, 3, 32, 4
+    n_patches = (image_size // patch) ** 2
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "mlp",
+        "clip.has_vision_encoder": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 4,
+        "clip.vision.attention.layer_norm_epsilon": 1e-5,
+        "clip.vision.image_size": image_size,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
+                                  ).astype(np.float32)
+    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
+    w.embd("v.position_embd.weight", n_patches + 1, n_embd, scale=0.5)
+    w.norm("v.pre_ln.weight", n_embd)
+    w.bias("v.pre_ln.bias", n_embd)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.mat("mm.0.weight", n_embd_text, n_embd)
+    w.bias("mm.0.bias", n_embd_text)
+    w.mat("mm.2.weight", n_embd_text, n_embd_text)
+    w.bias("mm.2.bias", n_embd_text)
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
     "idefics3": (llama_text, idefics3_mmproj, ["\n\n", "<fake_token_around_image>", "<global-img>"]
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
+    "mlp": (llama_text, mlp_mmproj, [], 205),
 }
 
 

@@ -57,6 +57,7 @@ class ClipKV(enum.Enum):
 class ClipTensor(enum.Enum):
     """clip-impl.h's TN_*: `{p}` the tensor prefix ("v"), `{il}` the layer, `{s}` weight/bias."""
     POS_EMBD = "{p}.position_embd.weight"
+    CLASS_EMBD = "v.class_embd"
     PATCH_EMBD = "v.patch_embd.weight"
     PATCH_BIAS = "v.patch_embd.bias"
     ATTN_Q = "{p}.blk.{il}.attn_q.{s}"
@@ -72,6 +73,7 @@ class ClipTensor(enum.Enum):
     LN_POST = "{p}.post_ln.{s}"
     MM_INP_PROJ = "mm.input_projection.weight"      # gemma3
     MM_PROJECTOR = "mm.model.fc.{s}"                # idefics3
+    LLAVA_PROJ = "mm.{il}.{s}"                      # mlp (LLaVA): mm.0, mm.2
     MM_SOFT_EMB_N = "mm.soft_emb_norm.weight"       # gemma3
 
 
@@ -367,8 +369,10 @@ class ClipGraph:
             cur = ops.add(cur, wo_b)
         return cur
 
-    def build_vit(self, inp: Tensor, n_pos: int, learned_pos_embd: Tensor | None) -> Tensor:
-        """clip_graph::build_vit with layer norms (NORM_TYPE_NORMAL) -> [n_embd, n_pos, 1]."""
+    def build_vit(self, inp: Tensor, n_pos: int, learned_pos_embd: Tensor | None,
+                  n_layer: int | None = None) -> Tensor:
+        """clip_graph::build_vit with layer norms (NORM_TYPE_NORMAL) -> [n_embd, n_pos, 1];
+        n_layer: run only the first n_layer layers (LLaVA reads the one before the last)."""
         m, hp = self.model, self.hparams
         if learned_pos_embd is not None:
             inp = self.cb(ops.add(inp, learned_pos_embd), "pos_embed")
@@ -376,7 +380,7 @@ class ClipGraph:
         pre_w, pre_b = m.get(ctn(ClipTensor.LN_PRE), False), m.get(ctn(ClipTensor.LN_PRE, "bias"), False)
         if pre_w is not None:
             inpL = self.cb(self.build_norm(inpL, pre_w, pre_b, False, -1), "pre_ln")
-        for il, layer in enumerate(m.layers):
+        for il, layer in enumerate(m.layers[:n_layer]):
             cur = self.cb(self.build_norm(inpL, layer.ln_1_w, layer.ln_1_b, False, il), "layer_inp_normed", il)
             q = ops.mul_mat(layer.q_w, cur)
             if layer.q_b is not None:

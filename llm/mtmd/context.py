@@ -26,6 +26,7 @@ from llm.errors import ModelLoadError
 from llm.mtmd import clip
 from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
 from llm.mtmd.image import normalize
+from llm.mtmd.llava import MLP
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 

@@ -1,0 +1,71 @@
+"""LLaVA encoders: llama.cpp's tools/mtmd/models/llava.cpp (clip_graph_llava).
+
+mlp (LLaVA 1.5): a CLIP ViT with a class embedding (appended after the patches, as clip.cpp
+concatenates it), learned positions, a pre-LN and quick-GELU layers, read at the layer
+before the last; its patch rows (from index 1, clip.cpp's "patches" input) go through a
+two-layer GELU MLP (mm.0, mm.2). The image is padded to a square on grey (122, 116, 104)
+and resized bicubically to image_size; no text marks it in the prompt.
+"""
+from __future__ import annotations
+
+from ggmlx import ops
+from ggmlx.tensor import Tensor
+from llm.errors import ModelLoadError
+from llm.mtmd.clip import (
+    ClipGraph,
+    ClipHParams,
+    ClipModel,
+    ClipTensor,
+    Projector,
+    check_shape,
+    ctn,
+    load_vit_layers,
+)
+from llm.mtmd.image import ResizeAlgo
+
+
+def load_mlp(model: ClipModel) -> int:
+    hp = model.hparams
+    load_vit_layers(model)
+    n_patches = hp.n_patches_side ** 2
+    cls = model.get(ctn(ClipTensor.CLASS_EMBD, ""), False)
+    check_shape(model, cls, (hp.n_embd,))
+    check_shape(model, model.need(ctn(ClipTensor.PATCH_EMBD)), (hp.patch_size, hp.patch_size, 3, hp.n_embd))
+    check_shape(model, model.need(ctn(ClipTensor.POS_EMBD)), (hp.n_embd, n_patches + (cls is not None)))
+    mm0 = model.need(ctn(ClipTensor.LLAVA_PROJ, "weight", 0))
+    mm2 = model.need(ctn(ClipTensor.LLAVA_PROJ, "weight", 2))
+    check_shape(model, mm0, (hp.n_embd, mm0.ne[1]))
+    check_shape(model, model.need(ctn(ClipTensor.LLAVA_PROJ, "bias", 0)), (mm0.ne[1],))
+    check_shape(model, mm2, (mm0.ne[1], mm2.ne[1]))
+    check_shape(model, model.need(ctn(ClipTensor.LLAVA_PROJ, "bias", 2)), (mm2.ne[1],))
+    if hp.n_layer < 2:
+        raise ModelLoadError(f"{model.path}: LLaVA reads the layer before the last; the ViT has {hp.n_layer}")
+    return mm2.ne[1]
+
+
+def n_tokens_mlp(hp: ClipHParams, nx: int, ny: int) -> int:
+    return (nx // hp.patch_size) * (ny // hp.patch_size)
+
+
+def build_mlp(g: ClipGraph) -> Tensor:
+    m, hp = g.model, g.hparams
+    inp = g.build_inp()
+    cls = m.get(ctn(ClipTensor.CLASS_EMBD, ""), False)
+    if cls is not None:
+        inp = ops.concat(inp, ops.reshape_2d(cls, hp.n_embd, 1), 1)
+    n_pos = g.n_patches + (cls is not None)
+    # clip.cpp adds get_rows(position_embd, positions 0..n_pos-1): every row, in order
+    cur = g.build_vit(ops.add(inp, m.need(ctn(ClipTensor.POS_EMBD))), n_pos, None, n_layer=hp.n_layer - 1)
+    cur = ops.reshape_2d(cur, hp.n_embd, n_pos)
+    # get_rows(cur, patches = offset .. offset + n_patches - 1), offset 1 with a class embedding
+    off = int(cls is not None)
+    cur = ops.cont(ops.view_2d(cur, hp.n_embd, g.n_patches, cur.nb[1], off * cur.nb[1]))
+    cur = ops.add(ops.mul_mat(m.need(ctn(ClipTensor.LLAVA_PROJ, "weight", 0)), cur),
+                  m.need(ctn(ClipTensor.LLAVA_PROJ, "bias", 0)))
+    cur = ops.gelu(cur)
+    return ops.add(ops.mul_mat(m.need(ctn(ClipTensor.LLAVA_PROJ, "weight", 2)), cur),
+                   m.need(ctn(ClipTensor.LLAVA_PROJ, "bias", 2)))
+
+
+MLP = Projector(name="mlp", text_archs=frozenset({"llama"}), load=load_mlp, build=build_mlp,
+                n_output_tokens=n_tokens_mlp, resize_algo=ResizeAlgo.BICUBIC, pad_color=(122, 116, 104))
