@@ -86,9 +86,10 @@ MODULE_NAMES = {
     "llm.mtmd": ["init_from_file", "MtmdContext", "Bitmap", "InputChunk", "ImageTokens", "MediaError", "EvalError",
                  "default_marker", "MAX_PIXELS", "PROJECTORS"],
     "llm.mtmd.clip": ["ClipModel", "ClipGraph", "ClipHParams", "ClipKV", "ClipTensor", "Projector", "ctn",
-                      "load_model"],
+                      "load_model", "Preprocessed", "preprocess_fixed_size"],
     "llm.mtmd.image": ["resize_pillow", "resize", "normalize", "ResizeAlgo", "PadStyle"],
-    "llm.mtmd.siglip": ["GEMMA3", "pool_2d_avg"],
+    "llm.mtmd.siglip": ["GEMMA3", "IDEFICS3", "pool_2d_avg", "patch_merge_permute", "preprocess_idefics3"],
+    "llm.mtmd.llava": ["MLP", "build_mlp"],
     # issue 28: recurrent and hybrid memories
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
@@ -111,7 +112,7 @@ METHODS = {
                             "set_causal_attn"],
     "llm.batch:Batch": ["get_one"],
     # issue 30: images in
-    "llm.mtmd:MtmdContext": ["tokenize", "encode_chunk", "eval_chunks", "preprocess", "graph"],
+    "llm.mtmd:MtmdContext": ["tokenize", "encode_chunk", "eval_chunks", "preprocess", "graph", "lookup_token"],
     "llm.mtmd:Bitmap": ["from_file", "from_bytes", "from_array", "from_url"],
     # issue 29: per-layer head sizes (gemma4)
     "llm.hparams:HParams": ["n_embd_head_k_l", "n_embd_head_v_l", "n_rot_l", "has_kv", "kv_layer"],
