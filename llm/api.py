@@ -849,6 +849,7 @@ class LLM:
         rest[-1] = mtmd_mod.InputChunk("text", rest[-1].tokens[:-1])
         self._batcher.keep_prefix(0, n_keep)
         self._media_cut = None
+        n_encode, t_encode = self.mtmd.n_encode, self.mtmd.t_encode
         try:
             self.mtmd.eval_chunks(self.ctx, [c for c in rest if c.n_tokens], n_past=n_keep, seq_id=0,
                                   n_batch=self.ctx.n_batch, logits_last=False)
@@ -858,7 +859,11 @@ class LLM:
         self._batcher.cached[0] = tokens[:-1]
         self._batcher.cached_lora.pop(0, None)
         try:
-            yield from self._stream(tokens, params, None, media=True)
+            for chunk in self._stream(tokens, params, None, media=True):
+                if chunk.completion is not None:     # the encoder's share: 0 runs for a cached image
+                    chunk.completion.timings.update(n_encode=self.mtmd.n_encode - n_encode,
+                                                    encode_s=self.mtmd.t_encode - t_encode)
+                yield chunk
         finally:
             first = next(i for i, t in enumerate(tokens) if keys[i] != t)      # the first image position
             now = self._batcher.cached.get(0)

@@ -272,8 +272,11 @@ def vlm():
     return llm.LLM(MODEL, mmproj=MMPROJ, n_ctx=256)
 
 
-def data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+def data_url(pixels: np.ndarray) -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.mark.slow
@@ -287,13 +290,15 @@ def test_generate_with_an_image_starts_with_llamacpps_greedy_token(vlm, ref):
 def test_a_second_question_about_the_image_encodes_nothing(vlm):
     """The encoder's cache is keyed by the image's content; the cells of the shared prefix
     (text and image) are kept, and give what a fresh decode of the prompt gives."""
-    img = gen().IMAGES[0]
-    vlm.generate(f"Look at this: {mtmd.default_marker()} What is it?", images=[img], max_tokens=4, temperature=0)
+    img = np.ascontiguousarray(mtmd.Bitmap.from_file(gen().IMAGES[0]).data[::-1])      # an image not seen yet
+    first = vlm.generate(f"Look at this: {mtmd.default_marker()} What is it?", images=[img], max_tokens=4,
+                         temperature=0)
+    assert first.timings["n_encode"] == 1 and first.timings["encode_s"] > 0
     n = vlm.mtmd.n_encode
     t0 = time.perf_counter()
-    second = vlm.generate(f"Look at this: {mtmd.default_marker()} What colour?", images=[mtmd.Bitmap.from_file(img)],
+    second = vlm.generate(f"Look at this: {mtmd.default_marker()} What colour?", images=[mtmd.Bitmap.from_array(img)],
                           max_tokens=4, temperature=0)
-    assert vlm.mtmd.n_encode == n
+    assert vlm.mtmd.n_encode == n and second.timings["n_encode"] == 0 and second.timings["encode_s"] == 0
     t_second = time.perf_counter() - t0
     vlm.reset()                                  # the cells are gone, the encoder's cache is not
     fresh = vlm.generate(f"Look at this: {mtmd.default_marker()} What colour?", images=[img], max_tokens=4,
