@@ -28,6 +28,23 @@ def hybrid():
 
 
 @pytest.fixture(scope="module")
+def shortconv():
+    """LFM2: short-convolution states only (no SSM state) beside attention layers."""
+    return llm.load_model(FIXTURES / "lfm2-F32.gguf")
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    """Falcon-H1: attention and a Mamba-2 block in every layer (each layer in both memories)."""
+    return llm.load_model(FIXTURES / "falcon-h1-F32.gguf")
+
+
+# the further families run in the slow tier (~10 s each on a loaded 2-core machine)
+SHORTCONV = pytest.param("shortconv", marks=pytest.mark.slow)
+PARALLEL = pytest.param("parallel", marks=pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
 def delta():
     """Qwen3.5: Gated DeltaNet layers with a gated attention layer."""
     return llm.load_model(FIXTURES / "qwen35-F32.gguf")
@@ -53,7 +70,7 @@ def test_context_holds_a_recurrent_memory(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["model", "hybrid", "delta"])
+@pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV, PARALLEL])
 def test_sequences_of_different_lengths_in_one_batch_match_each_alone(name, request):
     model = request.getfixturevalue(name)
     seqs = [tokens(n, s) for n, s in ((13, 1), (7, 2), (3, 3))]
@@ -74,7 +91,7 @@ def test_sequences_of_different_lengths_in_one_batch_match_each_alone(name, requ
         assert np.abs(ctx.get_logits_ith(s) - alone(model, np.append(t, nxt[s]))[-1]).max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["model", "hybrid", "delta"])
+@pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV, PARALLEL])
 def test_a_long_prompt_in_small_ubatches_equals_one_ubatch(name, request):
     model = request.getfixturevalue(name)
     toks = tokens(300, 4)
@@ -221,7 +238,7 @@ def test_info_reports_the_memory_kind(capsys):
         assert ("KV cache" in out) == (kind == "hybrid")
 
 
-@pytest.mark.parametrize("name", ["model", "hybrid", "delta"])
+@pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV])
 def test_state_save_and_restore_continue_identically(name, request, tmp_path):
     """A whole state and one sequence's state (its conv and SSM states, and for the hybrid its
     KV cells) restored into a fresh context continue exactly as the original."""
