@@ -50,3 +50,13 @@ def test_trace_finds_llamacpp_names(arch, nodes):
     for name in nodes[:-1]:
         assert tr[name].shape[0] == len(toks), name
     assert np.abs(tr["result_output"] - ref["logits_0"]).max() <= 1e-4
+
+
+def test_info_reports_both_memories_of_falcon_h1(capsys):
+    """Every Falcon-H1 layer is recurrent and attends: llm info says hybrid (as
+    llama_model::create_memory chooses), with the states and the KV cache."""
+    from llm.cli import main
+    assert main(["info", str(FIXTURES / "falcon-h1-F32.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "memory: hybrid" in out
+    assert "over 2 layers (conv 480 + SSM 1536 values each)" in out and "KV cache" in out

@@ -19,6 +19,7 @@ import numpy as np
 
 from ggmlx.weights import WEIGHT_FORMATS
 from llm import distributed, hub, params
+from llm.arch import llm_arch_is_hybrid, llm_arch_is_recurrent
 from llm.cli import bench, finetune, quantize
 from llm.errors import UsageError
 from llm.research import diff_llamacpp
@@ -380,13 +381,14 @@ def cmd_info(a) -> int:
         swa = (f"; {kv / 2**20:.1f} MiB with a sliding-window cache of {n_swa_cells} cells "
                f"(Context(swa_full=False))")
     n_recurrent = sum(hp.recurrent_layers)
-    kind = "kv" if not n_recurrent else "recurrent" if n_recurrent == hp.n_layer else "hybrid"
+    # as llama_model::create_memory chooses (falcon-h1: every layer recurrent and attending)
+    kind = "recurrent" if llm_arch_is_recurrent(hp.arch) else "hybrid" if llm_arch_is_hybrid(hp.arch) else "kv"
     print(f"memory: {kind} (llama.cpp's {'llama_kv_cache' if kind == 'kv' else 'llama_memory_' + kind})")
     if n_recurrent:
         per_seq = n_recurrent * (hp.n_embd_r() + hp.n_embd_s()) * 4
         print(f"recurrent states (f32): {per_seq / 2**20:.2f} MiB per sequence over {n_recurrent} layers "
               f"(conv {hp.n_embd_r()} + SSM {hp.n_embd_s()} values each), the same at any position")
-    if n_recurrent < hp.n_layer:
+    if kind != "recurrent":
         print(f"KV cache (K {a.type_k}, V {a.type_v}): {kv_per_token / 1024:.1f} KiB per token at full attention, "
               f"{full / 2**20:.1f} MiB ({full} bytes) at n_ctx {n_ctx}{swa}"
               + (f"; {n_shared} layers read an earlier layer's cache" if n_shared else ""))
