@@ -238,7 +238,7 @@ def test_info_reports_the_memory_kind(capsys):
         assert ("KV cache" in out) == (kind == "hybrid")
 
 
-@pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV])
+@pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV, PARALLEL])
 def test_state_save_and_restore_continue_identically(name, request, tmp_path):
     """A whole state and one sequence's state (its conv and SSM states, and for the hybrid its
     KV cells) restored into a fresh context continue exactly as the original."""
