@@ -107,7 +107,7 @@ def test_registry():
                                   "lfm2", "lfm2moe", "llama", "llama4", "mamba", "mamba2",
                                   "minimax-m2", "mistral3", "nemotron_h", "nomic-bert", "olmo2", "olmoe", "phi2",
                                   "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe",
-                                  "qwen3moe", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
+                                  "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]
     assert get_arch("qwen3") is models.qwen3
     assert all(ARCHS[arch_from_name(name)] is get_arch(name) for name in registered_archs())
     with pytest.raises(ModelLoadError, match="unknown model architecture: 'nope'"):

@@ -508,6 +508,33 @@ def spec_qwen35moe(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_qwen3next(d: Dims, w: Weights) -> dict:
+    """Qwen3-Next: 4 layers, three Gated DeltaNet with the legacy fused projections (ssm_in
+    per key head [q, k, v, z], ssm_ba; 2 key heads each serving 2 of the 4 value heads) then
+    one gated full attention (NEOX rope); spec_qwen35moe's experts in every layer."""
+    a = "qwen3next"
+    d = dataclasses.replace(d, n_layer=4)
+    kv = delta_net_kv(a, d, d_state=16, n_k_heads=2, n_v_heads=4)
+    kv.update({f"{a}.expert_count": d.n_expert, f"{a}.expert_used_count": d.n_expert_used,
+               f"{a}.expert_feed_forward_length": 32, f"{a}.expert_shared_feed_forward_length": 64})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        if il % 4 == 3:
+            gated_attn_block(w, p, d)
+        else:
+            delta_net_block(w, p, d, d_state=16, n_k_heads=2, n_v_heads=4, fused=True)
+        moe(w, p, d, 32)
+        w.t[p + "ffn_gate_inp_shexp.weight"] = (w.rng.standard_normal(d.n_embd) / np.sqrt(d.n_embd)).astype(np.float32)
+        w.mat(p + "ffn_gate_shexp.weight", 64, d.n_embd)
+        w.mat(p + "ffn_down_shexp.weight", d.n_embd, 64)
+        w.mat(p + "ffn_up_shexp.weight", 64, d.n_embd)
+    return kv
+
+
 def spec_qwen3vlmoe(d: Dims, w: Weights) -> dict:
     """Qwen3-VL-MoE's text tower: qwen3vl's IMROPE sections and DeepStack layers with
     qwen3moe's experts."""
@@ -1396,6 +1423,7 @@ ARCHS: dict[str, ArchSpec] = {
     "deepseek2": ArchSpec(spec_deepseek2, 127),
     "qwen35": ArchSpec(spec_qwen35, 147),
     "qwen35moe": ArchSpec(spec_qwen35moe, 150),
+    "qwen3next": ArchSpec(spec_qwen3next, 149),
     "minimax-m2": ArchSpec(spec_minimax_m2, 128),
     "qwen3vlmoe": ArchSpec(spec_qwen3vlmoe, 129),
     "gemma3n": ArchSpec(spec_gemma3n, 130),

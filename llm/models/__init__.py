@@ -56,6 +56,7 @@ from llm.models import (
     seed_oss,
     qwen35,
     qwen35moe,
+    qwen3next,
     smollm3,
     starcoder2,
 )
@@ -106,6 +107,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.OLMOE: olmoe,
     LLMArch.QWEN35: qwen35,
     LLMArch.QWEN35MOE: qwen35moe,
+    LLMArch.QWEN3NEXT: qwen3next,
     LLMArch.EXAONE4: exaone4,
     LLMArch.DEEPSEEK2: deepseek2,
     LLMArch.MINIMAX_M2: minimax_m2,

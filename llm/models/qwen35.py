@@ -182,12 +182,15 @@ def build_layer_attn(g: GraphBuilder, inp: InpAttnKV, cur: Tensor, inp_pos: Tens
 
 
 def build_layer_attn_linear(g: GraphBuilder, inp: InpRS, cur: Tensor, layer: Layer, il: int, *,
-                            qkv_mixed: Tensor, z: Tensor, beta: Tensor, alpha: Tensor) -> Tensor:
+                            qkv_mixed: Tensor, z: Tensor, beta: Tensor, alpha: Tensor,
+                            repeat_heads: Callable[[Tensor, int], Tensor] | None = None) -> Tensor:
     """The Gated DeltaNet mixer from its projections: qkv_mixed [conv channels, n_seq_tokens,
     n_seqs], z [value_dim, n_tokens], beta [1, H_v, n_seq_tokens, n_seqs] (pre-sigmoid),
     alpha [H_v, n_seq_tokens, n_seqs]. The conv runs over each sequence's conv state, the
     decay gate is softplus(alpha + dt_bias) * A (A = -exp(A_log), as stored), and the key
-    heads tile over the value heads inside the op. -> `linear_attn_out` [n_embd, n_tokens]."""
+    heads tile over the value heads inside the op, or are first spread over them by
+    `repeat_heads(x, H_v)` (qwen3next's interleaved order). -> `linear_attn_out` [n_embd,
+    n_tokens]."""
     hp, rs = g.hparams, g.rs
     assert rs is not None       # build_rs_inp checked
     conv_all, s_all = rs.r_l[il], rs.s_l[il]
@@ -213,8 +216,12 @@ def build_layer_attn_linear(g: GraphBuilder, inp: InpRS, cur: Tensor, layer: Lay
                          S * H_k * f32), "k_conv", il)
     v = g.cb(ops.view_4d(conv_out, S, H_v, n_seq_tokens, n_seqs, S * f32, nb1, nb1 * n_seq_tokens,
                          2 * S * H_k * f32), "v_conv", il)
-    q = g.cb(build_gdn_l2_norm(q, hp.f_norm_rms_eps), "q_conv_predelta", il)
-    k = g.cb(build_gdn_l2_norm(k, hp.f_norm_rms_eps), "k_conv_predelta", il)
+    q = build_gdn_l2_norm(q, hp.f_norm_rms_eps)
+    k = build_gdn_l2_norm(k, hp.f_norm_rms_eps)
+    if repeat_heads is not None:
+        q, k = repeat_heads(q, H_v), repeat_heads(k, H_v)
+    g.cb(q, "q_conv_predelta", il)
+    g.cb(k, "k_conv_predelta", il)
     g.cb(v, "v_conv_predelta", il)
     out = build_recurrent_attn(g, inp, s_all, q, k, v, gate, beta, state, il)
     z = ops.reshape_4d(z, S, H_v, n_seq_tokens, n_seqs)
