@@ -563,24 +563,36 @@ def lower_soft_max(n: Tensor, env):
     return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
 
 
+# Cache types the native decode attention reads in place (Q8_0 block by block).
+NATIVE_ATTN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0)
+
+
 def _cache_strides(t: Tensor) -> tuple[Tensor, int, int, int] | None:
     """For K or V as attention reads them (ne [D, n_kv, n_head_kv, 1], a view of a cache):
-    the cache tensor and, in its elements, the view's offset, cell stride and head stride; None
-    unless the features of a head are contiguous f32 or f16 elements."""
+    the cache tensor and, in bytes, the view's offset, cell stride and head stride; None
+    unless the features of a head are contiguous elements (or blocks) of NATIVE_ATTN_TYPES."""
     base, offs = _view_base(t)
-    if base.flags & Flag.WEIGHT or base.type != t.type or t.type not in (GGMLType.F32, GGMLType.F16):
+    if base.flags & Flag.WEIGHT or base.type != t.type or t.type not in NATIVE_ATTN_TYPES:
         return None
-    esz = types.type_size(t.type)
-    if t.ne[3] != 1 or t.nb[0] != esz or offs % esz or t.nb[1] % esz or t.nb[2] % esz:
+    if t.ne[3] != 1 or t.nb[0] != types.type_size(t.type):
         return None
-    return base, offs // esz, t.nb[1] // esz, t.nb[2] // esz
+    return base, offs, t.nb[1], t.nb[2]
+
+
+def _cache_window(buf, t: Tensor, offs: int):
+    """K or V (t, a view of the cache buffer buf at byte offset offs) as XLA attends to it."""
+    if _holds_blocks(t):
+        rows = strided_window(buf.reshape(-1), 1, (types.row_size(t.type, t.ne[0]), *t.ne[1:]), (1, *t.nb[1:]), offs)
+        return quants.dequantize_jax(rows, t.type, t.ne)
+    return strided_window(buf.reshape(-1), types.type_size(t.type), t.ne, t.nb, offs)
 
 
 def _flash_attn_native(n: Tensor, env) -> jax.Array | None:
     """flash_attn_ext through native.attn_decode on the CPU for up to native.MAX_N query rows
     (decode steps), K and V read in place from the cache tensors their views start from; None
     when it does not apply (ALiBi, sinks, no mask, a quantized or non-contiguous cache, more
-    rows, the kernel off). Gradients (llm.trace) take the XLA path (custom_jvp)."""
+    rows, the kernel off). Gradients (llm.trace) take the XLA path (custom_jvp). A quantized
+    cache other than Q8_0 takes the XLA path too, over the n_kv cells' dequantized window."""
     from ggmlx import native
     q_t, k_t, v_t = n.src[:3]
     scale, max_bias, softcap = n.op_params
@@ -594,15 +606,13 @@ def _flash_attn_native(n: Tensor, env) -> jax.Array | None:
         return None
     (k_base, k_off, k_cell, k_head), (v_base, v_off, v_cell, v_head) = ks, vs
     n_head_kv, dv = k_t.ne[2], v_t.ne[0]
-    esz = types.type_size(k_t.type)
 
     def xla(q, kb, vb, mask):
-        k = strided_window(kb.reshape(-1), esz, k_t.ne, k_t.nb, k_off * esz)
-        v = strided_window(vb.reshape(-1), esz, v_t.ne, v_t.nb, v_off * esz)
+        k, v = _cache_window(kb, k_t, k_off), _cache_window(vb, v_t, v_off)
         return _flash_attn(q, k, v, mask, scale, max_bias, softcap)
 
     def cpu(q, kb, vb, mask):
-        out = native.attn_decode(_f32(q)[0].transpose(1, 0, 2), kb, vb, mask[0, 0, :n_q],
+        out = native.attn_decode(_f32(q)[0].transpose(1, 0, 2), kb, vb, mask[0, 0, :n_q], kv_type=int(k_t.type),
                                  n_kv=n_kv, n_head_kv=n_head_kv, k_off=k_off, k_cell=k_cell, k_head=k_head,
                                  v_off=v_off, v_cell=v_cell, v_head=v_head, dv=dv, scale=scale, softcap=softcap)
         return out[None]

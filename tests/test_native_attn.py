@@ -1,14 +1,16 @@
 """The native decode attention (ggmlx/native attn_decode): within f32 rounding of a float64
-reference over strided K/V caches (f32 and f16, grouped heads, offsets, masked cells, soft
-cap), and the same logits as the XLA path when the flash_attn_ext lowering dispatches to it
-in decode steps of tiny llama and gemma3 models (sliding-window caches included)."""
+reference over strided K/V caches (f32, f16 and Q8_0 blocks, grouped heads, offsets, masked
+cells, soft cap), and the same logits as the XLA path when the flash_attn_ext lowering
+dispatches to it in decode steps of tiny llama and gemma3 models (sliding-window caches and a
+rotated Q8_0 cache included)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import llm
-from ggmlx import compile, lower, native
+from ggmlx import compile, lower, native, quants
+from ggmlx.types import GGMLType
 from tests import tiny_model
 
 needs_native = pytest.mark.skipif(
@@ -35,15 +37,26 @@ def _reference(q, k, v, mask, scale, softcap):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.parametrize("n_q,H,Hkv,D", [(1, 4, 2, 32), (3, 9, 3, 64), (2, 4, 1, 256), (1, 3, 3, 24)])
-def test_attn_decode_matches_float64(dtype, softcap, n_q, H, Hkv, D):
-    """The cache is [kv_size, Hkv * D] (ggml's K cache), read from cell 5 on for n_kv cells."""
+def test_attn_decode_matches_float64(cache, softcap, n_q, H, Hkv, D):
+    """The cache is [kv_size, Hkv * D] (ggml's K cache; Q8_0: its rows of blocks), read from
+    cell 5 on for n_kv cells; the reference reads the values the cache holds."""
+    if cache == GGMLType.Q8_0 and D % 32:
+        pytest.skip("Q8_0 rows are whole blocks of 32")
     rng = np.random.default_rng(D + n_q)
     kv_size, first, n_kv = 48, 5, 30
-    kc = rng.standard_normal((kv_size, Hkv * D)).astype(dtype)
-    vc = rng.standard_normal((kv_size, Hkv * D)).astype(dtype)
+    kc, vc = (rng.standard_normal((kv_size, Hkv * D)).astype(np.float32) for _ in range(2))
+    if cache == GGMLType.Q8_0:
+        kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
+        kv = [quants.dequantize(c, cache, (Hkv * D, kv_size)) for c in (kc, vc)]
+    else:
+        dtype = np.float16 if cache == GGMLType.F16 else np.float32
+        kc, vc = kc.astype(dtype), vc.astype(dtype)
+        kv = [c.astype(np.float64) for c in (kc, vc)]
+    row = kc.shape[1] * kc.dtype.itemsize          # bytes of a cell's row
+    head = row // Hkv
     q = rng.standard_normal((n_q, H, D)).astype(np.float32)
     mask = np.zeros((n_q, n_kv), np.float32)
     mask[:, rng.random(n_kv) < 0.3] = -np.inf
@@ -51,12 +64,12 @@ def test_attn_decode_matches_float64(dtype, softcap, n_q, H, Hkv, D):
     mask[-1, 1:4] = -1.5
     scale = 1.0 / np.sqrt(D)
     f = jax.jit(lambda q, k, v, m: native.attn_decode(
-        q, k, v, m, n_kv=n_kv, n_head_kv=Hkv, k_off=first * Hkv * D, k_cell=Hkv * D, k_head=D,
-        v_off=first * Hkv * D, v_cell=Hkv * D, v_head=D, dv=D, scale=scale, softcap=softcap))
+        q, k, v, m, kv_type=int(cache), n_kv=n_kv, n_head_kv=Hkv, k_off=first * row, k_cell=row, k_head=head,
+        v_off=first * row, v_cell=row, v_head=head, dv=D, scale=scale, softcap=softcap))
     out = np.asarray(f(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask)))
     cells = slice(first, first + n_kv)
-    ref = _reference(q.astype(np.float64), kc[cells].astype(np.float64).reshape(n_kv, Hkv, D),
-                     vc[cells].astype(np.float64).reshape(n_kv, Hkv, D), mask.astype(np.float64), scale, softcap)
+    ref = _reference(q.astype(np.float64), kv[0][cells].astype(np.float64).reshape(n_kv, Hkv, D),
+                     kv[1][cells].astype(np.float64).reshape(n_kv, Hkv, D), mask.astype(np.float64), scale, softcap)
     assert out.shape == (n_q, H, D) and out.dtype == np.float32
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
 
@@ -68,8 +81,8 @@ def test_attn_decode_fully_masked_row_is_zero():
     mask = np.zeros((2, 8), np.float32)
     mask[1] = -np.inf
     out = np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(kc), jnp.asarray(mask),
-                                        n_kv=8, n_head_kv=2, k_off=0, k_cell=32, k_head=16, v_off=0, v_cell=32,
-                                        v_head=16, dv=16, scale=1.0, softcap=0.0))
+                                        kv_type=0, n_kv=8, n_head_kv=2, k_off=0, k_cell=128, k_head=64, v_off=0,
+                                        v_cell=128, v_head=64, dv=16, scale=1.0, softcap=0.0))
     np.testing.assert_allclose(out[0], 1.0, rtol=1e-6)
     assert np.all(out[1] == 0.0)
 
@@ -79,8 +92,12 @@ def test_attn_decode_rejects_strides_outside_the_cache():
     kc = jnp.ones((8, 32), jnp.float32)
     with pytest.raises(Exception, match="outside the K or V buffer"):
         native.attn_decode(jnp.ones((1, 2, 16), jnp.float32), kc, kc, jnp.zeros((1, 9), jnp.float32),
-                           n_kv=9, n_head_kv=2, k_off=0, k_cell=32, k_head=16, v_off=0, v_cell=32, v_head=16,
-                           dv=16, scale=1.0, softcap=0.0).block_until_ready()
+                           kv_type=0, n_kv=9, n_head_kv=2, k_off=0, k_cell=128, k_head=64, v_off=0, v_cell=128,
+                           v_head=64, dv=16, scale=1.0, softcap=0.0).block_until_ready()
+    with pytest.raises(Exception, match="both Q8_0 bytes"):
+        native.attn_decode(jnp.ones((1, 2, 16), jnp.float32), kc, kc, jnp.zeros((1, 8), jnp.float32),
+                           kv_type=8, n_kv=8, n_head_kv=2, k_off=0, k_cell=128, k_head=64, v_off=0, v_cell=128,
+                           v_head=64, dv=16, scale=1.0, softcap=0.0).block_until_ready()
 
 
 def _decode_logits(path, type_k: str, swa_full: bool = True) -> np.ndarray:
@@ -101,11 +118,14 @@ def _decode_logits(path, type_k: str, swa_full: bool = True) -> np.ndarray:
 
 @needs_native
 @pytest.mark.parametrize("arch,type_k,swa_full", [("llama", "f32", True), ("llama", "f16", True),
-                                                  ("gemma3", "f32", True), ("gemma3", "f32", False)])
+                                                  ("llama", "q8_0", True), ("gemma3", "f32", True),
+                                                  ("gemma3", "f32", False)])
 @pytest.mark.slow
 def test_decode_logits_match_the_xla_path(tmp_path, monkeypatch, arch, type_k, swa_full):
+    """q8_0: head size 64, so Q, K and V are turned by Hadamard matrices (KVCache.n_rot_k/v)."""
     spec = tiny_model.TinySpec(arch=arch, n_layer=6 if arch == "gemma3" else 2,
-                               n_head_kv=1 if arch == "gemma3" else 2, seed=3)
+                               n_head_kv=1 if arch == "gemma3" else 2, seed=3,
+                               n_embd=256 if type_k == "q8_0" else 64)
     path = tiny_model.write_model(tmp_path / f"{arch}.gguf", spec)
     monkeypatch.setenv("GGMLX_EXE_CACHE", "0")
     calls = []

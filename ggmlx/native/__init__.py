@@ -1,8 +1,8 @@
 """Optional native CPU kernels, called from compiled graphs as XLA FFI custom calls.
 
 `attn_decode` is ggml's flash_attn_ext for up to MAX_N query rows, reading K and V in place
-from the whole cache buffers through ggml's strides, where XLA:CPU copies the n_kv cells it
-attends to (heads moved in front) before its dots.
+from the whole cache buffers through ggml's strides (f32, f16 or Q8_0 blocks), where XLA:CPU
+copies the n_kv cells it attends to (heads moved in front) before its dots.
 
 `int8_matvec` multiplies a few rows of activations by an "int8" weight (ggmlx/weights.py)
 straight from its int8 quants, scales and offsets, where the pure-XLA path writes each
@@ -97,15 +97,17 @@ def int4_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array)
     return jax.ffi.ffi_call(TARGET_INT4, out)(x, q, scale, offset)
 
 
-def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, n_kv: int, n_head_kv: int,
-                k_off: int, k_cell: int, k_head: int, v_off: int, v_cell: int, v_head: int, dv: int,
-                scale: float, softcap: float) -> jax.Array:
+def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_type: int, n_kv: int,
+                n_head_kv: int, k_off: int, k_cell: int, k_head: int, v_off: int, v_cell: int, v_head: int,
+                dv: int, scale: float, softcap: float) -> jax.Array:
     """Attention of q f32 [n_q, H, D] (n_q <= MAX_N) over n_kv cells of the K and V caches
-    (f32 or f16, both the same, any shape: read as flat memory), with mask f32 [n_q, n_kv]
-    -> f32 [n_q, H, dv]. Element (cell c, KV head g, feature d) of K is k[k_off + c * k_cell
-    + g * k_head + d], likewise for V; query head h reads KV head h // (H // n_head_kv). CPU only."""
+    (both of ggml type kv_type: F32, F16, or Q8_0 as uint8 block bytes; any shape: read as flat
+    memory), with mask f32 [n_q, n_kv] -> f32 [n_q, H, dv]. The row of (cell c, KV head g) of K
+    starts at byte k_off + c * k_cell + g * k_head, likewise for V; query head h reads KV head
+    h // (H // n_head_kv). CPU only."""
     out = jax.ShapeDtypeStruct((q.shape[0], q.shape[1], dv), jnp.float32)
     return jax.ffi.ffi_call(TARGET_ATTN, out)(
-        q, k, v, mask, n_kv=np.int64(n_kv), n_head_kv=np.int64(n_head_kv), k_off=np.int64(k_off),
+        q, k, v, mask, kv_type=np.int64(kv_type), n_kv=np.int64(n_kv), n_head_kv=np.int64(n_head_kv),
+        k_off=np.int64(k_off),
         k_cell=np.int64(k_cell), k_head=np.int64(k_head), v_off=np.int64(v_off), v_cell=np.int64(v_cell),
         v_head=np.int64(v_head), scale=np.float32(scale), softcap=np.float32(softcap))

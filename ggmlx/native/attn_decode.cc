@@ -7,6 +7,10 @@
 // (cell stride, head stride, an element offset into the whole cache), and cells the mask
 // hides (-inf) are skipped, so a step reads only the cells in use.
 //
+// K and V are f32, f16 or Q8_0 (ggml's blocks of 32: an f16 scale d, then 32 int8 q; element
+// d * q), both of one type; a Q8_0 row is read block by block, each 16 quants widened and
+// scaled in registers, so a quantized cache costs no dequantized copy and half the bytes of f16.
+//
 // Numerics, per query row and head, all in f32: s = (q . k) * scale, then softcap *
 // tanh(s / softcap) when softcap > 0, then + mask; out = sum_k exp(s_k - max) v_k / sum_k
 // exp(s_k - max). The XLA path computes the same terms with its own exp (both within a few
@@ -17,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -32,15 +37,35 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The element types of the cache rows (the `kv_type` attribute: ggml's type ids).
+struct F32 {
+  static constexpr int64_t id = 0;
+};
+struct F16 {
+  static constexpr int64_t id = 1;
+};
+struct Q8_0 {
+  static constexpr int64_t id = 8;
+  static constexpr int64_t block = 34;  // f16 d, int8 qs[32]
+};
+
+// Bytes of a row of n elements.
+template <typename T>
+constexpr int64_t row_bytes(int64_t n) {
+  if constexpr (std::is_same_v<T, Q8_0>) return n / 32 * Q8_0::block;
+  else if constexpr (std::is_same_v<T, F16>) return 2 * n;
+  else return 4 * n;
+}
+
 struct Attn {
-  const float* q;      // [n_q, H, D]
-  const void* k;       // the K cache's memory, f32 or f16 elements
-  const void* v;       // the V cache's memory
-  const float* mask;   // [n_q, n_kv]
-  const int64_t* live; // [n_q, 2]: the cells [lo, hi) of each row outside which the mask is -inf
-  float* out;          // [n_q, H, Dv]
+  const float* q;       // [n_q, H, D]
+  const uint8_t* k;     // the K cache's memory
+  const uint8_t* v;     // the V cache's memory
+  const float* mask;    // [n_q, n_kv]
+  const int64_t* live;  // [n_q, 2]: the cells [lo, hi) of each row outside which the mask is -inf
+  float* out;           // [n_q, H, Dv]
   int64_t n_q, H, Hkv, D, Dv, n_kv;
-  int64_t k_off, k_cell, k_head;  // element offset and strides of K (cell, KV head)
+  int64_t k_off, k_cell, k_head;  // byte offset and strides of K (cell, KV head)
   int64_t v_off, v_cell, v_head;
   float scale, softcap;
 };
@@ -49,35 +74,59 @@ struct Attn {
 
 using ggmlx_native::f16_to_f32;
 
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return h;
+}
+
+// element i of the row at p
 template <typename T>
-inline float load(const T* p, int64_t i) {
-  if constexpr (sizeof(T) == 2) return f16_to_f32(p[i]);
-  else return p[i];
+inline float load(const uint8_t* p, int64_t i) {
+  if constexpr (std::is_same_v<T, Q8_0>) {
+    const uint8_t* b = p + (i / 32) * Q8_0::block;
+    return f16_to_f32(u16_at(b)) * static_cast<float>(static_cast<int8_t>(b[2 + i % 32]));
+  } else if constexpr (std::is_same_v<T, F16>) {
+    return f16_to_f32(u16_at(p + 2 * i));
+  } else {
+    float f;
+    std::memcpy(&f, p + 4 * i, sizeof f);
+    return f;
+  }
 }
 
 template <typename T>
-float dot_generic(const float* q, const T* k, int64_t n) {
+float dot_generic(const float* q, const uint8_t* k, int64_t n) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += q[i] * load(k, i);
+  for (int64_t i = 0; i < n; ++i) s += q[i] * load<T>(k, i);
   return s;
 }
 
 template <typename T>
-void axpy_generic(float* acc, float a, const T* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * load(v, i);
+void axpy_generic(float* acc, float a, const uint8_t* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * load<T>(v, i);
 }
 
 #ifdef GGMLX_X86
+// elements i .. i + 15 of the row at p (i a multiple of 16)
 template <typename T>
-__attribute__((target("avx512f"))) inline __m512 load16_avx512(const T* p) {
-  if constexpr (sizeof(T) == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  else return _mm512_loadu_ps(p);
+__attribute__((target("avx512f"))) inline __m512 load16_avx512(const uint8_t* p, int64_t i) {
+  if constexpr (std::is_same_v<T, Q8_0>) {
+    const uint8_t* b = p + (i / 32) * Q8_0::block;
+    const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i % 32));
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
+    return _mm512_mul_ps(q, _mm512_set1_ps(f16_to_f32(u16_at(b))));
+  } else if constexpr (std::is_same_v<T, F16>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i)));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + i);
+  }
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) float dot_avx512(const float* q, const T* k, int64_t n) {
+__attribute__((target("avx512f"))) float dot_avx512(const float* q, const uint8_t* k, int64_t n) {
   __m512 a = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_avx512(k + i), a);
+  for (int64_t i = 0; i < n; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_avx512<T>(k, i), a);
   return _mm512_reduce_add_ps(a);
 }
 
@@ -103,13 +152,13 @@ __attribute__((target("avx512f"))) inline __m512 hsum16_avx512(const __m512* a) 
 
 // q . k[j * cell] for the 16 cells j < 16 at once, into out[0..15]
 template <typename T>
-__attribute__((target("avx512f"))) void dot16_avx512(const float* q, const T* k, int64_t cell, int64_t n,
+__attribute__((target("avx512f"))) void dot16_avx512(const float* q, const uint8_t* k, int64_t cell, int64_t n,
                                                      float* out) {
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16_avx512(k + j * cell + i), a[j]);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16_avx512<T>(k + j * cell, i), a[j]);
   }
   _mm512_storeu_ps(out, hsum16_avx512(a));
 }
@@ -117,43 +166,53 @@ __attribute__((target("avx512f"))) void dot16_avx512(const float* q, const T* k,
 // o[0 .. 16 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
 // accumulators kept in registers across the cells
 template <typename T, int NV>
-__attribute__((target("avx512f"))) void weigh_avx512(const float* e, const T* v, int64_t cell, int64_t n_kv,
+__attribute__((target("avx512f"))) void weigh_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
                                                      float* o) {
   __m512 acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < n_kv; ++c) {
     if (e[c] == 0.f) continue;
     const __m512 ev = _mm512_set1_ps(e[c]);
-    const T* row = v + c * cell;
-    for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(ev, load16_avx512(row + 16 * j), acc[j]);
+    const uint8_t* row = v + c * cell;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(ev, load16_avx512<T>(row, 16 * j), acc[j]);
   }
   for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, acc[j]);
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) void weigh_rows_avx512(const float* e, const T* v, int64_t cell, int64_t n_kv,
+__attribute__((target("avx512f"))) void weigh_rows_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
                                                           int64_t dv, float* o) {
-  using Fn = void (*)(const float*, const T*, int64_t, int64_t, float*);
+  using Fn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
   static constexpr Fn fns[16] = {weigh_avx512<T, 1>,  weigh_avx512<T, 2>,  weigh_avx512<T, 3>,  weigh_avx512<T, 4>,
                                  weigh_avx512<T, 5>,  weigh_avx512<T, 6>,  weigh_avx512<T, 7>,  weigh_avx512<T, 8>,
                                  weigh_avx512<T, 9>,  weigh_avx512<T, 10>, weigh_avx512<T, 11>, weigh_avx512<T, 12>,
                                  weigh_avx512<T, 13>, weigh_avx512<T, 14>, weigh_avx512<T, 15>, weigh_avx512<T, 16>};
   for (int64_t d0 = 0; d0 < dv; d0 += 256) {   // 16 vectors of 16 at most per pass over the cells
     const int64_t nv = std::min<int64_t>(16, (dv - d0) / 16);
-    fns[nv - 1](e, v + d0, cell, n_kv, o + d0);
+    fns[nv - 1](e, v + row_bytes<T>(d0), cell, n_kv, o + d0);
+  }
+}
+
+// elements i .. i + 7 of the row at p (i a multiple of 8)
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const uint8_t* p, int64_t i) {
+  if constexpr (std::is_same_v<T, Q8_0>) {
+    const uint8_t* b = p + (i / 32) * Q8_0::block;
+    int64_t q8;
+    std::memcpy(&q8, b + 2 + i % 32, sizeof q8);
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(q8)));
+    return _mm256_mul_ps(q, _mm256_set1_ps(f16_to_f32(u16_at(b))));
+  } else if constexpr (std::is_same_v<T, F16>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i)));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
   }
 }
 
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const T* p) {
-  if constexpr (sizeof(T) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  else return _mm256_loadu_ps(p);
-}
-
-template <typename T>
-__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const T* k, int64_t n) {
+__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const uint8_t* k, int64_t n) {
   __m256 a = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_avx2(k + i), a);
+  for (int64_t i = 0; i < n; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_avx2<T>(k, i), a);
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -164,13 +223,13 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const T*
 // cell's dot alone waits on its own chain of D / 8 FMAs), then one transposing reduction (lane j
 // of the result is the sum of a[j]).
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) void dot8_avx2(const float* q, const T* k, int64_t cell, int64_t n,
+__attribute__((target("avx2,fma,f16c"))) void dot8_avx2(const float* q, const uint8_t* k, int64_t cell, int64_t n,
                                                         float* out) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8_avx2(k + j * cell + i), a[j]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8_avx2<T>(k + j * cell, i), a[j]);
   }
   const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -180,28 +239,28 @@ __attribute__((target("avx2,fma,f16c"))) void dot8_avx2(const float* q, const T*
 // o[0 .. 8 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
 // accumulators kept in registers across the cells (an axpy per cell stored and reloaded them)
 template <typename T, int NV>
-__attribute__((target("avx2,fma,f16c"))) void weigh_avx2(const float* e, const T* v, int64_t cell, int64_t n_kv,
+__attribute__((target("avx2,fma,f16c"))) void weigh_avx2(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
                                                          float* o) {
   __m256 acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < n_kv; ++c) {
     if (e[c] == 0.f) continue;
     const __m256 ev = _mm256_set1_ps(e[c]);
-    const T* row = v + c * cell;
-    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(ev, load8_avx2(row + 8 * j), acc[j]);
+    const uint8_t* row = v + c * cell;
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(ev, load8_avx2<T>(row, 8 * j), acc[j]);
   }
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
 }
 
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) void weigh_rows_avx2(const float* e, const T* v, int64_t cell, int64_t n_kv,
-                                                              int64_t dv, float* o) {
-  using Fn = void (*)(const float*, const T*, int64_t, int64_t, float*);
+__attribute__((target("avx2,fma,f16c"))) void weigh_rows_avx2(const float* e, const uint8_t* v, int64_t cell,
+                                                              int64_t n_kv, int64_t dv, float* o) {
+  using Fn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
   static constexpr Fn fns[8] = {weigh_avx2<T, 1>, weigh_avx2<T, 2>, weigh_avx2<T, 3>, weigh_avx2<T, 4>,
                                 weigh_avx2<T, 5>, weigh_avx2<T, 6>, weigh_avx2<T, 7>, weigh_avx2<T, 8>};
   for (int64_t d0 = 0; d0 < dv; d0 += 64) {   // 8 vectors of 8 at most per pass over the cells
     const int64_t nv = std::min<int64_t>(8, (dv - d0) / 8);
-    fns[nv - 1](e, v + d0, cell, n_kv, o + d0);
+    fns[nv - 1](e, v + row_bytes<T>(d0), cell, n_kv, o + d0);
   }
 }
 
@@ -293,8 +352,8 @@ void attend(const Attn& p, int64_t unit, float* s) {
   const int64_t i = unit / p.H, h = unit % p.H, g = h / (p.H / p.Hkv);
   const int64_t lo = p.live[2 * i], n_kv = p.live[2 * i + 1] - lo;   // only the cells [lo, hi) count
   const float* q = p.q + (i * p.H + h) * p.D;
-  const T* k = static_cast<const T*>(p.k) + p.k_off + g * p.k_head + lo * p.k_cell;
-  const T* v = static_cast<const T*>(p.v) + p.v_off + g * p.v_head + lo * p.v_cell;
+  const uint8_t* k = p.k + p.k_off + g * p.k_head + lo * p.k_cell;
+  const uint8_t* v = p.v + p.v_off + g * p.v_head + lo * p.v_cell;
   const float* m = p.mask + i * p.n_kv + lo;
   float* o = p.out + (i * p.H + h) * p.Dv;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -305,14 +364,14 @@ void attend(const Attn& p, int64_t unit, float* s) {
     for (; c16 + 16 <= n_kv; c16 += 16) {
       bool live = false;
       for (int j = 0; j < 16 && !live; ++j) live = m[c16 + j] != ninf;
-      if (live) dot16_avx512(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
+      if (live) dot16_avx512<T>(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
     }
   }
   if constexpr (LEVEL == 1) {
     for (; c16 + 8 <= n_kv; c16 += 8) {
       bool live = false;
       for (int j = 0; j < 8 && !live; ++j) live = m[c16 + j] != ninf;
-      if (live) dot8_avx2(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
+      if (live) dot8_avx2<T>(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
     }
   }
 #endif
@@ -323,11 +382,11 @@ void attend(const Attn& p, int64_t unit, float* s) {
     }
     float d;
 #ifdef GGMLX_X86
-    if constexpr (LEVEL == 2) d = c < c16 ? s[c] : dot_avx512(q, k + c * p.k_cell, p.D);
-    else if constexpr (LEVEL == 1) d = c < c16 ? s[c] : dot_avx2(q, k + c * p.k_cell, p.D);
-    else d = dot_generic(q, k + c * p.k_cell, p.D);
+    if constexpr (LEVEL == 2) d = c < c16 ? s[c] : dot_avx512<T>(q, k + c * p.k_cell, p.D);
+    else if constexpr (LEVEL == 1) d = c < c16 ? s[c] : dot_avx2<T>(q, k + c * p.k_cell, p.D);
+    else d = dot_generic<T>(q, k + c * p.k_cell, p.D);
 #else
-    d = dot_generic(q, k + c * p.k_cell, p.D);
+    d = dot_generic<T>(q, k + c * p.k_cell, p.D);
 #endif
     float x = d * p.scale;
     if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
@@ -348,8 +407,8 @@ void attend(const Attn& p, int64_t unit, float* s) {
 #ifdef GGMLX_X86
   if constexpr (LEVEL >= 1) {
     for (int64_t c = 0; c < n_kv; ++c) sum += s[c];
-    if constexpr (LEVEL == 2) weigh_rows_avx512(s, v, p.v_cell, n_kv, p.Dv, o);
-    else weigh_rows_avx2(s, v, p.v_cell, n_kv, p.Dv, o);
+    if constexpr (LEVEL == 2) weigh_rows_avx512<T>(s, v, p.v_cell, n_kv, p.Dv, o);
+    else weigh_rows_avx2<T>(s, v, p.v_cell, n_kv, p.Dv, o);
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
     return;
@@ -359,7 +418,7 @@ void attend(const Attn& p, int64_t unit, float* s) {
     const float e = s[c];
     if (e == 0.f) continue;   // a masked cell (or one too far below the max to count)
     sum += e;
-    axpy_generic(o, e, v + c * p.v_cell, p.Dv);
+    axpy_generic<T>(o, e, v + c * p.v_cell, p.Dv);
   }
   const float inv = 1.f / sum;
   for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
@@ -373,9 +432,9 @@ UnitFn pick(int level) {
 }
 
 ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                      ffi::Buffer<ffi::F32> mask, ffi::ResultBuffer<ffi::F32> out, int64_t n_kv, int64_t n_head_kv,
-                      int64_t k_off, int64_t k_cell, int64_t k_head, int64_t v_off, int64_t v_cell,
-                      int64_t v_head, float scale, float softcap) {
+                      ffi::Buffer<ffi::F32> mask, ffi::ResultBuffer<ffi::F32> out, int64_t kv_type, int64_t n_kv,
+                      int64_t n_head_kv, int64_t k_off, int64_t k_cell, int64_t k_head, int64_t v_off,
+                      int64_t v_cell, int64_t v_head, float scale, float softcap) {
   auto qd = q.dimensions(), md = mask.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || md.size() != 2 || od.size() != 3)
     return ffi::Error::InvalidArgument("attn_decode: q [n_q, H, D], mask [n_q, n_kv], out [n_q, H, Dv]");
@@ -385,13 +444,21 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   if (n_head_kv < 1 || H % n_head_kv)
     return ffi::Error::InvalidArgument("attn_decode: the heads of q are not a multiple of the KV heads");
   const auto kt = k.element_type();
-  if (kt != v.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::F16))
-    return ffi::Error::InvalidArgument("attn_decode: K and V must both be f32 or both f16");
-  // the last element read must lie inside each cache buffer
-  const int64_t k_last = k_off + (n_kv - 1) * k_cell + (n_head_kv - 1) * k_head + D;
-  const int64_t v_last = v_off + (n_kv - 1) * v_cell + (n_head_kv - 1) * v_head + Dv;
-  if (n_kv < 1 || k_off < 0 || v_off < 0 || k_last > static_cast<int64_t>(k.element_count()) ||
-      v_last > static_cast<int64_t>(v.element_count()))
+  const bool typed = (kv_type == F32::id && kt == ffi::DataType::F32) ||
+                     (kv_type == F16::id && kt == ffi::DataType::F16) ||
+                     (kv_type == Q8_0::id && kt == ffi::DataType::U8 && D % 32 == 0 && Dv % 32 == 0);
+  if (kt != v.element_type() || !typed)
+    return ffi::Error::InvalidArgument("attn_decode: K and V must both be f32, both f16 or both Q8_0 bytes "
+                                       "(head sizes multiples of 32)");
+  // the last byte read must lie inside each cache buffer
+  const auto rb = [kv_type](int64_t n) {
+    return kv_type == Q8_0::id ? row_bytes<Q8_0>(n) : kv_type == F16::id ? row_bytes<F16>(n) : row_bytes<F32>(n);
+  };
+  const int64_t k_rb = rb(D), v_rb = rb(Dv);
+  const int64_t k_last = k_off + (n_kv - 1) * k_cell + (n_head_kv - 1) * k_head + k_rb;
+  const int64_t v_last = v_off + (n_kv - 1) * v_cell + (n_head_kv - 1) * v_head + v_rb;
+  if (n_kv < 1 || k_off < 0 || v_off < 0 || k_last > static_cast<int64_t>(k.size_bytes()) ||
+      v_last > static_cast<int64_t>(v.size_bytes()))
     return ffi::Error::InvalidArgument("attn_decode: the strides reach outside the K or V buffer");
   // Each row's first and last cell the mask lets through: a decode step's n_kv is a bucket
   // (256 cells and up) of which it may use a few, and every pass over the cells (the mask, the
@@ -408,10 +475,14 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
     live[2 * i + 1] = hi;
     n_live = std::max(n_live, hi - lo);
   }
-  const Attn p{q.typed_data(), k.untyped_data(), v.untyped_data(), mask.typed_data(), live.data(), out->typed_data(),
-               n_q, H, n_head_kv, D, Dv, n_kv, k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
+  const Attn p{q.typed_data(), static_cast<const uint8_t*>(k.untyped_data()),
+               static_cast<const uint8_t*>(v.untyped_data()),
+               mask.typed_data(), live.data(), out->typed_data(), n_q, H, n_head_kv, D, Dv, n_kv,
+               k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
   const int level = simd_level(D, Dv);
-  const UnitFn fn = kt == ffi::DataType::F16 ? pick<uint16_t>(level) : pick<float>(level);
+  const UnitFn fn = kv_type == Q8_0::id  ? pick<Q8_0>(level)
+                    : kv_type == F16::id ? pick<F16>(level)
+                                         : pick<F32>(level);
   const int64_t n_units = n_q * H;
   // Helper threads pay off from about 64K multiply-adds in the cells in use (9 heads x 128
   // cells x 64: 8.4 -> 7.4 us; x 576 cells 33 -> 20 us, attn_decode alone); below, one thread.
@@ -434,6 +505,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxAttnDecode, AttnDecode,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kv_type")
                                   .Attr<int64_t>("n_kv")
                                   .Attr<int64_t>("n_head_kv")
                                   .Attr<int64_t>("k_off")
