@@ -282,7 +282,7 @@ def rope_params(hp: HParams, il: int) -> dict:
     follows cparams' default: ext_factor < 0 means "on exactly when the model uses YaRN"."""
     swa = hp.is_swa(il)
     yarn = hp.rope_scaling_type_train == RopeScalingType.YARN
-    return dict(n_dims=hp.n_rot, mode=int(hp.rope_type), n_ctx_orig=hp.n_ctx_orig_yarn,
+    return dict(n_dims=hp.n_rot_l(il), mode=int(hp.rope_type), n_ctx_orig=hp.n_ctx_orig_yarn,
                 freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
                 freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
                 ext_factor=hp.yarn_ext_factor if hp.yarn_ext_factor >= 0 else (1.0 if yarn else 0.0),
@@ -503,7 +503,7 @@ class GraphBuilder:
         """Qcur [d_k, n_head, n_tokens], Kcur and Vcur [d, n_head_kv, n_tokens] from separate
         wq/wk/wv (plus optional biases) or a fused wqkv whose rows are [Q; K; V]."""
         hp = self.hparams
-        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
+        d_k, d_v = hp.n_embd_head_k_l(il), hp.n_embd_head_v_l(il)
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         if layer.wqkv is not None:
             qkv = self.cb(self.build_lora_mm(self.need(layer.wqkv, "attn_qkv", il), cur), "wqkv", il)
@@ -606,7 +606,8 @@ class GraphBuilder:
                       gating_op: ExpertGatingFuncType, il: int, *, gate_inp_b: Tensor | None = None,
                       up_exps_b: Tensor | None = None, gate_exps_b: Tensor | None = None,
                       down_exps_b: Tensor | None = None, exp_probs_b: Tensor | None = None,
-                      w_scale: float = 0.0, weight_before_ffn: bool = False) -> Tensor:
+                      w_scale: float = 0.0, weight_before_ffn: bool = False, probs_in: Tensor | None = None,
+                      gate_up_exps: Tensor | None = None, down_exps_s: Tensor | None = None) -> Tensor:
         """Mixture of experts (build_moe_ffn). gating_op SOFTMAX: weights are the softmax
         probabilities of the chosen experts (renormalized when norm_w); SOFTMAX_WEIGHT
         (gpt-oss): experts chosen by raw logits, their logits softmaxed; SIGMOID (llama4):
@@ -616,14 +617,18 @@ class GraphBuilder:
         experts: ggml_add_id). exp_probs_b (DeepSeek-V3's selection bias) is added to the
         probabilities only to choose the experts, their weights stay unbiased; w_scale (other
         than 0 and 1) scales the weights after any renormalization. weight_before_ffn (llama4)
-        scales each expert's input instead of its output."""
+        scales each expert's input instead of its output. probs_in: router logits the caller
+        computed (gemma4 routes from another input), in place of gate_inp x; gate_up_exps: the
+        experts' gate and up fused along their rows, in place of gate_exps and up_exps;
+        down_exps_s [n_expert]: a scale of each expert's output."""
         _option("type_op", type_op, LLMFfnOpType)
         _option("gating_op", gating_op, ExpertGatingFuncType)
-        gate_inp = self.need(gate_inp, "ffn_gate_inp", il)
-        up_exps, gate_exps = self.need(up_exps, "ffn_up_exps", il), self.need(gate_exps, "ffn_gate_exps", il)
         down_exps = self.need(down_exps, "ffn_down_exps", il)
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
-        logits = self.cb(self.build_lora_mm(gate_inp, cur), "ffn_moe_logits", il)
+        if probs_in is None:
+            logits = self.cb(self.build_lora_mm(self.need(gate_inp, "ffn_gate_inp", il), cur), "ffn_moe_logits", il)
+        else:
+            logits = probs_in
         if gate_inp_b is not None:
             logits = self.cb(ops.add(logits, gate_inp_b), "ffn_moe_logits_biased", il)
         if gating_op is ExpertGatingFuncType.SOFTMAX:
@@ -670,13 +675,26 @@ class GraphBuilder:
             for _ in range(n_expert_used - 1):
                 repeated = ops.concat(repeated, x, 1)
             x = self.cb(ops.mul(repeated, w), "ffn_moe_weighted", il)
-        up = self.cb(self.build_lora_mm_id(up_exps, x, selected), "ffn_moe_up", il)
-        up = add_id(up, up_exps_b, "ffn_moe_up_biased")
-        gate = self.cb(self.build_lora_mm_id(gate_exps, x, selected), "ffn_moe_gate", il)
-        gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
+        if gate_up_exps is not None:
+            gate_up = self.cb(self.build_lora_mm_id(gate_up_exps, x, selected), "ffn_moe_gate_up", il)
+            n_ff = gate_up.ne[0] // 2
+            gate = self.cb(ops.view_3d(gate_up, n_ff, gate_up.ne[1], gate_up.ne[2], gate_up.nb[1], gate_up.nb[2], 0),
+                           "ffn_moe_gate", il)
+            up = self.cb(ops.view_3d(gate_up, n_ff, gate_up.ne[1], gate_up.ne[2], gate_up.nb[1], gate_up.nb[2],
+                                     n_ff * gate_up.nb[0]), "ffn_moe_up", il)
+        else:
+            up = self.cb(self.build_lora_mm_id(self.need(up_exps, "ffn_up_exps", il), x, selected), "ffn_moe_up", il)
+            up = add_id(up, up_exps_b, "ffn_moe_up_biased")
+            gate = self.cb(self.build_lora_mm_id(self.need(gate_exps, "ffn_gate_exps", il), x, selected),
+                           "ffn_moe_gate", il)
+            gate = add_id(gate, gate_exps_b, "ffn_moe_gate_biased")
         par = self._gated(gate, up, type_op, "ffn_moe", il, "build_moe_ffn",
                           "experts have separate gate and up matrices")
         experts = self.cb(self.build_lora_mm_id(down_exps, par, selected), "ffn_moe_down", il)
+        if down_exps_s is not None:     # each chosen expert's scale, as build_lora_mm_id's w_s
+            s = ops.get_rows(ops.reshape_2d(down_exps_s, 1, down_exps_s.ne[0]), flat_selected)
+            experts = self.cb(ops.mul(experts, ops.reshape_3d(s, 1, n_expert_used, n_tokens)),
+                              "ffn_moe_down_scaled", il)
         experts = add_id(experts, down_exps_b, "ffn_moe_down_biased")
         if not weight_before_ffn:
             experts = self.cb(ops.mul(experts, w), "ffn_moe_weighted", il)
@@ -696,7 +714,7 @@ class GraphBuilder:
         layer wrote it earlier in this graph. wo None: the heads' output [d_v * n_head, n_tokens]
         before any projection."""
         hp = self.hparams
-        d_k, d_v = hp.n_embd_head_k, hp.n_embd_head_v
+        d_k, d_v = hp.n_embd_head_k_l(il), hp.n_embd_head_v_l(il)
         n_head_kv = hp.n_head_kv(il)
         gqa_k, gqa_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         k_cache, v_cache = self.kv.k_l[il], self.kv.v_l[il]
