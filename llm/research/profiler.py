@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import jax
 
+from ggmlx import types
 from llm.batch import Batch
 from llm.context import Context
 from llm.model import Model, load_model
@@ -214,7 +215,8 @@ def _measure(ctx: Context, steps, label: str, n_steps: int, n_tokens: int) -> St
     ops, by_label, n_kernels, op_ms = _trace_ops(steps, n_steps, labels, containers)
     w_bytes, kv_bytes, flops = token_costs(ctx.model, ctx.memory.n_kv())
     kv = ctx.memory.mem_attn
-    kv_bytes = kv_bytes * kv.k_l[0].data.dtype.itemsize / 4 if kv is not None else 0.0
+    k = kv.k_l[0] if kv is not None else None       # token_costs counts f32 cells; a block type's bytes per value
+    kv_bytes = kv_bytes * types.row_size(k.type, k.ne[0]) / (4 * k.ne[0]) if k is not None else 0.0
     return StepProfile(label, n_steps, wall * 1e3, python_ms=wall * 1e3 - wait_ms - input_ms, input_ms=input_ms,
                        wait_ms=wait_ms, n_kernels=n_kernels, op_ms=op_ms, weight_bytes=w_bytes,
                        kv_bytes=kv_bytes, flops=flops,
