@@ -121,6 +121,22 @@ def test_eval_chunks_logits_and_n_past_equal_llamacpp(each, images, k):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", PROJECTORS)
+def test_an_f16_mmproj_equals_llamacpp(images, name):
+    """Released mmproj files hold their matrices in F16: the first prompt with such a twin."""
+    model = llm.load_model(DATA / f"{name}.gguf")
+    mctx = mtmd.init_from_file(DATA / f"{name}-f16.mmproj.gguf", model)
+    ref = dict(np.load(DATA / f"{name}-f16.npz"))
+    chunks = prompt_chunks(mctx, images, 0)
+    for i, c in enumerate(chunks):
+        if c.type == "image":
+            assert rel(mctx.encode_chunk(c), ref[f"0_embd_{i}"]) < TOL
+    ctx = new_ctx(model)
+    assert mctx.eval_chunks(ctx, chunks) == int(ref["0_n_past"])
+    assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL
+
+
+@pytest.mark.slow
 def test_the_image_is_attended_non_causally(model, mctx, images, ref):
     """Gemma 3 reads the image with causal attention off (mtmd_decode_use_non_causal):
     decoding it causally moves the logits far past the tolerance."""

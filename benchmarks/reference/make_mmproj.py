@@ -13,7 +13,9 @@ For each projector NAME it writes, under tests/data/mtmd/:
   KV cache, in a child process) on PROMPTS with the committed test images: per prompt k the
   chunks (`k_types`, `k_n_tokens`, `k_n_pos`, `k_text_<i>` tokens), every image chunk's
   embeddings `k_embd_<i>` [n_tokens, n_embd] (mtmd_encode_chunk + mtmd_get_output_embd), the
-  last logits `k_logits` after mtmd_helper_eval_chunks and its `k_n_past`.
+  last logits `k_logits` after mtmd_helper_eval_chunks and its `k_n_past`;
+- `NAME-f16.mmproj.gguf` and `NAME-f16.npz`: the same mmproj with its attention, FFN and
+  projector matrices in F16, as released mmproj files hold them, and the first prompt's arrays.
 
 `--images` rewrites the two test images (seeded; committed, so normally never needed).
 The GGUFs are byte-identical on rerun; the tests read only the stored files.
@@ -324,14 +326,33 @@ def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
     return arrays
 
 
-def make_oracle(name: str, out: Path = OUT) -> Path:
+def f16_twin(path: Path, twin: Path) -> None:
+    """The mmproj with its 2-D attention, FFN and projector matrices in F16 (the patch and
+    position embeddings, norms and biases stay F32, as in released files)."""
+    from ggmlx import gguf
+    with gguf.GGUFReader(path) as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+        for name, ti in f.tensors.items():
+            x = np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne))))
+            half = x.ndim == 2 and (".attn_" in name or ".ffn_" in name or name.startswith("mm."))
+            w.add_tensor(name, x.astype(np.float16) if half else x)
+        w.write(twin)
+
+
+def make_oracle(name: str, out: Path = OUT) -> list[Path]:
     from llm.research import llamacpp_child
     model, mmproj = make_files(name, out)
-    arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(mmproj), [str(p) for p in IMAGES], PROMPTS,
-                                 model_path=str(model))
-    npz = out / f"{name}.npz"
-    np.savez_compressed(npz, **arrays)
-    return npz
+    twin = out / f"{name}-f16.mmproj.gguf"
+    f16_twin(mmproj, twin)
+    written = []
+    for proj, prompts, npz in ((mmproj, PROMPTS, out / f"{name}.npz"), (twin, PROMPTS[:1], out / f"{name}-f16.npz")):
+        arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), [str(p) for p in IMAGES], prompts,
+                                     model_path=str(model))
+        np.savez_compressed(npz, **arrays)
+        written.append(npz)
+    return written
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -343,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         OUT.mkdir(parents=True, exist_ok=True)
         make_images()
     for name in args.names or list(SPECS):
-        print(make_oracle(name))
+        print(*make_oracle(name))
 
 
 if __name__ == "__main__":
