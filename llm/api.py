@@ -858,6 +858,10 @@ class LLM:
             raise
         self._batcher.cached[0] = tokens[:-1]
         self._batcher.cached_lora.pop(0, None)
+        if self._batcher.best_slot(tokens, params.lora) != (0, len(tokens) - 1):
+            # the batcher would decode the placeholders as text: never go on from here
+            self._forget()
+            raise RuntimeError("the batcher does not see slot 0 holding the image prompt's cells")
         try:
             for chunk in self._stream(tokens, params, None, media=True):
                 if chunk.completion is not None:     # the encoder's share: 0 runs for a cached image
