@@ -791,9 +791,10 @@ def lower_ssm_scan(n: Tensor, env):
 
 @lowers(Op.GATED_DELTA_NET)
 def lower_gated_delta_net(n: Tensor, env):
-    """A compiled loop over the tokens, all sequences and heads at once (the state [n_seqs,
-    H_v, S_v, S_v] in the carry, in ggml's order: M[j, i] = S[i, j]); the last K tokens run
-    in a second loop that also returns each state, for the snapshots."""
+    """All sequences and heads at once, the state [n_seqs, H_v, S_v, S_v] in ggml's order
+    (M[j, i] = S[i, j]). The tokens before the last K: chunk by chunk (_gdn_chunked) where
+    there are at least GDN_CHUNK_MIN of them and the gate is a scalar, else a compiled loop
+    token by token; the last K tokens always step, keeping each state for the snapshots."""
     q_t, k_t, v_t, g_t, b_t, s_t = n.src
     K = n.op_params[0]
     q = _value_f32(env, q_t)                       # [n_seqs, n_tok, H_k, S]
@@ -823,10 +824,80 @@ def lower_gated_delta_net(n: Tensor, env):
         return jax.lax.scan(fn, m, tuple(jnp.swapaxes(a[:, lo:hi], 0, 1) for a in (q, k, v, g, beta)))
 
     n_keep = min(K, n_tok)
-    m, o1 = scan(m0, 0, n_tok - n_keep, step) if n_tok > n_keep else (m0, None)
+    n_pre = n_tok - n_keep
+    if n_pre >= GDN_CHUNK_MIN and g.shape[-1] == 1:
+        o1, s_pre = _gdn_chunked(q[:, :n_pre], k[:, :n_pre], v[:, :n_pre], g[:, :n_pre, :, 0], beta[:, :n_pre],
+                                 jnp.swapaxes(m0, -1, -2), prec)
+        m, o1 = jnp.swapaxes(s_pre, -1, -2), jnp.swapaxes(o1, 0, 1) * scale
+    else:
+        m, o1 = scan(m0, 0, n_pre, step) if n_pre else (m0, None)
     m, (o2, snaps) = scan(m, n_tok - n_keep, n_tok, step_keep)
     o = o2 if o1 is None else jnp.concatenate([o1, o2])            # [n_tok, n_seqs, H_v, S]
     snaps = snaps[::-1]                                              # most recent first
     if K > n_keep:
         snaps = jnp.concatenate([snaps, jnp.zeros((K - n_keep,) + m.shape, snaps.dtype)])
     return jnp.concatenate([jnp.swapaxes(o, 0, 1).reshape(-1), snaps.reshape(-1)]).reshape(n.shape)
+
+
+GDN_CHUNK_MIN = 8      # tokens before the chunked form of the delta rule pays for its triangular solves
+
+
+def _unit_lower_inverse(n, prec):
+    """(I + n)^-1 for strictly lower triangular n [..., c, c] (c a power of two): n is
+    nilpotent, so the inverse is the finite series sum (-n)^i = prod_j (I + (-n)^(2^j)), log2 c
+    matrix products (XLA:CPU's batched triangular_solve is 150x slower here)."""
+    eye = jnp.eye(n.shape[-1], dtype=n.dtype)
+    p, m = eye - n, -n
+    for _ in range(n.shape[-1].bit_length() - 2):
+        m = jnp.matmul(m, m, precision=prec)
+        p = jnp.matmul(p, eye + m, precision=prec)
+    return p
+
+
+def _gdn_chunked(q, k, v, g, beta, s0, prec, chunk: int = 64):
+    """The delta rule with a scalar gate over chunks of tokens (the WY form of Gated DeltaNet,
+    as llama.cpp's build_delta_net_chunking): within a chunk with cumulative log-decay G, the
+    corrections D = U - W S0 solve one unit-lower-triangular system,
+    (I + diag(beta) A) [U | W] = diag(beta) [V | diag(e^G) K], A[t, s] = e^(G_t - G_s) k_t.k_s
+    for s < t; outputs diag(e^G) Q S0 + M D with M[t, s] = e^(G_t - G_s) q_t.k_s (s <= t);
+    the state goes to e^(G_C) S0 + K^T diag(e^(G_C - G)) D. Only the [S_k, S_v] state crosses
+    chunks (a compiled loop over them); the rest is matrix products. Padding tokens carry
+    beta = g = 0: they neither write nor decay. q, k [B, T, H, S_k], v [B, T, H, S_v],
+    g, beta [B, T, H], s0 [B, H, S_k, S_v] -> (o [B, T, H, S_v] unscaled, state)."""
+    B, T, H, _ = q.shape
+    c = min(chunk, 1 << (T - 1).bit_length())
+    n_c = -(-T // c)
+    pad = n_c * c - T
+
+    def split(a):                                  # [B, T, H, ...] -> [B, H, n_c, c, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape((B, n_c, c, H) + a.shape[3:])
+        return jnp.moveaxis(a, 3, 1)
+
+    q, k, v, g, beta = (split(a) for a in (q, k, v, g, beta))
+    G = jnp.cumsum(g, axis=-1)                                   # [B, H, n_c, c]
+    diff = G[..., :, None] - G[..., None, :]                     # G_t - G_s
+    t_ge_s = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(t_ge_s, diff, -jnp.inf))
+    strict = decay * (1.0 - jnp.eye(c, dtype=decay.dtype))
+    A = strict * jnp.einsum("bhntd,bhnsd->bhnts", k, k, precision=prec)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(G))[..., None] * k], axis=-1)
+    UW = jnp.einsum("bhnts,bhnsd->bhntd", _unit_lower_inverse(beta[..., :, None] * A, prec), rhs, precision=prec)
+    U, W = UW[..., :v.shape[-1]], UW[..., v.shape[-1]:]
+    M = decay * jnp.einsum("bhntd,bhnsd->bhnts", q, k, precision=prec)
+    Gq = jnp.exp(G)[..., None] * q
+    G_last = G[..., -1]                                          # [B, H, n_c]
+    kd = jnp.exp(G_last[..., None] - G)[..., None] * k
+
+    def step(s, t):
+        U_i, W_i, M_i, Gq_i, kd_i, gl_i = t
+        d = U_i - jnp.einsum("bhtk,bhkv->bhtv", W_i, s, precision=prec)
+        o = jnp.einsum("bhtk,bhkv->bhtv", Gq_i, s, precision=prec) + jnp.einsum("bhts,bhsv->bhtv", M_i, d,
+                                                                                    precision=prec)
+        s = jnp.exp(gl_i)[..., None, None] * s + jnp.einsum("bhtk,bhtv->bhkv", kd_i, d, precision=prec)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (U, W, M, Gq, kd, G_last))
+    s, o = jax.lax.scan(step, s0, xs)                            # o [n_c, B, H, c, S_v]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, H, n_c * c, -1)[:, :, :T]
+    return jnp.swapaxes(o, 1, 2), s
