@@ -359,11 +359,12 @@ class Vocab:
                 out.extend(self.tokenizer.tokenize(frag.replace(b" ", ESCAPED_SPACE)))
                 is_prev_special = False
         else:
+            escape = self.type == VocabType.BPE and self.flags.escape_whitespaces
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    out.extend(self.tokenizer.tokenize(frag))
+                    out.extend(self.tokenizer.tokenize(frag.replace(b" ", ESCAPED_SPACE) if escape else frag))
         if add_special and self.flags.add_eos:
             out.append(self.special.eos)
         return out
@@ -620,12 +621,18 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
     pre = ml.get_key(LLMKV.TOKENIZER_PRE, str, "")
     if model == "gpt2":
         pre = pre or "default"
+    elif model == "gemma4":
+        pre = "gemma4"          # whatever the file says, as llama.cpp
     vtype, special, flags, merges, spec = _model_defaults(ml, model, pre)
     flags.add_space_prefix = ml.get_key(LLMKV.TOKENIZER_ADD_PREFIX, bool, flags.add_space_prefix)
     flags.remove_extra_whitespaces = ml.get_key(LLMKV.TOKENIZER_REMOVE_EXTRA_WS, bool, False)
     texts, token_to_id, scores, attrs = _read_tokens(ml)
     pad_default = special.pad
     _read_special_ids(ml, special, flags, len(texts))
+    if pre == "gemma4" and not flags.add_bos:      # llama.cpp overrides the key for Gemma 4
+        if special.bos == LLAMA_TOKEN_NULL:
+            raise ml.error(f"Gemma 4 always adds BOS, but '{LLMKV.TOKENIZER_BOS_ID.value}' is not set")
+        flags.add_bos = True
     eog_ids = _recognize_special_texts(texts, attrs, special)
     _apply_model_attrs(ml, texts, attrs, token_to_id, pre)
     tokenizer, nl = _make_tokenizer(ml, vtype, texts, token_to_id, scores, attrs, special.unk, flags, merges, spec)
@@ -648,15 +655,16 @@ def _model_defaults(ml: GGUFMeta, model: str, pre: str
         vtype = VocabType.SPM
         special.bos, special.eos, special.unk = 1, 2, 0
         flags.add_space_prefix, flags.add_bos = True, True
-    elif model == "gpt2":
+    elif model in ("gpt2", "gemma4"):
         vtype = VocabType.BPE
         merges = ml.get_arr(LLMKV.TOKENIZER_MERGES, str)
-        special.bos, special.eos = 11, 11
+        if model == "gpt2":         # gemma4's special ids come from the file only
+            special.bos, special.eos = 11, 11
         spec = PRE_TOKENIZERS.get(pre)
         if spec is None:
             raise ml.error(f"key '{LLMKV.TOKENIZER_PRE.value}': unknown or unsupported "
                           f"pre-tokenizer type '{pre}'")
-        flags.escape_whitespaces = False
+        flags.escape_whitespaces = not spec.byte_encode     # SPM-style BPE spells spaces U+2581
         flags.clean_spaces = spec.clean_spaces
         flags.ignore_merges = spec.ignore_merges
         flags.add_bos = spec.add_bos
@@ -673,7 +681,8 @@ def _model_defaults(ml: GGUFMeta, model: str, pre: str
         flags.add_eos = True
     else:
         raise ml.error(f"key '{LLMKV.TOKENIZER_MODEL.value}': tokenizer model '{model}' is not "
-                       f"supported yet (supported: 'llama' = SPM, 'gpt2' = BPE, 'bert' = WPM, 't5' = UGM)")
+                       f"supported yet (supported: 'llama' = SPM, 'gpt2' and 'gemma4' = BPE, 'bert' = WPM, "
+                       f"'t5' = UGM)")
     return vtype, special, flags, merges, spec
 
 
@@ -749,7 +758,8 @@ def _make_tokenizer(ml: GGUFMeta, vtype: VocabType, texts: list[bytes], token_to
         assert spec is not None   # _model_defaults sets it for BPE or raises
         str_to_id = {t.decode("utf-8", "surrogateescape"): i for i, t in enumerate(texts)}
         tokenizer = BPETokenizer(str_to_id, parse_merges(merges), pre_tokenizer(spec.regexes),
-                                 flags.ignore_merges)
+                                 flags.ignore_merges, byte_encode=spec.byte_encode,
+                                 whole_newlines=spec.whole_newlines)
     nl_ids = tokenizer.tokenize(b"\n")
     return tokenizer, (nl_ids[0] if nl_ids else None)
 

@@ -154,7 +154,7 @@ def test_generator_reproduces_the_ggufs(tmp_path):
     for arch in ARCHS:
         for name, path in mf.make_arch(arch, tmp_path).items():
             assert same_bytes(path, FIXTURES / path.name), f"{path.name} differs from the committed file ({name})"
-    for kind in ("wpm", "ugm"):
+    for kind in ("wpm", "ugm", "gemma4"):
         path = mf.write_tokenizer_gguf(kind, tmp_path)
         assert same_bytes(path, FIXTURES / path.name), f"{path.name} differs from the committed file"
 

@@ -1,4 +1,5 @@
-"""WPM (BERT WordPiece) and UGM (T5 Unigram) tokenizers against llama.cpp.
+"""WPM (BERT WordPiece), UGM (T5 Unigram) and Gemma 4's SPM-style BPE (raw UTF-8, spaces as
+U+2581, <0xXX> byte fallback, whole newline runs) tokenizers against llama.cpp.
 
 tests/data/fixtures/tokenizer-<kind>.gguf holds a synthetic vocabulary built from the corpus of
 tests/data/tokenizer (benchmarks/reference/make_fixture.py --tokenizers), and
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+import llm
 from ggmlx import gguf
 from llm.loader import GGUFMeta
 from llm.vocab import VocabType, load_vocab
 
 FIXTURES = Path(__file__).parent / "data" / "fixtures"
-KINDS = {"wpm": VocabType.WPM, "ugm": VocabType.UGM}
+KINDS = {"wpm": VocabType.WPM, "ugm": VocabType.UGM, "gemma4": VocabType.BPE}
 
 
 def rows(kind: str) -> list[dict]:
@@ -60,3 +62,16 @@ def test_detokenize_matches_llamacpp(case):
             assert got.hex() == expected, (r["text"][:40], flags, got, bytes.fromhex(expected))
             n += 1
     assert n == 4 * 159
+
+
+def test_gemma4_always_adds_bos():
+    """llama.cpp turns add_bos on for Gemma 4 whatever the file says, and refuses to without a BOS id."""
+    path = FIXTURES / "tokenizer-gemma4.gguf"
+    with gguf.GGUFReader(path) as f:
+        kv = dict(f.kv)
+    kv["tokenizer.ggml.add_bos_token"] = False
+    vocab = load_vocab(GGUFMeta(kv, str(path)))
+    assert vocab.flags.add_bos and vocab.tokenize("hi")[0] == vocab.bos == 2
+    del kv["tokenizer.ggml.bos_token_id"]
+    with pytest.raises(llm.ModelLoadError, match="tokenizer.ggml.bos_token_id"):
+        load_vocab(GGUFMeta(kv, str(path)))

@@ -1,7 +1,7 @@
 """Tiny random-weight fixtures per architecture, with llama.cpp's outputs as the oracle.
 
     python benchmarks/reference/make_fixture.py ARCH [ARCH ...]     # or: all
-    python benchmarks/reference/make_fixture.py --tokenizers        # WPM / UGM tokenizer data
+    python benchmarks/reference/make_fixture.py --tokenizers        # WPM / UGM / Gemma 4 tokenizer data
     python benchmarks/reference/make_fixture.py --synthetic         # the existing synthetic models
 
 For each architecture it writes, under tests/data/fixtures/:
@@ -21,8 +21,8 @@ For each architecture it writes, under tests/data/fixtures/:
   `embd_<pooling>_k` [n_embd] for the pooling types the model can give (mean, cls, last;
   rank [n_cls_out] for a classifier head).
 
-`--tokenizers` writes `tokenizer-<wpm|ugm>.gguf` (vocabulary only) and
-`tokenizer-<wpm|ugm>.jsonl.gz` with llama.cpp's `tokenize` ids (4 flag combinations) and
+`--tokenizers` writes `tokenizer-<wpm|ugm|gemma4>.gguf` (vocabulary only) and
+`tokenizer-<wpm|ugm|gemma4>.jsonl.gz` with llama.cpp's `tokenize` ids (4 flag combinations) and
 `detokenize` text for the corpus of tests/data/tokenizer. `--synthetic` writes
 `tests/data/synthetic/<stem>.llamacpp.npz` for the committed synthetic models, the same
 arrays by the same runner, so every architecture has one path.
@@ -1560,6 +1560,72 @@ def ugm_vocab_kv() -> list[tuple[str, object, object, object]]:
     ]
 
 
+def gemma4_vocab_kv() -> list[tuple[str, object, object, object]]:
+    """A 1024-token Gemma 4 style vocabulary (SPM-style BPE over raw UTF-8): <pad>, <eos>,
+    <bos>, <unk>, two control turn markers, the 256 byte tokens <0x00>..<0xFF>, the newline
+    runs "\n" and "\n\n" (whole-newline words), the corpus characters seen at least twice
+    ("\u2581" for a space; the rarer ones fall back to byte tokens), then merges learned
+    greedily over whole lines (most frequent pair first, ties by the pair's text)."""
+    from ggmlx.gguf import GGUFValueType as VT
+    n_vocab = 1024
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
+    types = [3, 3, 3, 2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    tokens += ["\n", "\n\n"]
+    types += [1, 1]
+    lines = [line.replace(" ", "\u2581") for text in corpus_texts() for line in text.split("\n") if line]
+    chars: dict[str, int] = {}
+    for line in lines:
+        for c in line:
+            chars[c] = chars.get(c, 0) + 1
+    for c in sorted(chars, key=lambda c: (-chars[c], c)):
+        if chars[c] >= 2 and c not in tokens:
+            tokens.append(c)
+            types.append(1)
+    known = set(tokens)
+    words = [[c if c in known else "" for c in line] for line in lines]
+    merges: list[str] = []
+    while len(tokens) < n_vocab:
+        pairs: dict[tuple[str, str], int] = {}
+        for w in words:
+            for a, b in zip(w, w[1:], strict=False):
+                if a and b:
+                    pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        if not pairs:
+            break
+        a, b = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(f"{a} {b}")
+        if a + b not in known:          # "ab"+"c" and "a"+"bc": one token, two merges
+            known.add(a + b)
+            tokens.append(a + b)
+            types.append(1)
+        for k, w in enumerate(words):
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            words[k] = out
+    return [
+        ("tokenizer.ggml.model", "gemma4", VT.STRING, None),
+        ("tokenizer.ggml.pre", "gemma4", VT.STRING, None),
+        ("tokenizer.ggml.tokens", tokens, VT.ARRAY, VT.STRING),
+        ("tokenizer.ggml.token_type", types, VT.ARRAY, VT.INT32),
+        ("tokenizer.ggml.scores", [0.0] * len(tokens), VT.ARRAY, VT.FLOAT32),
+        ("tokenizer.ggml.merges", merges, VT.ARRAY, VT.STRING),
+        ("tokenizer.ggml.add_space_prefix", False, VT.BOOL, None),
+        ("tokenizer.ggml.add_bos_token", True, VT.BOOL, None),
+        ("tokenizer.ggml.bos_token_id", 2, VT.UINT32, None),
+        ("tokenizer.ggml.eos_token_id", 1, VT.UINT32, None),
+        ("tokenizer.ggml.unknown_token_id", 3, VT.UINT32, None),
+        ("tokenizer.ggml.padding_token_id", 0, VT.UINT32, None),
+    ]
+
+
 # A small normalization map in SentencePiece's precompiled form (the real ones hold NFKC):
 # accents folded, ligatures and full-width forms expanded, odd spaces to " ", and prefixes
 # that share bytes ("\u00e9" vs "\u00e9t"), so the longest match matters.
@@ -1598,7 +1664,7 @@ def precompiled_charsmap(mapping: dict[str, str]) -> bytes:
     return len(blob).to_bytes(4, "little") + blob + bytes(repl)
 
 
-VOCABS = {"spm": spm_vocab_kv, "wpm": wpm_vocab_kv, "ugm": ugm_vocab_kv}
+VOCABS = {"spm": spm_vocab_kv, "wpm": wpm_vocab_kv, "ugm": ugm_vocab_kv, "gemma4": gemma4_vocab_kv}
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -1902,7 +1968,7 @@ def make_synthetic_companions() -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("archs", nargs="*", help=f"architectures ({', '.join(ARCHS)}) or 'all'")
-    ap.add_argument("--tokenizers", action="store_true", help="write the WPM / UGM tokenizer data")
+    ap.add_argument("--tokenizers", action="store_true", help="write the WPM / UGM / Gemma 4 tokenizer data")
     ap.add_argument("--synthetic", action="store_true", help="companions of tests/data/synthetic")
     ap.add_argument("--gguf-only", action="store_true", help="write the GGUFs, do not run llama.cpp")
     args = ap.parse_args(argv)
@@ -1915,7 +1981,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(make_oracle(arch))
     if args.tokenizers:
-        for kind in ("wpm", "ugm"):
+        for kind in ("wpm", "ugm", "gemma4"):
             print(make_tokenizer_data(kind))
     if args.synthetic:
         for p in make_synthetic_companions():

@@ -2,10 +2,12 @@
 
 A text fragment is decoded the way llama.cpp decodes it, split into words by the
 pre-tokenizer, and every word is written as GPT-2 byte-level characters (one printable
-character per UTF-8 byte). Within a word the adjacent pair with the lowest merge rank is
+character per UTF-8 byte), or kept as its characters where the pre-tokenizer says so
+(Gemma 4's SPM-style BPE). Within a word the adjacent pair with the lowest merge rank is
 merged first (ties: the leftmost) until no pair has a rank. A final symbol that is not a
-token is replaced by the tokens of its single bytes where they exist and dropped otherwise,
-as llama.cpp does. Results are cached per word.
+token is replaced by the tokens of its single bytes where they exist ("<0xXX>" tokens
+without the byte-level encoding) and dropped otherwise, as llama.cpp does. Results are
+cached per word.
 
 Vocabulary texts here are `str`: GGUF strings decoded as UTF-8 with `surrogateescape`, so a
 text that is not valid UTF-8 still has exactly one spelling.
@@ -33,14 +35,21 @@ def parse_merges(merges: list[str]) -> dict[tuple[str, str], int]:
 
 class BPETokenizer:
     def __init__(self, token_to_id: dict[str, int], ranks: dict[tuple[str, str], int],
-                 pre_tokenizer: PreTokenizer, ignore_merges: bool):
+                 pre_tokenizer: PreTokenizer, ignore_merges: bool, *, byte_encode: bool = True,
+                 whole_newlines: bool = False):
         self.token_to_id = token_to_id
         self.ranks = ranks
         self.pre_tokenizer = pre_tokenizer
         self.ignore_merges = ignore_merges
-        # llama.cpp looks up each byte of an unknown symbol's UTF-8 as a one-byte token text.
-        single_bytes = (bytes([b]).decode("utf-8", "surrogateescape") for b in range(256))
-        self.byte_tokens = [token_to_id.get(t) for t in single_bytes]
+        self.byte_encode = byte_encode
+        self.whole_newlines = whole_newlines
+        # llama.cpp looks up each byte of an unknown symbol's UTF-8 as a one-byte token text,
+        # or as "<0xXX>" without the byte-level encoding.
+        if byte_encode:
+            byte_texts = [bytes([b]).decode("utf-8", "surrogateescape") for b in range(256)]
+        else:
+            byte_texts = [f"<0x{b:02X}>" for b in range(256)]
+        self.byte_tokens = [token_to_id.get(t) for t in byte_texts]
         self.cache: dict[str, tuple[int, ...]] = {}
 
     def tokenize(self, text: bytes) -> list[int]:
@@ -57,8 +66,10 @@ class BPETokenizer:
         return out
 
     def _word(self, word: str) -> tuple[int, ...]:
-        encoded = byte_encode(encode_utf8(word))
+        encoded = byte_encode(encode_utf8(word)) if self.byte_encode else word
         if self.ignore_merges and encoded in self.token_to_id:
+            return (self.token_to_id[encoded],)
+        if self.whole_newlines and encoded in self.token_to_id and not encoded.strip("\n"):
             return (self.token_to_id[encoded],)
         out: list[int] = []
         for symbol in self._merge(list(encoded)):
@@ -66,7 +77,7 @@ class BPETokenizer:
             if tid is not None:
                 out.append(tid)
                 continue
-            for b in symbol.encode("utf-8"):
+            for b in encode_utf8(symbol):
                 byte_token = self.byte_tokens[b]
                 if byte_token is not None:
                     out.append(byte_token)

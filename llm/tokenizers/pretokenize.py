@@ -111,6 +111,8 @@ _REGEXES: dict[str, tuple[str, ...]] = {
     "tekken": (TEKKEN,),
     "seed-coder": (SEED_CODER,),
     "bailingmoe": (BAILINGMOE,),
+    # SPM-style BPE: merges run over whole lines (spaces already escaped to U+2581)
+    "gemma4": (r"[^\n]+|[\n]+",),
 }
 
 
@@ -124,6 +126,8 @@ class PreTokenizerSpec:
     add_bos: bool = False
     add_sep: bool = False
     no_bos: bool = False      # the BOS id defaults to none (ChatGLM)
+    byte_encode: bool = True  # words as GPT-2 byte-level characters; False: raw UTF-8, <0xXX> byte tokens
+    whole_newlines: bool = False  # a word of newlines that is a token stays whole (Gemma 4)
 
 
 _SPECS: list[tuple[tuple[str, ...], PreTokenizerSpec]] = [
@@ -154,6 +158,7 @@ _SPECS: list[tuple[tuple[str, ...], PreTokenizerSpec]] = [
     (("tekken",), PreTokenizerSpec("tekken", clean_spaces=False, ignore_merges=True, add_bos=True)),
     (("seed-coder",), PreTokenizerSpec("seed-coder", clean_spaces=False)),
     (("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizerSpec("bailingmoe", clean_spaces=False)),
+    (("gemma4",), PreTokenizerSpec("gemma4", add_bos=True, byte_encode=False, whole_newlines=True)),
 ]
 PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {name: spec for names, spec in _SPECS for name in names}
 
