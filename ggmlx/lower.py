@@ -563,8 +563,9 @@ def lower_soft_max(n: Tensor, env):
     return _soft_max(_value_f32(env, s[0]), mask, *n.op_params)
 
 
-# Cache types the native decode attention reads in place (Q8_0 block by block).
-NATIVE_ATTN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0)
+# Cache types the native decode attention reads in place (the block types block by block).
+NATIVE_ATTN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
+                     GGMLType.Q5_1, GGMLType.IQ4_NL)
 
 
 def _cache_strides(t: Tensor) -> tuple[Tensor, int, int, int] | None:
@@ -591,8 +592,8 @@ def _flash_attn_native(n: Tensor, env) -> jax.Array | None:
     """flash_attn_ext through native.attn_decode on the CPU for up to native.MAX_N query rows
     (decode steps), K and V read in place from the cache tensors their views start from; None
     when it does not apply (ALiBi, sinks, no mask, a quantized or non-contiguous cache, more
-    rows, the kernel off). Gradients (llm.trace) take the XLA path (custom_jvp). A quantized
-    cache other than Q8_0 takes the XLA path too, over the n_kv cells' dequantized window."""
+    rows, the kernel off). Gradients (llm.trace) take the XLA path (custom_jvp), over the n_kv
+    cells' window (dequantized, for a block type)."""
     from ggmlx import native
     q_t, k_t, v_t = n.src[:3]
     scale, max_bias, softcap = n.op_params

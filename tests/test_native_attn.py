@@ -37,18 +37,20 @@ def _reference(q, k, v, mask, scale, softcap):
 
 
 @needs_native
-@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
+                                   GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.IQ4_NL], ids=lambda t: t.name)
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.parametrize("n_q,H,Hkv,D", [(1, 4, 2, 32), (3, 9, 3, 64), (2, 4, 1, 256), (1, 3, 3, 24)])
 def test_attn_decode_matches_float64(cache, softcap, n_q, H, Hkv, D):
-    """The cache is [kv_size, Hkv * D] (ggml's K cache; Q8_0: its rows of blocks), read from
+    """The cache is [kv_size, Hkv * D] (ggml's K cache; a block type: its rows of blocks), read from
     cell 5 on for n_kv cells; the reference reads the values the cache holds."""
-    if cache == GGMLType.Q8_0 and D % 32:
-        pytest.skip("Q8_0 rows are whole blocks of 32")
+    quantized = cache not in (GGMLType.F32, GGMLType.F16)
+    if quantized and D % 32:
+        pytest.skip("block rows are whole blocks of 32")
     rng = np.random.default_rng(D + n_q)
     kv_size, first, n_kv = 48, 5, 30
     kc, vc = (rng.standard_normal((kv_size, Hkv * D)).astype(np.float32) for _ in range(2))
-    if cache == GGMLType.Q8_0:
+    if quantized:
         kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
         kv = [quants.dequantize(c, cache, (Hkv * D, kv_size)) for c in (kc, vc)]
     else:
@@ -94,7 +96,7 @@ def test_attn_decode_rejects_strides_outside_the_cache():
         native.attn_decode(jnp.ones((1, 2, 16), jnp.float32), kc, kc, jnp.zeros((1, 9), jnp.float32),
                            kv_type=0, n_kv=9, n_head_kv=2, k_off=0, k_cell=128, k_head=64, v_off=0, v_cell=128,
                            v_head=64, dv=16, scale=1.0, softcap=0.0).block_until_ready()
-    with pytest.raises(Exception, match="both Q8_0 bytes"):
+    with pytest.raises(Exception, match="the bytes of one block type"):
         native.attn_decode(jnp.ones((1, 2, 16), jnp.float32), kc, kc, jnp.zeros((1, 8), jnp.float32),
                            kv_type=8, n_kv=8, n_head_kv=2, k_off=0, k_cell=128, k_head=64, v_off=0, v_cell=128,
                            v_head=64, dv=16, scale=1.0, softcap=0.0).block_until_ready()
@@ -118,14 +120,14 @@ def _decode_logits(path, type_k: str, swa_full: bool = True) -> np.ndarray:
 
 @needs_native
 @pytest.mark.parametrize("arch,type_k,swa_full", [("llama", "f32", True), ("llama", "f16", True),
-                                                  ("llama", "q8_0", True), ("gemma3", "f32", True),
-                                                  ("gemma3", "f32", False)])
+                                                  ("llama", "q8_0", True), ("llama", "q5_1", True),
+                                                  ("gemma3", "f32", True), ("gemma3", "f32", False)])
 @pytest.mark.slow
 def test_decode_logits_match_the_xla_path(tmp_path, monkeypatch, arch, type_k, swa_full):
-    """q8_0: head size 64, so Q, K and V are turned by Hadamard matrices (KVCache.n_rot_k/v)."""
+    """q8_0, q5_1: head size 64, so Q, K and V are turned by Hadamard matrices (KVCache.n_rot_k/v)."""
     spec = tiny_model.TinySpec(arch=arch, n_layer=6 if arch == "gemma3" else 2,
                                n_head_kv=1 if arch == "gemma3" else 2, seed=3,
-                               n_embd=256 if type_k == "q8_0" else 64)
+                               n_embd=256 if type_k in ("q8_0", "q5_1") else 64)
     path = tiny_model.write_model(tmp_path / f"{arch}.gguf", spec)
     monkeypatch.setenv("GGMLX_EXE_CACHE", "0")
     calls = []

@@ -1,7 +1,7 @@
 """Optional native CPU kernels, called from compiled graphs as XLA FFI custom calls.
 
 `attn_decode` is ggml's flash_attn_ext for up to MAX_N query rows, reading K and V in place
-from the whole cache buffers through ggml's strides (f32, f16 or Q8_0 blocks), where XLA:CPU
+from the whole cache buffers through ggml's strides (f32, f16 or block rows), where XLA:CPU
 copies the n_kv cells it attends to (heads moved in front) before its dots.
 
 `int8_matvec` multiplies a few rows of activations by an "int8" weight (ggmlx/weights.py)
@@ -101,10 +101,10 @@ def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv
                 n_head_kv: int, k_off: int, k_cell: int, k_head: int, v_off: int, v_cell: int, v_head: int,
                 dv: int, scale: float, softcap: float) -> jax.Array:
     """Attention of q f32 [n_q, H, D] (n_q <= MAX_N) over n_kv cells of the K and V caches
-    (both of ggml type kv_type: F32, F16, or Q8_0 as uint8 block bytes; any shape: read as flat
-    memory), with mask f32 [n_q, n_kv] -> f32 [n_q, H, dv]. The row of (cell c, KV head g) of K
-    starts at byte k_off + c * k_cell + g * k_head, likewise for V; query head h reads KV head
-    h // (H // n_head_kv). CPU only."""
+    (both of ggml type kv_type: F32, F16, or Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL as uint8 block
+    bytes; any shape: read as flat memory), with mask f32 [n_q, n_kv] -> f32 [n_q, H, dv]. The
+    row of (cell c, KV head g) of K starts at byte k_off + c * k_cell + g * k_head, likewise for
+    V; query head h reads KV head h // (H // n_head_kv). CPU only."""
     out = jax.ShapeDtypeStruct((q.shape[0], q.shape[1], dv), jnp.float32)
     return jax.ffi.ffi_call(TARGET_ATTN, out)(
         q, k, v, mask, kv_type=np.int64(kv_type), n_kv=np.int64(n_kv), n_head_kv=np.int64(n_head_kv),

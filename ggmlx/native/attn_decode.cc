@@ -7,9 +7,11 @@
 // (cell stride, head stride, an element offset into the whole cache), and cells the mask
 // hides (-inf) are skipped, so a step reads only the cells in use.
 //
-// K and V are f32, f16 or Q8_0 (ggml's blocks of 32: an f16 scale d, then 32 int8 q; element
-// d * q), both of one type; a Q8_0 row is read block by block, each 16 quants widened and
-// scaled in registers, so a quantized cache costs no dequantized copy and half the bytes of f16.
+// K and V are f32, f16 or one of ggml's blocks of 32 (Q8_0: an f16 scale d, 32 int8 q, element
+// d * q; Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL: 4-bit quants, a fifth bit in qh for Q5, a minimum
+// m for the _1 types, kvalues_iq4nl for IQ4_NL), both of one type; a block row is read block by
+// block, 16 (AVX-512) or 8 (AVX2) quants widened and scaled in registers, so a quantized cache
+// costs no dequantized copy and a fraction of f16's bytes.
 //
 // Numerics, per query row and head, all in f32: s = (q . k) * scale, then softcap *
 // tanh(s / softcap) when softcap > 0, then + mask; out = sum_k exp(s_k - max) v_k / sum_k
@@ -48,13 +50,36 @@ struct Q8_0 {
   static constexpr int64_t id = 8;
   static constexpr int64_t block = 34;  // f16 d, int8 qs[32]
 };
+// The 4-bit blocks: f16 d, [f16 m,] [u32 qh,] qs[16] (element j < 16 in the low nibble of qs[j],
+// j + 16 in its high nibble; Q5's bit 4 of element j is bit j of qh).
+template <int64_t ID, bool MIN, bool HIGH, bool NL>
+struct Nibbles {
+  static constexpr int64_t id = ID;
+  static constexpr bool min = MIN, high = HIGH, nl = NL;
+  static constexpr int64_t qh = MIN ? 4 : 2;
+  static constexpr int64_t qs = qh + (HIGH ? 4 : 0);
+  static constexpr int64_t block = qs + 16;
+  static constexpr float bias = MIN || NL ? 0.f : HIGH ? 16.f : 8.f;   // q - bias, times d (+ m)
+};
+using Q4_0 = Nibbles<2, false, false, false>;
+using Q4_1 = Nibbles<3, true, false, false>;
+using Q5_0 = Nibbles<6, false, true, false>;
+using Q5_1 = Nibbles<7, true, true, false>;
+using IQ4_NL = Nibbles<20, false, false, true>;
+
+template <typename T>
+constexpr bool is_nibbles = T::id == Q4_0::id || T::id == Q4_1::id || T::id == Q5_0::id || T::id == Q5_1::id ||
+                            T::id == IQ4_NL::id;
+
+alignas(64) constexpr float kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
 
 // Bytes of a row of n elements.
 template <typename T>
 constexpr int64_t row_bytes(int64_t n) {
-  if constexpr (std::is_same_v<T, Q8_0>) return n / 32 * Q8_0::block;
-  else if constexpr (std::is_same_v<T, F16>) return 2 * n;
-  else return 4 * n;
+  if constexpr (std::is_same_v<T, F16>) return 2 * n;
+  else if constexpr (std::is_same_v<T, F32>) return 4 * n;
+  else return n / 32 * T::block;
 }
 
 struct Attn {
@@ -83,7 +108,20 @@ inline uint16_t u16_at(const uint8_t* p) {
 // element i of the row at p
 template <typename T>
 inline float load(const uint8_t* p, int64_t i) {
-  if constexpr (std::is_same_v<T, Q8_0>) {
+  if constexpr (is_nibbles<T>) {
+    const uint8_t* b = p + (i / 32) * T::block;
+    const int64_t j = i % 32;
+    int q = (b[T::qs + j % 16] >> (j / 16 * 4)) & 0xF;
+    if constexpr (T::high) {
+      uint32_t qh;
+      std::memcpy(&qh, b + T::qh, sizeof qh);
+      q |= ((qh >> j) & 1) << 4;
+    }
+    const float d = f16_to_f32(u16_at(b));
+    if constexpr (T::nl) return kvalues_iq4nl[q] * d;
+    else if constexpr (T::min) return static_cast<float>(q) * d + f16_to_f32(u16_at(b + 2));
+    else return (static_cast<float>(q) - T::bias) * d;
+  } else if constexpr (std::is_same_v<T, Q8_0>) {
     const uint8_t* b = p + (i / 32) * Q8_0::block;
     return f16_to_f32(u16_at(b)) * static_cast<float>(static_cast<int8_t>(b[2 + i % 32]));
   } else if constexpr (std::is_same_v<T, F16>) {
@@ -111,7 +149,23 @@ void axpy_generic(float* acc, float a, const uint8_t* v, int64_t n) {
 // elements i .. i + 15 of the row at p (i a multiple of 16)
 template <typename T>
 __attribute__((target("avx512f"))) inline __m512 load16_avx512(const uint8_t* p, int64_t i) {
-  if constexpr (std::is_same_v<T, Q8_0>) {
+  if constexpr (is_nibbles<T>) {
+    const uint8_t* b = p + (i / 32) * T::block;
+    const int64_t half = (i % 32) / 16;
+    __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + T::qs));
+    if (half) q8 = _mm_srli_epi16(q8, 4);
+    __m512i q = _mm512_cvtepu8_epi32(_mm_and_si128(q8, _mm_set1_epi8(0x0F)));
+    if constexpr (T::high) {
+      uint32_t qh;
+      std::memcpy(&qh, b + T::qh, sizeof qh);
+      q = _mm512_mask_add_epi32(q, static_cast<__mmask16>(qh >> (16 * half)), q, _mm512_set1_epi32(16));
+    }
+    const __m512 d = _mm512_set1_ps(f16_to_f32(u16_at(b)));
+    if constexpr (T::nl) return _mm512_mul_ps(_mm512_permutexvar_ps(q, _mm512_load_ps(kvalues_iq4nl)), d);
+    else if constexpr (T::min)
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, _mm512_set1_ps(f16_to_f32(u16_at(b + 2))));
+    else return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(T::bias)), d);
+  } else if constexpr (std::is_same_v<T, Q8_0>) {
     const uint8_t* b = p + (i / 32) * Q8_0::block;
     const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i % 32));
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
@@ -196,7 +250,34 @@ __attribute__((target("avx512f"))) void weigh_rows_avx512(const float* e, const 
 // elements i .. i + 7 of the row at p (i a multiple of 8)
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const uint8_t* p, int64_t i) {
-  if constexpr (std::is_same_v<T, Q8_0>) {
+  if constexpr (is_nibbles<T>) {
+    const uint8_t* b = p + (i / 32) * T::block;
+    const int64_t half = (i % 32) / 16, t0 = i % 16;
+    int64_t raw;
+    std::memcpy(&raw, b + T::qs + t0, sizeof raw);
+    __m128i q8 = _mm_cvtsi64_si128(raw);
+    if (half) q8 = _mm_srli_epi16(q8, 4);
+    __m256i q = _mm256_cvtepu8_epi32(_mm_and_si128(q8, _mm_set1_epi8(0x0F)));
+    if constexpr (T::high) {
+      uint32_t qh;
+      std::memcpy(&qh, b + T::qh, sizeof qh);
+      const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+      const int hb = static_cast<int>((qh >> (16 * half + t0)) & 0xFF);
+      const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(hb), lanes);
+      q = _mm256_add_epi32(q, _mm256_and_si256(_mm256_cmpeq_epi32(bits, lanes), _mm256_set1_epi32(16)));
+    }
+    const __m256 d = _mm256_set1_ps(f16_to_f32(u16_at(b)));
+    if constexpr (T::nl) {
+      const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kvalues_iq4nl), q);
+      const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kvalues_iq4nl + 8), q);
+      const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32(7)));
+      return _mm256_mul_ps(_mm256_blendv_ps(lo, hi, upper), d);
+    } else if constexpr (T::min) {
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, _mm256_set1_ps(f16_to_f32(u16_at(b + 2))));
+    } else {
+      return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(T::bias)), d);
+    }
+  } else if constexpr (std::is_same_v<T, Q8_0>) {
     const uint8_t* b = p + (i / 32) * Q8_0::block;
     int64_t q8;
     std::memcpy(&q8, b + 2 + i % 32, sizeof q8);
@@ -444,16 +525,21 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   if (n_head_kv < 1 || H % n_head_kv)
     return ffi::Error::InvalidArgument("attn_decode: the heads of q are not a multiple of the KV heads");
   const auto kt = k.element_type();
+  const int64_t block = kv_type == Q8_0::id     ? Q8_0::block
+                        : kv_type == Q4_0::id   ? Q4_0::block
+                        : kv_type == Q4_1::id   ? Q4_1::block
+                        : kv_type == Q5_0::id   ? Q5_0::block
+                        : kv_type == Q5_1::id   ? Q5_1::block
+                        : kv_type == IQ4_NL::id ? IQ4_NL::block
+                                                : 0;
   const bool typed = (kv_type == F32::id && kt == ffi::DataType::F32) ||
                      (kv_type == F16::id && kt == ffi::DataType::F16) ||
-                     (kv_type == Q8_0::id && kt == ffi::DataType::U8 && D % 32 == 0 && Dv % 32 == 0);
+                     (block && kt == ffi::DataType::U8 && D % 32 == 0 && Dv % 32 == 0);
   if (kt != v.element_type() || !typed)
-    return ffi::Error::InvalidArgument("attn_decode: K and V must both be f32, both f16 or both Q8_0 bytes "
-                                       "(head sizes multiples of 32)");
+    return ffi::Error::InvalidArgument("attn_decode: K and V must both be f32, both f16 or both the bytes of one "
+                                       "block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; head sizes multiples of 32)");
   // the last byte read must lie inside each cache buffer
-  const auto rb = [kv_type](int64_t n) {
-    return kv_type == Q8_0::id ? row_bytes<Q8_0>(n) : kv_type == F16::id ? row_bytes<F16>(n) : row_bytes<F32>(n);
-  };
+  const auto rb = [kv_type, block](int64_t n) { return block ? n / 32 * block : kv_type == F16::id ? 2 * n : 4 * n; };
   const int64_t k_rb = rb(D), v_rb = rb(Dv);
   const int64_t k_last = k_off + (n_kv - 1) * k_cell + (n_head_kv - 1) * k_head + k_rb;
   const int64_t v_last = v_off + (n_kv - 1) * v_cell + (n_head_kv - 1) * v_head + v_rb;
@@ -480,9 +566,14 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
                mask.typed_data(), live.data(), out->typed_data(), n_q, H, n_head_kv, D, Dv, n_kv,
                k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
   const int level = simd_level(D, Dv);
-  const UnitFn fn = kv_type == Q8_0::id  ? pick<Q8_0>(level)
-                    : kv_type == F16::id ? pick<F16>(level)
-                                         : pick<F32>(level);
+  const UnitFn fn = kv_type == Q8_0::id     ? pick<Q8_0>(level)
+                    : kv_type == Q4_0::id   ? pick<Q4_0>(level)
+                    : kv_type == Q4_1::id   ? pick<Q4_1>(level)
+                    : kv_type == Q5_0::id   ? pick<Q5_0>(level)
+                    : kv_type == Q5_1::id   ? pick<Q5_1>(level)
+                    : kv_type == IQ4_NL::id ? pick<IQ4_NL>(level)
+                    : kv_type == F16::id    ? pick<F16>(level)
+                                            : pick<F32>(level);
   const int64_t n_units = n_q * H;
   // Helper threads pay off from about 64K multiply-adds in the cells in use (9 heads x 128
   // cells x 64: 8.4 -> 7.4 us; x 576 cells 33 -> 20 us, attn_decode alone); below, one thread.
