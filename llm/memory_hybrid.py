@@ -11,7 +11,7 @@ import jax
 from ggmlx.tensor import Tensor
 from llm.batch import UBatch
 from llm.kv_cache import KVCache
-from llm.memory_recurrent import MemoryRecurrent
+from llm.memory_recurrent import MemoryRecurrent, RecurrentCheckpoint
 
 if TYPE_CHECKING:
     from llm.model import Model
@@ -117,6 +117,15 @@ class MemoryHybrid:
                 return False
             self.mem_attn.seq_rm(seq_id, p0, p1)
             return self.mem_recr.seq_rm(seq_id, p0, p1)
+
+    def seq_checkpoint(self, seq_id: int) -> RecurrentCheckpoint:
+        return self.mem_recr.seq_checkpoint(seq_id)
+
+    def seq_restore(self, cp: RecurrentCheckpoint) -> None:
+        """The recurrent states back to the checkpoint, the KV cells after it removed."""
+        with self.lock:
+            self.mem_recr.seq_restore(cp)
+            self.mem_attn.seq_rm(cp.seq_id, cp.pos + 1, -1)
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
         with self.lock:

@@ -11,10 +11,13 @@ two of sequences without touching a real one.
 Sequence s lives in cell s. A state holds no history, so removing only the tail of a
 sequence is refused (`seq_rm` returns False, as llama.cpp does without rollback snapshots);
 `seq_cp` copies the source's state columns, and a sequence removed whole gets zero states.
+`seq_checkpoint` / `seq_restore` keep and put back one sequence's states, which is how
+speculative decoding drops rejected drafts here (then decodes the kept ones again).
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jax
@@ -30,6 +33,14 @@ if TYPE_CHECKING:
     from llm.model import Model
 
 _POS_MAX = np.iinfo(np.int32).max
+
+
+@dataclass(frozen=True)
+class RecurrentCheckpoint:
+    """One sequence's recurrent states (every layer's row of its cell) at position `pos`."""
+    seq_id: int
+    pos: int
+    rows: dict[Tensor, jax.Array]
 
 
 class MemoryRecurrent:
@@ -209,6 +220,21 @@ class MemoryRecurrent:
         for t in self._buffers():
             t.data = t.data.at[..., seq_id_dst, :].set(t.data[..., seq_id_src, :])
         self.pos[seq_id_dst] = self.pos[seq_id_src]
+
+    @locked
+    def seq_checkpoint(self, seq_id: int) -> RecurrentCheckpoint:
+        """A copy of seq_id's states and position, to go back to (speculative decoding's
+        rejected drafts: a state cannot forget its last tokens)."""
+        self._check_seq("seq_id", seq_id)
+        rows = {t: t.data[..., seq_id, :] for t in self._buffers()}
+        return RecurrentCheckpoint(seq_id, int(self.pos[seq_id]), rows)
+
+    @locked
+    def seq_restore(self, cp: RecurrentCheckpoint) -> None:
+        """Put a sequence back in the state seq_checkpoint saw."""
+        for t, row in cp.rows.items():
+            t.data = t.data.at[..., cp.seq_id, :].set(row)
+        self.pos[cp.seq_id] = cp.pos
 
     @locked
     def seq_keep(self, seq_id: int) -> None:

@@ -3,6 +3,7 @@ several sequences in one batch, ubatch splitting, the sequence operations llama.
 and refuses, and graph reuse in steady state."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,10 @@ def test_server_batcher_on_a_recurrent_model(model):
     alone = [run([(p, greedy)])[0][0] for p in prompts]
     together = run([(p, greedy) for p in prompts])
     assert [t[0] for t in together] == alone and all(len(a) == 6 for a in alone)
+    # with drafts (prompts that repeat themselves: lookup drafts, mostly rejected) in one batch
+    spec = dataclasses.replace(greedy, speculative="prompt-lookup")
+    loops = [np.tile(p[:5], 3) for p in prompts]
+    assert [t[0] for t in run([(p, spec) for p in loops])] == [run([(p, greedy)])[0][0] for p in loops]
     # a prompt that extends an earlier one starts its slot again from zero states
     longer = np.concatenate([prompts[1], tokens(4, 15)])
     ref = llm.Context(model, n_ctx=128)
@@ -223,10 +228,54 @@ def test_server_batcher_on_a_recurrent_model(model):
     assert run([(prompts[0], sampled)])[0] == samples
 
 
-def test_speculative_decoding_is_refused_by_name(model):
-    m = llm.LLM(FIXTURES / "mamba2-F32.gguf")
-    with pytest.raises(llm.params.ParamError, match="speculative.*recurrent state"):
-        m.generate("hello", max_tokens=4, speculative="prompt-lookup")
+class PartlyRightDrafter:
+    """Drafts, after each output token, the next `n_right` tokens plain decoding gives, then
+    wrong ones: each step keeps n_right drafts and rejects the rest, so the state goes back to
+    its checkpoint and decodes the kept ones again."""
+    def __init__(self, plain: list[int], n_prompt: int, n_vocab: int, n_right: int):
+        self.plain, self.n_prompt, self.n_vocab, self.n_right = plain, n_prompt, n_vocab, n_right
+
+    def draft(self, tokens: list[int], n_max: int) -> list[int]:
+        i = len(tokens) - self.n_prompt
+        right = self.plain[i:i + self.n_right]
+        wrong = [(t + 1) % self.n_vocab for t in self.plain[i + len(right):]] or [0]
+        return (right + wrong * n_max)[:n_max]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["model", "hybrid", "delta"])
+def test_speculative_greedy_is_identical_on_a_recurrent_state(name, request):
+    """Prompt lookup on a repetitive prompt, and drafters right for none or the first two of
+    their tokens, give the tokens of plain greedy decoding, and the memory ends where the
+    output does."""
+    import itertools
+
+    from llm.generation.speculative import Speculative
+    from llm.sampling.samplers import SamplerChain, SamplingParams
+
+    path = {"model": "mamba2", "hybrid": "granitehybrid", "delta": "qwen35"}[name]
+    m = llm.LLM(str(FIXTURES / f"{path}-F32.gguf"), n_ctx=256)
+    block = [int(t) for t in tokens(16, 31)]
+    prompt = block * 3 + block[:5]
+    plain = m.generate(prompt, max_tokens=24, temperature=0.0)
+    spec = m.generate(prompt, max_tokens=24, temperature=0.0, speculative="prompt-lookup")
+    assert spec.tokens == plain.tokens and spec.timings["spec_drafted"] > 0
+    assert m.ctx.memory.seq_pos_max(0) + 1 == len(m._cached)
+    for n_right in (0, 2):
+        ctx = llm.Context(m.model, n_ctx=256)
+        assert ctx.decode(llm.Batch(prompt, logits=[i == len(prompt) - 1 for i in range(len(prompt))])) == 0
+        greedy = SamplerChain.from_params(SamplingParams(temp=0.0), n_vocab=m.model.n_vocab)
+        sp = Speculative(ctx, greedy, PartlyRightDrafter(plain.tokens, len(prompt), m.model.n_vocab, n_right))
+        assert list(itertools.islice(sp.tokens(prompt), 16)) == plain.tokens[:16], n_right
+        assert sp.stats.n_drafted > sp.stats.n_accepted == n_right * (sp.stats.n_steps - 1 if n_right else 0) or \
+            (n_right and sp.stats.n_accepted > 0)
+
+
+def test_a_recurrent_draft_model_is_refused_by_name(model):
+    m = llm.LLM(FIXTURES / "granitehybrid-F32.gguf")
+    draft = llm.LLM(FIXTURES / "mamba2-F32.gguf")
+    with pytest.raises(llm.params.ParamError, match="speculative.*draft model.*recurrent state"):
+        m.generate("hello", max_tokens=4, speculative=draft)
 
 
 def test_info_reports_the_memory_kind(capsys):

@@ -44,10 +44,13 @@ from llm.generation.speculative import (
     Drafter,
     DraftModel,
     DraftPolicy,
+    Rollback,
+    SpeculativeError,
     check_rollback,
     make_drafter,
     max_draft,
     n_kept,
+    replay,
     sample_and_accept_n,
 )
 from llm.params import ParamError
@@ -127,6 +130,7 @@ class _Seq:
         self.n_past = 0                    # cells of this sequence in the cache
         self.pending: int | None = None    # sampled token to decode next step
         self.done = False
+        self.rollback: Rollback | None = None     # how this step's draft is dropped, if rejected
 
     @property
     def tokens(self) -> list[int]:
@@ -153,6 +157,7 @@ class Batcher:
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.n_steps = 0
+        self._replays: list[tuple[_Seq, Rollback]] = []     # see _replay
 
     def warmup(self) -> int:
         """Compile ahead the graphs the steps will need (decode steps of 1, 2, 4, .. n_slots
@@ -401,6 +406,7 @@ class Batcher:
         for s in decoding:
             assert s.pending is not None
             draft = self._draft(s, budget) if s.drafter is not None else []
+            s.rollback = Rollback.before(self.ctx, s.seq_id, s.n_past, [s.pending, *draft]) if draft else None
             budget -= len(draft)
             part = plan.setdefault(s.job.id, _Part(s.job))
             part.reads.append(([s], len(tokens), draft))
@@ -446,6 +452,7 @@ class Batcher:
         if status == DecodeStatus.OK:
             for part in plan.values():
                 self._advance(part, lambda i: i)
+            self._replay()
             return len(tokens)
         if len(plan) == 1:        # nothing to isolate: the one job fails with the decode's error
             part = next(iter(plan.values()))
@@ -466,7 +473,22 @@ class Batcher:
                 continue
             row = {int(i): j for j, i in enumerate(idx)}
             self._advance(part, row.__getitem__)
+            self._replay()
         return len(tokens)
+
+    def _replay(self) -> None:
+        """After a step's sampling: decode again the kept drafts of the recurrent sequences
+        that went back to their checkpoints (one batch; a failure fails their jobs). A sequence
+        that finished meanwhile is replayed too while its slot keeps its cells (cache_prompt),
+        not once they were freed."""
+        mem = self.ctx.memory
+        todo = [(s, r) for s, r in self._replays if mem.seq_pos_max(s.seq_id) == r.n_past - 1]
+        self._replays = []
+        try:
+            replay(self.ctx, [r for _, r in todo])
+        except SpeculativeError as e:
+            for s, _ in todo:
+                self._fail(s.job, str(e))
 
     def _rollback(self, part: _Part) -> None:
         """Remove the cells a failed decode may have filled for this part."""
@@ -527,8 +549,11 @@ class Batcher:
         if s.policy is not None and verify:
             s.policy.adapt(len(draft), kept)
         s.n_past += kept
-        if kept < len(draft):
-            self.ctx.memory.seq_rm(s.seq_id, s.n_past, -1)     # the rejected drafts' cells
+        if kept < len(draft):               # the rejected drafts' cells, or back to the checkpoint
+            assert s.rollback is not None
+            again = s.rollback.drop(self.ctx, kept)
+            if again is not None:
+                self._replays.append((s, again))
         for k, token in enumerate(samples):
             full = s.n_past - kept + k + 1 >= self.n_ctx_slot
             delta = s.state.push(token, logits_of[k], full=full)

@@ -1,5 +1,7 @@
 """Speculative decoding: a drafter proposes the next few tokens, the target model checks them
-all in one multi-token ubatch, and the cells of rejected tokens are removed with seq_rm.
+all in one multi-token ubatch, and the cells of rejected tokens are removed with seq_rm (a
+recurrent state, which cannot forget tokens, goes back to a checkpoint and decodes the kept
+ones again: Rollback).
 
 Verification is llama.cpp's `common_sampler_sample_and_accept_n`: the target's sampler
 samples at every drafted position, in order, and a drafted token is kept while it equals
@@ -25,6 +27,8 @@ import numpy as np
 
 from llm.batch import Batch
 from llm.context import Context, DecodeStatus
+from llm.kv_cache import KVCache
+from llm.memory_recurrent import RecurrentCheckpoint
 from llm.sampling.samplers import SamplerChain
 
 
@@ -227,12 +231,54 @@ class DraftPolicy:
 
 
 def check_rollback(ctx: Context, spec) -> None:
-    """ValueError when a context of spec cannot drop rejected drafts: a recurrent state keeps
-    no per-token history to roll back (llama.cpp's rollback snapshots are not implemented)."""
-    for what, c in (("the model", ctx), ("the draft model", spec.ctx if isinstance(spec, DraftModel) else None)):
-        if c is not None and c.recurrent:
-            raise ValueError(f"speculative decoding: {what} ({c.model.arch}) keeps a recurrent state, which "
-                             f"cannot drop rejected drafts; decode without speculative")
+    """ValueError when a draft model keeps a recurrent state: it drops the tokens it drafted
+    past a mismatch by removing their cells, which a state cannot (the target model can: see
+    Rollback)."""
+    if isinstance(spec, DraftModel) and spec.ctx.recurrent:
+        raise ValueError(f"speculative decoding: the draft model ({spec.ctx.model.arch}) keeps a recurrent state, "
+                         f"which cannot drop the tokens it drafted past a mismatch; use a draft model with a KV "
+                         f"cache or prompt-lookup")
+
+
+@dataclass
+class Rollback:
+    """How a sequence drops the rejected drafts of a verification decode. A KV cache removes
+    their cells. A recurrent state cannot forget tokens (llama.cpp keeps per-token snapshots
+    for this; here): the sequence's state is checkpointed before the verification, restored
+    after it, and the tokens kept are decoded again (`replay`)."""
+    seq_id: int
+    n_past: int                         # the sequence's tokens before the verification batch
+    tokens: list[int]                   # the batch: the pending token and the draft
+    checkpoint: RecurrentCheckpoint | None
+
+    @classmethod
+    def before(cls, ctx: Context, seq_id: int, n_past: int, tokens: list[int]) -> Rollback:
+        mem = ctx.memory
+        return cls(seq_id, n_past, tokens, None if isinstance(mem, KVCache) else mem.seq_checkpoint(seq_id))
+
+    def drop(self, ctx: Context, kept: int) -> Rollback | None:
+        """Remove what followed the kept drafts; self when its kept tokens must be decoded
+        again (`replay`)."""
+        if self.checkpoint is None:
+            ctx.memory.seq_rm(self.seq_id, self.n_past + 1 + kept, -1)
+            return None
+        mem = ctx.memory
+        assert not isinstance(mem, KVCache)      # a checkpoint comes from a recurrent memory
+        mem.seq_restore(self.checkpoint)
+        self.tokens = self.tokens[:1 + kept]
+        return self
+
+
+def replay(ctx: Context, again: list[Rollback]) -> None:
+    """Decode the kept tokens of restored sequences again, all in one batch, no outputs."""
+    if not again:
+        return
+    toks = [t for r in again for t in r.tokens]
+    pos = [r.n_past + j for r in again for j in range(len(r.tokens))]
+    seq_id = [r.seq_id for r in again for _ in r.tokens]
+    status = ctx.decode(Batch(toks, pos=pos, seq_id=seq_id, logits=[False] * len(toks)))
+    if status != DecodeStatus.OK:
+        raise SpeculativeError(f"decoding the kept drafts again returned {status.name}: {ctx.last_error}")
 
 
 def make_drafter(spec) -> Drafter:
@@ -279,6 +325,7 @@ class Speculative:
             draft = self.policy.draft(self.drafter, seq, self.ctx.n_ctx - self.n_past - 1)
             batch = Batch([last] + draft, pos=list(range(self.n_past, self.n_past + 1 + len(draft))),
                           logits=[True] * (1 + len(draft)))
+            rollback = Rollback.before(ctx, 0, self.n_past, [last] + draft)
             status = ctx.decode(batch)
             if status == DecodeStatus.NO_KV_SLOT:
                 return
@@ -289,7 +336,8 @@ class Speculative:
             self.policy.adapt(len(draft), kept)
             self.n_past += 1 + kept
             if kept < len(draft):
-                ctx.memory.seq_rm(0, self.n_past, -1)         # the rejected drafts' cells
+                again = rollback.drop(ctx, kept)
+                replay(ctx, [] if again is None else [again])
             for t in samples[:-1]:
                 yield t
                 seq.append(t)
