@@ -180,3 +180,19 @@ def test_decode_utf8_like_llama_cpp(data, text):
 def test_gpt2_byte_map():
     assert len(set(BYTE_TO_CHAR)) == 256
     assert byte_encode(b" \n!\xff\x00") == "\u0120\u010a!\u00ff\u0100"
+
+
+def test_qwen35_keeps_combining_marks_in_words():
+    """Qwen3.5's regex (letters and marks together; marks out of the punctuation runs) splits
+    as its tokenizer.json regex does under a full Unicode engine, where Qwen2's breaks words
+    at combining marks."""
+    original = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    text = "cafe\u0301 na\u0308ive 123 x\u0301!? don't \u0915\u093f\u0924\u093e\u092c\n\n  end"
+    assert pre_tokenizer("qwen35").split(text) == regex.findall(original, text)
+    assert "cafe" in pre_tokenizer("qwen2").split(text)
+    rng = random.Random(35)
+    alphabet = "ab \n'1!\u0301\u0308\u093f\u0915é"
+    for _ in range(200):
+        t = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24)))
+        assert pre_tokenizer("qwen35").split(t) == regex.findall(original, t), repr(t)

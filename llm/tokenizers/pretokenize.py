@@ -53,6 +53,9 @@ LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: Qwen2's with combining marks inside words and out of the punctuation runs
+QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+          r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + "?"
          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + "?"
@@ -88,6 +91,7 @@ _REGEXES: dict[str, tuple[str, ...]] = {
     "gpt2": (GPT2,),
     "llama3": (LLAMA3,),
     "qwen2": (QWEN2,),
+    "qwen35": (QWEN35,),
     "starcoder": (r"\p{N}", GPT2),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, r"[0-9][0-9][0-9]"),
     "deepseek-llm": (
@@ -148,6 +152,7 @@ _SPECS: list[tuple[tuple[str, ...], PreTokenizerSpec]] = [
     (("command-r", "smollm"), PreTokenizerSpec("starcoder", clean_spaces=False)),
     (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open"),
      PreTokenizerSpec("qwen2", clean_spaces=False)),
+    (("qwen35",), PreTokenizerSpec("qwen35", clean_spaces=False)),
     (("stablelm2", "megrez"), PreTokenizerSpec("qwen2")),
     (("poro-chat",), PreTokenizerSpec("bloom", clean_spaces=False)),
     (("bloom", "gpt3-finnish"), PreTokenizerSpec("bloom")),
