@@ -82,3 +82,34 @@ def test_gradient_flows_through_the_delta_rule():
     assert g.shape[0] == len(toks)
     assert np.isfinite(g).all()
     assert np.abs(g[0]).max() > 0
+
+
+@pytest.mark.slow
+def test_fused_gate_up_experts_equal_separate_ones(tmp_path):
+    """A qwen35moe file whose experts' gate and up are one tensor (convert_hf_to_gguf
+    --fuse-gate-up-exps: gate rows, then up rows) gives the separate file's logits."""
+    from ggmlx import gguf
+
+    src = FIXTURES / "qwen35moe-F32.gguf"
+    with gguf.GGUFReader(src) as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+        for name, ti in f.tensors.items():
+            if name.endswith("ffn_up_exps.weight"):
+                continue
+            data = np.array(ti.data)
+            if name.endswith("ffn_gate_exps.weight"):      # numpy order [n_expert, n_ff, n_embd]
+                up = np.array(f.tensors[name.replace("gate_exps", "up_exps")].data)
+                gate_up = [a.view(np.float32).reshape(tuple(reversed(ti.ne))) for a in (data, up)]
+                w.add_tensor(name.replace("gate_exps", "gate_up_exps"), np.concatenate(gate_up, axis=1))
+            else:
+                w.add_tensor(name, data, ti.type, ti.ne)
+    w.write(tmp_path / "fused.gguf")
+    toks = np.load(FIXTURES / "qwen35moe.npz")["tokens_1"]
+    out = []
+    for path in (src, tmp_path / "fused.gguf"):
+        ctx = llm.Context(llm.load_model(path), n_ctx=64)
+        assert ctx.decode(llm.Batch(toks, logits=np.ones(len(toks), bool))) == 0
+        out.append(ctx.get_logits().copy())
+    np.testing.assert_allclose(out[1], out[0], atol=1e-5)

@@ -13,7 +13,7 @@ from llm.arch import LLMTensor as T
 from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType
 from llm.hparams import ExpertGatingFuncType, HParams
 from llm.layer import Layer, create_embd_output
-from llm.loader import GGUFMeta, ModelLoader
+from llm.loader import GGUFMeta, ModelLoader, TensorFlag
 from llm.models import qwen35
 
 if TYPE_CHECKING:
@@ -39,14 +39,18 @@ def load_moe_hparams(hp: HParams, ml: GGUFMeta) -> None:
 
 
 def create_moe(layer: Layer, ml: ModelLoader, hp: HParams, il: int, dev: jax.Device) -> None:
-    """The router, the experts and the gated shared expert."""
+    """The router, the experts (gate and up fused or apart) and the gated shared expert."""
     n_embd, n_exp = hp.n_embd, hp.n_expert
     n_ff_exp = hp.n_ff_exp or hp.n_ff(il) // hp.n_expert_used
     n_sh = hp.n_ff_shexp or hp.n_ff(il)
     layer.ffn_gate_inp = ml.create_tensor(tn(T.FFN_GATE_INP, "weight", il), (n_embd, n_exp), dev)
     layer.ffn_down_exps = ml.create_tensor(tn(T.FFN_DOWN_EXPS, "weight", il), (n_ff_exp, n_embd, n_exp), dev)
-    layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff_exp, n_exp), dev)
-    layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff_exp, n_exp), dev)
+    # gate and up fused along their rows (convert_hf_to_gguf --fuse-gate-up-exps), or apart
+    layer.ffn_gate_up_exps = ml.create_tensor(tn(T.FFN_GATE_UP_EXPS, "weight", il), (n_embd, 2 * n_ff_exp, n_exp),
+                                              dev, TensorFlag.NOT_REQUIRED)
+    if layer.ffn_gate_up_exps is None:
+        layer.ffn_gate_exps = ml.create_tensor(tn(T.FFN_GATE_EXPS, "weight", il), (n_embd, n_ff_exp, n_exp), dev)
+        layer.ffn_up_exps = ml.create_tensor(tn(T.FFN_UP_EXPS, "weight", il), (n_embd, n_ff_exp, n_exp), dev)
     layer.ffn_gate_inp_shexp = ml.create_tensor(tn(T.FFN_GATE_INP_SHEXP, "weight", il), (n_embd,), dev)
     layer.ffn_gate_shexp = ml.create_tensor(tn(T.FFN_GATE_SHEXP, "weight", il), (n_embd, n_sh), dev)
     layer.ffn_up_shexp = ml.create_tensor(tn(T.FFN_UP_SHEXP, "weight", il), (n_embd, n_sh), dev)
@@ -72,7 +76,7 @@ def build_moe_ffn(g: GraphBuilder, cur: Tensor, layer: Layer, il: int) -> Tensor
     hp = g.hparams
     moe_out = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
                               hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, True, ExpertGatingFuncType.SOFTMAX,
-                              il, w_scale=hp.expert_weights_scale)
+                              il, w_scale=hp.expert_weights_scale, gate_up_exps=layer.ffn_gate_up_exps)
     g.cb(moe_out, "ffn_moe_out", il)
     shexp = g.cb(g.build_ffn(cur, layer.ffn_up_shexp, layer.ffn_gate_shexp, layer.ffn_down_shexp,
                              LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_shexp", il)
