@@ -3,7 +3,7 @@ per token at positions ~100 and ~4000 (a recurrent layer's must not grow with th
 compare.py-style pp512 / tg128, on a Mamba2-130M-shaped model with seeded random weights.
 
     .venv/bin/python benchmarks/bench_recurrent.py [-r 3] [-t 2] [--positions 100,4000]
-        [--steps 32] [--types F32,Q8_0] [--models mamba2-130m,granite4-hybrid] [--pos-reps 1]
+        [--steps 32] [--types F32,Q8_0] [--models mamba2-130m,granite4-hybrid,qwen35-0.8b] [--pos-reps 1]
         [--cache-dir /tmp/ggmlx-bench-recurrent]
 
 The models are written (once, then reused) under --cache-dir by the fixture generator's own
@@ -13,7 +13,12 @@ d_conv 4, F32 and a Q8_0 twin, the fixtures' SPM vocabulary padded with plain to
 50288 entries (Mamba2-130M's padded vocabulary, so the output matmul is the real one's).
 --models granite4-hybrid is a Granite-4-shaped hybrid of the same width (24 layers, attention at every 6th,
 gated FFN 2048, 12 heads / 4 KV heads), whose attention layers should make decode grow a little
-with the position.
+with the position. --models qwen35-0.8b is a Qwen3.5-0.8B-shaped hybrid (qwen35): n_embd 1024, 24
+layers, gated full attention at every 4th (8 heads / 2 KV heads of 256, q/k norms, the output
+gate, IMROPE over 64 dims, sections 11/11/10/0), Gated DeltaNet elsewhere (16 key and 16 value
+heads of 128, inner 2048, conv 4), SiLU FFN 3584; its vocabulary is padded to 32768, not the
+real 248320: the benchmark is about the mixer, and the output matmul is the same work in both
+engines (at 248k it would be a third of the weights a decode step reads, at 32k 6%).
 
 Every measurement runs in its own child process per engine and repetition, engines alternating
 within each repetition (the way compare.py runs them), 2 threads; the summary gives medians.
@@ -45,6 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "reference"))
 
 N_VOCAB = 50288
+QWEN35_VOCAB = 32768    # the real 248320 would make the output matmul (the same work in both engines) dominate
 N_CTX_TRAIN = 1 << 20
 SHAPE = dict(n_embd=768, n_layer=24, d_state=128, n_head=24, n_group=1)      # Mamba2-130M
 N_BATCH = 512
@@ -115,7 +121,41 @@ def _spec_hybrid(w, n_vocab: int) -> dict:
     return kv
 
 
-SPECS = {"mamba2-130m": (_spec_mamba2, 241), "granite4-hybrid": (_spec_hybrid, 242)}
+def _spec_qwen35(w, n_vocab: int) -> dict:
+    """Qwen3.5-0.8B-shaped: 24 layers, gated full attention at every 4th (8 heads / 2 KV heads of
+    256, q/k norms, IMROPE over 64 dims), Gated DeltaNet elsewhere (16 key and 16 value heads of
+    128, conv 4), dense SiLU FFN 3584. The attention layers' heads are wider than n_embd / n_head,
+    which make_fixture's gated_attn_block assumes, so their tensors are declared here."""
+    import make_fixture as mf
+    a, hd, n_head, n_head_kv, s = "qwen35", 256, 8, 2, 128
+    d = mf.Dims(n_layer=24, n_embd=1024, n_head=n_head, n_head_kv=n_head_kv, n_ff=3584, n_ctx_train=N_CTX_TRAIN)
+    kv = mf.delta_net_kv(a, d, d_state=s, n_k_heads=16, n_v_heads=16)
+    kv.update({f"{a}.attention.key_length": hd, f"{a}.attention.value_length": hd,
+               f"{a}.rope.dimension_count": 64, f"{a}.rope.dimension_sections": [11, 11, 10, 0]})
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    mf.output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        w.norm(p + "post_attention_norm.weight", d.n_embd)
+        if il % 4 == 3:
+            w.mat(p + "attn_q.weight", 2 * n_head * hd, d.n_embd)         # [q; gate] per head
+            w.mat(p + "attn_k.weight", n_head_kv * hd, d.n_embd)
+            w.mat(p + "attn_v.weight", n_head_kv * hd, d.n_embd)
+            w.mat(p + "attn_output.weight", d.n_embd, n_head * hd)
+            w.norm(p + "attn_q_norm.weight", hd)
+            w.norm(p + "attn_k_norm.weight", hd)
+        else:
+            mf.delta_net_block(w, p, d, d_state=s, n_k_heads=16, n_v_heads=16)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
+# name -> (spec, seed, vocabulary size)
+SPECS = {"mamba2-130m": (_spec_mamba2, 241, N_VOCAB), "granite4-hybrid": (_spec_hybrid, 242, N_VOCAB),
+         "qwen35-0.8b": (_spec_qwen35, 243, QWEN35_VOCAB)}
 
 
 def build_models(cache: Path, names: list[str], types: list[str]) -> dict[tuple[str, str], Path]:
@@ -124,16 +164,16 @@ def build_models(cache: Path, names: list[str], types: list[str]) -> dict[tuple[
     cache.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name in names:
-        todo = {t: cache / f"{name}-v{N_VOCAB}-{t}.gguf" for t in types}
+        build, seed, n_vocab = SPECS[name]
+        todo = {t: cache / f"{name}-v{n_vocab}-{t}.gguf" for t in types}
         paths.update({(name, t): p for t, p in todo.items()})
         todo = {t: p for t, p in todo.items() if not p.exists()}
         if not todo:
             continue
-        build, seed = SPECS[name]
-        mf.N_VOCAB = N_VOCAB               # output() sizes the output matrix by the module's N_VOCAB
+        mf.N_VOCAB = n_vocab               # output() sizes the output matrix by the module's N_VOCAB
         w = mf.Weights(seed)
-        kv = build(w, N_VOCAB)
-        vocab = _vocab(N_VOCAB)
+        kv = build(w, n_vocab)
+        vocab = _vocab(n_vocab)
         for t, p in todo.items():
             t0 = time.perf_counter()
             tmp = p.with_suffix(".tmp")
@@ -147,7 +187,8 @@ def build_models(cache: Path, names: list[str], types: list[str]) -> dict[tuple[
 
 
 def _prompt(n: int) -> list[int]:
-    return [int(1000 + (i * 7919) % (N_VOCAB - 1000)) for i in range(n)]
+    """Token ids 1000.. below the smallest model's vocabulary (Qwen3.5-shaped's 32768)."""
+    return [int(1000 + (i * 7919) % (QWEN35_VOCAB - 1000)) for i in range(n)]
 
 
 def _pos_ours(model_path: str, positions: list[int], steps: int, threads: int) -> dict:
@@ -180,7 +221,7 @@ def _pos_ours(model_path: str, positions: list[int], steps: int, threads: int) -
             c0 = ctx.perf()["n_compiles"]
             t0 = time.perf_counter()
             for k in range(steps):
-                assert ctx.decode(Batch(tokens=[1000 + (k * 31) % 40000], pos=[p + k], logits=[True])) == 0
+                assert ctx.decode(Batch(tokens=[1000 + (k * 31) % 30000], pos=[p + k], logits=[True])) == 0
                 ctx.get_logits_ith(-1)
             times[pos].append((time.perf_counter() - t0) / steps)
             comp[pos] += ctx.perf()["n_compiles"] - c0
@@ -210,7 +251,7 @@ def _pos_llama_cpp(model_path: str, positions: list[int], steps: int, threads: i
             ll = lls[pos]
             t0 = time.perf_counter()
             for k in range(steps):
-                ll.eval([1000 + (k * 31) % 40000])
+                ll.eval([1000 + (k * 31) % 30000])
             times[pos].append((time.perf_counter() - t0) / steps)
     for pos in positions:
         out[f"ms_tok@{pos}"] = 1e3 * min(times[pos])
@@ -235,7 +276,8 @@ def run_pos(engine: str, model: Path, a) -> dict:
 
 def run_pptg(engine: str, model: Path, a) -> dict:
     import compare
-    ns = argparse.Namespace(n_prompt=a.n_prompt, n_gen=a.n_gen, threads=a.threads)
+    ns = argparse.Namespace(n_prompt=a.n_prompt, n_gen=a.n_gen, threads=a.threads, depth=0,
+                            type_k=compare.DEFAULT, type_v=compare.DEFAULT)
     return compare._run_child(engine, str(model), ns)
 
 
@@ -282,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                         pptg_res.setdefault((name, t, e), []).append(r)
                         print(f"[rep {rep}] pp/tg {name} {t} {e}: pp {r['pp']:.1f} tg {r['tg']:.1f}", flush=True)
     med = lambda rs, k: statistics.median(r[k] for r in rs)      # noqa: E731
+    vocabs = ", ".join(f"{n} {SPECS[n][2]}" for n in names)
     print(f"\n== summary: threads {a.threads}, reps {a.reps} (pp/tg) / {a.pos_reps} (position test), medians, "
-          f"vocab {N_VOCAB}, total {time.perf_counter() - t_start:.0f} s, load average now "
+          f"vocab {vocabs}, total {time.perf_counter() - t_start:.0f} s, load average now "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} ==")
     if max(os.getloadavg()) > a.threads + 0.5:
         print("note: more runnable processes than cores: llama.cpp's spin-waiting thread pool slows down far "
