@@ -677,11 +677,7 @@ class GraphBuilder:
             x = self.cb(ops.mul(repeated, w), "ffn_moe_weighted", il)
         if gate_up_exps is not None:
             gate_up = self.cb(self.build_lora_mm_id(gate_up_exps, x, selected), "ffn_moe_gate_up", il)
-            n_ff = gate_up.ne[0] // 2
-            gate = self.cb(ops.view_3d(gate_up, n_ff, gate_up.ne[1], gate_up.ne[2], gate_up.nb[1], gate_up.nb[2], 0),
-                           "ffn_moe_gate", il)
-            up = self.cb(ops.view_3d(gate_up, n_ff, gate_up.ne[1], gate_up.ne[2], gate_up.nb[1], gate_up.nb[2],
-                                     n_ff * gate_up.nb[0]), "ffn_moe_up", il)
+            gate, up = self._split_gate_up(gate_up, il)
         else:
             up = self.cb(self.build_lora_mm_id(self.need(up_exps, "ffn_up_exps", il), x, selected), "ffn_moe_up", il)
             up = add_id(up, up_exps_b, "ffn_moe_up_biased")
@@ -703,6 +699,13 @@ class GraphBuilder:
             view = ops.view_2d(experts, n_embd, n_tokens, experts.nb[2], e * experts.nb[1])
             moe_out = ops.add(moe_out, view)
         return self.cb(moe_out, "ffn_moe_out", il)
+
+    def _split_gate_up(self, gate_up: Tensor, il: int) -> tuple[Tensor, Tensor]:
+        """The gate and up halves (views) of fused experts' output [2 n_ff, n_expert_used, n_tokens]."""
+        n_ff, ne1, ne2, nb1, nb2 = gate_up.ne[0] // 2, gate_up.ne[1], gate_up.ne[2], gate_up.nb[1], gate_up.nb[2]
+        gate = self.cb(ops.view_3d(gate_up, n_ff, ne1, ne2, nb1, nb2, 0), "ffn_moe_gate", il)
+        up = self.cb(ops.view_3d(gate_up, n_ff, ne1, ne2, nb1, nb2, n_ff * gate_up.nb[0]), "ffn_moe_up", il)
+        return gate, up
 
     def build_attn(self, inp: InpAttnKV, wo: Tensor | None, bo: Tensor | None, q_cur: Tensor,
                    k_cur: Tensor | None, v_cur: Tensor | None, kq_scale: float, il: int,

@@ -163,6 +163,28 @@ def project_per_layer_inputs(g: GraphBuilder, inp_batch: Tensor, inp_per_layer: 
     return ops.cont(ops.permute(cur, 0, 2, 1, 3))
 
 
+def build_moe_block(g: GraphBuilder, layer: Layer, attn_out: Tensor, il: int) -> Tensor:
+    """The dense FFN (the shared expert) and the routed experts, each with its own norms; the
+    router reads the residual, RMS-normed, scaled by 1/sqrt(n_embd) and per channel."""
+    hp = g.hparams
+    cur_mlp = g.cb(g.build_norm(attn_out, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm_1", il)
+    cur_mlp = g.build_ffn(cur_mlp, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
+                          LLMFfnOpType.GELU, LLMFfnGateType.PAR, il)
+    cur_mlp = g.cb(g.build_norm(cur_mlp, layer.ffn_post_norm_1, None, LLMNormType.RMS, il), "ffn_mlp", il)
+
+    cur_moe = g.cb(g.build_norm(attn_out, layer.ffn_pre_norm_2, None, LLMNormType.RMS, il), "ffn_norm_2", il)
+    tmp = ops.rms_norm(attn_out, hp.f_norm_rms_eps)
+    tmp = ops.scale(tmp, 1.0 / math.sqrt(hp.n_embd))
+    tmp = ops.mul(tmp, g.need(layer.ffn_gate_inp_s, "ffn_gate_inp.scale", il))
+    logits = g.cb(g.build_lora_mm(g.need(layer.ffn_gate_inp, "ffn_gate_inp", il), tmp), "ffn_moe_logits", il)
+    cur_moe = g.build_moe_ffn(cur_moe, None, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                              hp.n_expert, hp.n_expert_used, LLMFfnOpType.GELU, True,
+                              ExpertGatingFuncType.SOFTMAX, il, probs_in=logits,
+                              gate_up_exps=layer.ffn_gate_up_exps, down_exps_s=layer.ffn_down_exps_s)
+    cur_moe = g.cb(g.build_norm(cur_moe, layer.ffn_post_norm_2, None, LLMNormType.RMS, il), "ffn_moe", il)
+    return g.cb(ops.add(cur_mlp, cur_moe), "ffn_moe_combined", il)
+
+
 def build_graph(g: GraphBuilder) -> None:
     m, hp = g.model, g.hparams
 
@@ -220,24 +242,7 @@ def build_graph(g: GraphBuilder) -> None:
         attn_out = g.cb(ops.add(cur, inpL), "attn_out", il)
 
         if layer.ffn_gate_inp is not None:
-            # the dense FFN (the shared expert) and the routed experts, each with its own norms
-            cur_mlp = g.cb(g.build_norm(attn_out, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm_1", il)
-            cur_mlp = g.build_ffn(cur_mlp, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
-                                  LLMFfnOpType.GELU, LLMFfnGateType.PAR, il)
-            cur_mlp = g.cb(g.build_norm(cur_mlp, layer.ffn_post_norm_1, None, LLMNormType.RMS, il), "ffn_mlp", il)
-
-            cur_moe = g.cb(g.build_norm(attn_out, layer.ffn_pre_norm_2, None, LLMNormType.RMS, il), "ffn_norm_2", il)
-            # the router reads the residual, RMS-normed, scaled by 1/sqrt(n_embd) and per channel
-            tmp = ops.rms_norm(attn_out, hp.f_norm_rms_eps)
-            tmp = ops.scale(tmp, 1.0 / math.sqrt(hp.n_embd))
-            tmp = ops.mul(tmp, g.need(layer.ffn_gate_inp_s, "ffn_gate_inp.scale", il))
-            logits = g.cb(g.build_lora_mm(layer.ffn_gate_inp, tmp), "ffn_moe_logits", il)
-            cur_moe = g.build_moe_ffn(cur_moe, None, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-                                      hp.n_expert, hp.n_expert_used, LLMFfnOpType.GELU, True,
-                                      ExpertGatingFuncType.SOFTMAX, il, probs_in=logits,
-                                      gate_up_exps=layer.ffn_gate_up_exps, down_exps_s=layer.ffn_down_exps_s)
-            cur_moe = g.cb(g.build_norm(cur_moe, layer.ffn_post_norm_2, None, LLMNormType.RMS, il), "ffn_moe", il)
-            cur = g.cb(ops.add(cur_mlp, cur_moe), "ffn_moe_combined", il)
+            cur = build_moe_block(g, layer, attn_out, il)
         else:
             cur = g.cb(g.build_norm(attn_out, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
             cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
