@@ -32,6 +32,9 @@ Run time: ~13 min on a shared 2-core machine with the defaults, most of it our e
 its compiles (~20 s per child); `-r 1` or `--skip-pos` for a quicker look. On a shared machine
 llama.cpp's tg collapses when other processes take the cores (its threads spin-wait at every
 op), so its tg numbers are only meaningful with the load average below the thread count.
+`--models qwen35-0.8b -r 1`: ~20 min (1216 s at load average 5-10): our 4000-token prefill
+~305 s, every 512-token ubatch at a new position compiling its graph once (5 in a 2560-token
+prefill), llama.cpp's ~143 s.
 """
 from __future__ import annotations
 
