@@ -1207,7 +1207,7 @@ def ref_gated_delta_net(q, k, v, g, beta, s0, K):
 def test_gated_delta_net(kda, K, n_tok):
     """Scalar gates (Qwen3-Next) and per-channel ones (KDA), 4 value heads over 2 query/key
     heads, two sequences; K snapshots of the last states; from 8 tokens before the last K on,
-    scalar gates take the chunked form (70 tokens: a full chunk of 64 and a padded one)."""
+    scalar gates take the chunked form (70 tokens: two full chunks of 32 and a padded one)."""
     rng = np.random.default_rng(33)
     S, H_k, H_v, n_seqs = 4, 2, 4, 2
     shapes = dict(q=(S, H_k, n_tok, n_seqs), k=(S, H_k, n_tok, n_seqs), v=(S, H_v, n_tok, n_seqs),
