@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 Event = tuple[int, object]      # (index of the prompt, the job's event)
 
 
+POLL_S = 0.5    # how often a non-streaming request checks that its client is still connected
+
+
 class Run:
     """The jobs of one HTTP request (one per prompt), their events merged into one queue."""
 
@@ -44,6 +47,7 @@ class Run:
         self.n = params.n
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
+        self.t_polled = time.monotonic()     # when next() last asked whether the client is still there
 
     def _sink(self, k: int):
         def put(ev) -> None:
@@ -88,16 +92,19 @@ class Run:
         return [first]
 
     async def next(self, request: Request, poll: bool = True) -> Event:
-        """The next event. With poll, check every second whether the client went away (then
-        cancel); a streaming response must not poll (Starlette's own disconnect listener reads
+        """The next event. With poll, check at least every POLL_S seconds whether the client
+        went away (then cancel), on a clock: tokens arriving faster than that must not hide a
+        hang-up. A streaming response must not poll (Starlette's own disconnect listener reads
         the same channel, and it closes the stream on a disconnect, which cancels the jobs)."""
         while True:
-            try:
-                k, ev = await (asyncio.wait_for(self.events.get(), 1.0) if poll else self.events.get())
-            except TimeoutError:
+            if poll and time.monotonic() - self.t_polled >= POLL_S:
+                self.t_polled = time.monotonic()
                 if await request.is_disconnected():
                     self.cancel()
-                    raise asyncio.CancelledError("client disconnected") from None
+                    raise asyncio.CancelledError("client disconnected")
+            try:
+                k, ev = await (asyncio.wait_for(self.events.get(), POLL_S) if poll else self.events.get())
+            except TimeoutError:
                 continue
             if isinstance(ev, Delta) and self.t_first is None:
                 self.t_first = time.perf_counter()
