@@ -78,6 +78,7 @@ class Weights:
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
         self.t: dict[str, np.ndarray] = {}
+        self.fixed: dict[str, str] = {}     # tensors stored in this ggml type in every file
 
     def mat(self, name: str, n_out: int, n_in: int, gain: float = 1.0, n_exp: int = 0) -> None:
         shape = (n_exp, n_out, n_in) if n_exp else (n_out, n_in)
@@ -566,8 +567,8 @@ def spec_gemma3n(d: Dims, w: Weights) -> dict:
     fixed sizes (4 streams, rank 64, 256 per layer), sparsity in layers 0-9. The post-FFN
     and per-layer post norms sit near 0.3 and the AltUp coefficients near 0, so llama.cpp's
     fp16 GELU table (2 GELUs a layer) moves the logits by 3e-3, not 4e-2. The per-layer
-    token embeddings (5632 x 512) are F16 in the F32 file to keep it small (the lookup is
-    exact in both engines)."""
+    token embeddings (5632 x 512) are Q4_0 in every file to keep them small (1.6 MB, not
+    5.8 MB in F16; the lookup dequantizes exactly in both engines)."""
     a = "gemma3n"
     d = dataclasses.replace(d, n_layer=22, n_embd=32, n_head=2, n_head_kv=1, n_ff=64)
     n_altup, n_embd_altup, laurel_rank = 4, 256, 64
@@ -581,7 +582,7 @@ def spec_gemma3n(d: Dims, w: Weights) -> dict:
     w.mat("altup_proj.weight", d.n_embd, d.n_embd, n_exp=n_altup - 1)
     w.mat("altup_unembd_proj.weight", d.n_embd, d.n_embd, n_exp=n_altup - 1)
     w.embd("per_layer_token_embd.weight", N_VOCAB, n_embd_altup * d.n_layer, scale=0.1)
-    w.t["per_layer_token_embd.weight"] = w.t["per_layer_token_embd.weight"].astype(np.float16)
+    w.fixed["per_layer_token_embd.weight"] = "Q4_0"
     w.mat("per_layer_model_proj.weight", n_embd_altup * d.n_layer, d.n_embd)
     w.norm("per_layer_proj_norm.weight", n_embd_altup)
     for il in range(d.n_layer):
@@ -1671,9 +1672,10 @@ VOCABS = {"spm": spm_vocab_kv, "wpm": wpm_vocab_kv, "ugm": ugm_vocab_kv, "gemma4
 
 
 def write_gguf(path: Path, kv: dict[str, object], vocab: list, tensors: dict[str, np.ndarray],
-               wtype: str = "F32") -> None:
+               wtype: str = "F32", fixed: dict[str, str] | None = None) -> None:
     """kv, then the vocabulary keys, then the tensors; weight matrices (2-D and 3-D, not the
-    1-D norms and biases, not the MoE router or the token-type rows) in `wtype`."""
+    1-D norms and biases, not the MoE router or the token-type rows) in `wtype`, the tensors
+    named in `fixed` in their own type."""
     from ggmlx import gguf, quants
     from ggmlx.types import GGMLType
     w = gguf.GGUFWriter()
@@ -1686,7 +1688,10 @@ def write_gguf(path: Path, kv: dict[str, object], vocab: list, tensors: dict[str
                     and "token_types" not in name and not name.endswith(".bias")
                     # ggml's SSM ops read the conv kernels, A and D, and the norms in F32
                     and not name.endswith((".ssm_a", ".ssm_d", "ssm_norm.weight", "ssm_conv1d.weight")))
-        if quantize and wtype == "MXFP4" and "_exps." in name:
+        if fixed and name in fixed:
+            t = GGMLType[fixed[name]]
+            w.add_tensor(name, quants.quantize(x, t), t, tuple(reversed(x.shape)))
+        elif quantize and wtype == "MXFP4" and "_exps." in name:
             w.add_tensor(name, quantize_mxfp4(x), GGMLType.MXFP4, tuple(reversed(x.shape)))
         elif quantize:
             t = GGMLType.Q8_0 if wtype == "MXFP4" else GGMLType[wtype]
@@ -1745,8 +1750,8 @@ def make_arch(arch: str, out: Path = OUT) -> dict[str, Path]:
     vocab = VOCABS[spec.vocab]()
     out.mkdir(parents=True, exist_ok=True)
     paths = {"F32": out / f"{arch}-F32.gguf", spec.qtype: out / f"{arch}-{spec.qtype}.gguf"}
-    write_gguf(paths["F32"], kv, vocab, w.t)
-    write_gguf(paths[spec.qtype], kv, vocab, w.t, spec.qtype)
+    write_gguf(paths["F32"], kv, vocab, w.t, fixed=w.fixed)
+    write_gguf(paths[spec.qtype], kv, vocab, w.t, spec.qtype, fixed=w.fixed)
     return paths
 
 
