@@ -6,6 +6,7 @@ through `cb`, so dumps and eval callbacks find `attn_norm-3`, `Qcur-3`, `l_out-3
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, assert_never
 
@@ -16,6 +17,7 @@ from ggmlx.graph import Graph
 from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.adapter import TOKEN_EMBD
+from llm.arch import LLMArch
 from llm.errors import ModelLoadError
 from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType, RopeType
 from llm.kv_cache import hadamard
@@ -281,12 +283,40 @@ def rope_params(hp: HParams, il: int) -> dict:
     """rope_ext arguments for layer il; sliding-window layers may have their own base. YaRN
     follows cparams' default: ext_factor < 0 means "on exactly when the model uses YaRN"."""
     swa = hp.is_swa(il)
-    yarn = hp.rope_scaling_type_train == RopeScalingType.YARN
     return dict(n_dims=hp.n_rot_l(il), mode=int(hp.rope_type), n_ctx_orig=hp.n_ctx_orig_yarn,
                 freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
                 freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
-                ext_factor=hp.yarn_ext_factor if hp.yarn_ext_factor >= 0 else (1.0 if yarn else 0.0),
-                attn_factor=hp.yarn_attn_factor, beta_fast=hp.yarn_beta_fast, beta_slow=hp.yarn_beta_slow)
+                ext_factor=yarn_ext_factor(hp), attn_factor=yarn_attn_factor(hp),
+                beta_fast=hp.yarn_beta_fast, beta_slow=hp.yarn_beta_slow)
+
+
+def yarn_ext_factor(hp: HParams) -> float:
+    """cparams.yarn_ext_factor: the file's, else 1 exactly when the model was trained with YaRN."""
+    if hp.yarn_ext_factor >= 0:
+        return hp.yarn_ext_factor
+    return 1.0 if hp.rope_scaling_type_train == RopeScalingType.YARN else 0.0
+
+
+def yarn_attn_factor(hp: HParams) -> float:
+    """cparams.yarn_attn_factor as llama_context derives it. With YaRN on, get_mscale of the
+    scaling factor (over get_mscale with yarn_log_multiplier when the file has one; deepseek2
+    uses that multiplier on both sides), divided by the 1 + 0.1 ln(factor) that ggml's rope
+    multiplies back in; always times rope.scaling.attn_factor."""
+    f = hp.yarn_attn_factor
+    if yarn_ext_factor(hp) != 0.0:
+        factor = 1.0 / hp.rope_freq_scale_train
+        log_mul = hp.rope_yarn_log_mul
+        if log_mul != 0.0:
+            mscale = log_mul if hp.arch == LLMArch.DEEPSEEK2 and log_mul != 1.0 else 1.0
+            f = _get_mscale(factor, mscale) / _get_mscale(factor, log_mul)
+        else:
+            f = _get_mscale(factor, 1.0)
+        f /= 1.0 + 0.1 * math.log(factor)
+    return f * hp.rope_attn_factor
+
+
+def _get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 class GraphBuilder:

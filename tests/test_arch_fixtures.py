@@ -134,6 +134,7 @@ def test_quantized_matches_dequantized_twin(arch):
         diff = max(float(np.abs(o[0] - ref[f"twin_logits_{k}"]).max()) for k, o in enumerate(ours))
         agree = np.mean(np.concatenate([o[0].argmax(1) == ref[f"q_top1_{k}"] for k, o in enumerate(ours)]))
         assert agree >= Q_TOP1_MIN, f"top-1 agreement with llama.cpp's quantized run {agree:.2f}"
+        print(f"{arch}: top-1 agreement with llama.cpp's quantized run {agree:.3f}")
     else:
         diff = max(float(np.abs(o[1] - ref[f"twin_embd_none_{k}"]).max()) for k, o in enumerate(ours))
         c = min(cosine(o[1], ref[f"q_embd_none_{k}"]).min() for k, o in enumerate(ours))

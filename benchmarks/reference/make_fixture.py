@@ -841,7 +841,9 @@ def spec_exaone4(d: Dims, w: Weights) -> dict:
 def spec_deepseek2(d: Dims, w: Weights) -> dict:
     """DeepSeek-V3-style MLA (q rank 32, kv rank 32, 8 rope + 8 no-rope dims per head, 16 per
     value head; the cache row is 32 + 8), a dense layer, then sigmoid experts with a selection
-    bias in 2 groups of which 1 stays selectable, renormalized and scaled, plus a shared expert."""
+    bias in 2 groups of which 1 stays selectable, renormalized and scaled, plus a shared expert.
+    YaRN as the real files have it (factor 4 over an original context of 8, so the 16-token
+    sequence runs past it; yarn_log_multiplier 0.1, which llama.cpp reads as 1.0)."""
     a = "deepseek2"
     q_rank, kv_rank, n_rot, nope, v_head, n_ff_exp = 32, 32, 8, 8, 16, 16
     kv = base_kv(a, d)
@@ -853,6 +855,8 @@ def spec_deepseek2(d: Dims, w: Weights) -> dict:
                f"{a}.expert_used_count": d.n_expert_used, f"{a}.expert_feed_forward_length": n_ff_exp,
                f"{a}.expert_shared_count": 1, f"{a}.expert_weights_scale": 2.5, f"{a}.expert_weights_norm": True,
                f"{a}.expert_gating_func": 2, f"{a}.expert_group_count": 2, f"{a}.expert_group_used_count": 1})
+    kv.update(yarn_kv(a, factor=4.0, n_ctx_orig=8))
+    kv[f"{a}.rope.scaling.yarn_log_multiplier"] = 0.1
     w.embd("token_embd.weight", N_VOCAB, d.n_embd)
     output(w, d)
     for il in range(d.n_layer):
@@ -1036,9 +1040,18 @@ def spec_phi2(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def yarn_kv(arch: str, *, factor: float, n_ctx_orig: int) -> dict[str, object]:
+    """The rope scaling keys of a YaRN model (convert_hf_to_gguf's names)."""
+    return {f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": factor,
+            f"{arch}.rope.scaling.original_context_length": n_ctx_orig}
+
+
 def spec_gpt_oss(d: Dims, w: Weights) -> dict:
+    """GPT-OSS with YaRN as its files have it (factor 32 there; here 4 over an original
+    context of 8, so the 16-token sequence runs past it)."""
     a = "gpt-oss"
     kv = base_kv(a, d)
+    kv.update(yarn_kv(a, factor=4.0, n_ctx_orig=8))
     kv[f"{a}.rope.freq_base"] = 150000.0
     kv[f"{a}.attention.key_length"] = d.head_dim
     kv[f"{a}.attention.value_length"] = d.head_dim
@@ -1424,7 +1437,7 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4moe": ArchSpec(spec_glm4moe, 124),
     "olmoe": ArchSpec(spec_olmoe, 125),
     "exaone4": ArchSpec(spec_exaone4, 126),
-    "deepseek2": ArchSpec(spec_deepseek2, 127),
+    "deepseek2": ArchSpec(spec_deepseek2, 129),
     "minimax-m2": ArchSpec(spec_minimax_m2, 128),
     "qwen3vlmoe": ArchSpec(spec_qwen3vlmoe, 129),
     "gemma3n": ArchSpec(spec_gemma3n, 130),
