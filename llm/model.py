@@ -113,16 +113,24 @@ def head_layout(n_head: int, n_head_kv: int, n: int) -> tuple[tuple[int, ...], t
 
 def pad_blocker(hp: HParams, ml: ModelLoader) -> str | None:
     """Why RowPlan(uneven_heads="pad") cannot hold this model (None: it can): it needs the
-    same head counts in every layer, separate Q/K/V without biases, and attn_output heads
-    of whole quant blocks."""
+    same head counts in every layer, separate Q/K/V without biases, attn_output heads of
+    whole quant blocks, Q/K norms per head (an all-heads norm would sum over the copied and
+    zero heads), attn_q rows that are just the query heads, and no latent (MLA's one KV head
+    is shared by every query head)."""
     if len(set(hp.n_head_arr)) != 1 or len(set(hp.n_head_kv_arr)) != 1:
         return "the head counts differ between layers"
+    if hp.is_mla:
+        return "multi-head latent attention: every query head reads the one latent KV head"
     for name, entry in ml.weights_map.items():
         parts = name.split(".")
         if parts[0] != "blk" or len(parts) != 4:
             continue
         if parts[2] == "attn_qkv" or (parts[2] in ("attn_q", "attn_k", "attn_v") and parts[3] == "bias"):
             return f"tensor {name!r} (fused Q/K/V or a Q/K/V bias)"
+        if parts[2] in ("attn_q_norm", "attn_k_norm") and entry.info.ne[0] != hp.n_embd_head_k:
+            return f"tensor {name!r}: Q/K normed over all heads at once"
+        if parts[2] == "attn_q" and parts[3] == "weight" and entry.info.ne[1] != hp.n_head() * hp.n_embd_head_k:
+            return f"tensor {name!r}: its rows are not {hp.n_head()} query heads (a gate beside each head)"
         bs = types.block_size(GGMLType(entry.info.type))
         if parts[2] == "attn_output" and parts[3] == "weight" and hp.n_embd_head_v % bs:
             return f"tensor {name!r}: heads of {hp.n_embd_head_v} features are not whole blocks of {bs}"

@@ -60,8 +60,16 @@ def _decode(model, n_prompt: int, n_gen: int) -> tuple[np.ndarray, dict]:
     before = ctx.perf()["n_compiles"]
     assert ctx.decode(llm.Batch(toks, logits=np.ones(n_prompt, bool))) == 0, ctx.last_error
     facts = {"step_compiles": compiles, "prefill_again_compiles": ctx.perf()["n_compiles"] - before,
-             "kv_bytes_per_device": _bytes_per_device([t.data for t in ctx.memory.k_l + ctx.memory.v_l])}
+             "kv_bytes_per_device": _bytes_per_device(_kv_arrays(ctx.memory))}
     return np.concatenate(rows), facts
+
+
+def _kv_arrays(memory) -> list:
+    """The attention KV cache's buffers (a hybrid's attention part; none for a recurrent model)."""
+    from llm.kv_cache import KVCache
+    from llm.memory_hybrid import MemoryHybrid
+    kv = memory.mem_attn if isinstance(memory, MemoryHybrid) else memory
+    return [t.data for t in kv.k_l + kv.v_l] if isinstance(kv, KVCache) else []
 
 
 def _case_facts(model, facts: dict, dumps: list[str]) -> dict:
