@@ -29,7 +29,7 @@ from llm.chat import tool_calls as tools_mod
 from llm.chat.formats import ChatSyntax, ReasoningFormat
 from llm.context import Context, ContextParams, DecodeStatus, bucket
 from llm.generation import core
-from llm.generation.batcher import Batcher, Done, Event, Job
+from llm.generation.batcher import MEDIA_PLACEHOLDER, Batcher, Done, Event, Job
 from llm.generation.core import FINISH_EOG, FINISH_LENGTH, FINISH_STOP, Delta, GenParams, TokenLogprob, logprobs_of  # noqa: F401
 from llm.generation.speculative import DraftModel, PromptLookup, draft_lengths, max_draft
 from llm.hparams import PoolingType
@@ -105,10 +105,6 @@ class GenerationChunk:
     finish_reason: str | None = None
     completion: Completion | None = None
     reasoning_content: str = ""     # chat_stream: new reasoning text (`text` is then new content)
-
-
-# the token the batcher sees at an image's positions (never decoded: those cells hold the image)
-MEDIA_PLACEHOLDER = 0
 
 
 class LLM:
@@ -793,20 +789,28 @@ class LLM:
                                 f"a data URL or a uint8 array")
         return out
 
-    def _media_checked(self, text: str, images: Sequence, params: GenParams,
-                       interventions: trace_mod.Interventions | None) -> Iterator[GenerationChunk]:
-        """The prompt's chunks, checked before the first chunk is asked for."""
+    def media_prompt(self, text: str, images: Sequence) -> list[mtmd_mod.InputChunk]:
+        """The chunks generate(text, images=) evaluates (the server's too): mtmd's tokenization
+        of the text, its markers standing for the images (as generate takes them), with BOS
+        first where the model adds one and the text has none. A MediaError when markers and
+        images do not pair up or the prompt ends with an image."""
         if self.mtmd is None:
             raise ValueError("images need a vision projector: LLM(model, mmproj='....mmproj.gguf')")
-        if interventions is not None or params.lora is not None or params.speculative is not None:
-            raise ValueError("images cannot be combined with interventions, a per-call lora or speculative "
-                             "decoding yet")
         chunks = self.mtmd.tokenize(text, self._bitmaps(images), add_special=False)
         bos = self.vocab.bos
         if self.vocab.add_bos and not (chunks and chunks[0].type == "text" and chunks[0].tokens[:1] == [bos]):
             chunks.insert(0, mtmd_mod.InputChunk("text", [bos]))
         if not chunks or chunks[-1].type != "text":
             raise mtmd_mod.MediaError("the prompt must end with text after its last image")
+        return chunks
+
+    def _media_checked(self, text: str, images: Sequence, params: GenParams,
+                       interventions: trace_mod.Interventions | None) -> Iterator[GenerationChunk]:
+        """The prompt's chunks, checked before the first chunk is asked for."""
+        if interventions is not None or params.lora is not None or params.speculative is not None:
+            raise ValueError("images cannot be combined with interventions, a per-call lora or speculative "
+                             "decoding yet")
+        chunks = self.media_prompt(text, images)
         keys: list = []         # per position: its token, or (image id, index) of an image's
         tokens: list[int] = []  # ... as the batcher sees it
         for c in chunks:

@@ -324,3 +324,16 @@ class ReasoningParams:
                                   help="-1: think without limit; 0: no thinking (the template gets "
                                        "enable_thinking false, an opened think block is closed)")
 
+
+@dataclasses.dataclass(frozen=True)
+class MediaParams:
+    """Images in (llm.mtmd): the vision projector of a multimodal model (`generate` and `serve`
+    flags, llama.cpp's -mm / --mmproj), and whether the server fetches image_url parts that are
+    http(s) URLs (off: only data URLs are read; llama-server's own default fetches them)."""
+
+    mmproj: str | None = param(None, flags=("-mm", "--mmproj"), metavar="FNAME", request=False,
+                               help="the vision projector (mmproj GGUF) of a multimodal model, as llama-mtmd-cli "
+                                    "and llama-server")
+    allow_remote_media: bool = param(False, flags=("--allow-remote-media",), request=False,
+                                     help="let image_url parts name http(s) URLs, fetched by the server (at most "
+                                          "10 MiB in 10 s); without it they are a 400")

@@ -37,10 +37,10 @@ MODULE_NAMES = {
     "llm.context": ["Context", "ContextParams", "bucket", "DecodeStatus"],
     # issue 27: one declaration per parameter, the generation core, block-option enums, the server's routes
     "llm.params": ["param", "Arg", "ParamError", "add_arguments", "from_namespace", "from_kwargs", "from_json",
-                   "with_parameters", "fields_of"],
+                   "with_parameters", "fields_of", "MediaParams"],
     "llm.generation.core": ["GenParams", "SeqState", "build_sampler", "grammar_vocab", "Delta", "TokenLogprob",
                             "logprobs_of", "stop_strings"],
-    "llm.generation.batcher": ["Batcher", "Job", "Done", "Failed"],
+    "llm.generation.batcher": ["Batcher", "Job", "Done", "Failed", "media_prompt", "MEDIA_PLACEHOLDER"],
     "llm.generation.speculative": ["PromptLookup", "DraftModel", "Speculative", "DraftPolicy", "sample_and_accept_n",
                                    "Rollback"],
     "llm.graph": ["GraphHook", "LLMNormType", "LLMFfnOpType", "LLMFfnGateType", "GraphBuilder", "mul_mat_hadamard"],
@@ -91,6 +91,8 @@ MODULE_NAMES = {
     "llm.mtmd.image": ["resize_pillow", "resize", "normalize", "ResizeAlgo", "PadStyle"],
     "llm.mtmd.siglip": ["GEMMA3", "IDEFICS3", "pool_2d_avg", "patch_merge_permute", "preprocess_idefics3"],
     "llm.mtmd.llava": ["MLP", "build_mlp"],
+    "llm.serving.media": ["load_images", "media_job", "fetch", "REMOTE_MAX_BYTES", "REMOTE_TIMEOUT_S"],
+    "llm.serving.requests": ["MediaPart", "media_parts"],
     # issue 28: recurrent and hybrid memories
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
@@ -98,7 +100,7 @@ MODULE_NAMES = {
 
 METHODS = {
     "llm.api:LLM": ["generate", "stream", "chat", "score", "embed", "tokenize", "reset", "set_adapters_lora",
-                    "chat_prompt"],
+                    "chat_prompt", "media_prompt"],
     "llm.graph:GraphBuilder": ["build_lora_mm", "build_lora_mm_id", "build_attn_mla", "build_moe_ffn",
                                "group_limited", "rope_multi_params", "build_rs_inp", "build_rs",
                                "build_mamba_layer", "build_mamba2_layer"],

@@ -190,8 +190,7 @@ def _row_plan(a):
 
 
 def _add_media(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mmproj", default=None, metavar="FNAME",
-                   help="the vision projector (mmproj GGUF) of a multimodal model, as llama-mtmd-cli")
+    params.add_arguments(p, params.MediaParams, only=("mmproj",))
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the prompt (repeatable; PNG, JPEG, WebP, GIF, BMP): each stands for a "
                         "<__media__> marker in -p, or the markers go before the prompt, one per image")
@@ -488,10 +487,11 @@ def cmd_serve(a) -> int:
     timeouts = params.from_namespace(params.ServerTimeouts, a)
     endpoints = params.from_namespace(params.ServerEndpoints, a)
     reasoning = params.from_namespace(params.ReasoningParams, a)
+    media = params.from_namespace(params.MediaParams, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
-              weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a))
-    engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size)
+              weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a), mmproj=media.mmproj)
+    engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size, mtmd=llm.mtmd)
     if a.warmup:
         t0 = time.perf_counter()
         n = engine.batcher.warmup()
@@ -500,7 +500,7 @@ def cmd_serve(a) -> int:
     name = model_name_of(llm.model.path)
     app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
                      slot_save_path=a.slot_save_path, special_in_content=a.special_in_content, timeouts=timeouts,
-                     endpoints=endpoints, reasoning=reasoning)
+                     endpoints=endpoints, reasoning=reasoning, media=media)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
           f"listening on http://{a.host}:{a.port}", file=sys.stderr, flush=True)
     try:
@@ -638,6 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_arguments(p, params.ServerTimeouts)
     params.add_arguments(p, params.ServerEndpoints)
     params.add_arguments(p, params.ReasoningParams)
+    params.add_arguments(p, params.MediaParams)
     _add_ctx(p)
     _add_lora(p)
     p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)

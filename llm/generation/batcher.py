@@ -18,6 +18,12 @@ running together can never exhaust the cache: a prompt that does not fit a slot 
 and generation stops with finish reason "length" when its slot is full. A job with
 cache_prompt leaves its cells in its slot when it ends (done or cancelled), and the next job
 takes the free slot that shares the longest prefix with its prompt.
+
+A job may hold images (`media`, from an mtmd prompt's chunks: `media_prompt`): its tokens have a
+placeholder at each image position, and when its prefill reaches an image, the Batcher's
+MtmdContext decodes the image into the job's sequence before the step's batch (llama-server's
+process_mtmd_chunk); the text around the images is prefilled in the steps' batches as any
+prompt's. The cells of a prompt are kept for reuse only up to its first image.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,7 +63,27 @@ from llm.generation.speculative import (
 from llm.params import ParamError
 from llm.sampling.samplers import SamplerChain, TokenDataArray
 
+if TYPE_CHECKING:
+    from llm.mtmd import InputChunk, MtmdContext
+
 log = logging.getLogger(__name__)
+
+# the token a job holds at an image's positions (never decoded: those cells hold the image)
+MEDIA_PLACEHOLDER = 0
+
+
+def media_prompt(chunks: Sequence[InputChunk]) -> tuple[list[int], dict[int, InputChunk]]:
+    """An mtmd prompt's chunks as a Job's `tokens` (MEDIA_PLACEHOLDER at an image's positions)
+    and `media` (each image chunk by the position it starts at)."""
+    tokens: list[int] = []
+    media: dict[int, InputChunk] = {}
+    for c in chunks:
+        if c.image is None:
+            tokens += c.tokens
+        else:
+            media[len(tokens)] = c
+            tokens += [MEDIA_PLACEHOLDER] * c.n_pos
+    return tokens, media
 
 
 class SlotNotFound(LookupError):
@@ -97,10 +124,11 @@ class Job:
     job is freed the moment it finishes."""
 
     def __init__(self, tokens: Sequence[int], params: GenParams, sink: Callable[[Event], None], *,
-                 cache_prompt: bool = False):
+                 cache_prompt: bool = False, media: Mapping[int, InputChunk] | None = None):
         self.id = next(_job_ids)
         self.cache_prompt = cache_prompt   # keep the cells when done, to reuse their prefix
         self.tokens = [int(t) for t in tokens]
+        self.media = dict(media or {})     # position -> image chunk (media_prompt)
         self.params = params
         self.sink = sink
         self.seqs: list[_Seq] = []
@@ -114,6 +142,11 @@ class Job:
     @property
     def finished(self) -> bool:
         return self.state in ("done", "failed", "cancelled")
+
+    @property
+    def n_text(self) -> int | None:
+        """Where its first image starts (what of its cells may be reused), None without images."""
+        return min(self.media) if self.media else None
 
 
 class _Seq:
@@ -141,9 +174,10 @@ class Batcher:
     """Continuous batching over one Context (see the module docstring). Not thread-safe:
     one thread calls submit/cancel/step (Engine does that for servers)."""
 
-    def __init__(self, ctx, vocab, n_slots: int | None = None):
+    def __init__(self, ctx, vocab, n_slots: int | None = None, mtmd: MtmdContext | None = None):
         self.ctx = ctx
         self.vocab = vocab
+        self.mtmd = mtmd        # decodes the images of jobs with media (llm.mtmd)
         self.n_slots = ctx.n_seq_max if n_slots is None else n_slots
         if not 1 <= self.n_slots <= ctx.n_seq_max:
             raise ValueError(f"n_slots = {self.n_slots} is outside [1, n_seq_max = {ctx.n_seq_max}]")
@@ -194,12 +228,14 @@ class Batcher:
 
     # ---- jobs --------------------------------------------------------------------------
 
-    def check(self, tokens: Sequence[int], params: GenParams) -> None:
+    def check(self, tokens: Sequence[int], params: GenParams, media: Mapping[int, InputChunk] | None = None) -> None:
         """A ParamError (a ValueError) naming the field that is wrong ("prompt", "n", a sampler's
         "repeat_penalty", ...) if the job can never run here."""
         params.check()
         if not tokens:
             raise ParamError("prompt", "the prompt is empty (no tokens)")
+        if media:
+            self._check_media(len(tokens), params, media)
         n_vocab = self.vocab.n_tokens
         bad = [t for t in tokens if not 0 <= t < n_vocab]
         if bad:
@@ -227,9 +263,22 @@ class Batcher:
         if params.constraint is not None:
             chain.samplers[0].apply(TokenDataArray.from_logits(np.zeros(n_vocab, np.float32)))
 
+    def _check_media(self, n_tokens: int, params: GenParams, media: Mapping[int, InputChunk]) -> None:
+        if self.mtmd is None:
+            raise ParamError("prompt", "the prompt holds images but no vision projector (mmproj) is loaded")
+        if params.speculative is not None:
+            raise ParamError("speculative", "speculative decoding cannot be combined with images yet")
+        end = 0
+        for start in sorted(media):
+            chunk = media[start]
+            if chunk.image is None or start < end or start + chunk.n_pos >= n_tokens:
+                raise ParamError("prompt", f"the image chunk at position {start} overlaps another, is not an image "
+                                           f"or is not followed by text (the prompt has {n_tokens} positions)")
+            end = start + chunk.n_pos
+
     def submit(self, job: Job) -> None:
         """Queue a checked job; its max_tokens is capped by what its slot can hold after the prompt."""
-        self.check(job.tokens, job.params)
+        self.check(job.tokens, job.params, job.media)
         room = self.n_ctx_slot - len(job.tokens)
         if job.params.max_tokens is not None and job.params.max_tokens > room:
             job.params = dataclasses.replace(job.params, max_tokens=room)
@@ -261,6 +310,8 @@ class Batcher:
     def _free(self, s: _Seq, keep: bool = False) -> None:
         if keep:    # the cells hold the prompt and the output but its last (pending) token
             n = min(s.n_past, len(s.job.tokens) + len(s.tokens))
+            if s.job.n_text is not None:        # a placeholder matches no image: keep the text before
+                n = min(n, s.job.n_text)
             self.cached[s.seq_id] = (s.job.tokens + s.tokens)[:n]
             self.cached_lora[s.seq_id] = self.lora_key(s.job.params)
             self.ctx.memory.seq_rm(s.seq_id, n, -1)
@@ -345,7 +396,8 @@ class Batcher:
     def _take_slot(self, job: Job) -> tuple[int, int]:
         """A free slot for the job and how many of its prompt tokens the slot already holds."""
         if job.cache_prompt and job.params.n == 1:
-            best, n_keep = self.best_slot(job.tokens, job.params.lora)
+            n_text = job.n_text
+            best, n_keep = self.best_slot(job.tokens if n_text is None else job.tokens[:n_text + 1], job.params.lora)
         else:
             self.free.sort()
             best, n_keep = self.free[0], 0
@@ -417,7 +469,8 @@ class Batcher:
             n_left = len(job.tokens) - job.n_prefilled
             if budget <= 0 or n_left == 0:
                 continue
-            k = min(budget, n_left)
+            images = [p for p in job.media if p >= job.n_prefilled]
+            k = min(budget, n_left, min(images, default=len(job.tokens)) - job.n_prefilled)   # up to the next image
             part = plan.setdefault(job.id, _Part(job))
             part.n_prompt = k
             for j in range(job.n_prefilled, job.n_prefilled + k):
@@ -438,6 +491,7 @@ class Batcher:
     def step(self) -> int:
         """Admit waiting jobs, decode one batch and sample; returns the number of tokens decoded."""
         self._admit()
+        self._eval_media()
         plan, tokens, pos, seq_ids, wants = self._plan()
         if not tokens:
             return 0
@@ -475,6 +529,24 @@ class Batcher:
             self._advance(part, row.__getitem__)
             self._replay()
         return len(tokens)
+
+    def _eval_media(self) -> None:
+        """Decode the images that running prompts' prefills have reached into their first
+        sequences (mtmd's eval_chunks: encoded, or read from the encoder's cache), before the
+        step's batch. A failure fails that job only."""
+        for job in list(self.running):
+            while job.n_prefilled in job.media and job.state == "running":
+                assert self.mtmd is not None            # check() made sure
+                chunk, first = job.media[job.n_prefilled], job.seqs[0]
+                try:
+                    self.mtmd.eval_chunks(self.ctx, [chunk], n_past=job.n_prefilled, seq_id=first.seq_id,
+                                          n_batch=self.ctx.n_batch, logits_last=False)
+                except Exception as e:
+                    log.exception("job %d: its image at position %d failed", job.id, job.n_prefilled)
+                    self._fail(job, f"{type(e).__name__}: {e}")
+                    break
+                job.n_prefilled += chunk.n_pos
+                first.n_past = job.n_prefilled
 
     def _replay(self) -> None:
         """After a step's sampling: decode again the kept drafts of the recurrent sequences

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server (`python -m llm serve`) on FastAPI + uvicorn.
 
 Routes: POST /v1/chat/completions and /v1/completions (SSE with `stream: true`; a
-`response_format` constrains the output to JSON or a JSON schema), POST /v1/messages and
+`response_format` constrains the output to JSON or a JSON schema; chat image_url parts with
+--mmproj: llm.serving.media), POST /v1/messages and
 /v1/messages/count_tokens (Anthropic's Messages API: llm.serving.anthropic), POST /infill and
 /rerank (llama-server's own: llm.serving.native), POST /v1/embeddings, GET
 /v1/models, GET /health, GET /slots, POST /slots/{id}?action=save|restore (with
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llm.params import ReasoningParams, ServerEndpoints, ServerTimeouts
+from llm.params import MediaParams, ReasoningParams, ServerEndpoints, ServerTimeouts
 from llm.serving import anthropic, info, native, webui
 from llm.serving.completions import Run, chat_logprobs, text_logprobs
 from llm.serving.engine import Engine
@@ -111,14 +112,17 @@ class APIKeyMiddleware:
 def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str, ...] = (),
                api_key: str | None = None, slot_save_path: str | Path | None = None,
                special_in_content: bool = False, timeouts: ServerTimeouts | None = None,
-               endpoints: ServerEndpoints | None = None, reasoning: ReasoningParams | None = None) -> FastAPI:
+               endpoints: ServerEndpoints | None = None, reasoning: ReasoningParams | None = None,
+               media: MediaParams | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an llm.LLM, for the vocab, chat template and embeddings)
     through `engine` (running on llm.ctx). Slots are saved to and restored from files in
     `slot_save_path`. The routes (llm.serving.routes) find all of this in app.state.server; a
     request body that goes `timeouts.timeout` seconds without data is a 408 (default:
     ServerTimeouts(); the header timeout is the HTTP protocol's, llm.serving.protocol).
     `endpoints` turns /metrics and the chat page on or off (default: ServerEndpoints()); `reasoning`
-    says where chat replies' thinking goes and whether there is any (default: ReasoningParams())."""
+    says where chat replies' thinking goes and whether there is any (default: ReasoningParams()).
+    Images in chat requests need `llm` loaded with an mmproj and `engine` made with its
+    MtmdContext; `media.allow_remote_media` lets their URLs be http(s) (default: MediaParams())."""
     app = FastAPI(title="ggmlx llm server", exception_handlers={APIError: api_error, StarletteHTTPException: http_error,
                                                                        Exception: internal_error})
     app.state.body_timeout = (timeouts or ServerTimeouts()).timeout
@@ -127,7 +131,8 @@ def create_app(llm: LLM, engine: Engine, *, model_name: str, aliases: tuple[str,
     app.state.server = ServerState(llm=llm, engine=engine, model_name=model_name, aliases=tuple(aliases),
                                    api_key=api_key, slot_save_path=slot_save_path,
                                    special_in_content=special_in_content, reasoning=reasoning or ReasoningParams(),
-                                   reranking=endpoints.reranking)
+                                   reranking=endpoints.reranking,
+                                   allow_remote_media=(media or MediaParams()).allow_remote_media)
     app.add_middleware(APIKeyMiddleware, api_key=api_key,
                        public=("/health", *webui.PAGES) if endpoints.webui else ("/health",))
     app.include_router(router)

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -25,6 +26,9 @@ from llm.generation.core import FINISH_EOG, Delta, GenParams, TokenLogprob
 from llm.params import ParamError
 from llm.serving.engine import Engine, QueueFull
 from llm.serving.requests import APIError
+
+if TYPE_CHECKING:
+    from llm.mtmd import InputChunk
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +42,16 @@ class Run:
     """The jobs of one HTTP request (one per prompt), their events merged into one queue."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: GenParams, cache_prompt: bool = False, *,
-                 prompt_field: str = "prompt"):
+                 prompt_field: str = "prompt", media: dict[int, InputChunk] | None = None):
+        """`media`: the images of a single prompt (llm.generation.batcher.media_prompt)."""
+        if media and len(prompts) != 1:
+            raise ValueError(f"images go with one prompt, not {len(prompts)}")
         self.engine = engine
         self.prompt_field = prompt_field    # the request field the prompt came from ("messages" for chat)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.jobs = [Job(toks, params, self._sink(k), cache_prompt=cache_prompt) for k, toks in enumerate(prompts)]
+        self.jobs = [Job(toks, params, self._sink(k), cache_prompt=cache_prompt, media=media)
+                     for k, toks in enumerate(prompts)]
         self.n = params.n
         self.t0 = time.perf_counter()
         self.t_first: float | None = None

@@ -4,6 +4,7 @@ Other threads (the HTTP handlers) submit jobs and cancel them through a queue an
 through each job's sink callback. The queue of jobs waiting for slots is bounded: `submit`
 raises QueueFull at once when it is full. The engine thread also keeps the counters of
 /metrics (`metrics`, llm.serving.metrics): each job's Done event and each decode step.
+With an MtmdContext (`mtmd`), jobs may hold images: the Batcher decodes them on this thread too.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llm.generation.batcher import Batcher, Done, Event, Job
 from llm.serving.metrics import Metrics
+
+if TYPE_CHECKING:
+    from llm.mtmd import MtmdContext
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +32,9 @@ class Engine:
     """A Batcher in its own thread, which alone touches the Context. `submit` and `cancel`
     are thread-safe; events reach each job's sink from the engine thread."""
 
-    def __init__(self, ctx, vocab, *, n_slots: int | None = None, max_queue: int = 16):
-        self.batcher = Batcher(ctx, vocab, n_slots)
+    def __init__(self, ctx, vocab, *, n_slots: int | None = None, max_queue: int = 16,
+                 mtmd: MtmdContext | None = None):
+        self.batcher = Batcher(ctx, vocab, n_slots, mtmd)
         self.max_queue = max_queue
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -50,7 +56,7 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue a job: ValueError if it can never run, QueueFull if the queue is full."""
-        self.batcher.check(job.tokens, job.params)
+        self.batcher.check(job.tokens, job.params, job.media)
         with self._lock:
             if len(self._queued) >= self.max_queue:
                 raise QueueFull(f"the queue holds {self.max_queue} waiting requests")

@@ -62,7 +62,7 @@ async def props(request: Request):
         "total_slots": batcher.n_slots,
         "model_alias": server.model_name,
         "model_path": Path(model.path).name,
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": server.llm.mtmd is not None, "audio": False},
         "endpoint_slots": True,
         "endpoint_props": False,
         "endpoint_metrics": endpoints.metrics,

@@ -39,6 +39,7 @@ from llm.chat.formats import ReasoningFormat
 from llm.chat.prompt import ChatOptions
 from llm.errors import GrammarError
 from llm.generation.core import MAX_TOP_LOGPROBS, GenParams
+from llm.mtmd.bitmap import default_marker
 from llm.params import ReasoningParams
 from llm.sampling import structured as grammar_mod
 from llm.sampling.samplers import SamplingParams
@@ -489,12 +490,8 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                               f"got {json.dumps(role)[:50]}")
-        if isinstance(content, list):   # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad(f"messages[{i}].content", f"messages[{i}].content parts must be "
-                                                     "{\"type\": \"text\", \"text\": string}")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):   # content parts: text, and images as media markers
+            content = "".join(_content_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(content))
         msg: dict = {"role": "system" if role == "developer" else role}
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
@@ -514,6 +511,37 @@ def chat_messages(body: dict) -> list[dict]:
                       "earlier assistant message's tool_calls has as its id")
         out.append(msg)
     return out
+
+
+def _content_part(part, where: str) -> str:
+    """A content part's text: a text part's own, an image_url part's media marker (llama-server's
+    oaicompat_content_load_media); media_parts lists the images."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind == "image_url":
+        ref = part.get("image_url")
+        if not isinstance(ref, dict) or not isinstance(ref.get("url"), str) or not ref["url"]:
+            raise bad(where, f"{where}: an image_url part must be {{\"type\": \"image_url\", \"image_url\": "
+                             "{\"url\": \"data:image/...;base64,...\"}}")
+        return default_marker()
+    raise bad(where, f"{where} must be {{\"type\": \"text\", \"text\": string}} or {{\"type\": \"image_url\", "
+                     "\"image_url\": {\"url\": string}}")
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """An image_url content part: where it is in the request and its URL."""
+
+    where: str      # messages[i].content[j]
+    url: str
+
+
+def media_parts(body: dict) -> list[MediaPart]:
+    """The image_url parts of the (checked, chat_messages) messages, in prompt order."""
+    return [MediaPart(f"messages[{i}].content[{j}]", p["image_url"]["url"])
+            for i, m in enumerate(body["messages"]) if isinstance(m.get("content"), list)
+            for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
@@ -620,6 +648,7 @@ class ChatCompletionRequest:
     include_usage: bool
     cache_prompt: bool
     chat: ChatOptions
+    media: list[MediaPart]          # the image_url parts; each is a media marker in `messages`
 
     @classmethod
     def parse(cls, body: dict, *, n_slots: int, n_vocab: int, vocab: Vocab | None = None,
@@ -635,7 +664,7 @@ class ChatCompletionRequest:
                                      "the reply (response_format gives the answer's)")
             gen = dataclasses.replace(gen, constraint=None)      # the answer's schema is part of the tools' grammar
         stream, include_usage = stream_fields(body)
-        return cls(messages, gen, stream, include_usage, _bool(body, "cache_prompt", False), chat)
+        return cls(messages, gen, stream, include_usage, _bool(body, "cache_prompt", False), chat, media_parts(body))
 
 
 @dataclass(frozen=True)

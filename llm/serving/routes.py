@@ -34,6 +34,7 @@ from llm.generation.core import GenParams
 from llm.params import ReasoningParams
 from llm.serving.completions import Choices, Run, chunks, collect, piece
 from llm.serving.engine import Engine
+from llm.serving.media import load_images, media_job
 from llm.serving.requests import (
     APIError,
     ChatCompletionRequest,
@@ -52,6 +53,7 @@ from llm.state import slot_path
 
 if TYPE_CHECKING:
     from llm.api import LLM
+    from llm.mtmd import InputChunk
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class ServerState:
     special_in_content: bool = False      # parse control tokens spelled in message content (--special-in-content)
     reasoning: ReasoningParams = ReasoningParams()     # --reasoning-format, --reasoning-budget
     reranking: bool = False       # --reranking: /rerank on a model with a classifier head whose pooling is not rank
+    allow_remote_media: bool = False      # --allow-remote-media: image_url parts may be http(s) URLs
     created: int = field(default_factory=lambda: int(time.time()))
     embed_lock: threading.Lock = field(default_factory=threading.Lock)   # LLM.embed builds its context on first use
 
@@ -263,10 +266,12 @@ async def chat_prompt_tokens(server: ServerState, messages: list[dict],
 
 
 async def generate(request: Request, server: ServerState, prompts: list[list[int]], params: GenParams, *,
-                   syntax: ChatSyntax | None, stream: bool, include_usage: bool, cache_prompt: bool):
+                   syntax: ChatSyntax | None, stream: bool, include_usage: bool, cache_prompt: bool,
+                   media: dict[int, InputChunk] | None = None):
     """Run one job per prompt; the completion as one JSON object, or streamed as SSE. A chat
-    completion's replies are read back with `syntax`."""
-    run = Run(server.engine, prompts, params, cache_prompt, prompt_field="prompt" if syntax is None else "messages")
+    completion's replies are read back with `syntax`; `media`: the one prompt's images."""
+    run = Run(server.engine, prompts, params, cache_prompt, prompt_field="prompt" if syntax is None else "messages",
+              media=media)
     pending = await run.start(request)
     choices = Choices(len(prompts), params, syntax=syntax, stream=stream, vocab=server.vocab,
                       model_name=server.model_name)
@@ -283,12 +288,21 @@ async def chat_completions(request: Request):
     req = ChatCompletionRequest.parse(body, n_slots=server.engine.batcher.n_slots, n_vocab=server.vocab.n_tokens,
                                       vocab=server.vocab, n_ctx_slot=server.engine.batcher.n_ctx_slot,
                                       n_adapters=len(server.llm.adapters), reasoning=server.reasoning)
+    if req.media and server.llm.mtmd is None:
+        where = req.media[0].where
+        raise bad(where, f"{where}: this server reads no images (it runs without --mmproj, the model's vision "
+                         "projector)")
+    bitmaps = await run_in_threadpool(load_images, req.media, server.allow_remote_media) if req.media else []
     chat, tokens = await chat_prompt_tokens(server, req.messages, req.chat)
+    media = None
+    if req.media:
+        tokens, media = await run_in_threadpool(media_job, server.llm, chat.prompt, req.media, bitmaps,
+                                                server.engine.batcher.n_ctx_slot)
     check_prompt_length(server, tokens, "messages")
     params = dataclasses.replace(req.params, constraint=chat.grammar or req.params.constraint,
                                  preserved_tokens=chat.preserved_tokens)
     return await generate(request, server, [tokens], params, syntax=chat.syntax, stream=req.stream,
-                          include_usage=req.include_usage, cache_prompt=req.cache_prompt)
+                          include_usage=req.include_usage, cache_prompt=req.cache_prompt, media=media)
 
 
 @router.post("/v1/completions")
