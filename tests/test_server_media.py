@@ -104,6 +104,17 @@ def test_two_image_requests_at_once_equal_one_at_a_time(client, want):
     assert done["o"].choices[0].message.content == alone.choices[0].message.content
 
 
+def test_cache_prompt_and_n_samples_with_an_image(client, want):
+    """cache_prompt keeps a slot's cells up to the first image (the BOS and the turn's opening);
+    n = 2 samples share the prompt's cells, image included (seq_cp)."""
+    for _ in range(2):
+        r = client.chat.completions.create(model="gemma3", messages=QUESTION, max_tokens=8, temperature=0,
+                                           extra_body={"cache_prompt": True})
+        assert r.choices[0].message.content == want.text
+    r = client.chat.completions.create(model="gemma3", messages=QUESTION, max_tokens=8, temperature=0, n=2)
+    assert [c.message.content for c in r.choices] == [want.text, want.text]
+
+
 def bad_request(client: openai.OpenAI, messages: list[dict]) -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="gemma3", messages=messages, max_tokens=2)
