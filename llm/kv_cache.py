@@ -132,6 +132,15 @@ def estimate_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "
                for il in filter(hp.has_kv, range(hp.n_layer)))
 
 
+def mla_per_head_bytes(hp: HParams, n_ctx: int, type_k: str = "f32", type_v: str = "f32") -> int:
+    """Bytes an MLA model's cache would need with per-head K and V (n_head heads of the
+    decompressed k_mla / v_mla sizes, as an unabsorbed cache holds them): what its latent saves."""
+    tk, tv = (kv_type(name, t) for name, t in (("type_k", type_k), ("type_v", type_v)))
+    k, v = hp.n_embd_head_k_mla, hp.n_embd_head_v_mla
+    return sum(n_ctx * (row_size(tk, hp.n_head(il) * k) + row_size(tv, hp.n_head(il) * v))
+               for il in filter(hp.has_kv, range(hp.n_layer)))
+
+
 def kv_type(name: str, t: str) -> GGMLType:
     """The GGML type of cache type t (llama.cpp's name); ValueError naming the argument."""
     if t not in KV_TYPES:

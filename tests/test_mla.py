@@ -56,3 +56,14 @@ def test_token_by_token_decoding_reads_the_latent_cache(model, ref):
                                 logits=np.ones(1, bool))) == 0
         rows.append(ctx.get_logits()[-1].copy())
     assert np.abs(np.stack(rows) - ref["logits_0"]).max() < 1e-4
+
+
+def test_info_reports_the_latent_against_a_per_head_cache(capsys):
+    """`python -m llm info -c 32768` on an MLA model: the latent cache's bytes and what per-head
+    K and V would need (2 layers x 32768 x 4 heads x (16 + 16) x 4 bytes, 3.2x the latent)."""
+    from llm.cli import main
+    assert main(["info", str(FIXTURES / "deepseek2-F32.gguf"), "-c", "32768"]) == 0
+    out = capsys.readouterr().out
+    assert "10.0 MiB (10485760 bytes) at n_ctx 32768" in out
+    assert "MLA: the cache holds the latent (32 + 8 rope values" in out
+    assert "would need 32.0 MiB (33554432 bytes), 3.2x" in out

@@ -344,7 +344,7 @@ def cmd_info(a) -> int:
     import numpy as np
 
     from ggmlx import gguf
-    from llm.kv_cache import estimate_bytes, swa_cache_size
+    from llm.kv_cache import estimate_bytes, mla_per_head_bytes, swa_cache_size
     from llm.model import load_model
     if a.archs:
         print_coverage()
@@ -391,6 +391,11 @@ def cmd_info(a) -> int:
         print(f"KV cache (K {a.type_k}, V {a.type_v}): {kv_per_token / 1024:.1f} KiB per token at full attention, "
               f"{full / 2**20:.1f} MiB ({full} bytes) at n_ctx {n_ctx}{swa}"
               + (f"; {n_shared} layers read an earlier layer's cache" if n_shared else ""))
+    if hp.is_mla:
+        per_head = mla_per_head_bytes(hp, n_ctx, **types_kv)
+        print(f"MLA: the cache holds the latent ({hp.n_lora_kv} + {hp.n_rot} rope values per token and layer); "
+              f"per-head K and V ({hp.n_head(0)} heads of {hp.n_embd_head_k_mla} + {hp.n_embd_head_v_mla}) would need "
+              f"{per_head / 2**20:.1f} MiB ({per_head} bytes), {per_head / full:.1f}x")
     return 0
 
 
