@@ -144,7 +144,7 @@ class Job:
         return self.state in ("done", "failed", "cancelled")
 
     @property
-    def n_text(self) -> int | None:
+    def first_image(self) -> int | None:
         """Where its first image starts (what of its cells may be reused), None without images."""
         return min(self.media) if self.media else None
 
@@ -310,8 +310,8 @@ class Batcher:
     def _free(self, s: _Seq, keep: bool = False) -> None:
         if keep:    # the cells hold the prompt and the output but its last (pending) token
             n = min(s.n_past, len(s.job.tokens) + len(s.tokens))
-            if s.job.n_text is not None:        # a placeholder matches no image: keep the text before
-                n = min(n, s.job.n_text)
+            if s.job.first_image is not None:        # a placeholder matches no image: keep the text before
+                n = min(n, s.job.first_image)
             self.cached[s.seq_id] = (s.job.tokens + s.tokens)[:n]
             self.cached_lora[s.seq_id] = self.lora_key(s.job.params)
             self.ctx.memory.seq_rm(s.seq_id, n, -1)
@@ -396,8 +396,8 @@ class Batcher:
     def _take_slot(self, job: Job) -> tuple[int, int]:
         """A free slot for the job and how many of its prompt tokens the slot already holds."""
         if job.cache_prompt and job.params.n == 1:
-            n_text = job.n_text
-            best, n_keep = self.best_slot(job.tokens if n_text is None else job.tokens[:n_text + 1], job.params.lora)
+            first = job.first_image         # the cells before it may be reused, the image's never
+            best, n_keep = self.best_slot(job.tokens if first is None else job.tokens[:first + 1], job.params.lora)
         else:
             self.free.sort()
             best, n_keep = self.free[0], 0
