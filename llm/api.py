@@ -29,7 +29,7 @@ from llm.chat import tool_calls as tools_mod
 from llm.chat.formats import ChatSyntax, ReasoningFormat
 from llm.context import Context, ContextParams, DecodeStatus, bucket
 from llm.generation import core
-from llm.generation.batcher import MEDIA_PLACEHOLDER, Batcher, Done, Event, Job
+from llm.generation.batcher import Batcher, Done, Event, Job, media_prompt
 from llm.generation.core import FINISH_EOG, FINISH_LENGTH, FINISH_STOP, Delta, GenParams, TokenLogprob, logprobs_of  # noqa: F401
 from llm.generation.speculative import DraftModel, PromptLookup, draft_lengths, max_draft
 from llm.hparams import PoolingType
@@ -131,12 +131,8 @@ class LLM:
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                        progress_callback=progress_callback, weight_format=weight_format,
                                        split_mode=split_mode, row_plan=row_plan)
-        # the vision encoder (libmtmd's context), and what slot 0's cells hold when an image is
-        # among them: the batcher sees placeholder tokens there, so its record of slot 0 is cut
-        # before the first image (no text prompt can match an image) and the whole is kept here
+        # the vision encoder (libmtmd's context); the batcher decodes prompts' images with it
         self.mtmd = mtmd_mod.init_from_file(mmproj, self.model) if mmproj is not None else None
-        self._media_held: list = []
-        self._media_cut: list[int] | None = None
         self.t_load = time.perf_counter() - t0
         if self.model.output is None:       # an encoder gives embeddings only
             cparams = dataclasses.replace(cparams, embeddings=True)
@@ -149,7 +145,7 @@ class LLM:
             self.ctx = cast(Context, distributed.LeaderContext(self.ctx))
         self.vocab = self.model.vocab
         # the generation loop of every call; slot 0 holds the conversation of one-prompt calls
-        self._batcher = Batcher(self.ctx, self.vocab)
+        self._batcher = Batcher(self.ctx, self.vocab, mtmd=self.mtmd)
         self._last_slot = 0
         self.prompt_cache = (PromptCache(prompt_cache, self.ctx.fingerprint, max_bytes=prompt_cache_bytes)
                              if prompt_cache is not None else None)
@@ -357,13 +353,13 @@ class LLM:
         """The tokens whose K/V the cache holds in slot 0 (the conversation of one-prompt calls)."""
         return self._batcher.cached.get(0, [])
 
-    def _prepare(self, tokens: list[int], params: GenParams) -> int:
+    def _prepare(self, tokens: list[int], params: GenParams, media: dict[int, mtmd_mod.InputChunk]) -> int:
         """Before a one-prompt job: keep the prefix of the best slot (or restore a longer one from
-        the prompt cache) and compile the graphs the generation will use; returns the number of
-        prompt tokens already in the cache."""
-        slot, n_keep = self._batcher.best_slot(tokens, params.lora)
+        the prompt cache, for a prompt without images) and compile the graphs the generation will
+        use; returns the number of prompt tokens already in the cache."""
+        slot, n_keep = self._batcher.best_slot(tokens, params.lora, media)
         pc = self.prompt_cache
-        if (pc is not None and self.ctx.edits is None and not self.ctx.lora.adapters
+        if (pc is not None and self.ctx.edits is None and not self.ctx.lora.adapters and not media
                 and n_keep < len(tokens) - 1 - pc.min_tokens):
             n_restored = pc.restore(self.ctx, tokens[:-1], seq_id=slot, better_than=n_keep)
             if n_restored:
@@ -379,6 +375,7 @@ class LLM:
         call) as a prompt-cache entry."""
         cached = self._batcher.cached.get(self._last_slot, [])
         if (self.prompt_cache is not None and cached and not self.ctx.lora.adapters
+                and not self._batcher.cached_media.get(self._last_slot)       # placeholders are no tokens
                 and not self.prompt_cache.contains(cached)):        # the cache's K/V are of the bare model
             self.prompt_cache.store(cached, self.ctx.state_seq_get_data(self._last_slot, cached))
 
@@ -394,14 +391,14 @@ class LLM:
                 self._batcher.cancel(job)
 
     def _stream(self, tokens: list[int], params: GenParams, edits: trace_mod.GraphEdits | None,
-                media: bool = False) -> Iterator[GenerationChunk]:
+                media: dict[int, mtmd_mod.InputChunk] | None = None) -> Iterator[GenerationChunk]:
         """One prompt through the batcher: one chunk per sampled token, then the final one.
-        media: the prompt's cells were filled by _stream_media (never a prompt-cache entry)."""
+        media: the prompt's images (batcher.media_prompt; never a prompt-cache entry)."""
         with self._under(edits):
             perf0 = self.ctx.perf()
-            n_keep = self._prepare(tokens, params)
+            n_keep = self._prepare(tokens, params, media or {})
             events: collections.deque[Event] = collections.deque()
-            job = Job(tokens, params, events.append, cache_prompt=True)
+            job = Job(tokens, params, events.append, cache_prompt=True, media=media)
             self._batcher.submit(job)
             out = _Collect(1)
             last_text = ""
@@ -810,74 +807,21 @@ class LLM:
         if interventions is not None or params.lora is not None or params.speculative is not None:
             raise ValueError("images cannot be combined with interventions, a per-call lora or speculative "
                              "decoding yet")
-        chunks = self.media_prompt(text, images)
-        keys: list = []         # per position: its token, or (image id, index) of an image's
-        tokens: list[int] = []  # ... as the batcher sees it
-        for c in chunks:
-            if c.image is None:
-                keys += c.tokens
-                tokens += c.tokens
-            else:
-                keys += [(c.key, j) for j in range(c.n_pos)]
-                tokens += [MEDIA_PLACEHOLDER] * c.n_pos
-        self._batcher.check(tokens, params)
-        return self._one_at_a_time(self._stream_media(chunks, keys, tokens, params))
+        tokens, media = media_prompt(self.media_prompt(text, images))
+        self._batcher.check(tokens, params, media)
+        return self._one_at_a_time(self._stream_media(tokens, media, params))
 
-    def _stream_media(self, chunks: list[mtmd_mod.InputChunk], keys: list, tokens: list[int],
+    def _stream_media(self, tokens: list[int], media: dict[int, mtmd_mod.InputChunk],
                       params: GenParams) -> Iterator[GenerationChunk]:
-        """Fill slot 0 with the prompt but its last token (keeping what the cells already hold
-        of it, never part of an image; images encoded or read from the encoder's cache), then
-        generate from the last token through the batcher, which sees the prompt's tokens with
-        a placeholder per image position."""
-        assert self.mtmd is not None        # _media_checked made sure
-        cached = self._batcher.cached.get(0)
-        held = self._media_held if cached is not None and cached == self._media_cut else (cached or [])
-        n_keep = 0
-        for a, b in zip(held, keys[:-1], strict=False):
-            if a != b:
-                break
-            n_keep += 1
-        pos, rest = 0, []
-        for c in chunks:
-            if c.image is not None and pos < n_keep < pos + c.n_pos:
-                n_keep = pos
-            pos += c.n_pos
-        if not self.ctx.memory.can_keep(0, n_keep):
-            n_keep = 0
-        pos = 0
-        for c in chunks:
-            end = pos + c.n_pos
-            if end > n_keep:
-                rest.append(c if pos >= n_keep else mtmd_mod.InputChunk("text", c.tokens[n_keep - pos:]))
-            pos = end
-        rest[-1] = mtmd_mod.InputChunk("text", rest[-1].tokens[:-1])
-        self._batcher.keep_prefix(0, n_keep)
-        self._media_cut = None
+        """_stream with images, their encoder's share in the timings (0 runs for a cached image
+        or one whose cells slot 0 still holds)."""
+        assert self.mtmd is not None        # media_prompt made sure
         n_encode, t_encode = self.mtmd.n_encode, self.mtmd.t_encode
-        try:
-            self.mtmd.eval_chunks(self.ctx, [c for c in rest if c.n_tokens], n_past=n_keep, seq_id=0,
-                                  n_batch=self.ctx.n_batch, logits_last=False)
-        except Exception:
-            self._forget()
-            raise
-        self._batcher.cached[0] = tokens[:-1]
-        self._batcher.cached_lora.pop(0, None)
-        if self._batcher.best_slot(tokens, params.lora) != (0, len(tokens) - 1):
-            # the batcher would decode the placeholders as text: never go on from here
-            self._forget()
-            raise RuntimeError("the batcher does not see slot 0 holding the image prompt's cells")
-        try:
-            for chunk in self._stream(tokens, params, None, media=True):
-                if chunk.completion is not None:     # the encoder's share: 0 runs for a cached image
-                    chunk.completion.timings.update(n_encode=self.mtmd.n_encode - n_encode,
-                                                    encode_s=self.mtmd.t_encode - t_encode)
-                yield chunk
-        finally:
-            first = next(i for i, t in enumerate(tokens) if keys[i] != t)      # the first image position
-            now = self._batcher.cached.get(0)
-            if now is not None and now[:first] == tokens[:first]:
-                self._media_held = keys + now[len(tokens):] if len(now) >= len(tokens) else keys[:len(now)]
-                self._media_cut = self._batcher.cached[0] = now[:first]
+        for chunk in self._stream(tokens, params, None, media=media):
+            if chunk.completion is not None:
+                chunk.completion.timings.update(n_encode=self.mtmd.n_encode - n_encode,
+                                                encode_s=self.mtmd.t_encode - t_encode)
+            yield chunk
 
     @staticmethod
     def _parse_reply(chunks: Iterator[GenerationChunk], syntax: ChatSyntax) -> Iterator[GenerationChunk]:

@@ -17,6 +17,9 @@ from starlette.testclient import TestClient
 from test_server import ROOT, Server
 
 import llm
+from llm.errors import StateError
+from llm.generation.batcher import Batcher, Job, media_prompt
+from llm.generation.core import GenParams
 from llm.params import MediaParams
 from llm.serving.app import create_app
 from llm.serving.engine import Engine
@@ -153,7 +156,39 @@ def test_the_server_keeps_serving_after_bad_media(client, want, server):
     assert server.health()["slots_processing"] == 0
 
 
-# ---- in this process: --allow-remote-media, and a server without --mmproj -----------------
+# ---- in this process: the engine's Batcher, --allow-remote-media, a server without --mmproj ----
+
+
+def test_a_slot_shares_its_cells_through_an_image_only_with_the_same_image(vlm, tmp_path):
+    """The Batcher as the engine runs it: a kept slot's prefix goes through an image when the
+    next prompt has the same image there (no encoder run, its cells not decoded again); another
+    image, or text spelling the placeholder tokens, shares only what comes before the image."""
+    b = Batcher(vlm.ctx, vlm.vocab, mtmd=vlm.mtmd)
+    marker = llm.mtmd.default_marker()
+
+    def run(tokens: list[int], media: dict | None = None) -> Job:
+        job = Job(tokens, GenParams(max_tokens=2), lambda ev: None, cache_prompt=True, media=media)
+        b.submit(job)
+        while not job.finished:
+            b.step()
+        assert job.state == "done"
+        return job
+
+    try:
+        tokens, media = media_prompt(vlm.media_prompt(f"Look {marker} What is it?", [IMAGE]))
+        start = min(media)
+        end = start + media[start].n_pos
+        run(tokens, media)
+        n_encode = vlm.mtmd.n_encode
+        again = run(*media_prompt(vlm.media_prompt(f"Look {marker} What colour?", [IMAGE])))
+        assert again.n_cached > end and vlm.mtmd.n_encode == n_encode
+        other = run(*media_prompt(vlm.media_prompt(f"Look {marker} What colour?", [DATA / "test-image-2.png"])))
+        assert other.n_cached == start
+        with pytest.raises(StateError, match="holds an image"):
+            b.save_slot(0, tmp_path / "slot.bin")
+        assert run(other.tokens).n_cached == start         # the placeholders as text tokens
+    finally:
+        vlm.reset()         # this Batcher used vlm's cells
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,9 @@ A job may hold images (`media`, from an mtmd prompt's chunks: `media_prompt`): i
 placeholder at each image position, and when its prefill reaches an image, the Batcher's
 MtmdContext decodes the image into the job's sequence before the step's batch (llama-server's
 process_mtmd_chunk); the text around the images is prefilled in the steps' batches as any
-prompt's. The cells of a prompt are kept for reuse only up to its first image.
+prompt's. A slot's kept cells record their images by chunk key, and a prefix is shared through
+an image only when the next prompt has the same image there (server_tokens::get_common_prefix):
+a placeholder never matches a text token, nor another image.
 """
 from __future__ import annotations
 
@@ -143,11 +145,6 @@ class Job:
     def finished(self) -> bool:
         return self.state in ("done", "failed", "cancelled")
 
-    @property
-    def first_image(self) -> int | None:
-        """Where its first image starts (what of its cells may be reused), None without images."""
-        return min(self.media) if self.media else None
-
 
 class _Seq:
     """One sample of a job, in one slot (= KV sequence id)."""
@@ -188,6 +185,7 @@ class Batcher:
         # takes the free slot that shares the longest prefix with it (llama-server's cache_prompt)
         self.cached: dict[int, list[int]] = {}     # free slot -> the tokens its cells hold
         self.cached_lora: dict[int, tuple[float, ...]] = {}   # ... and the adapter scales they were computed with
+        self.cached_media: dict[int, dict[int, tuple[str, int]]] = {}   # ... and its images: start -> (key, n_pos)
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.n_steps = 0
@@ -222,8 +220,7 @@ class Batcher:
             if status != DecodeStatus.OK:
                 raise EngineError(f"warmup decode of {n_tokens} tokens failed: {ctx.last_error}")
         ctx.memory_clear()
-        self.cached.clear()
-        self.cached_lora.clear()
+        self.forget()
         return ctx.perf()["n_compiles"] - n0
 
     # ---- jobs --------------------------------------------------------------------------
@@ -309,18 +306,28 @@ class Batcher:
 
     def _free(self, s: _Seq, keep: bool = False) -> None:
         if keep:    # the cells hold the prompt and the output but its last (pending) token
+            media = s.job.media
             n = min(s.n_past, len(s.job.tokens) + len(s.tokens))
-            if s.job.first_image is not None:        # a placeholder matches no image: keep the text before
-                n = min(n, s.job.first_image)
+            n = min([n] + [p for p, c in media.items() if p < n < p + c.n_pos])     # never part of an image
             self.cached[s.seq_id] = (s.job.tokens + s.tokens)[:n]
             self.cached_lora[s.seq_id] = self.lora_key(s.job.params)
+            self._set_cached_media(s.seq_id, {p: (c.key, c.n_pos) for p, c in media.items()}, n)
             self.ctx.memory.seq_rm(s.seq_id, n, -1)
         else:
             self.ctx.memory.seq_rm(s.seq_id, -1, -1)
             self.cached.pop(s.seq_id, None)
             self.cached_lora.pop(s.seq_id, None)
+            self.cached_media.pop(s.seq_id, None)
         self.ctx.set_adapter_scales_seq(s.seq_id, None)
         self.free.append(s.seq_id)
+
+    def _set_cached_media(self, slot: int, images: dict[int, tuple[str, int]], n: int) -> None:
+        """Record the images within a slot's first n cells."""
+        kept = {p: v for p, v in images.items() if p + v[1] <= n}
+        if kept:
+            self.cached_media[slot] = kept
+        else:
+            self.cached_media.pop(slot, None)
 
     def lora_key(self, params: GenParams) -> tuple[float, ...]:
         """The adapter scales a job's cells are computed with (its own, or the context's)."""
@@ -332,8 +339,7 @@ class Batcher:
         self.ctx.set_adapters_lora(adapters, scales)
         for slot in self.free:
             self.ctx.memory.seq_rm(slot, -1, -1)
-        self.cached.clear()
-        self.cached_lora.clear()
+        self.forget()
 
     def _idle_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.n_slots:
@@ -343,8 +349,11 @@ class Batcher:
 
     def save_slot(self, slot: int, path) -> int:
         """Write an idle slot's cells and the tokens they hold (llama-server's slot save);
-        returns the number of tokens saved. The cells are there after a cache_prompt job."""
+        returns the number of tokens saved. The cells are there after a cache_prompt job. A
+        slot whose cells hold an image is a StateError: the file would keep its placeholders only."""
         self._idle_slot(slot)
+        if self.cached_media.get(slot):
+            raise StateError(f"slot {slot} holds an image: its cells cannot be saved to a file")
         tokens = self.cached.get(slot, [])
         self.ctx.state_seq_save_file(path, slot, tokens)
         return len(tokens)
@@ -356,6 +365,7 @@ class Batcher:
         tokens = self.ctx.state_seq_load_file(path, slot)
         self.cached.pop(slot, None)
         self.cached_lora.pop(slot, None)
+        self.cached_media.pop(slot, None)
         if len(tokens) >= self.n_ctx_slot:
             self.ctx.memory.seq_rm(slot, -1, -1)
             raise StateError(f"{path}: {len(tokens)} tokens do not fit a slot of {self.n_ctx_slot}")
@@ -366,38 +376,54 @@ class Batcher:
         """Drop the prompt cache's bookkeeping (after the cache itself was cleared)."""
         self.cached.clear()
         self.cached_lora.clear()
+        self.cached_media.clear()
 
-    def best_slot(self, tokens: Sequence[int], lora: tuple[float, ...] | None = None) -> tuple[int, int]:
-        """The free slot whose cells share the longest prefix with tokens[:-1] (that the cache can
-        still keep: a sliding-window cache may have dropped what the next token needs) and were
-        computed with the adapter scales `lora` (default: the context's), and its length; the
-        lowest free slot and 0 when none shares any."""
+    def best_slot(self, tokens: Sequence[int], lora: tuple[float, ...] | None = None,
+                  media: Mapping[int, InputChunk] | None = None) -> tuple[int, int]:
+        """The free slot whose cells share the longest prefix with tokens[:-1] (with images
+        `media`; that the cache can still keep: a sliding-window cache may have dropped what the
+        next token needs) and were computed with the adapter scales `lora` (default: the
+        context's), and its length; the lowest free slot and 0 when none shares any."""
         self.free.sort()
         best, n_keep = self.free[0], 0
         key = self.ctx.lora.scales if lora is None else tuple(lora)
         for seq_id in self.free:
             if self.cached_lora.get(seq_id, self.ctx.lora.scales) != key:
                 continue
-            n = 0
-            for a, b in zip(self.cached.get(seq_id, ()), tokens[:-1], strict=False):
-                if a != b:
-                    break
-                n += 1
+            n = self._common_prefix(seq_id, tokens, media or {})
             if n > n_keep and self.ctx.memory.can_keep(seq_id, n):
                 best, n_keep = seq_id, n
         return best, n_keep
+
+    def _common_prefix(self, slot: int, tokens: Sequence[int], media: Mapping[int, InputChunk]) -> int:
+        """How many of tokens[:-1] a slot's cells hold: text token by token, an image whole when
+        both have it at the same place (its chunk key and size)."""
+        held, images = self.cached.get(slot, []), self.cached_media.get(slot, {})
+        end = min(len(held), len(tokens) - 1)
+        n = 0
+        while n < end:
+            mine, theirs = images.get(n), media.get(n)
+            if mine is not None or theirs is not None:
+                if theirs is None or mine != (theirs.key, theirs.n_pos) or n + theirs.n_pos > end:
+                    break
+                n += theirs.n_pos
+            elif held[n] != tokens[n]:
+                break
+            else:
+                n += 1
+        return n
 
     def keep_prefix(self, slot: int, n: int) -> None:
         """Cut a free slot's cells (and what it is known to hold) to their first n tokens."""
         self.ctx.memory.seq_rm(slot, n, -1)
         if slot in self.cached:
             self.cached[slot] = self.cached[slot][:n]
+        self._set_cached_media(slot, self.cached_media.get(slot, {}), n)
 
     def _take_slot(self, job: Job) -> tuple[int, int]:
         """A free slot for the job and how many of its prompt tokens the slot already holds."""
         if job.cache_prompt and job.params.n == 1:
-            first = job.first_image         # the cells before it may be reused, the image's never
-            best, n_keep = self.best_slot(job.tokens if first is None else job.tokens[:first + 1], job.params.lora)
+            best, n_keep = self.best_slot(job.tokens, job.params.lora, job.media)
         else:
             self.free.sort()
             best, n_keep = self.free[0], 0
@@ -406,6 +432,7 @@ class Batcher:
         self.ctx.memory.seq_rm(best, n_keep, -1)
         self.cached.pop(best, None)
         self.cached_lora.pop(best, None)
+        self.cached_media.pop(best, None)
         return best, n_keep
 
     def _admit(self) -> None:
