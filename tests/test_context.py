@@ -171,6 +171,7 @@ def test_second_context_compiles_nothing(llama, ref):
     assert (p["n_graph_builds"], p["n_reused"]) == (3, 62)
 
 
+@pytest.mark.slow
 def test_reserve_compiles_decode_and_prefill_ahead(llama):
     from ggmlx.compile import GraphCache
     ctx = new_ctx(llama, n_ubatch=16)
@@ -416,6 +417,7 @@ def test_two_sequences_in_one_batch(llama, ref):
     assert ctx.memory.seq_pos_max(0) == 15 and ctx.memory.seq_pos_max(1) == 15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_seq_add_k_shift_matches_decoding_at_shifted_positions(models, arch: str):
     model = models[arch]

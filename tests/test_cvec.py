@@ -35,6 +35,7 @@ def test_direction_is_added_to_l_out(setup):
     assert np.abs(tr["l_out-2"] - base["l_out-2"]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_scaled_files_sum_and_layer_range(setup):
     m, d, dirs, _ = setup
     iv = m.control_vector([(d / "a.gguf", 0.5), (d / "b.gguf", -2.0)])

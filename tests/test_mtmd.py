@@ -183,6 +183,7 @@ def png_header(nx: int, ny: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
+@pytest.mark.slow
 def test_a_decompression_bomb_is_refused_before_decoding():
     t0 = time.perf_counter()
     with pytest.raises(mtmd.MediaError, match="over the pixel limit, refused before decoding"):

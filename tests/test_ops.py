@@ -1200,7 +1200,8 @@ def ref_gated_delta_net(q, k, v, g, beta, s0, K):
     return np.concatenate([o.reshape(-1), snaps.reshape(-1)])
 
 
-@pytest.mark.parametrize("kda,K,n_tok", [(False, 1, 7), (True, 1, 5), (False, 3, 6), (False, 4, 2), (False, 1, 70),
+@pytest.mark.parametrize("kda,K,n_tok", [(False, 1, 7), (True, 1, 5), (False, 3, 6), (False, 4, 2),
+                                         pytest.param(False, 1, 70, marks=pytest.mark.slow),
                                          (False, 3, 12), (True, 1, 20)],
                          ids=["gdn", "kda", "snapshots", "snapshots-past-tokens", "chunked-2-chunks",
                               "chunked-then-snapshots", "kda-long"])

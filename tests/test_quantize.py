@@ -256,6 +256,7 @@ def describe(paths: list[str]) -> dict:
 # ---- the quantizers -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("type_name", ROW_TYPES)
 def test_quantizer_rows_equal_llamacpp(ref, type_name):
     rows = quantizer_rows()
@@ -358,6 +359,7 @@ def test_split_model_equals_llamacpp(ref, inputs, tmp_path, case, ftype_name, ke
     pytest.param(m, f, marks=() if (m, f) in {("llama-gqa4", "Q4_K_M"), ("moe8", "IQ4_XS"), ("llama-gqa4", "IQ2_XXS")}
                  else pytest.mark.slow,
                  id=f"{m}-{f}") for m, f in IMATRIX_CASES])
+@pytest.mark.slow
 def test_imatrix_model_quantize_equals_llamacpp(ref, inputs, tmp_path, model, ftype_name):
     want = ref["models_imatrix"][model][ftype_name]
     if "error" in want:         # llama.cpp refused: a tensor that needs the matrix has none in it
@@ -603,6 +605,7 @@ def test_cli_imatrix_writes_llama_quantize_bytes(ref, inputs, tmp_path, monkeypa
         assert r.kv["quantize.imatrix.file"] == "imatrix.dat" and r.kv["quantize.imatrix.chunks_count"] == 3
 
 
+@pytest.mark.slow
 def test_cli_iq2_xxs_with_imatrix_writes_llama_quantize_bytes(ref, inputs, tmp_path, monkeypatch):
     """`llm quantize IN OUT IQ2_XXS --imatrix F`: llama_model_quantize's file (IQ2_XXS, its Q2_K /
     Q4_K / Q5_K mix and the provenance keys)."""

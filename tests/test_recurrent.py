@@ -92,6 +92,7 @@ def test_sequences_of_different_lengths_in_one_batch_match_each_alone(name, requ
         assert np.abs(ctx.get_logits_ith(s) - alone(model, np.append(t, nxt[s]))[-1]).max() <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV, PARALLEL])
 def test_a_long_prompt_in_small_ubatches_equals_one_ubatch(name, request):
     model = request.getfixturevalue(name)
@@ -101,6 +102,7 @@ def test_a_long_prompt_in_small_ubatches_equals_one_ubatch(name, request):
     assert np.abs(one - small).max() <= TOL
 
 
+@pytest.mark.slow
 def test_decode_compiles_nothing_in_steady_state(model):
     ctx = llm.Context(model, n_ctx=256)
     assert ctx.decode(llm.Batch(tokens(20, 5))) == 0
@@ -131,6 +133,7 @@ def test_seq_rm_of_a_tail_is_refused_and_changes_nothing(model):
     assert np.abs(ctx.get_logits() - alone(model, toks)).max() <= TOL
 
 
+@pytest.mark.slow
 def test_seq_cp_copies_the_state(model):
     toks = tokens(8, 7)
     ctx = llm.Context(model, n_ctx=64, n_seq_max=2)
@@ -157,6 +160,7 @@ def test_shared_tokens_and_bad_sequences_are_refused(model):
     assert ctx.memory.seq_rm(5) is False
 
 
+@pytest.mark.slow
 def test_positions_shift_without_touching_the_state(model):
     ctx = llm.Context(model, n_ctx=64)
     assert ctx.decode(llm.Batch(tokens(6, 8))) == 0
@@ -167,6 +171,7 @@ def test_positions_shift_without_touching_the_state(model):
     assert ctx.decode(llm.Batch([4])) == 0 and ctx.memory.seq_pos_max(0) == 8
 
 
+@pytest.mark.slow
 def test_hybrid_memory_pairs_a_kv_cache_with_states(hybrid):
     ctx = llm.Context(hybrid, n_ctx=64, n_seq_max=2)
     mem = ctx.memory
@@ -287,6 +292,7 @@ def test_info_reports_the_memory_kind(capsys):
         assert ("KV cache" in out) == (kind == "hybrid")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model", "hybrid", "delta", SHORTCONV, PARALLEL])
 def test_state_save_and_restore_continue_identically(name, request, tmp_path):
     """A whole state and one sequence's state (its conv and SSM states, and for the hybrid its

@@ -104,6 +104,7 @@ def test_draft_model_greedy_is_identical(path, target):
     assert again.tokens == plain.tokens
 
 
+@pytest.mark.slow
 def test_stop_mid_step_keeps_the_cache_consistent(target):
     prompt = repetitive_prompt()
     spec = target.generate(prompt, max_tokens=5, temperature=0.0, speculative="prompt-lookup")

@@ -97,6 +97,7 @@ def test_tool_call_is_parsed_and_matches_schema(tiny, choice):
     jsonschema.validate(json.loads(call["function"]["arguments"]), fn["parameters"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_native_format_tool_call_and_reasoning_in_the_python_api(tmp_path, stream):
     """LLM.chat with a Hermes-style template: the call is constrained and parsed from <tool_call>
