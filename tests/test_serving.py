@@ -5,6 +5,7 @@ alone, and the engine thread refuses work at once when its queue is full."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from llm.serving import (
 )
 
 N_CTX = 128
+FIXTURES = Path(__file__).parent / "data" / "fixtures"
 GREEDY = SamplingParams(temp=0.0)
 
 
@@ -292,3 +294,43 @@ def test_save_restore_slot_refuses_busy_and_unknown_slots(model, tmp_path):
     assert b.restore_slot(1 - slot, tmp_path / "a.bin") == n
     assert b.cached[1 - slot] == b.cached[slot]
     assert b.ctx.memory.seq_pos_max(1 - slot) == n - 1
+
+
+def test_context_shift_goes_on_past_a_full_slot(model):
+    """Batcher(context_shift=True), llama-server's --context-shift: a sample that fills its slot
+    of 32 cells keeps n_keep tokens (+ the BOS), discards half of the rest (seq_rm), moves the
+    later cells back (seq_add: their keys re-rotated) and goes on; its log-probabilities are
+    those of a context that does llama-server's operations by hand, and the shifted cells are
+    not kept for cache_prompt. (The state is not a fresh decode of the kept tokens: their
+    deeper layers saw the discarded ones, in llama.cpp too.)"""
+    ctx = llm.Context(model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=2, kv_bucket=64)
+    b = Batcher(ctx, model.vocab, context_shift=True)
+    prompt = prompt_tokens(10)
+    sink = Sink()
+    job = Job(prompt, GenParams(max_tokens=60, sampling=GREEDY, logprobs=True, n_keep=3), sink, cache_prompt=True)
+    b.submit(job)
+    while b.step():
+        pass
+    out = [lp for ev in sink.events if isinstance(ev, Delta) for lp in ev.logprobs]
+    assert len(out) == 60 and sink.events[-2].finish_reason == FINISH_LENGTH
+    assert job.seqs[0].n_shifted == 3 * 13 and b.cached.get(job.seqs[0].seq_id) is None
+    ref = llm.Context(model, n_ctx=32, n_batch=32, n_ubatch=32, kv_bucket=32)
+    assert ref.decode(llm.Batch(prompt)) == 0
+    n_past, n_keep = len(prompt), 3 + 1
+    for k in range(len(out) - 1):
+        if n_past + 1 >= 32:
+            n_discard = (n_past - n_keep) // 2
+            ref.memory.seq_rm(0, n_keep, n_keep + n_discard)
+            ref.memory.seq_add(0, n_keep + n_discard, n_past, -n_discard)
+            n_past -= n_discard
+        assert ref.decode(llm.Batch([out[k].token], pos=[n_past], logits=[True])) == 0
+        n_past += 1
+        want, _ = logprobs_of(ref.get_logits_ith(-1), out[k + 1].token, 0)
+        assert abs(out[k + 1].logprob - want) < 1e-5, (k, out[k + 1].logprob, want)
+
+
+def test_context_shift_is_refused_where_positions_cannot_shift():
+    """A recurrent state cannot forget the discarded tokens: a ValueError naming context_shift."""
+    ctx = llm.Context(llm.load_model(FIXTURES / "mamba2-F32.gguf"), n_ctx=64, n_seq_max=1)
+    with pytest.raises(ValueError, match="context_shift: the recurrent state of mamba2"):
+        Batcher(ctx, ctx.model.vocab, context_shift=True)

@@ -62,6 +62,7 @@ from llm.generation.speculative import (
     replay,
     sample_and_accept_n,
 )
+from llm.hparams import RopeType
 from llm.params import ParamError
 from llm.sampling.samplers import SamplerChain, TokenDataArray
 
@@ -158,6 +159,8 @@ class _Seq:
         self.state = state
         self.drafter, self.policy = drafter, policy
         self.n_past = 0                    # cells of this sequence in the cache
+        self.n_shifted = 0                 # tokens after n_keep that context shifts discarded
+        self.n_keep = 0                    # ... the tokens kept at the start (the first shift's n_keep)
         self.pending: int | None = None    # sampled token to decode next step
         self.done = False
         self.rollback: Rollback | None = None     # how this step's draft is dropped, if rejected
@@ -166,15 +169,38 @@ class _Seq:
     def tokens(self) -> list[int]:
         return self.state.tokens
 
+    def cells_tokens(self) -> list[int]:
+        """The tokens this sequence's cells hold, in order: its prompt and output, less what
+        context shifts discarded (always the oldest tokens after the first n_keep)."""
+        seq = self.job.tokens + self.tokens
+        return seq[:self.n_keep] + seq[self.n_keep + self.n_shifted:] if self.n_shifted else seq
+
+
+def check_context_shift(ctx) -> None:
+    """ValueError when a full slot of ctx cannot discard tokens and shift the rest back: a
+    recurrent state cannot forget the discarded tokens, and M-RoPE positions cannot be
+    shifted by one number (llama_kv_cache::get_can_shift)."""
+    hp = ctx.model.hparams
+    if ctx.recurrent:
+        raise ValueError(f"context_shift: the recurrent state of {hp.arch.value} cannot drop the discarded tokens")
+    if hp.rope_type in (RopeType.MROPE, RopeType.IMROPE, RopeType.VISION):
+        raise ValueError(f"context_shift: the multi-section rope positions of {hp.arch.value} cannot be shifted")
+
 
 class Batcher:
     """Continuous batching over one Context (see the module docstring). Not thread-safe:
     one thread calls submit/cancel/step (Engine does that for servers)."""
 
-    def __init__(self, ctx, vocab, n_slots: int | None = None, mtmd: MtmdContext | None = None):
+    def __init__(self, ctx, vocab, n_slots: int | None = None, mtmd: MtmdContext | None = None, *,
+                 context_shift: bool = False):
+        """context_shift: a sequence whose slot is full discards half of its tokens after
+        n_keep and goes on (llama-server's --context-shift), instead of ending with "length"."""
         self.ctx = ctx
         self.vocab = vocab
         self.mtmd = mtmd        # decodes the images of jobs with media (llm.mtmd)
+        if context_shift:
+            check_context_shift(ctx)
+        self.context_shift = context_shift
         self.n_slots = ctx.n_seq_max if n_slots is None else n_slots
         if not 1 <= self.n_slots <= ctx.n_seq_max:
             raise ValueError(f"n_slots = {self.n_slots} is outside [1, n_seq_max = {ctx.n_seq_max}]")
@@ -277,7 +303,7 @@ class Batcher:
         """Queue a checked job; its max_tokens is capped by what its slot can hold after the prompt."""
         self.check(job.tokens, job.params, job.media)
         room = self.n_ctx_slot - len(job.tokens)
-        if job.params.max_tokens is not None and job.params.max_tokens > room:
+        if job.params.max_tokens is not None and job.params.max_tokens > room and not self._shifts(job):
             job.params = dataclasses.replace(job.params, max_tokens=room)
         self.waiting.append(job)
 
@@ -305,7 +331,7 @@ class Batcher:
             self.running.remove(job)
 
     def _free(self, s: _Seq, keep: bool = False) -> None:
-        if keep:    # the cells hold the prompt and the output but its last (pending) token
+        if keep and not s.n_shifted:    # the cells hold the prompt and the output but its last (pending) token
             media = s.job.media
             n = min(s.n_past, len(s.job.tokens) + len(s.tokens))
             n = min([n] + [p for p, c in media.items() if p < n < p + c.n_pos])     # never part of an image
@@ -454,9 +480,10 @@ class Batcher:
         n_draft = max_draft(self.ctx)
         for i in range(p.n):
             sampler = build_sampler(p, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train, index=i)
-            drafter = make_drafter(p.speculative) if p.speculative is not None and n_draft else None
             state = SeqState(p, self.vocab, i)
-            seq_id, n_keep = self._take_slot(job)       # last: nothing below can fail with the slot taken
+            seq_id, n_keep = self._take_slot(job)       # nothing below can fail with the slot taken
+            # check() made this drafter once already
+            drafter = make_drafter(p.speculative, seq_id) if p.speculative is not None and n_draft else None
             job.seqs.append(_Seq(job, i, seq_id, sampler, state, drafter,
                                  DraftPolicy(n_draft) if drafter is not None else None))
             if i == 0:
@@ -481,6 +508,9 @@ class Batcher:
             wants.append(want)
 
         decoding = [s for job in self.running for s in job.seqs if s.pending is not None]
+        for s in decoding:
+            if s.n_past + 1 >= self.n_ctx_slot:
+                self._shift(s)
         budget = self.ctx.n_batch - len(decoding)
         for s in decoding:
             assert s.pending is not None
@@ -507,13 +537,36 @@ class Batcher:
             budget -= k
         return plan, tokens, pos, seq_ids, wants
 
+    def _shifts(self, job: Job) -> bool:
+        """Whether the job's sequences shift their context when their slot fills (not with
+        images: a shift cannot cut an image's positions; llama-server turns it off for them)."""
+        return self.context_shift and not job.media
+
+    def _shift(self, s: _Seq) -> None:
+        """llama-server's context shift of a full slot: keep the first n_keep tokens (the
+        request's; -1: the whole prompt; plus the BOS), discard half of the rest (or n_discard)
+        and move the later cells back by as many positions (their keys re-rotated)."""
+        p = s.job.params
+        if not s.n_shifted:
+            n_keep = len(s.job.tokens) if p.n_keep < 0 else p.n_keep
+            s.n_keep = min(self.n_ctx_slot - 4, n_keep + (1 if self.vocab.add_bos else 0))
+        n_left = s.n_past - s.n_keep
+        n_discard = max(0, min(p.n_discard or n_left // 2, n_left - 1))
+        log.info("slot %d: context shift, n_keep = %d, n_left = %d, n_discard = %d", s.seq_id, s.n_keep, n_left,
+                 n_discard)
+        mem = self.ctx.memory
+        mem.seq_rm(s.seq_id, s.n_keep, s.n_keep + n_discard)
+        mem.seq_add(s.seq_id, s.n_keep + n_discard, s.n_past, -n_discard)
+        s.n_past -= n_discard
+        s.n_shifted += n_discard
+
     def _draft(self, s: _Seq, budget: int) -> list[int]:
         """Draft tokens to verify after s's pending token, within the slot, the batch and max_tokens."""
         assert s.drafter is not None and s.policy is not None
         room = min(self.n_ctx_slot - s.n_past - 2, budget)
         if s.job.params.max_tokens is not None:
             room = min(room, s.job.params.max_tokens - len(s.tokens))
-        return s.policy.draft(s.drafter, s.job.tokens + s.tokens, room)
+        return s.policy.draft(s.drafter, s.cells_tokens(), room)
 
     def step(self) -> int:
         """Admit waiting jobs, decode one batch and sample; returns the number of tokens decoded."""
@@ -654,7 +707,7 @@ class Batcher:
             if again is not None:
                 self._replays.append((s, again))
         for k, token in enumerate(samples):
-            full = s.n_past - kept + k + 1 >= self.n_ctx_slot
+            full = s.n_past - kept + k + 1 >= self.n_ctx_slot and not self._shifts(job)
             delta = s.state.push(token, logits_of[k], full=full)
             if s.state.done:
                 self._finish(s, delta)

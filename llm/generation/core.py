@@ -32,6 +32,10 @@ class GenParams:
     n: int = param(1, lo=1, help="samples of the prompt (sharing its cells); with a seed, sample i uses seed + i")
     logprobs: bool = param(False, help="return each generated token's log-probability")
     top_logprobs: int = param(0, lo=0, hi=MAX_TOP_LOGPROBS, help="with logprobs: the most likely tokens per position")
+    n_keep: int = param(0, lo=-1, help="with context shift: the prompt tokens a full slot keeps at its start "
+                                       "(besides the BOS; -1: the whole prompt)")
+    n_discard: int = param(0, lo=0, help="with context shift: the tokens a full slot discards after n_keep "
+                                         "(0: half of them)")
     constraint: grammar_mod.GrammarSpec | None = None   # a checked grammar, first in each sample's chain
     # a drafter for speculative decoding: "prompt-lookup", an llm.speculative.PromptLookup (copied per
     # sample) or DraftModel (n = 1)
@@ -52,6 +56,10 @@ class GenParams:
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ParamError("top_logprobs",
                              f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        for name, lo in (("n_keep", -1), ("n_discard", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ParamError(name, f"{name} must be an integer >= {lo}, got {v!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ParamError("stop", "stop must be non-empty strings")
         if self.lora is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool)

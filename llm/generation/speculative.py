@@ -16,6 +16,7 @@ Drafters:
 - `PromptLookup`: n-gram lookup in the prompt and the output so far (llama.cpp's lookup
   decoding, llama-cpp-python's LlamaPromptLookupDecoding).
 - `DraftModel`: a smaller model sharing the vocabulary, drafting greedily in its own context.
+- `DraftPool`: a DraftModel per slot of a batcher (the server's --draft-model).
 """
 from __future__ import annotations
 
@@ -142,6 +143,26 @@ class DraftModel:
         return out
 
 
+class DraftPool:
+    """Draft models for a batcher's slots, as llama-server gives each slot a draft context of
+    its own: one DraftModel per sequence id, each in its own Context on the one loaded draft
+    model (`contexts`, built by the caller with the slot's size)."""
+
+    def __init__(self, contexts: list[Context]):
+        if not contexts:
+            raise ValueError("DraftPool needs a draft context per slot, got none")
+        self.drafts = [DraftModel(c) for c in contexts]
+
+    @property
+    def model(self):
+        return self.drafts[0].ctx.model
+
+    def for_seq(self, seq_id: int) -> DraftModel:
+        if not 0 <= seq_id < len(self.drafts):
+            raise ValueError(f"DraftPool: sequence {seq_id} has no draft context (the pool has {len(self.drafts)})")
+        return self.drafts[seq_id]
+
+
 @dataclass
 class SpecStats:
     n_steps: int = 0        # verification ubatches
@@ -234,8 +255,10 @@ def check_rollback(ctx: Context, spec) -> None:
     """ValueError when a draft model keeps a recurrent state: it drops the tokens it drafted
     past a mismatch by removing their cells, which a state cannot (the target model can: see
     Rollback)."""
-    if isinstance(spec, DraftModel) and spec.ctx.recurrent:
-        raise ValueError(f"speculative decoding: the draft model ({spec.ctx.model.arch}) keeps a recurrent state, "
+    draft = spec.drafts[0] if isinstance(spec, DraftPool) else spec
+    draft_ctx = draft.ctx if isinstance(draft, DraftModel) else None
+    if draft_ctx is not None and draft_ctx.recurrent:
+        raise ValueError(f"speculative decoding: the draft model ({draft_ctx.model.arch}) keeps a recurrent state, "
                          f"which cannot drop the tokens it drafted past a mismatch; use a draft model with a KV "
                          f"cache or prompt-lookup")
 
@@ -281,16 +304,19 @@ def replay(ctx: Context, again: list[Rollback]) -> None:
         raise SpeculativeError(f"decoding the kept drafts again returned {status.name}: {ctx.last_error}")
 
 
-def make_drafter(spec) -> Drafter:
-    """A fresh drafter for one sequence from a request's `speculative`: "prompt-lookup", a
-    PromptLookup (copied: it keeps per-sequence state) or a DraftModel (used as is)."""
+def make_drafter(spec, seq_id: int = 0) -> Drafter:
+    """A fresh drafter for sequence seq_id from a request's `speculative`: "prompt-lookup", a
+    PromptLookup (copied: it keeps per-sequence state), a DraftModel (used as is) or a
+    DraftPool (the sequence's own draft model)."""
     if spec == "prompt-lookup":
         return PromptLookup()
     if isinstance(spec, PromptLookup):
         return PromptLookup(spec.max_ngram_size, spec.num_pred_tokens)
     if isinstance(spec, DraftModel):
         return spec
-    raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup or a DraftModel, got {spec!r}")
+    if isinstance(spec, DraftPool):
+        return spec.for_seq(seq_id)
+    raise ValueError(f"speculative must be 'prompt-lookup', a PromptLookup, a DraftModel or a DraftPool, got {spec!r}")
 
 
 class Speculative:
