@@ -77,6 +77,7 @@ MODULE_NAMES = {
     "llm.serving.native": ["router", "InfillRequest", "RerankRequest", "infill_prompt", "rerank_tokens"],
     # issue 34: llm quantize
     "llm.quantize": ["model_quantize", "QuantizeParams", "QuantizeError", "LlamaFType"],
+    "llm.imatrix": ["compute_imatrix", "ImatrixParams", "Imatrix", "ImatrixError", "ImatrixHook", "imatrix_chunks"],
     # issue 29: the shared blocks
     "ggmlx.ops": ["rope_multi", "rope_ext", "set_rows", "ssm_conv", "ssm_scan", "relu", "softplus",
                   "gated_delta_net", "repeat_4d"],
