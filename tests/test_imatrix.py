@@ -72,6 +72,18 @@ def test_synthetic_matrix_equals_llamacpp(synth):
     assert worst < SUMMATION
 
 
+def test_moe_matrix_equals_llamacpp_per_expert():
+    """mul_mat_id: one row of sums and one count per expert, a token counted for each expert
+    it is routed to (the qwen3moe fixture: 4 experts, 2 used)."""
+    ref, n_ctx, n_chunks = reference("qwen3moe")
+    im = ours(DATA / "fixtures" / "qwen3moe-F32.gguf", n_ctx, n_chunks)
+    counts = im.counts["blk.0.ffn_up_exps.weight"]
+    assert im.sums["blk.0.ffn_up_exps.weight"].shape == (4, 64) and counts.sum() == 2 * 3 * 32
+    worst = worst_relative(im, ref)
+    print(f"qwen3moe: {len(ref)} tensors, max relative difference {worst:.2e}")
+    assert worst < SUMMATION
+
+
 @pytest.mark.slow
 def test_smollm2_matrix_equals_llamacpp(smollm2_path):
     ref, n_ctx, n_chunks = reference("smollm2")

