@@ -326,6 +326,32 @@ class ReasoningParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServerGeneration:
+    """How the server's slots generate (`serve` flags, llama-server's names): the names its
+    model answers to, context shift in a full slot, and speculative decoding for every request
+    (a draft model, with a context of its own per slot, or prompt lookup)."""
+
+    alias: str | None = param(None, flags=("-a", "--alias"), metavar="STRING", request=False,
+                              help="names the API also accepts for the model, comma-separated; the first is the "
+                                   "name it reports")
+    context_shift: bool = param(False, flags=("--context-shift",), request=False,
+                                help="when a slot is full, discard half of its tokens after n_keep and go on "
+                                     "(else the sample ends with finish reason length)")
+    draft_model: str | None = param(None, flags=("-md", "--model-draft", "--draft-model", "--spec-draft-model"),
+                                    metavar="FNAME", request=False,
+                                    help="a smaller model with the same vocabulary that drafts tokens for every "
+                                         "request (speculative decoding; a context of its own per slot)")
+    spec_draft_n_max: int = param(16, flags=("--spec-draft-n-max",), lo=1, request=False,
+                                  help="the longest draft verified in one step")
+    lookup: bool = param(False, flags=("--lookup",), request=False,
+                         help="prompt-lookup decoding for every request without a draft model: drafts are the "
+                              "tokens that followed the latest match of the last n-gram in the prompt and output")
+
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in (self.alias or "").split(",") if a.strip())
+
+
+@dataclasses.dataclass(frozen=True)
 class MediaParams:
     """Images in (llm.mtmd): the vision projector of a multimodal model (`generate` and `serve`
     flags, llama.cpp's -mm / --mmproj), and whether the server fetches image_url parts that are

@@ -493,17 +493,21 @@ def cmd_serve(a) -> int:
     endpoints = params.from_namespace(params.ServerEndpoints, a)
     reasoning = params.from_namespace(params.ReasoningParams, a)
     media = params.from_namespace(params.MediaParams, a)
+    gen = params.from_namespace(params.ServerGeneration, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
               weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a), mmproj=media.mmproj)
-    engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size, mtmd=llm.mtmd)
+    engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size, mtmd=llm.mtmd,
+                    context_shift=gen.context_shift, speculative=_server_drafter(a, gen, llm),
+                    n_draft=gen.spec_draft_n_max)
     if a.warmup:
         t0 = time.perf_counter()
         n = engine.batcher.warmup()
         print(f"llm server: warmup compiled {n} graphs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     engine.start()
-    name = model_name_of(llm.model.path)
-    app = create_app(llm, engine, model_name=name, aliases=(a.model,), api_key=a.api_key,
+    name, aliases = model_name_of(llm.model.path), gen.aliases()
+    app = create_app(llm, engine, model_name=aliases[0] if aliases else name, aliases=(a.model, name, *aliases),
+                     api_key=a.api_key,
                      slot_save_path=a.slot_save_path, special_in_content=a.special_in_content, timeouts=timeouts,
                      endpoints=endpoints, reasoning=reasoning, media=media)
     print(f"llm server: model {name}, {a.parallel} slots of {engine.batcher.n_ctx_slot} tokens, "
@@ -514,6 +518,23 @@ def cmd_serve(a) -> int:
     finally:
         engine.stop()
     return 0
+
+
+def _server_drafter(a, gen, target):
+    """The drafter of every request: a DraftPool (the draft model loaded once, a context of a
+    slot's size per slot), "prompt-lookup", or None."""
+    if gen.draft_model is None:
+        return "prompt-lookup" if gen.lookup else None
+    from llm.context import Context
+    from llm.generation.speculative import DraftPool
+    from llm.model import load_model
+    draft = load_model(hub.resolve(gen.draft_model), weight_format=a.weight_format, progress_callback=_progress(a))
+    if draft.n_vocab != target.model.n_vocab:
+        raise UsageError(f"--draft-model {gen.draft_model}: {draft.n_vocab} tokens, the model {target.model.n_vocab}; "
+                         f"they must share the vocabulary")
+    n_ctx = a.n_ctx // a.parallel
+    return DraftPool([Context(draft, n_ctx=n_ctx, n_batch=min(a.n_batch, n_ctx), n_ubatch=min(a.n_ubatch, n_ctx),
+                              kv_bucket=max(1, min(256, n_ctx))) for _ in range(a.parallel)])
 
 
 def cmd_perplexity(a) -> int:
@@ -645,6 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_arguments(p, params.ServerEndpoints)
     params.add_arguments(p, params.ReasoningParams)
     params.add_arguments(p, params.MediaParams)
+    params.add_arguments(p, params.ServerGeneration)
     _add_ctx(p)
     _add_lora(p)
     p.set_defaults(fn=cmd_serve, n_ctx=4096, n_ubatch=128)

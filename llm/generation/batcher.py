@@ -192,15 +192,17 @@ class Batcher:
     one thread calls submit/cancel/step (Engine does that for servers)."""
 
     def __init__(self, ctx, vocab, n_slots: int | None = None, mtmd: MtmdContext | None = None, *,
-                 context_shift: bool = False):
+                 context_shift: bool = False, n_draft: int = 16):
         """context_shift: a sequence whose slot is full discards half of its tokens after
-        n_keep and goes on (llama-server's --context-shift), instead of ending with "length"."""
+        n_keep and goes on (llama-server's --context-shift), instead of ending with "length".
+        n_draft: the longest draft of a speculative job."""
         self.ctx = ctx
         self.vocab = vocab
         self.mtmd = mtmd        # decodes the images of jobs with media (llm.mtmd)
         if context_shift:
             check_context_shift(ctx)
         self.context_shift = context_shift
+        self.n_draft = n_draft
         self.n_slots = ctx.n_seq_max if n_slots is None else n_slots
         if not 1 <= self.n_slots <= ctx.n_seq_max:
             raise ValueError(f"n_slots = {self.n_slots} is outside [1, n_seq_max = {ctx.n_seq_max}]")
@@ -477,7 +479,7 @@ class Batcher:
     def _start(self, job: Job) -> None:
         """Build each sample's sampler chain and drafter and give it a slot."""
         p = job.params
-        n_draft = max_draft(self.ctx)
+        n_draft = max_draft(self.ctx, self.n_draft)
         for i in range(p.n):
             sampler = build_sampler(p, vocab=self.vocab, n_ctx=self.n_ctx_slot, n_ctx_train=self.n_ctx_train, index=i)
             state = SeqState(p, self.vocab, i)
@@ -735,6 +737,9 @@ class Batcher:
         out = {"queue_s": job.t_start - job.t_submit, "prompt_s": t_prompt, "gen_s": t_gen, "cache_n": job.n_cached,
                "prompt_tok_s": len(job.tokens) / t_prompt if t_prompt > 0 else 0.0,
                "gen_tok_s": n_gen / t_gen if t_gen > 0 else 0.0}
+        n_shifted = sum(x.n_shifted for x in job.seqs)
+        if n_shifted:
+            out["n_shifted"] = n_shifted        # tokens context shifts discarded (llama-server's truncated)
         policies = [x.policy for x in job.seqs if x.policy is not None]
         if policies:
             out.update(spec_steps=sum(p.stats.n_steps for p in policies),

@@ -119,6 +119,17 @@ class Run:
             return k, ev
 
 
+def llama_timings(n_prompt: int, n_gen: int, t: dict) -> dict:
+    """llama-server's `timings` object of a job's Done timings (with its draft counts when the
+    job drafted)."""
+    prompt_ms, gen_ms = 1000 * t.get("prompt_s", 0.0), 1000 * t.get("gen_s", 0.0)
+    out = {"prompt_n": n_prompt, "prompt_ms": prompt_ms, "prompt_per_second": t.get("prompt_tok_s", 0.0),
+           "predicted_n": n_gen, "predicted_ms": gen_ms, "predicted_per_second": t.get("gen_tok_s", 0.0)}
+    if "spec_drafted" in t:
+        out.update(draft_n=t["spec_drafted"], draft_n_accepted=t["spec_accepted"])
+    return out
+
+
 def finish_reason(reason: str) -> str:
     """OpenAI's name for a batcher finish reason (end-of-generation is "stop")."""
     return "stop" if reason == FINISH_EOG else reason
@@ -189,6 +200,7 @@ class Choices:
         self.lps: list[list[TokenLogprob]] = [[] for _ in range(self.n_choices)]
         self.reasons: list[str | None] = [None] * self.n_choices
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        self.timings: dict | None = None     # llama-server's, of the first prompt's job
         self.n_left = n_prompts         # jobs not yet Done
 
     def apply(self, k: int, ev) -> dict | None:
@@ -198,6 +210,8 @@ class Choices:
         if isinstance(ev, Done):
             self.usage["prompt_tokens"] += ev.n_prompt_tokens
             self.usage["completion_tokens"] += ev.n_completion_tokens
+            if self.timings is None:
+                self.timings = llama_timings(ev.n_prompt_tokens, ev.n_completion_tokens, ev.timings)
             self.n_left -= 1
             return None
         i = k * self.params.n + ev.index
@@ -257,7 +271,7 @@ class Choices:
         """The whole (non-streamed) completion."""
         choices = [self._choice(i, self.texts[i], self.lps[i], 0, final=True) for i in range(self.n_choices)]
         return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": choices, "usage": self.usage_obj()}
+                "choices": choices, "usage": self.usage_obj(), "timings": self.timings}
 
     def role_chunks(self) -> list[dict]:
         """Chat streams open each choice with an empty assistant delta."""

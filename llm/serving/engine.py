@@ -9,6 +9,7 @@ With an MtmdContext (`mtmd`), jobs may hold images: the Batcher decodes them on 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -33,8 +34,11 @@ class Engine:
     are thread-safe; events reach each job's sink from the engine thread."""
 
     def __init__(self, ctx, vocab, *, n_slots: int | None = None, max_queue: int = 16,
-                 mtmd: MtmdContext | None = None):
-        self.batcher = Batcher(ctx, vocab, n_slots, mtmd)
+                 mtmd: MtmdContext | None = None, context_shift: bool = False, speculative=None, n_draft: int = 16):
+        """speculative: the drafter of every job that names none (a DraftPool of the slots,
+        "prompt-lookup"; llama-server's --model-draft / --lookup); context_shift, n_draft: the Batcher's."""
+        self.batcher = Batcher(ctx, vocab, n_slots, mtmd, context_shift=context_shift, n_draft=n_draft)
+        self.speculative = speculative
         self.max_queue = max_queue
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -56,6 +60,8 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue a job: ValueError if it can never run, QueueFull if the queue is full."""
+        if job.params.speculative is None and self.speculative is not None and not job.media:
+            job.params = dataclasses.replace(job.params, speculative=self.speculative)
         self.batcher.check(job.tokens, job.params, job.media)
         with self._lock:
             if len(self._queued) >= self.max_queue:

@@ -39,7 +39,7 @@ from llm.api import EmbedAborted
 from llm.generation.batcher import Done, Failed
 from llm.generation.core import FINISH_EOG, FINISH_LENGTH, FINISH_STOP, Delta, GenParams
 from llm.hparams import PoolingType
-from llm.serving.completions import Run, log_done
+from llm.serving.completions import Run, llama_timings, log_done
 from llm.serving.requests import APIError, _bool, _int, bad, gen_params, read_json
 from llm.serving.routes import ServerState, check_prompt_length, server_of, watch_disconnect
 from llm.serving.sse import HEADERS, event
@@ -195,16 +195,13 @@ class Completion:
         done = self.done
         assert done is not None
         t = done.timings
-        prompt_ms, gen_ms = 1000 * t.get("prompt_s", 0.0), 1000 * t.get("gen_s", 0.0)
         n_gen = done.n_completion_tokens
         return {"index": 0, "content": "" if stream else self.text, "tokens": [] if stream else self.tokens,
                 "id_slot": -1, "stop": True, "model": self.model, "tokens_predicted": n_gen,
                 "tokens_evaluated": done.n_prompt_tokens, "tokens_cached": int(t.get("cache_n", 0)),
-                "truncated": False, "has_new_line": "\n" in self.text,
+                "truncated": bool(t.get("n_shifted")), "has_new_line": "\n" in self.text,
                 "stop_type": STOP_TYPES.get(self.finish or "", "none"), "stopping_word": self.stop_word,
-                "timings": {"prompt_n": done.n_prompt_tokens, "prompt_ms": prompt_ms,
-                            "prompt_per_second": t.get("prompt_tok_s", 0.0), "predicted_n": n_gen,
-                            "predicted_ms": gen_ms, "predicted_per_second": t.get("gen_tok_s", 0.0)}}
+                "timings": llama_timings(done.n_prompt_tokens, n_gen, t)}
 
 
 @router.post("/infill")

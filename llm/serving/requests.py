@@ -335,7 +335,7 @@ def lora_scales(entries, n_adapters: int, field: str = "lora") -> tuple[float, .
 def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int, n_adapters: int = 0) -> GenParams:
     """GenParams from the OpenAI fields: length, choices, logprobs (chat's or the legacy
     completions' spelling), sampling, response_format and stop; llama-server's `lora` (this
-    request's scales of the server's adapters)."""
+    request's scales of the server's adapters) and `n_keep` / `n_discard` (context shift)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None if chat else 16, lo=1)
     n = _int(body, "n", 1, lo=1)
@@ -353,7 +353,8 @@ def gen_params(body: dict, *, chat: bool, n_slots: int, n_vocab: int, n_adapters
     sampling = sampling_params(body, n_vocab)
     lora = None if body.get("lora") is None else lora_scales(body["lora"], n_adapters)
     return GenParams(max_tokens=max_tokens, sampling=sampling, stop=_stop(body), n=n, logprobs=logprobs,
-                     top_logprobs=top, constraint=_constraint(body), speculative=_speculative(body), lora=lora)
+                     top_logprobs=top, constraint=_constraint(body), speculative=_speculative(body), lora=lora,
+                     n_keep=_int(body, "n_keep", 0, lo=-1), n_discard=_int(body, "n_discard", 0, lo=0))
 
 
 def _response_schema(body: dict) -> dict | None:
