@@ -33,11 +33,16 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ggmlx import gguf, ops
+from ggmlx import gguf, lower, ops
+from ggmlx.compile import GraphCache, Program
 from ggmlx.gguf import GGUFValueType
+from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.arch import LLMKV
@@ -62,6 +67,9 @@ class ImatrixParams:
     take the context's n_ubatch, cache types and attention path (llm.context.ContextParams)."""
     n_chunks: int = param(-1, flags=("--chunks",), lo=-1, help="at most this many chunks (-1: all)")
     process_output: bool = param(False, flags=("--process-output",), help="also collect output.weight")
+    gradient: bool = param(False, flags=("--gradient",),
+                           help="weigh each token's squared input by the squared gradient of the loss at the "
+                                "matmul's output (the row sums of the diagonal Fisher; chunks must fit one ubatch)")
 
 
 @dataclass
@@ -257,10 +265,12 @@ def compute_imatrix(model, tokens: list[int], params: ImatrixParams | None = Non
     cp = context or ContextParams(n_ctx=512)
     c = cp.n_ctx
     chunks = imatrix_chunks(tokens, c, p.n_chunks)
-    ctx = Context(model, dataclasses.replace(cp, n_batch=c, n_ubatch=min(cp.n_ubatch, c), n_seq_max=1,
-                                             kv_bucket=c))
     vocab = model.vocab
     bos = vocab.bos if vocab.add_bos else None
+    if p.gradient:
+        return _gradient_imatrix(model, chunks, bos, p, cp, dataset, on_chunk)
+    ctx = Context(model, dataclasses.replace(cp, n_batch=c, n_ubatch=min(cp.n_ubatch, c), n_seq_max=1,
+                                             kv_bucket=c))
     hook = ImatrixHook(p.process_output)
     ctx.edits = hook
     try:
@@ -281,3 +291,184 @@ def compute_imatrix(model, tokens: list[int], params: ImatrixParams | None = Non
     counts = dict(hook.counts)
     chunk_count = max((int(v.max()) for v in counts.values()), default=0) // c
     return Imatrix(sums, counts, [dataset] if dataset else [], chunk_count, c)
+
+
+# ---- the gradient-weighted matrix ------------------------------------------------------------
+
+@dataclass
+class _Tap:
+    name: str
+    x: Tensor                 # the matmul's input
+    delta: Tensor             # a zero input added to its output: d loss / d delta = d loss / d output
+    ids: Tensor | None        # mul_mat_id's expert ids
+    n_mat: int                # matrices (experts, or a 3-d weight's heads)
+
+
+def _insert_deltas(g: GraphBuilder, counted: Callable[[Tensor], bool]) -> list[_Tap]:
+    """A zero delta input after every counted matmul's output (mul_mat of a counted weight,
+    every mul_mat_id), consumers rewired to it, its input and ids made outputs."""
+    old = g.gf
+    inserted: dict[int, Tensor] = {}
+    taps: list[_Tap] = []
+    for n in old.nodes:
+        if n.op not in (Op.MUL_MAT, Op.MUL_MAT_ID) or not n.src[0].flags & Flag.WEIGHT:
+            continue
+        w, x = n.src[0], n.src[1]
+        ids = n.src[2] if n.op is Op.MUL_MAT_ID else None
+        if ids is None and not counted(w):
+            continue
+        if ids is None and (x.ne[1] != g.params.n_tokens or x.ne[2:] != w.ne[2:]):
+            raise ImatrixError(f"{w.name}: input {list(x.ne)} is not [cols, {g.params.n_tokens} tokens] per matrix "
+                               f"of the weight {list(w.ne)}")
+        d = new_input(GGMLType.F32, n.ne, f"{w.name} (delta)")
+        inserted[n.id] = ops.add(n, d)
+        x.set_output()
+        if ids is not None:
+            ids.set_output()
+        taps.append(_Tap(w.name, x, d, ids, w.ne[2] if ids is not None else w.ne[2] * w.ne[3]))
+    for n in old.nodes:
+        if any(s.id in inserted for s in n.src):
+            n.src = tuple(inserted.get(s.id, s) for s in n.src)
+    for n in old.nodes:
+        if n.id in inserted and n.flags & Flag.OUTPUT:
+            n.flags &= ~Flag.OUTPUT
+            inserted[n.id].set_output()
+            if g.res_logits is n:
+                g.res_logits = inserted[n.id]
+    gf = Graph()
+    for n in old.nodes:
+        gf.build_forward_expand(n)
+        if n.id in inserted:
+            gf.build_forward_expand(inserted[n.id])
+    g.gf = gf
+    return taps
+
+
+def _gradient_imatrix(model, chunks: np.ndarray, bos: int | None, p: ImatrixParams, cp: ContextParams,
+                      dataset: str, on_chunk: Callable[[int, int], None] | None) -> Imatrix:
+    """The Fisher-weighted matrix. For y = W x the diagonal Fisher of W_ij over the text is
+    sum_t (dL/dy_ti)^2 x_tj^2 (L: the chunk's next-token NLL); llama.cpp's quantizers take one
+    weight per column, so its row sum: sum_t |g_t|^2 x_tj^2, g_t = dL/dy_t. In llama-imatrix's
+    units: in_sum2_j = N * sum_t w_t x_tj^2 / sum_t w_t with w_t = |g_t|^2 and N the token count
+    (counts), i.e. a gradient-weighted mean square of the input, whose scale the quantizers do
+    not depend on. mul_mat_id: w per token and expert slot, summed per expert."""
+    n_chunk, c = chunks.shape
+    ctx = Context(model, dataclasses.replace(cp, n_batch=c, n_ubatch=c, n_seq_max=1, kv_bucket=c))
+    if ctx.recurrent:
+        raise ImatrixError("--gradient is not implemented for recurrent models")
+    n_vocab = model.n_vocab
+    num: dict[str, np.ndarray] = {}      # sum_t w_t x_t^2, per matrix
+    den: dict[str, np.ndarray] = {}      # sum_t w_t, per matrix
+    counts: dict[str, np.ndarray] = {}
+    programs: dict[str, Callable] = {}
+
+    def counted(w: Tensor) -> bool:
+        return w.name.startswith("blk.") or (p.process_output and w.name == "output.weight")
+
+    for i, chunk in enumerate(chunks):
+        chunk = chunk.copy()
+        if bos is not None:
+            chunk[0] = bos
+        ctx.memory_clear()
+        ctx.balloc.init(Batch(chunk, logits=np.ones(c, bool)), n_vocab=n_vocab, n_embd=model.hparams.n_embd,
+                        n_seq_max=1, memory=ctx.memory)
+        (ub,) = ctx.balloc.split_simple(c)
+        memory: Any = ctx.memory            # a KV cache or a hybrid's (recurrent ones are refused above)
+        prepared = memory.prepare([ub])
+        assert prepared is not None         # an empty cache holds one ubatch of n_ctx tokens
+        (slot,) = prepared
+        memory.apply(slot, ub)
+        params = ctx._params(ub)
+        g = GraphBuilder(model, ctx.memory, params)
+        model.builder.build_graph(g)
+        taps = _insert_deltas(g, counted)
+        assert g.res_logits is not None
+        g.set_slot(slot)
+        values: dict[Tensor, np.ndarray] = {}
+        for inp in g.inputs:
+            inp.set_input(ub, values)
+        outputs = [g.res_logits] + [t.x for t in taps] + [t.ids for t in taps if t.ids is not None]
+        prog = Program.from_nodes(g.gf.nodes, outputs, None)
+        w_flat, treedef = jax.tree.flatten(tuple(t.data for t in prog.weights))
+        state = ctx.memory.state()
+        st_vals = [state[t] for t in prog.states]
+        delta_ids = {t.delta.id for t in taps}
+        in_vals = [np.zeros(t.shape, np.float32) if t.id in delta_ids
+                   else np.asarray(values[t]).reshape(t.shape).astype(lower.jnp_dtype(t.type)) for t in prog.inputs]
+        delta_pos = [next(j for j, t in enumerate(prog.inputs) if t.id == tap.delta.id) for tap in taps]
+        key = GraphCache.key_of(prog.signature())
+        if key not in programs:
+            programs[key] = _gradient_program(prog.make_fn(treedef), taps, delta_pos, params.n_tokens, n_vocab)
+        targets = np.zeros(params.n_tokens, np.int32)
+        targets[:c - 1] = chunks[i, 1:]
+        scored = (np.arange(params.n_tokens) < c - 1).astype(np.float32)
+        real = (np.arange(params.n_tokens) < c).astype(np.float32)
+        res = programs[key](tuple(in_vals[j] for j in delta_pos), tuple(w_flat), tuple(in_vals), tuple(st_vals),
+                            targets, scored, real)
+        ctx.memory_clear()
+        for tap, r in zip(taps, res, strict=True):
+            if tap.ids is None:
+                _accumulate(num, den, counts, tap.name, np.asarray(r[0], np.float64), np.asarray(r[1], np.float64),
+                            np.full(tap.n_mat, c, np.int64))
+            else:
+                x, ids, wt = (np.asarray(v) for v in r)
+                x, ids, wt = x[:c], ids[:c], wt[:c].astype(np.float64)         # [T, k|1, K], [T, k], [T, k]
+                k = ids.shape[1]
+                sq = np.square(x[:, np.arange(k) % x.shape[1], :], dtype=np.float64) * wt[:, :, None]
+                s_w = np.zeros((tap.n_mat, x.shape[2]), np.float64)
+                np.add.at(s_w, ids.reshape(-1), sq.reshape(-1, x.shape[2]))
+                w_sum = np.bincount(ids.reshape(-1), weights=wt.reshape(-1), minlength=tap.n_mat)
+                _accumulate(num, den, counts, tap.name, s_w, w_sum,
+                            np.bincount(ids.reshape(-1), minlength=tap.n_mat).astype(np.int64))
+        if on_chunk is not None:
+            on_chunk(i + 1, n_chunk)
+    sums = {}
+    for name in num:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mean = np.where(den[name][:, None] > 0, num[name] / den[name][:, None], 0.0)
+        sums[name] = (mean * counts[name][:, None]).astype(np.float32)
+    chunk_count = max((int(v.max()) for v in counts.values()), default=0) // c
+    return Imatrix(sums, counts, [dataset] if dataset else [], chunk_count, c)
+
+
+def _accumulate(num, den, counts, name, s_w, w_sum, n) -> None:
+    if not (np.isfinite(s_w).all() and np.isfinite(w_sum).all()):
+        raise ImatrixError(f"non-finite values detected in {name}")
+    if name not in num:
+        num[name], den[name], counts[name] = np.zeros_like(s_w), np.zeros_like(w_sum), np.zeros_like(n)
+    num[name] += s_w
+    den[name] += w_sum
+    counts[name] += n
+
+
+def _gradient_program(fn, taps: list[_Tap], delta_pos: list[int], n_pad: int, n_vocab: int) -> Callable:
+    """jit(chunk -> per tap: (sum_t w_t x_t^2 [n_mat, K], sum_t w_t [n_mat]), or for
+    mul_mat_id its input, ids and w [T, k]): the forward pass, the NLL's gradient at every
+    delta and the reductions in one compiled function."""
+    def loss(ds, w, ins, st, targets, scored):
+        ins = list(ins)
+        for j, d in zip(delta_pos, ds, strict=True):
+            ins[j] = d
+        outs, _ = fn(w, ins, st)
+        logits = outs[0].reshape(n_pad, n_vocab)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(lp, targets[:, None], axis=1)[:, 0]
+        return jnp.sum(nll * scored), outs[1:]
+
+    def step(ds, w, ins, st, targets, scored, real):
+        (_, xs), grads = jax.value_and_grad(loss, has_aux=True)(ds, w, ins, st, targets, scored)
+        res = []
+        ids_out = iter(xs[len(taps):])
+        for tap, x, gr in zip(taps, xs[:len(taps)], grads, strict=True):
+            if tap.ids is None:
+                xm = x.reshape(tap.n_mat, n_pad, -1)
+                gm = gr.reshape(tap.n_mat, n_pad, -1)
+                wt = jnp.sum(gm * gm, axis=2) * real                        # [n_mat, T]
+                res.append((jnp.sum(wt[:, :, None] * xm * xm, axis=1), jnp.sum(wt, axis=1)))
+            else:
+                k = tap.ids.ne[0]
+                wt = jnp.sum(gr.reshape(n_pad, k, -1) ** 2, axis=2)         # [T, k]
+                res.append((x.reshape(n_pad, tap.x.ne[1], tap.x.ne[0]), next(ids_out).reshape(n_pad, k), wt))
+        return res
+
+    return jax.jit(step)

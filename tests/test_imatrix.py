@@ -169,3 +169,37 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+
+
+@pytest.mark.slow
+def test_gradient_matrix_is_the_fisher_row_sum():
+    """--gradient: per column N * sum_t |dL/dy_t|^2 x_tj^2 / sum_t |dL/dy_t|^2 (L the chunk's
+    next-token NLL), checked against LLM.gradient at the matmuls' outputs and LLM.trace of their
+    inputs, for one chunk of the synthetic llama."""
+    import jax
+    import jax.numpy as jnp
+
+    from llm import LLM
+    llm = LLM(f32_twin_path(SYNTH))
+    tokens = llm.tokenize(TEXT.read_text())
+    c = 64
+    chunk = [llm.model.vocab.bos] + list(tokens[1:c])
+    targets = jnp.asarray(chunk[1:])
+
+    def nll(logits):
+        lp = jax.nn.log_softmax(logits[:-1], axis=-1)
+        return -jnp.sum(jnp.take_along_axis(lp, targets[:, None], axis=1))
+
+    pairs = {"blk.0.ffn_down.weight": ("ffn_out-0", "ffn_swiglu-0"),
+             "blk.0.attn_output.weight": ("attn_out-0", "kqv_out-0"), "blk.1.attn_q.weight": ("Qcur-1", "attn_norm-1")}
+    grads = llm.gradient(chunk, nll, wrt=[o for o, _ in pairs.values()])
+    trace = llm.trace(chunk, capture=[i for _, i in pairs.values()], flash_attn=False)
+    im = compute_imatrix(llm.model, tokens, ImatrixParams(n_chunks=1, gradient=True),
+                         ContextParams(n_ctx=c, flash_attn=False))
+    act = compute_imatrix(llm.model, tokens, ImatrixParams(n_chunks=1), ContextParams(n_ctx=c, flash_attn=False))
+    assert sorted(im.sums) == sorted(act.sums) and all(np.array_equal(im.counts[n], act.counts[n]) for n in im.sums)
+    for name, (out, inp) in pairs.items():
+        w = np.square(grads[out].reshape(c, -1), dtype=np.float64).sum(axis=1)
+        x2 = np.square(trace[inp].reshape(c, -1), dtype=np.float64)
+        want = c * (w[:, None] * x2).sum(axis=0) / w.sum()
+        assert np.abs(im.sums[name][0] - want).max() / np.abs(want).max() < 1e-6, name
