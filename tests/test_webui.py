@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 INJECTION = '<img src=x onerror="window.__pwned = 1"><script>window.__pwned = 2</script>'
 ANSWERS = '[data-role="assistant"]'
+MTMD = Path(__file__).parent / "data" / "mtmd"
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +192,38 @@ def test_a_streamed_answer_with_html_shows_as_text_and_reasoning_collapsed(page)
     assert not last_answer(page).find_elements(By.TAG_NAME, "img")
     assert page.execute_script("return window.__pwned") is None
     assert_no_console_errors(page)
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    """The tiny seeded gemma3 pair of tests/data/mtmd (text model and mmproj)."""
+    s = Server(MTMD / "gemma3.gguf", tmp_path_factory.mktemp("webui-vision") / "server.log",
+               "--mmproj", str(MTMD / "gemma3.mmproj.gguf"), "-np", "1", "-c", "1024", "--no-warmup")
+    yield s
+    s.stop()
+
+
+def test_an_attached_image_goes_with_the_message(browser, vision_server):
+    """With --mmproj the page offers an image input (hidden without: /props' modalities); the
+    picked file is shown in the user's message and sent as an image_url part, so the answer is
+    LLM.chat's for the same image and text at temperature 0."""
+    browser.get(vision_server.url + "/")
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "attach-label").is_displayed())
+    settings(browser, temperature="0", max_tokens="8")
+    image = MTMD / "test-image.png"
+    browser.find_element(By.ID, "attach").send_keys(str(image))
+    WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "attachment").text == image.name)
+    browser.find_element(By.CSS_SELECTOR, "#composer textarea").send_keys("What is in this picture?", Keys.ENTER)
+    wait_answered(browser)
+    assert browser.find_elements(By.CSS_SELECTOR, '[data-role="user"] img.attached')
+    assert browser.find_element(By.ID, "attachment").text == ""
+    saved = browser.execute_script("return JSON.parse(localStorage.getItem('ggmlx.chat'))")
+    user, answer = next(c for c in saved["conversations"] if c["id"] == saved["current"])["messages"]
+    assert user["image"].startswith("data:image/png;base64,")
+    import llm
+    m = llm.LLM(str(MTMD / "gemma3.gguf"), n_ctx=1024, mmproj=str(MTMD / "gemma3.mmproj.gguf"))
+    want = m.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": user["image"]}},
+                                                {"type": "text", "text": "What is in this picture?"}]}],
+                  max_tokens=8, temperature=0.0)
+    assert want.text and answer["content"] == want.text
+    assert_no_console_errors(browser)

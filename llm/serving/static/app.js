@@ -78,6 +78,7 @@ function renderMarkdown(text) {
 const $ = id => document.getElementById(id);
 let state = load();
 let controller = null;      // the AbortController of the answer being streamed
+let attached = null;        // the image picked for the next message, as a data URL
 
 function load() {
   try {
@@ -92,7 +93,15 @@ function load() {
 }
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(state));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(state));
+  } catch (e) {
+    // images can outgrow the browser's storage quota: keep the conversations without them
+    const light = {...state, conversations: state.conversations.map(c => ({
+      ...c, messages: c.messages.map(({image, ...m}) => (image ? {...m, imageDropped: true} : m))}))};
+    localStorage.setItem(STORE, JSON.stringify(light));
+    console.warn("the browser's storage is full: images are not kept after a reload", e);
+  }
 }
 
 function currentConversation() {
@@ -125,6 +134,13 @@ function statsText(s) {
 function fillMessage(el, msg) {
   if (msg.role !== "assistant") {
     el.textContent = msg.content;
+    if (msg.image) {
+      const img = document.createElement("img");
+      img.className = "attached";
+      img.alt = "attached image";
+      img.src = msg.image;
+      el.append(img);
+    }
     return;
   }
   const wasOpen = el.querySelector("details")?.open ?? false;
@@ -222,7 +238,9 @@ function number(text) {
 function requestBody(conversation) {
   const s = state.settings;
   const history = conversation.messages.slice(0, -1).filter(m => !m.error && m.content);
-  const messages = history.map(m => ({role: m.role, content: m.content}));
+  // a user message with an image: OpenAI content parts, the image as a data URL
+  const messages = history.map(m => ({role: m.role, content: m.image
+    ? [{type: "image_url", image_url: {url: m.image}}, {type: "text", text: m.content}] : m.content}));
   if (s.systemPrompt.trim()) messages.unshift({role: "system", content: s.systemPrompt});
   return {messages, stream: true, stream_options: {include_usage: true}, temperature: number(s.temperature),
           top_p: number(s.topP), max_tokens: number(s.maxTokens)};
@@ -301,11 +319,11 @@ async function streamAnswer(conversation, answer, el) {
   }
 }
 
-async function send(text) {
+async function send(text, image) {
   if (!currentConversation()) newConversation();
   const conversation = currentConversation();
   if (!conversation.messages.length) conversation.title = text.slice(0, 40);
-  conversation.messages.push({role: "user", content: text});
+  conversation.messages.push(image ? {role: "user", content: text, image} : {role: "user", content: text});
   const answer = {role: "assistant", content: "", reasoning: ""};
   conversation.messages.push(answer);
   save();
@@ -334,6 +352,7 @@ async function showModel() {
     }
     const props = await response.json();
     $("model-name").textContent = props.model_alias;
+    $("attach-label").hidden = !props.modalities?.vision;
     const slots = props.total_slots;
     $("status").textContent = `${slots} slot${slots === 1 ? "" : "s"} of ${props.default_generation_settings.n_ctx} tokens`;
   } catch (e) {
@@ -342,6 +361,15 @@ async function showModel() {
 }
 
 // ---- wiring ------------------------------------------------------------------------------
+
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
 
 function setUp() {
   for (const [key, id] of Object.entries(SETTINGS)) {
@@ -361,12 +389,21 @@ function setUp() {
   $("settings").addEventListener("submit", e => e.preventDefault());
   $("new-chat").addEventListener("click", newConversation);
   $("stop").addEventListener("click", () => controller?.abort());
+  $("attach").addEventListener("change", async () => {
+    const file = $("attach").files[0];
+    attached = file ? await dataUrl(file) : null;
+    $("attachment").textContent = file ? file.name : "";
+  });
   $("composer").addEventListener("submit", e => {
     e.preventDefault();
     const text = $("input").value.trim();
     if (!text || controller) return;
     $("input").value = "";
-    send(text);
+    const image = attached;
+    attached = null;
+    $("attach").value = "";
+    $("attachment").textContent = "";
+    send(text, image);
   });
   $("input").addEventListener("keydown", e => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
