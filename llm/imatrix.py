@@ -69,7 +69,7 @@ class ImatrixParams:
     process_output: bool = param(False, flags=("--process-output",), help="also collect output.weight")
     gradient: bool = param(False, flags=("--gradient",),
                            help="weigh each token's squared input by the squared gradient of the loss at the "
-                                "matmul's output (the row sums of the diagonal Fisher; chunks must fit one ubatch)")
+                                "matmul's output (the row sums of the diagonal Fisher; each chunk one graph run)")
 
 
 @dataclass

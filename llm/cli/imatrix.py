@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", required=True, help="the calibration text")
     p.add_argument("-o", "--output-file", dest="output", default="imatrix.gguf", help="the importance matrix file")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
-                   help="gguf, or the legacy dat (default: gguf, or dat for an output named *.dat)")
+                   help="gguf or the legacy dat; unset: dat for an output named *.dat, else gguf")
     params.add_arguments(p, ImatrixParams)
     params.add_arguments(p, ContextParams, only=("n_ctx", "n_ubatch", "type_k", "type_v", "flash_attn"))
     p.set_defaults(fn=run, n_ctx=512)
