@@ -1,14 +1,20 @@
 """Our engine side by side with llama-cpp-python (and transformers), same model, prompt
 length and thread count, runs alternating in one process tree; prints tok/s and ratios.
 
-    .venv/bin/python benchmarks/compare.py [-m MODEL] [-p 512] [-n 128] [-d 0] [-ctk f32] [-ctv f32] [-r 3]
-        [-t 2] [--hf HF_ID] [--ggmlx-dir DIR] [--no-transformers]
+    .venv/bin/python benchmarks/compare.py [-m MODEL | --shape 1b|3b|8b] [-p 512] [-n 128] [-d 0]
+        [-ctk f32] [-ctv f32] [-r 3] [-t 2] [--hf HF_ID] [--ggmlx-dir DIR] [--no-transformers]
 
 `-d N` measures each test after N cached tokens (llama-bench's -d; the depth is filled
 untimed), `-ctk/-ctv` set both engines' KV cache types (llama.cpp's names), e.g. SmolLM2's
 decode at depth 4096 with a Q8_0 cache: `-p 0 -n 128 -d 4096 -ctk q8_0 -ctv q8_0`. llama.cpp
 runs with flash attention on, as llama-bench's default (auto) does on the CPU and as a
 quantized V cache needs.
+
+`--shape 1b|3b|8b` runs a random-weight Q4_K_M model of Llama-3.2-1B's, Llama-3.2-3B's or
+Llama-3.1-8B's shape (benchmarks/shapes.py: written in F16 tensor by tensor, quantized by
+llama.cpp, cached under ~/.cache/ggmlx/shapes/; the first run builds it, the 8B's 16 GB F16
+file needs that much free disk for a while). Each engine's peak RSS (its child process's
+VmHWM: load, run and all) is printed beside its tok/s, with ggmlx's ratio to it.
 
 Peers are optional: `pip install llama-cpp-python` (builds from source, ~10 min on 2 cores);
 `pip install torch transformers accelerate` for the transformers column (it loads the same
@@ -22,10 +28,13 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
+
+import shapes  # benchmarks/shapes.py, beside this script
 
 from llm import hub
 from llm.kv_cache import KV_TYPES
@@ -99,7 +108,9 @@ ENGINES = {"ggmlx": _ours, "llama.cpp": _llama_cpp, "transformers": _transformer
 
 def _child(engine: str, target: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str,
            type_v: str) -> None:
-    print(json.dumps(ENGINES[engine](target, n_prompt, n_gen, threads, n_depth, type_k, type_v)))
+    res = ENGINES[engine](target, n_prompt, n_gen, threads, n_depth, type_k, type_v)
+    res["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # peak, KiB on Linux
+    print(json.dumps(res))
 
 
 def _run_child(engine: str, target: str, a) -> dict:
@@ -118,6 +129,8 @@ def _run_child(engine: str, target: str, a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2-135m", help="GGUF path or known model name")
+    ap.add_argument("--shape", choices=sorted(shapes.SHAPES), default=None,
+                    help="instead of -m: a random-weight Q4_K_M llama of this model's shape (built once)")
     ap.add_argument("--hf", default=None, help="Hugging Face id of the same model for transformers "
                                                  "(default: transformers loads the GGUF itself)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
@@ -133,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the ggmlx of this checkout (e.g. an export of main), as engine ggmlx@DIR")
     ap.add_argument("--no-transformers", action="store_true", help="leave transformers out even if installed")
     a = ap.parse_args(argv)
-    a.model = str(hub.resolve(a.model))
+    a.model = str(shapes.build(a.shape, a.threads) if a.shape else hub.resolve(a.model))
     engines = {"ggmlx": a.model}
     engines.update({f"ggmlx@{os.path.abspath(d)}": a.model for d in a.ggmlx_dir})
     for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf or a.model)):
@@ -147,18 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(a.reps):                      # alternate engines within each repetition
         for engine, target in engines.items():
             runs[engine].append(_run_child(engine, target, a))
-    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg")} for e, rs in runs.items()}
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg", "rss")} for e, rs in runs.items()}
     at = f" @ d{a.depth}" if a.depth else ""
     print(f"model {a.model}  pp{a.n_prompt} / tg{a.n_gen}{at}  cache K {a.type_k} V {a.type_v}  "
           f"threads {a.threads}  reps {a.reps}  load average {os.getloadavg()[0]:.1f}")
     for e, rs in runs.items():
-        print(f"  {e}: pp {[round(r['pp'], 1) for r in rs]}  tg {[round(r['tg'], 1) for r in rs]}")
-    print("| engine | pp t/s | tg t/s | ggmlx pp ratio | ggmlx tg ratio |")
-    print("|---|---:|---:|---:|---:|")
+        print(f"  {e}: pp {[round(r['pp'], 1) for r in rs]}  tg {[round(r['tg'], 1) for r in rs]}  "
+              f"peak RSS MB {[round(r['rss'] / 1e6) for r in rs]}")
+    print("| engine | pp t/s | tg t/s | peak RSS MB | ggmlx pp ratio | ggmlx tg ratio | ggmlx RSS ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     def ratio(k: str, m: dict) -> str:
         return f"{med['ggmlx'][k] / m[k]:.2f}" if m[k] else "-"
     for e, m in med.items():
-        print(f"| {e} | {m['pp']:.1f} | {m['tg']:.1f} | {ratio('pp', m)} | {ratio('tg', m)} |")
+        print(f"| {e} | {m['pp']:.1f} | {m['tg']:.1f} | {m['rss'] / 1e6:.0f} | {ratio('pp', m)} | {ratio('tg', m)} "
+              f"| {ratio('rss', m)} |")
     return 0
 
 
