@@ -18,6 +18,13 @@ an input that is 1 on real tokens and 0 on padding) as an extra output, so a uba
 one vector per matrix; a `mul_mat_id`'s input and expert ids come back whole and are summed per
 expert on the host (numpy, one `np.add.at` per node). One compiled graph per ubatch shape.
 
+`ImatrixParams(gradient=True)` (`llm imatrix --gradient`) weighs each token's squared input by
+the squared norm of the loss gradient at the matmul's output, |dL/dy_t|^2 with L the chunk's
+next-token NLL: the row sums of the weight's diagonal Fisher (see _gradient_imatrix), in the
+same units and file format, so llama-quantize reads it as any matrix. Each chunk runs as one
+jitted value_and_grad of the same lowered graph with a zero delta input after every counted
+matmul, the reductions inside it.
+
 `Imatrix.write(path, "gguf")` writes llama-imatrix's GGUF (general.type = imatrix,
 imatrix.datasets / chunk_count / chunk_size, `<name>.in_sum2` [n_mat, n_col] and
 `<name>.counts` [n_mat, 1], sorted by name); `"dat"` its legacy format. Both are read by
