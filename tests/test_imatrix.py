@@ -203,3 +203,24 @@ def test_gradient_matrix_is_the_fisher_row_sum():
         x2 = np.square(trace[inp].reshape(c, -1), dtype=np.float64)
         want = c * (w[:, None] * x2).sum(axis=0) / w.sum()
         assert np.abs(im.sums[name][0] - want).max() / np.abs(want).max() < 1e-6, name
+
+
+def test_ggml_reads_our_file(synth, tmp_path):
+    """llama-quantize's loader (common_imatrix_load) reads the file through ggml's GGUF reader:
+    run on llama-cpp-python's ggml, it finds the provenance keys and F32 in_sum2 [n_col, n_mat]
+    and counts [1, n_mat] holding our values."""
+    from llm.research.llamacpp_child import llama_cpp_available
+    if not llama_cpp_available():
+        pytest.skip("needs llama-cpp-python")
+    from llm.research.quantize_llamacpp import read_imatrix_ggml
+    im, _ = synth
+    im.write(tmp_path / "i.gguf")
+    kv, tensors = read_imatrix_ggml(tmp_path / "i.gguf")
+    assert kv == {"general.type": "imatrix", "imatrix.datasets": [TEXT.name], "imatrix.chunk_count": 4,
+                  "imatrix.chunk_size": 64}
+    assert sorted(tensors) == sorted(f"{n}.{p}" for n in im.sums for p in ("in_sum2", "counts"))
+    for name, sums in im.sums.items():
+        t, ne, v = tensors[f"{name}.in_sum2"]
+        assert t == 0 and ne == (sums.shape[1], sums.shape[0], 1, 1) and np.array_equal(v, sums.reshape(-1))
+        t, ne, v = tensors[f"{name}.counts"]
+        assert t == 0 and ne == (1, sums.shape[0], 1, 1) and np.array_equal(v, im.counts[name].astype(np.float32))

@@ -134,3 +134,62 @@ def quantize_rows(ggml_type: int, rows: np.ndarray, imatrix: np.ndarray | None =
     llamacpp_child.require_llama_cpp()
     return llamacpp_child.call(_quantize_rows, int(ggml_type), np.asarray(rows, np.float32), imatrix,
                                model_path="(rows)")
+
+
+class _GGUFInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.POINTER(ctypes.c_void_p))]
+
+
+def _read_imatrix_ggml(path: str) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], np.ndarray]]]:
+    """In the child: common_imatrix_load's reading (common/imatrix-loader.cpp) through ggml's own
+    GGUF reader: the provenance keys and every tensor's type, ne and values."""
+    import llama_cpp as lc
+
+    from llm.research.diff_llamacpp import GGMLTensor
+    lib = ctypes.CDLL(str(Path(lc.__file__).parent / "lib" / "libggml-base.so"))
+    vp, c64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gguf_init_from_file.restype = vp
+    lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GGUFInitParams]
+    for name, res, args in (("gguf_find_key", c64, [vp, ctypes.c_char_p]),
+                            ("gguf_get_arr_n", ctypes.c_size_t, [vp, c64]),
+                            ("gguf_get_arr_str", ctypes.c_char_p, [vp, c64, ctypes.c_size_t]),
+                            ("gguf_get_val_u32", ctypes.c_uint32, [vp, c64]),
+                            ("gguf_get_val_str", ctypes.c_char_p, [vp, c64]), ("gguf_get_n_tensors", c64, [vp]),
+                            ("gguf_get_tensor_name", ctypes.c_char_p, [vp, c64]),
+                            ("ggml_get_tensor", vp, [vp, ctypes.c_char_p]), ("gguf_free", None, [vp]),
+                            ("ggml_free", None, [vp])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    ctx = ctypes.c_void_p()
+    g = lib.gguf_init_from_file(path.encode(), _GGUFInitParams(False, ctypes.pointer(ctx)))
+    if not g:
+        raise RuntimeError(f"ggml's gguf_init_from_file could not read {path}")
+    try:
+        kv: dict = {}
+        key = lib.gguf_find_key(g, b"general.type")
+        kv["general.type"] = lib.gguf_get_val_str(g, key).decode() if key >= 0 else None
+        key = lib.gguf_find_key(g, b"imatrix.datasets")
+        kv["imatrix.datasets"] = [lib.gguf_get_arr_str(g, key, i).decode() for i in range(lib.gguf_get_arr_n(g, key))]
+        for k in ("imatrix.chunk_count", "imatrix.chunk_size"):
+            key = lib.gguf_find_key(g, k.encode())
+            kv[k] = lib.gguf_get_val_u32(g, key) if key >= 0 else None
+        tensors = {}
+        for i in range(lib.gguf_get_n_tensors(g)):
+            name = lib.gguf_get_tensor_name(g, i)
+            t = GGMLTensor.from_address(lib.ggml_get_tensor(ctx, name))
+            ne = tuple(int(t.ne[d]) for d in range(4))
+            n = int(np.prod(ne))
+            values = np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data)).copy() if t.type == 0 else None
+            tensors[name.decode()] = (int(t.type), ne, values)
+        return kv, tensors
+    finally:
+        lib.gguf_free(g)
+        lib.ggml_free(ctx)
+
+
+def read_imatrix_ggml(path: str | os.PathLike) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], np.ndarray]]]:
+    """An imatrix GGUF as llama-quantize's loader sees it (ggml's GGUF reader, in a child):
+    ({general.type, imatrix.datasets, imatrix.chunk_count, imatrix.chunk_size},
+    {tensor name: (ggml type, ne, float32 values)})."""
+    llamacpp_child.require_llama_cpp()
+    return llamacpp_child.call(_read_imatrix_ggml, os.fspath(path), model_path=path)
