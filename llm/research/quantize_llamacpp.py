@@ -140,7 +140,7 @@ class _GGUFInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.POINTER(ctypes.c_void_p))]
 
 
-def _read_imatrix_ggml(path: str) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], np.ndarray]]]:
+def _read_imatrix_ggml(path: str) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], np.ndarray | None]]]:
     """In the child: common_imatrix_load's reading (common/imatrix-loader.cpp) through ggml's own
     GGUF reader: the provenance keys and every tensor's type, ne and values."""
     import llama_cpp as lc
@@ -187,9 +187,10 @@ def _read_imatrix_ggml(path: str) -> tuple[dict, dict[str, tuple[int, tuple[int,
         lib.ggml_free(ctx)
 
 
-def read_imatrix_ggml(path: str | os.PathLike) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], np.ndarray]]]:
+def read_imatrix_ggml(path: str | os.PathLike
+                      ) -> tuple[dict, dict[str, tuple[int, tuple[int, ...], np.ndarray | None]]]:
     """An imatrix GGUF as llama-quantize's loader sees it (ggml's GGUF reader, in a child):
     ({general.type, imatrix.datasets, imatrix.chunk_count, imatrix.chunk_size},
-    {tensor name: (ggml type, ne, float32 values)})."""
+    {tensor name: (ggml type, ne, float32 values or None for another type)})."""
     llamacpp_child.require_llama_cpp()
     return llamacpp_child.call(_read_imatrix_ggml, os.fspath(path), model_path=path)
