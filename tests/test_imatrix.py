@@ -224,3 +224,27 @@ def test_ggml_reads_our_file(synth, tmp_path):
         assert t == 0 and ne == (sums.shape[1], sums.shape[0], 1, 1) and np.array_equal(v, sums.reshape(-1))
         t, ne, v = tensors[f"{name}.counts"]
         assert t == 0 and ne == (1, sums.shape[0], 1, 1) and np.array_equal(v, im.counts[name].astype(np.float32))
+
+
+@pytest.mark.slow
+def test_llamacpp_quantizer_with_our_file_writes_our_bytes(synth, tmp_path):
+    """Our file, loaded as llama-quantize loads it, makes llama_model_quantize (llama-cpp-python,
+    in a child) write the same tensors as llm quantize --imatrix with the same file."""
+    from llm.research.llamacpp_child import llama_cpp_available
+    if not llama_cpp_available():
+        pytest.skip("needs llama-cpp-python")
+    from llm.research.quantize_llamacpp import quantize_file
+    im, _ = synth
+    im.write(tmp_path / "i.gguf")
+    values = load_imatrix(tmp_path / "i.gguf").values
+    twin = f32_twin_path(SYNTH)
+    for ftype in ("IQ2_XXS", "Q3_K_M"):
+        ft = parse_ftype(ftype)[0]
+        quantize_file(twin, tmp_path / "theirs.gguf", int(ft), imatrix=values)
+        model_quantize(twin, tmp_path / "ours.gguf", QuantizeParams(ftype=ft, imatrix=values))
+        with gguf.GGUFReader(tmp_path / "theirs.gguf") as a, gguf.GGUFReader(tmp_path / "ours.gguf") as b:
+            assert list(a.tensors) == list(b.tensors)
+            for name, t in a.tensors.items():
+                assert t.type == b.tensors[name].type and np.array_equal(t.data, b.tensors[name].data), (ftype, name)
+        (tmp_path / "theirs.gguf").unlink()
+        (tmp_path / "ours.gguf").unlink()
