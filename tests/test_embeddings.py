@@ -46,6 +46,7 @@ def test_pooling_types_pool_the_per_token_states(tiny):
         assert ctx.get_logits().shape == (17, tiny.n_vocab)
 
 
+@pytest.mark.slow
 def test_embeddings_context_keeps_logits(tiny):
     toks = prompt_tokens(9, seed=4)
     plain = llm.Context(tiny, n_ctx=64, n_ubatch=32)

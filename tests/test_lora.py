@@ -71,6 +71,7 @@ def test_adapter_matches_the_merged_weights(files, model, scale):
     assert np.abs(got - logits_of(model, tokens)).max() > 0.1      # the adapter changes the answer
 
 
+@pytest.mark.slow
 def test_two_adapters_add(files, model):
     tokens = prompt_tokens(7, seed=3)
     a1, a2 = adapter_lora_init(model, files["one"]), adapter_lora_init(model, files["two"])

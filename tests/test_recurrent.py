@@ -322,6 +322,7 @@ def test_state_save_and_restore_continue_identically(name, request, tmp_path):
         other.state_load_file(tmp_path / "all.bin")
 
 
+@pytest.mark.slow
 def test_prompt_cache_reuses_a_whole_prefix_only(model, tmp_path):
     """A cached state serves a prompt that extends it; one that is longer than the shared
     prefix cannot be cut back (a state has no history) and is not used."""

@@ -64,6 +64,7 @@ def test_row_and_layer_cannot_be_mixed(tiny_path):
         llm.load_model(tiny_path, split_mode="row", n_gpu_layers=1)
 
 
+@pytest.mark.slow
 def test_row_on_one_device_is_the_plain_model(tiny_path):
     import jax
     ref = llm.Context(llm.load_model(tiny_path, devices=[]), n_ctx=32)

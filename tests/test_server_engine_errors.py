@@ -62,6 +62,7 @@ def test_check_names_prompt_n_and_max_tokens(model):
         assert e.value.name == name, (tokens, params)
 
 
+@pytest.mark.slow
 def test_max_tokens_is_capped_by_the_slot(model):
     b = new_batcher(model)                      # 2 slots of 64 cells
     events: list = []

@@ -84,6 +84,7 @@ def test_metrics_names_types_and_help_are_llama_servers(app):
     assert len([x for x in lines if not x.startswith("#")]) == len(TYPES)
 
 
+@pytest.mark.slow
 def test_counters_grow_by_exactly_the_tokens_of_each_request(app):
     before = scrape(app)
     usage = complete(app)

@@ -66,6 +66,7 @@ def test_response_format_json_object_on_completions(app):
         assert isinstance(json.loads(choice["text"]), dict)
 
 
+@pytest.mark.slow
 def test_response_format_text_is_unconstrained(app):
     body = {"prompt": "x", "max_tokens": 8, "temperature": 0.0}
     plain = app.post("/v1/completions", json=body).json()["choices"][0]["text"]
@@ -83,6 +84,7 @@ def test_bad_response_format_is_400(app, rf):
     assert "response_format" in error(r, 400, "response_format")
 
 
+@pytest.mark.slow
 def test_slot_save_and_restore(app, tiny):
     prompt = "the quick brown fox jumps over the lazy dog"
     r = app.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0.0,

@@ -241,6 +241,7 @@ def wait_for(cond, timeout=120.0) -> None:
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow
 def test_engine_thread_and_bounded_queue(model):
     ctx = llm.Context(model, n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq_max=2, kv_bucket=N_CTX)
     engine = Engine(ctx, model.vocab, max_queue=2)
@@ -296,6 +297,7 @@ def test_save_restore_slot_refuses_busy_and_unknown_slots(model, tmp_path):
     assert b.ctx.memory.seq_pos_max(1 - slot) == n - 1
 
 
+@pytest.mark.slow
 def test_context_shift_goes_on_past_a_full_slot(model):
     """Batcher(context_shift=True), llama-server's --context-shift: a sample that fills its slot
     of 32 cells keeps n_keep tokens (+ the BOS), discards half of the rest (seq_rm), moves the

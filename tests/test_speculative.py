@@ -114,6 +114,7 @@ def test_stop_mid_step_keeps_the_cache_consistent(target):
     assert plain.tokens[:5] == spec.tokens
 
 
+@pytest.mark.slow
 def test_sampling_runs_and_bad_values_fail(target):
     out = target.generate(repetitive_prompt(), max_tokens=16, temperature=0.8, seed=3, speculative="prompt-lookup")
     assert len(out.tokens) == 16

@@ -125,6 +125,7 @@ def test_seq_round_trip_several_sequences(model, tmp_path, cache):
     assert fresh.memory.seq_pos_max(0) == len(a) - 1
 
 
+@pytest.mark.slow
 def test_atomic_write_leaves_no_temp_file(model, tmp_path):
     ctx = new_ctx(model)
     prefill(ctx, TOKENS)

@@ -155,6 +155,7 @@ def test_prompt_cache_reuses_prefix_across_instances(tmp_path):
     assert again.tokens == want.tokens
 
 
+@pytest.mark.slow
 def test_prompt_cache_evicts_least_recently_used(tmp_path):
     path = write_model(tmp_path / "tiny.gguf", TinySpec(seed=6))
     m = llm.LLM(path, n_ctx=256, prompt_cache=tmp_path / "pc", prompt_cache_bytes=1)
