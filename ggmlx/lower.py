@@ -493,6 +493,13 @@ def lower_sigmoid(n: Tensor, env):
     return jax.nn.sigmoid(_value_f32(env, n.src[0]))
 
 
+@lowers(Op.XIELU)
+def lower_xielu(n: Tensor, env):
+    an, ap, beta, eps = n.op_params
+    x = _value_f32(env, n.src[0])
+    return jnp.where(x > 0.0, ap * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * an + beta * x)
+
+
 @lowers(Op.SOFTPLUS)
 def lower_softplus(n: Tensor, env):
     return _softplus(_value_f32(env, n.src[0]))

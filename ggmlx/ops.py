@@ -125,6 +125,17 @@ def softplus(a: Tensor) -> Tensor:
     return _unary(Op.SOFTPLUS, a)
 
 
+def xielu(a: Tensor, alpha_n: float, alpha_p: float, beta: float, eps: float) -> Tensor:
+    """xIELU (Apertus' FFN activation, ggml_xielu) with the file's raw alphas, constrained here
+    as ggml does in float32 (an = beta + softplus(alpha_n), ap = softplus(alpha_p)):
+    ap * a^2 + beta * a for a > 0, else (expm1(min(a, eps)) - a) * an + beta * a. -> a.ne."""
+    def sp(v: float) -> np.float32:
+        v32 = np.float32(v)
+        return v32 if v32 > 20 else np.log(np.float32(1) + np.exp(v32))
+    an, ap = np.float32(beta) + sp(alpha_n), sp(alpha_p)
+    return _unary(Op.XIELU, a, (float(an), float(ap), float(np.float32(beta)), float(np.float32(eps))))
+
+
 def relu(a: Tensor) -> Tensor:
     """max(a, 0). -> a.ne."""
     return _unary(Op.RELU, a)

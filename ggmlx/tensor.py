@@ -46,6 +46,7 @@ class Op(enum.Enum):
     RELU = "RELU"
     SIGMOID = "SIGMOID"
     SOFTPLUS = "SOFTPLUS"
+    XIELU = "XIELU"
     GELU = "GELU"
     GELU_QUICK = "GELU_QUICK"
     GLU = "GLU"

@@ -109,6 +109,7 @@ class LLMArch(enum.Enum):
     EXAONE4 = "exaone4"
     MINIMAX_M2 = "minimax-m2"
     HUNYUAN_MOE = "hunyuan-moe"
+    APERTUS = "apertus"
 
 
 def arch_from_name(name: str) -> LLMArch:
@@ -139,6 +140,11 @@ class LLMKV(enum.Enum):
     GENERAL_LICENSE = "general.license"
     GENERAL_SOURCE_URL = "general.source.url"
     GENERAL_SOURCE_HF_REPO = "general.source.huggingface.repository"
+    # Apertus' xIELU activation, per layer (no architecture prefix, as llama.cpp's LLM_KV_XIELU_*)
+    XIELU_ALPHA_N = "xielu.alpha_n"
+    XIELU_ALPHA_P = "xielu.alpha_p"
+    XIELU_BETA = "xielu.beta"
+    XIELU_EPS = "xielu.eps"
     ADAPTER_TYPE = "adapter.type"
     ADAPTER_LORA_ALPHA = "adapter.lora.alpha"
     ADAPTER_ALORA_INVOCATION_TOKENS = "adapter.alora.invocation_tokens"

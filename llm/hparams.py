@@ -171,6 +171,11 @@ class HParams:
     n_embd_head_k_mla: int = 0
     n_embd_head_v_mla: int = 0
     use_kq_norm: bool = False         # llama4: weightless RMS norm of Q and K after rope
+    # Apertus' xIELU activation per layer: the file's raw alphas (ops.xielu constrains them)
+    xielu_alpha_n: list[float] = dataclasses.field(default_factory=list)
+    xielu_alpha_p: list[float] = dataclasses.field(default_factory=list)
+    xielu_beta: list[float] = dataclasses.field(default_factory=list)
+    xielu_eps: list[float] = dataclasses.field(default_factory=list)
     # state-space layers (Mamba, Mamba-2 and the hybrids): conv kernel width, inner width,
     # state size, dt rank (Mamba-2: the head count), B/C groups; which layers are recurrent
     ssm_d_conv: int = 0

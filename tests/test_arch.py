@@ -101,10 +101,10 @@ def test_arch_from_name():
 
 
 def test_registry():
-    assert registered_archs() == ["bert", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe", "exaone",
-                                  "exaone4", "falcon-h1", "gemma2", "gemma3", "gemma3n", "gemma4", "glm4", "glm4moe",
-                                  "gpt-oss", "gpt2", "granite", "granitehybrid", "granitemoe", "hunyuan-moe", "jamba",
-                                  "lfm2", "lfm2moe", "llama", "llama4", "mamba", "mamba2",
+    assert registered_archs() == ["apertus", "bert", "cohere2", "command-r", "deepseek2", "ernie4_5", "ernie4_5-moe",
+                                  "exaone", "exaone4", "falcon-h1", "gemma2", "gemma3", "gemma3n", "gemma4", "glm4",
+                                  "glm4moe", "gpt-oss", "gpt2", "granite", "granitehybrid", "granitemoe", "hunyuan-moe",
+                                  "jamba", "lfm2", "lfm2moe", "llama", "llama4", "mamba", "mamba2",
                                   "minimax-m2", "mistral3", "nemotron_h", "nomic-bert", "olmo2", "olmoe", "phi2",
                                   "phi3", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe",
                                   "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "seed_oss", "smollm3", "starcoder2"]

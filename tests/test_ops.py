@@ -314,6 +314,10 @@ UNARY = {
     "relu": (ops.relu, lambda x: np.maximum(x, 0.0)),
     "softplus": (ops.softplus, lambda x: np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))),
     "sigmoid": (ops.sigmoid, lambda x: 1.0 / (1.0 + np.exp(-x))),
+    # Apertus' constants: softplus(0.8) = 1.1711, softplus(0.8) + 0.5 = 1.6711
+    "xielu": (lambda t: ops.xielu(t, 0.8, 0.8, 0.5, -1e-6),
+              lambda x: np.where(x > 0, np.log1p(np.exp(0.8)) * x * x + 0.5 * x,
+                                 (np.expm1(np.minimum(x, -1e-6)) - x) * (0.5 + np.log1p(np.exp(0.8))) + 0.5 * x)),
     "gelu": (ops.gelu, gelu_ref),
     "gelu_quick": (ops.gelu_quick, lambda x: x / (1.0 + np.exp(-1.702 * x))),
 }

@@ -373,6 +373,27 @@ def spec_seed_oss(d: Dims, w: Weights) -> dict:
     return kv
 
 
+def spec_apertus(d: Dims, w: Weights) -> dict:
+    """Apertus: per-head Q/K RMS norms, NEOX rope and an ungated up -> xIELU -> down FFN whose
+    constants differ per layer (the file's raw alphas; ggml constrains them with softplus)."""
+    kv = base_kv("apertus", d)
+    kv.update({"xielu.alpha_n": [0.8, 0.6], "xielu.alpha_p": [0.8, 1.1], "xielu.beta": [0.5, 0.4],
+               "xielu.eps": [-1e-6, -1e-6]})
+    w.embd("token_embd.weight", N_VOCAB, d.n_embd)
+    output(w, d)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        attn_qkv(w, p, d)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+    return kv
+
+
 def spec_qwen2vl(d: Dims, w: Weights) -> dict:
     """Qwen2-VL's text tower: M-RoPE over sections of t/h/w pairs (head 16: 8 pairs)."""
     a = "qwen2vl"
@@ -1432,6 +1453,7 @@ ARCHS: dict[str, ArchSpec] = {
     "ernie4_5": ArchSpec(spec_ernie4_5, 119),
     "ernie4_5-moe": ArchSpec(spec_ernie4_5_moe, 120),
     "seed_oss": ArchSpec(spec_seed_oss, 121),
+    "apertus": ArchSpec(spec_apertus, 151),
     "qwen2vl": ArchSpec(spec_qwen2vl, 122),
     "qwen3vl": ArchSpec(spec_qwen3vl, 123),
     "glm4moe": ArchSpec(spec_glm4moe, 124),

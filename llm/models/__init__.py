@@ -10,6 +10,7 @@ import difflib
 from llm.arch import ArchBuilder, LLMArch, arch_from_name  # noqa: F401  (ArchBuilder: llm.models.ArchBuilder)
 from llm.errors import ModelLoadError
 from llm.models import (
+    apertus,
     bert,
     cohere2,
     command_r,
@@ -100,6 +101,7 @@ ARCHS: dict[LLMArch, ArchBuilder] = {
     LLMArch.ERNIE4_5: ernie4_5,
     LLMArch.ERNIE4_5_MOE: ernie4_5_moe,
     LLMArch.SEED_OSS: seed_oss,
+    LLMArch.APERTUS: apertus,
     LLMArch.QWEN2VL: qwen2vl,
     LLMArch.QWEN3VL: qwen3vl,
     LLMArch.QWEN3VLMOE: qwen3vlmoe,
