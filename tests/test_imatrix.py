@@ -248,3 +248,17 @@ def test_llamacpp_quantizer_with_our_file_writes_our_bytes(synth, tmp_path):
                 assert t.type == b.tensors[name].type and np.array_equal(t.data, b.tensors[name].data), (ftype, name)
         (tmp_path / "theirs.gguf").unlink()
         (tmp_path / "ours.gguf").unlink()
+
+
+@pytest.mark.slow
+def test_process_output_adds_output_weight():
+    """--process-output: output.weight too (its input is every token's final norm), the rest unchanged."""
+    model = load_model(f32_twin_path(SYNTH))
+    tokens = model.vocab.tokenize(TEXT.read_text(), True, False)
+    cp = ContextParams(n_ctx=64, flash_attn=False)
+    plain = compute_imatrix(model, tokens, ImatrixParams(n_chunks=2), cp)
+    more = compute_imatrix(model, tokens, ImatrixParams(n_chunks=2, process_output=True), cp)
+    assert set(more.sums) - set(plain.sums) == {"output.weight"}
+    assert more.sums["output.weight"].shape == (1, model.hparams.n_embd)
+    assert more.counts["output.weight"].tolist() == [2 * 64]
+    assert all(np.array_equal(more.sums[n], plain.sums[n]) for n in plain.sums)
