@@ -511,7 +511,7 @@ class Batcher:
 
         decoding = [s for job in self.running for s in job.seqs if s.pending is not None]
         for s in decoding:
-            if s.n_past + 1 >= self.n_ctx_slot:
+            if s.n_past + 1 >= self.n_ctx_slot and self._shifts(s.job):   # (else it ended with "length")
                 self._shift(s)
         budget = self.ctx.n_batch - len(decoding)
         for s in decoding:
