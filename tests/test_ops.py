@@ -66,6 +66,7 @@ TESTED_OPS: dict[Op, str] = {
     Op.SSM_CONV: "test_ssm_conv",
     Op.SSM_SCAN: "test_ssm_scan",
     Op.SOFTPLUS: "test_unary",
+    Op.XIELU: "test_unary",
     Op.GATED_DELTA_NET: "test_gated_delta_net",
     Op.REPEAT: "test_repeat_4d",
 }
