@@ -267,7 +267,12 @@ def test_quantizer_rows_equal_llamacpp(ref, type_name):
     assert not bad, f"{type_name}: rows {bad} differ from ggml_quantize_chunk's bytes"
 
 
-@pytest.mark.parametrize("type_name", [t.name for t in quants.IMATRIX_TYPES])
+# the IQ1/IQ2 grid searches take 2-5 s on these rows: the quick tier leaves them to CI
+SLOW_QUANTIZERS = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S"}
+
+
+@pytest.mark.parametrize("type_name", [pytest.param(t.name, marks=pytest.mark.slow) if t.name in SLOW_QUANTIZERS
+                                       else t.name for t in quants.IMATRIX_TYPES])
 @pytest.mark.parametrize("imatrix_name", ["lognormal", "sparse"])
 def test_imatrix_quantizer_rows_equal_llamacpp(ref, type_name, imatrix_name):
     ours = quants.quantize(quantizer_rows(), GGMLType[type_name], row_imatrices()[imatrix_name])
