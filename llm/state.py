@@ -16,9 +16,13 @@ Layout (little-endian):
              n_rng u32, per rng: key u32[624], pos u32
              per layer: K rows [n, n_embd_k_gqa], V rows [n, n_embd_v_gqa] in the cache types
              (a memory without attention layers: types 0, no layers, no cells)
-    recurrent memory (recurrent and hybrid models only; llm.memory_recurrent):
-             n_rs u32, cell i32[n_rs] (kind FULL only), pos i32[n_rs]
-             per recurrent layer: conv rows f32[n_rs, n_embd_r], SSM rows f32[n_rs, n_embd_s]
+    recurrent memory (recurrent and hybrid models only; llm.memory_recurrent), in the bytes of
+    llama.cpp's llama_memory_recurrent::state_write (a pure recurrent model's seq state after
+    llama_state_seq_get_data's magic and seq_id is exactly this):
+             cell_count u32; per cell: pos i32, n_seq_id u32, seq_id i32[n_seq_id] (kind SEQ: 0 ids)
+             s_trans u32 (0), n_layer u32
+             per recurrent layer: type i32, row size u64, conv (R) rows [cell_count, n_embd_r]
+             per recurrent layer: type i32, row size u64, SSM (S) rows [cell_count, n_embd_s]
 
 The crc32 over the body catches a flipped byte anywhere; every count is still checked
 against the context before anything is allocated from it (as the GGUF reader does), so a
@@ -49,7 +53,7 @@ import numpy as np
 from llm.errors import StateError
 
 MAGIC = b"GGMLXST\0"
-VERSION = 1
+VERSION = 2      # 2: the recurrent section in llama.cpp's layout
 KIND_FULL, KIND_SEQ = 0, 1
 _HEADER = struct.Struct("<8sIIQI")
 _MT_WORDS = 624
@@ -177,16 +181,25 @@ def serialize(ctx, fingerprint: bytes, tokens: Sequence[int], *, seq_id: int | N
         parts += [_rows(k, cells).tobytes(), _rows(v, cells).tobytes()]
     rs = ctx.memory.mem_recr
     if rs is not None:
-        rs_cells = np.flatnonzero(rs.pos >= 0) if seq_id is None else np.array([seq_id] if rs.pos[seq_id] >= 0 else [])
-        rs_cells = rs_cells.astype(np.int32)
-        parts.append(_u32(rs_cells.size))
-        if seq_id is None:
-            parts.append(rs_cells.astype("<i4").tobytes())
-        parts.append(rs.pos[rs_cells].astype("<i4").tobytes())
-        parts += [np.ascontiguousarray(_rows(t, rs_cells), "<f4").tobytes() for t in rs._buffers()]
+        parts.append(recurrent_state_write(rs, seq_id))
     body = b"".join(parts)
     kind = KIND_FULL if seq_id is None else KIND_SEQ
     return _HEADER.pack(MAGIC, VERSION, kind, len(body), zlib.crc32(body)) + body
+
+
+def recurrent_state_write(rs, seq_id: int | None) -> bytes:
+    """The recurrent memory's cells (all, or seq_id's) as llama_memory_recurrent::state_write
+    writes them. A cell here belongs to one sequence, its index (copy-on-seq_cp)."""
+    cells = np.flatnonzero(rs.pos >= 0) if seq_id is None else np.array([seq_id] if rs.pos[seq_id] >= 0 else [])
+    cells = cells.astype(np.int32)
+    parts = [_u32(cells.size)]
+    for c in cells:
+        parts.append(struct.pack("<iI", int(rs.pos[c]), 0) if seq_id is not None
+                     else struct.pack("<iIi", int(rs.pos[c]), 1, int(c)))
+    parts += [_u32(0), _u32(rs.hparams.n_layer)]            # s_trans, n_layer
+    for t in [t for t in rs.r_l if t is not None] + [t for t in rs.s_l if t is not None]:
+        parts += [struct.pack("<iQ", int(t.type), 4 * t.ne[0]), np.ascontiguousarray(_rows(t, cells), "<f4").tobytes()]
+    return b"".join(parts)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -385,20 +398,43 @@ def parse(ctx, fingerprint: bytes, data: bytes, where: str, *, kind: int, sample
     saved = _Saved(kind, tokens.tolist(), cells, pos, seq, ids, logits, rngs, k_rows, v_rows)
     rs = ctx.memory.mem_recr
     if rs is not None:
-        n_rs = r.count("n_rs", rs.size if kind == KIND_FULL else 1, "n_seq_max" if kind == KIND_FULL else "1")
-        if kind == KIND_FULL:
-            saved.rs_cells = r.array("<i4", n_rs, "recurrent cells")
-            if n_rs and (saved.rs_cells.min() < 0 or saved.rs_cells.max() >= rs.size
-                         or np.unique(saved.rs_cells).size != n_rs):
-                raise r.error(f"recurrent cells must be distinct and in [0, n_seq_max = {rs.size})")
-        saved.rs_pos = r.array("<i4", n_rs, "recurrent positions")
-        if n_rs and saved.rs_pos.min() < 0:
-            raise r.error("a recurrent cell has a negative position")
-        for t in rs._buffers():
-            saved.rs_rows.append(r.array("<f4", n_rs * t.ne[0], f"{t.name} rows").reshape(n_rs, t.ne[0]))
+        recurrent_state_read(r, rs, saved, kind == KIND_FULL)
     if r.off != len(body):
         raise r.error(f"{len(body) - r.off} unexpected bytes after the last layer")
     return saved
+
+
+def recurrent_state_read(r: _Reader, rs, saved: _Saved, full: bool) -> None:
+    """recurrent_state_write's bytes (llama.cpp's) into `saved`, every field checked against
+    the recurrent memory: a whole state names each cell's one sequence, a sequence state none."""
+    n_rs = r.count("recurrent cell_count", rs.size if full else 1, "n_seq_max" if full else "1")
+    pos, cells = [], []
+    for i in range(n_rs):
+        pos.append(struct.unpack("<i", r.take(4, f"recurrent cell {i} pos"))[0])
+        n_seq = r.count(f"recurrent cell {i} n_seq_id", 1 if full else 0, "1" if full else "0 (a sequence state)")
+        if full:
+            if n_seq != 1:
+                raise r.error(f"recurrent cell {i} names {n_seq} sequences; a cell holds one sequence's state")
+            cells.append(struct.unpack("<i", r.take(4, f"recurrent cell {i} seq_id"))[0])
+    saved.rs_pos = np.asarray(pos, np.int32)
+    if full:
+        saved.rs_cells = np.asarray(cells, np.int32)
+        if n_rs and (saved.rs_cells.min() < 0 or saved.rs_cells.max() >= rs.size
+                     or np.unique(saved.rs_cells).size != n_rs):
+            raise r.error(f"recurrent cells' seq_ids must be distinct and in [0, n_seq_max = {rs.size})")
+    if n_rs and saved.rs_pos.min() < 0:
+        raise r.error("a recurrent cell has a negative position")
+    if r.u32("s_trans") != 0:
+        raise r.error("transposed SSM states (s_trans 1) are not read")
+    n_layer = r.u32("recurrent n_layer")
+    if n_layer != rs.hparams.n_layer:
+        raise r.error(f"recurrent n_layer = {n_layer}, the model has {rs.hparams.n_layer}")
+    for t in [t for t in rs.r_l if t is not None] + [t for t in rs.s_l if t is not None]:
+        ttype, row = struct.unpack("<iQ", r.take(12, f"{t.name} type and row size"))
+        if ttype != int(t.type) or row != 4 * t.ne[0]:
+            raise r.error(f"{t.name}: type {ttype} with rows of {row} bytes, the context holds "
+                          f"{t.type.name} rows of {4 * t.ne[0]}")
+        saved.rs_rows.append(r.array("<f4", n_rs * t.ne[0], f"{t.name} rows").reshape(n_rs, t.ne[0]))
 
 
 # --- applying ----------------------------------------------------------------------------------

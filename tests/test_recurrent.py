@@ -340,3 +340,43 @@ def test_prompt_cache_reuses_a_whole_prefix_only(model, tmp_path):
     other = llm.Context(model, n_ctx=64)
     assert cache.restore(other, np.concatenate([toks[:6], tokens(4, 33)])) == 0
     assert other.memory.seq_pos_max(0) == -1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mamba2", "mamba"])
+def test_recurrent_cells_are_written_in_llamacpps_layout(arch):
+    """A state's recurrent section is llama_memory_recurrent::state_write's layout. After the same
+    6 tokens, our sequence bytes have llama.cpp's cell, type and row-size fields exactly and its
+    conv / SSM values within 1e-5 (tests/data/state, benchmarks/reference/recurrent_state_llamacpp.py);
+    and llama.cpp's own bytes, put into our sequence state, decode the fixture's other tokens to
+    llama.cpp's logits."""
+    import struct
+    import zlib
+
+    from llm import state
+    ref = (Path(__file__).parent / "data" / "state" / f"{arch}-seq.bin").read_bytes()
+    assert struct.unpack_from("<Ii", ref) == (0xAF143CD8, 0)          # io_magic, seq_id
+    theirs = ref[8:]
+    fx = np.load(FIXTURES / f"{arch}.npz")
+    toks = [int(t) for t in fx["tokens_0"]]
+    model = llm.load_model(FIXTURES / f"{arch}-F32.gguf")
+    ctx = llm.Context(model, n_ctx=64)
+    assert ctx.decode(llm.Batch(toks[:6])) == 0
+    rs = ctx.memory.mem_recr
+    ours = state.recurrent_state_write(rs, 0)
+    assert len(ours) == len(theirs)
+    at = 20            # cell_count 1, pos 5, n_seq_id 0, s_trans 0, n_layer
+    assert ours[:at] == theirs[:at] and struct.unpack_from("<IiIII", ours) == (1, 5, 0, 0, model.hparams.n_layer)
+    for t in rs._buffers():
+        assert ours[at:at + 12] == theirs[at:at + 12], t.name      # type, row size
+        n = 4 * t.ne[0]
+        a, b = (np.frombuffer(x[at + 12:at + 12 + n], "<f4") for x in (ours, theirs))
+        assert np.abs(a - b).max() <= 1e-5, t.name
+        at += 12 + n
+    ours_file = ctx.state_seq_get_data(0)
+    body = ours_file[state._HEADER.size:-len(ours)] + theirs
+    header = state._HEADER.pack(state.MAGIC, state.VERSION, state.KIND_SEQ, len(body), zlib.crc32(body))
+    fresh = llm.Context(model, n_ctx=64)
+    fresh.state_seq_set_data(header + body, 0)
+    assert fresh.decode(llm.Batch(toks[6:], pos=list(range(6, len(toks))), logits=[True] * (len(toks) - 6))) == 0
+    assert np.abs(fresh.get_logits() - fx["logits_0"][6:]).max() <= 1e-4
