@@ -14,7 +14,7 @@ import numpy as np
 
 from ggmlx import ops, types
 from ggmlx.graph import Graph
-from ggmlx.tensor import Tensor, new_input
+from ggmlx.tensor import Flag, Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.adapter import TOKEN_EMBD
 from llm.arch import LLMArch
@@ -369,6 +369,27 @@ class GraphBuilder:
     def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
         """Name an intermediate like llama.cpp's callback: `name-il` inside layers."""
         return t.set_name(f"{name}-{il}" if il >= 0 else name)
+
+    def splice(self, inserted: dict[int, Tensor]) -> None:
+        """Put each inserted[n.id] (a node reading n: an intervention, a gradient delta) after
+        n in the built graph: every other consumer of n reads it instead, n's output flag (and
+        res_logits) moves to it, and gf is rebuilt in order."""
+        old = self.gf
+        for n in old.nodes:       # the inserted nodes are not in old.nodes: they keep reading n
+            if any(s.id in inserted for s in n.src):
+                n.src = tuple(inserted.get(s.id, s) for s in n.src)
+        for n in old.nodes:
+            if n.id in inserted and n.flags & Flag.OUTPUT:
+                n.flags &= ~Flag.OUTPUT
+                inserted[n.id].set_output()
+                if self.res_logits is n:
+                    self.res_logits = inserted[n.id]
+        gf = Graph()
+        for n in old.nodes:
+            gf.build_forward_expand(n)
+            if n.id in inserted:
+                gf.build_forward_expand(inserted[n.id])
+        self.gf = gf
 
     # ---- inputs ----------------------------------------------------------------------
 

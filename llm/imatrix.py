@@ -49,7 +49,6 @@ import numpy as np
 from ggmlx import gguf, lower, ops
 from ggmlx.compile import GraphCache, Program
 from ggmlx.gguf import GGUFValueType
-from ggmlx.graph import Graph
 from ggmlx.tensor import Flag, Op, Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.arch import LLMKV
@@ -314,10 +313,9 @@ class _Tap:
 def _insert_deltas(g: GraphBuilder, counted: Callable[[Tensor], bool]) -> list[_Tap]:
     """A zero delta input after every counted matmul's output (mul_mat of a counted weight,
     every mul_mat_id), consumers rewired to it, its input and ids made outputs."""
-    old = g.gf
     inserted: dict[int, Tensor] = {}
     taps: list[_Tap] = []
-    for n in old.nodes:
+    for n in g.gf.nodes:
         if n.op not in (Op.MUL_MAT, Op.MUL_MAT_ID) or not n.src[0].flags & Flag.WEIGHT:
             continue
         w, x = n.src[0], n.src[1]
@@ -333,21 +331,7 @@ def _insert_deltas(g: GraphBuilder, counted: Callable[[Tensor], bool]) -> list[_
         if ids is not None:
             ids.set_output()
         taps.append(_Tap(w.name, x, d, ids, w.ne[2] if ids is not None else w.ne[2] * w.ne[3]))
-    for n in old.nodes:
-        if any(s.id in inserted for s in n.src):
-            n.src = tuple(inserted.get(s.id, s) for s in n.src)
-    for n in old.nodes:
-        if n.id in inserted and n.flags & Flag.OUTPUT:
-            n.flags &= ~Flag.OUTPUT
-            inserted[n.id].set_output()
-            if g.res_logits is n:
-                g.res_logits = inserted[n.id]
-    gf = Graph()
-    for n in old.nodes:
-        gf.build_forward_expand(n)
-        if n.id in inserted:
-            gf.build_forward_expand(inserted[n.id])
-    g.gf = gf
+    g.splice(inserted)
     return taps
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from ggmlx import lower, ops
 from ggmlx.compile import GraphCache, Program, compute
 from ggmlx.graph import Graph
-from ggmlx.tensor import Flag, Tensor, new_input
+from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.batch import Batch
 from llm.context import bucket
@@ -210,11 +210,10 @@ class GraphEdits:
     def apply(self, g: GraphBuilder) -> None:
         """Insert the intervention (and gradient delta) nodes after their nodes, rewire every
         consumer to them, flag captured nodes as outputs and rebuild g.gf in order."""
-        old = g.gf
-        labels = node_labels(old.nodes)
+        labels = node_labels(g.gf.nodes)
         inserted: dict[int, Tensor] = {}
         by_label: dict[str, Tensor] = {}
-        for n in old.nodes:
+        for n in g.gf.nodes:
             label = labels.get(n.id)
             if label is None:
                 continue
@@ -229,15 +228,7 @@ class GraphEdits:
                 cur = ops.add(cur, d).set_name(f"{n.name} (delta)")
             if cur is not n:
                 inserted[n.id] = cur
-        for n in old.nodes:       # the inserted nodes are not in old.nodes: they keep reading n
-            if any(s.id in inserted for s in n.src):
-                n.src = tuple(inserted.get(s.id, s) for s in n.src)
-        for n in old.nodes:
-            if n.id in inserted and n.flags & Flag.OUTPUT:
-                n.flags &= ~Flag.OUTPUT
-                inserted[n.id].set_output()
-                if g.res_logits is n:
-                    g.res_logits = inserted[n.id]
+        g.splice(inserted)
         nodes = {}
         for label in self.capture:
             t = by_label[label]
@@ -245,12 +236,6 @@ class GraphEdits:
             t.set_output()
             nodes[label] = t
         self._nodes[id(g)] = nodes
-        gf = Graph()
-        for n in old.nodes:
-            gf.build_forward_expand(n)
-            if n.id in inserted:
-                gf.build_forward_expand(inserted[n.id])
-        g.gf = gf
 
     def collect(self, g: GraphBuilder, ub, outs: dict) -> None:
         """Keep this ubatch's rows of every captured node."""
