@@ -292,6 +292,7 @@ def test_quantizer_round_trip_error_is_small():
         assert rel < bound, f"{name}: relative RMS error {rel:.3f}"
 
 
+@pytest.mark.slow      # grid searches: ~4 s
 def test_iq2_iq1_round_trip_error_is_small():
     """The IQ2 / IQ1 quantizers' bytes (with an importance matrix) dequantize near the input, by
     the importance-weighted error they minimise."""
