@@ -426,6 +426,16 @@ class Context:
         return (f"; the KV cache's buffers were lost in the failed computation: rebuilt empty, "
                 f"sequences {cleared} cleared")
 
+    def n_tokens_unpadded(self, n_tokens: int) -> int:
+        """The most tokens, at most n_tokens, that a batch can hold without its last ubatch being
+        padded (a graph's token count is a power of two up to n_ubatch): a caller mixing decodes
+        with a prompt chunk fills the graph instead of paying for padding. Recurrent models
+        pad by sequences, not tokens: n_tokens itself."""
+        if self.recurrent or n_tokens <= 0:
+            return n_tokens
+        full, rest = divmod(n_tokens, self.n_ubatch)
+        return full * self.n_ubatch + (bucket(rest + 1) // 2 if rest else 0)
+
     def _params(self, ub: UBatch) -> GraphParams:
         n_seqs = bucket(ub.n_seqs) if self.recurrent else 0      # padded with the scratch cell
         n_tokens = ub.n_seq_tokens * n_seqs if self.recurrent else bucket(ub.n_tokens, self.n_ubatch)
@@ -490,13 +500,18 @@ class Context:
         self.memory.update(new_state)
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
+        # the output rows: the graph's first ub.n_outputs, unless its outputs bucket is every
+        # padded token (no inp_out_ids: 7 tokens wanting 5 outputs fill an 8-row graph), then
+        # the rows of the wanted tokens
+        out = (np.flatnonzero(ub.output) if params.n_outputs == params.n_tokens and ub.n_outputs < ub.n_tokens
+               else slice(0, ub.n_outputs))
         if ub.n_outputs and self.has_logits:
-            rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[:ub.n_outputs]
+            rows = np.asarray(outs[g.res_logits]).reshape(params.n_outputs, self.n_vocab)[out]
             self.logits[self.balloc.output_rows(ub)] = rows
         if params.edits is not None:
             params.edits.collect(g, ub, outs)
         if ub.n_outputs and self.embeddings:
-            embd = np.asarray(outs[g.res_embd]).reshape(params.n_outputs, -1)[:ub.n_outputs]
+            embd = np.asarray(outs[g.res_embd]).reshape(params.n_outputs, -1)[out]
             self.embd[self.balloc.output_rows(ub)] = embd
             if self.pooled:
                 self._pool(ub, embd)

@@ -110,6 +110,20 @@ def test_outputs_only_for_requested_rows(llama, ref):
             ctx.get_logits_ith(i)
 
 
+
+
+def test_outputs_that_fill_the_padded_graph_are_the_requested_rows(llama, ref):
+    """7 tokens wanting 5 outputs: the graph has 8 rows and 8 outputs (no inp_out_ids), and
+    the logits are still those of the 5 requested tokens, not of the first 5 (the Batcher's
+    decodes beside a prompt's last chunk got a wrong first token this way)."""
+    ctx = new_ctx(llama, embeddings=True)
+    flags = np.array([1, 1, 0, 1, 0, 1, 1], bool)
+    decode_ok(ctx, llm.Batch(TOKENS[:7], logits=flags))
+    for i in np.flatnonzero(flags):
+        assert np.abs(ctx.get_logits_ith(int(i)) - ref[i]).max() <= TOL, f"token {i}"
+    full = new_ctx(llama, embeddings=True)
+    decode_ok(full, all_logits(TOKENS[:7]))
+    np.testing.assert_allclose(ctx.get_embeddings(), full.get_embeddings()[flags], atol=TOL)
 @pytest.mark.parametrize("arch", list(SPECS))
 @pytest.mark.slow
 def test_embeddings_input_matches_tokens(models, refs, arch: str):
