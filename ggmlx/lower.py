@@ -526,6 +526,11 @@ def lower_gelu_quick(n: Tensor, env):
     return x * jax.nn.sigmoid(1.702 * x)
 
 
+@lowers(Op.GELU_ERF)
+def lower_gelu_erf(n: Tensor, env):
+    return jax.nn.gelu(_value_f32(env, n.src[0]), approximate=False)
+
+
 @lowers(Op.GLU)
 def lower_glu(n: Tensor, env):
     return _glu(n, env)
@@ -688,6 +693,17 @@ def lower_concat(n: Tensor, env):
 def lower_repeat(n: Tensor, env):
     a = n.src[0]
     return jnp.tile(_value(env, a), tuple(m // k for m, k in zip(n.shape, a.shape, strict=True)))
+
+
+@lowers(Op.IM2COL)
+def lower_im2col(n: Tensor, env):
+    """1-D: b [1, N, IC, L] -> [1, N, OL, IC K], column (c, k) of output o = b[c, o s0 + k d0 - p0]."""
+    s0, _, p0, _, d0 = n.op_params[:5]
+    k, ol = n.src[0].ne[0], n.ne[1]
+    b = jnp.pad(_value_f32(env, n.src[1])[0], ((0, 0), (0, 0), (p0, p0)))
+    taps = [b[:, :, i * d0:i * d0 + (ol - 1) * s0 + 1:s0] for i in range(k)]       # each [N, IC, OL]
+    cols = jnp.stack(taps, axis=-1).transpose(0, 2, 1, 3)                          # [N, OL, IC, K]
+    return cols.reshape(n.shape).astype(jnp_dtype(n.type))
 
 
 @lowers(Op.SUM_ROWS)

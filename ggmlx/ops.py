@@ -156,6 +156,11 @@ def gelu_quick(a: Tensor) -> Tensor:
     return _unary(Op.GELU_QUICK, a)
 
 
+def gelu_erf(a: Tensor) -> Tensor:
+    """The exact GELU, 0.5 a (1 + erf(a / sqrt 2)) (Whisper's encoder). -> a.ne."""
+    return _unary(Op.GELU_ERF, a)
+
+
 def glu(a: Tensor, b: Tensor | None, op: str, swapped: bool = False) -> Tensor:
     """Gated linear unit. With b: act(a) * b (a.ne == b.ne). Without: a's ne0 halves are
     [x, g] and the result act(x) * g has ne0 / 2 (swapped: act(g) * x)."""
@@ -534,6 +539,32 @@ def repeat_4d(a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int) -> Tensor:
     if any(n < 1 or n % m for n, m in zip(ne, a.ne, strict=True)):
         _fail("repeat_4d", f"every ne of {list(ne)} must be a positive multiple of a's", a)
     return _node(Op.REPEAT, a.type, ne, (a,))
+
+
+def conv_output_size(ins: int, ks: int, s: int, p: int, d: int) -> int:
+    """ggml_calc_conv_output_size."""
+    return (ins + 2 * p - d * (ks - 1) - 1) // s + 1
+
+
+def im2col(a: Tensor, b: Tensor, s0: int, s1: int, p0: int, p1: int, d0: int, d1: int, is_2D: bool,
+           dst_type: GGMLType) -> Tensor:
+    """The columns a convolution with kernel a reads from b: 1-D only (is_2D False), a
+    [K, IC, OC] and b [L, IC, N] -> dst_type [IC K, OL, N], K fastest, b read at
+    o s0 + k d0 - p0 (zero outside); ggml_conv_1d is this and one mul_mat."""
+    if is_2D:
+        raise ValueError("im2col: the 2-D form is not supported yet")
+    if dst_type not in (F32, GGMLType.F16):
+        raise ValueError(f"im2col: dst_type must be F32 or F16, got {GGMLType(dst_type).name}")
+    if min(s0, d0) < 1 or p0 < 0:
+        raise ValueError(f"im2col: stride {s0} and dilation {d0} must be >= 1, padding {p0} >= 0")
+    _float("im2col", a, b)
+    if b.ne[1] != a.ne[1] or b.ne[3] != 1:
+        _fail("im2col", "b must be [L, IC, N] with a's IC", a, b)
+    ol = conv_output_size(b.ne[0], a.ne[0], s0, p0, d0)
+    if ol < 1:
+        _fail("im2col", "the kernel does not fit the input", a, b)
+    return _node(Op.IM2COL, dst_type, (a.ne[0] * a.ne[1], ol, b.ne[2], 1), (a, b),
+                 (int(s0), int(s1), int(p0), int(p1), int(d0), int(d1), False))
 
 
 def sum_rows(a: Tensor) -> Tensor:

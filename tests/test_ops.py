@@ -69,6 +69,8 @@ TESTED_OPS: dict[Op, str] = {
     Op.XIELU: "test_unary",
     Op.GATED_DELTA_NET: "test_gated_delta_net",
     Op.REPEAT: "test_repeat_4d",
+    Op.GELU_ERF: "test_unary",
+    Op.IM2COL: "test_im2col",
 }
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
@@ -321,6 +323,7 @@ UNARY = {
                                  (np.expm1(np.minimum(x, -1e-6)) - x) * (0.5 + np.log1p(np.exp(0.8))) + 0.5 * x)),
     "gelu": (ops.gelu, gelu_ref),
     "gelu_quick": (ops.gelu_quick, lambda x: x / (1.0 + np.exp(-1.702 * x))),
+    "gelu_erf": (ops.gelu_erf, lambda x: 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))),
 }
 
 
@@ -1134,6 +1137,40 @@ def test_ssm_conv():
     check("ssm_conv", out, ref_ssm_conv(sx, c))
     with pytest.raises(ShapeError, match="ssm_conv"):
         ops.ssm_conv(new_input(T.F32, (d_conv + 1, d_inner + 1, n_s), "bad"), c_in)
+
+
+def ref_im2col(b, k, s0, p0, d0):
+    """ggml-cpu's 1-D im2col loop: b [N, IC, L] -> [N, OL, IC K] (k fastest), zero outside."""
+    n_b, ic, length = b.shape
+    ol = (length + 2 * p0 - d0 * (k - 1) - 1) // s0 + 1
+    out = np.zeros((n_b, ol, ic * k))
+    for q in range(n_b):
+        for o in range(ol):
+            for c in range(ic):
+                for i in range(k):
+                    j = o * s0 + i * d0 - p0
+                    if 0 <= j < length:
+                        out[q, o, c * k + i] = b[q, c, j]
+    return out
+
+
+@pytest.mark.parametrize("s0, p0, d0, dst", [(1, 1, 1, T.F32), (2, 1, 1, T.F16), (3, 0, 2, T.F32), (2, 2, 1, T.F16)])
+def test_im2col(s0, p0, d0, dst):
+    """ggml_conv_1d's columns (Whisper's encoder convolutions: kernel 3, padding 1, stride 1
+    and 2); an F16 dst holds the inputs rounded, as ggml_conv_1d's im2col does."""
+    rng = np.random.default_rng(37)
+    k, ic, length, n_b = 3, 5, 11, 2
+    a = new_input(T.F32, (k, ic, 4), "kernel")
+    b = new_input(T.F32, (length, ic, n_b), "b")
+    bv = rand(rng, b.ne, -2, 2)
+    out = ops.im2col(a, b, s0, 0, p0, 0, d0, 0, False, dst)
+    assert out.type == dst and out.ne[:2] == (ic * k, ops.conv_output_size(length, k, s0, p0, d0))
+    (val,) = run([out], {a: rand(rng, a.ne).astype(np.float32), b: bv.astype(np.float32)})
+    check(f"im2col s{s0} p{p0} d{d0} {dst.name}", val, ref_im2col(rounded(bv, dst)[0], k, s0, p0, d0)[None])
+    with pytest.raises(ShapeError, match="im2col"):
+        ops.im2col(a, new_input(T.F32, (length, ic + 1), "bad"), 1, 0, 1, 0, 1, 0, False, T.F32)
+    with pytest.raises(ValueError, match="2-D"):
+        ops.im2col(a, b, 1, 1, 0, 0, 1, 1, True, T.F32)
 
 
 def ref_ssm_scan(s, x, dt, A, B, C, ids):
