@@ -139,7 +139,7 @@ def _rope_cache(pos, ff, p):
     c holds cos of each rotated pair at both of its elements, s -sin at the first and sin at
     the second (swap exchanges the two elements of every pair, see _rope)."""
     n_dims, mode, n_ctx_orig, base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = p[:9]
-    half = n_dims // 2
+    half = ops_mod.rope_pairs(n_dims, mode)
     theta_scale = np.float32(base) ** np.float32(-2.0 / n_dims)
     # ggml advances theta = pos by repeated f32 multiplication by theta_scale. Here pos times
     # the f32 powers of theta_scale (each made by that same recurrence): within 17 ULP of ggml's
@@ -148,6 +148,11 @@ def _rope_cache(pos, ff, p):
     powers = np.ones(half, np.float32)
     for i in range(1, half):
         powers[i] = powers[i - 1] * theta_scale
+    if mode == ops_mod.ROPE_TYPE_VISION:
+        # each section's thetas start again from its first frequency (ggml's indep_sects)
+        sections = p[9:13]
+        starts = np.cumsum((0,) + tuple(sections[:3]))[ops_mod.mrope_streams(n_dims, sections, mode)]
+        powers = powers[np.arange(half) % sum(sections) - starts]
     pos = _f32(pos)
     theta_extrap = (pos if pos.ndim == 2 else pos[:, None]) * powers[None, :]      # [T, half]
     if ff is not None:
@@ -179,9 +184,9 @@ def _rope(x, c, s, p):
     apart took two (0.4 ms each per Gemma3 prefill rope; the prefill ubatch 315 -> 297 ms).
     XLA may contract either form into FMAs: results agree within 1 ULP."""
     n_dims, mode = p[:2]
-    half = n_dims // 2
+    half = ops_mod.rope_pairs(n_dims, mode)
     x = _f32(x)
-    rot, rest = x[..., :n_dims], x[..., n_dims:]
+    rot, rest = x[..., :2 * half], x[..., 2 * half:]
     if mode != ROPE_TYPE_NORMAL:
         swapped = jnp.concatenate([rot[..., half:], rot[..., :half]], axis=-1)
     else:

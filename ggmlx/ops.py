@@ -23,6 +23,7 @@ ROPE_TYPE_NORMAL = 0
 ROPE_TYPE_NEOX = 2
 ROPE_TYPE_MROPE = 8        # ggml_rope_multi: Qwen2-VL's sections of t/h/w/e positions, NEOX pairs
 ROPE_TYPE_IMROPE = 40      # Qwen3-VL's interleaved sections
+ROPE_TYPE_VISION = 24      # Qwen2-VL's vision encoder: 2-D positions over the whole head
 
 # glu ops (ggml_glu_op)
 GLU_REGLU, GLU_GEGLU, GLU_SWIGLU, GLU_SWIGLU_OAI = "reglu", "geglu", "swiglu", "swiglu_oai"
@@ -310,8 +311,9 @@ def rope_multi(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, sections: tu
     position from one of four streams, positions I32 b [4 * n_tokens] = t, h, w, e blocks of
     n_tokens. Pair i's stream: MROPE by sections (the first sections[0] pairs of each
     sum(sections) run t, the next h, w, then e); IMROPE interleaved (pair i % 3 cycles t, h, w
-    within 3 * sections[k], else e). -> a.ne."""
-    if mode not in (ROPE_TYPE_MROPE, ROPE_TYPE_IMROPE):
+    within 3 * sections[k], else e). VISION: n_dims = ne0 / 2 pairs (i, i + n_dims) rotate the
+    whole head, by sections, each section's frequencies starting again from the first. -> a.ne."""
+    if mode not in (ROPE_TYPE_MROPE, ROPE_TYPE_IMROPE, ROPE_TYPE_VISION):
         raise ValueError(f"rope_multi: unsupported mode {mode}")
     counts = tuple(int(v) for v in sections)
     if len(counts) != 4 or min(counts) < 0 or not any(counts[:3]):
@@ -320,9 +322,11 @@ def rope_multi(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, sections: tu
         _fail("rope_multi", "positions must be I32 [4 * ne2 of a]", a, b)
     if n_dims <= 0 or n_dims % 2 or n_dims > a.ne[0] or sum(counts) > a.ne[0]:
         _fail("rope_multi", f"n_dims {n_dims} must be even and <= ne0, sections summing <= ne0", a)
+    if mode == ROPE_TYPE_VISION and 2 * n_dims != a.ne[0]:
+        _fail("rope_multi", f"vision mode rotates the whole head: n_dims {n_dims} must be ne0 / 2", a)
     src: tuple[Tensor, ...] = (a, b)
     if c is not None:
-        if c.ne[0] < n_dims // 2:
+        if c.ne[0] < rope_pairs(n_dims, mode):
             _fail("rope_multi", "freq_factors needs n_dims/2 entries", c, a)
         src = (a, b, c)
     _float("rope_multi", a)
@@ -331,12 +335,17 @@ def rope_multi(a: Tensor, b: Tensor, c: Tensor | None, n_dims: int, sections: tu
     return _node(Op.ROPE, F32, a.ne, src, params)
 
 
+def rope_pairs(n_dims: int, mode: int) -> int:
+    """How many pairs a rope rotates: n_dims / 2, or n_dims in vision mode (the whole head)."""
+    return n_dims if mode == ROPE_TYPE_VISION else n_dims // 2
+
+
 def mrope_streams(n_dims: int, sections: tuple[int, ...], mode: int) -> np.ndarray:
     """The position stream (0 t, 1 h, 2 w, 3 e) each rotated pair of rope_multi reads."""
     total = sum(sections)
     s0, s1, s2 = sections[:3]
-    out = np.empty(n_dims // 2, np.int64)
-    for i in range(n_dims // 2):
+    out = np.empty(rope_pairs(n_dims, mode), np.int64)
+    for i in range(len(out)):
         k = i % total
         if mode == ROPE_TYPE_IMROPE:
             out[i] = (1 if k % 3 == 1 and k < 3 * s1 else 2 if k % 3 == 2 and k < 3 * s2

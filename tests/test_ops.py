@@ -514,6 +514,29 @@ def test_rope_multi():
         check(f"rope_multi {sec} mode {mode}", v, ref)
 
 
+def test_rope_multi_vision():
+    """Qwen2-VL's vision rope (GGML_ROPE_TYPE_VISION) against float64: pairs (i, i + D/2) over
+    the whole head, the first D/4 at the y position and the rest at x, theta = p base^(-2j /
+    n_dims) with j counted from the start of the pair's section."""
+    rng = np.random.default_rng(12)
+    D, H, n_tok = 16, 2, 5
+    x = new_input(T.F32, (D, H, n_tok), "Qcur")
+    xv = rand(rng, (D, H, n_tok))
+    pos = new_input(T.I32, (4 * n_tok,), "positions")
+    pv = rng.integers(0, 40, (4, n_tok)).astype(np.int32)
+    n_dims = D // 2
+    out = ops.rope_multi(x, pos, None, n_dims, (D // 4,) * 4, ops.ROPE_TYPE_VISION, 32768, 10000.0, 1.0, 0.0, 1.0,
+                         32.0, 1.0)
+    (v,) = run([out], {x: xv, pos: pv.reshape(1, 1, 1, -1)})
+    pair = np.arange(D // 2)
+    theta = pv[pair // (D // 4)].T * 10000.0 ** (-2.0 * (pair % (D // 4)) / n_dims)        # [T, D/2]
+    c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
+    x0, x1 = xv[..., :D // 2], xv[..., D // 2:]
+    check("rope_multi vision", v, np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1))
+    with pytest.raises(ShapeError, match="n_dims 4 must be ne0 / 2"):
+        ops.rope_multi(x, pos, None, 4, (2, 2, 0, 0), ops.ROPE_TYPE_VISION, 0, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+
 def test_rope_ext_head_dim_128():
     """A real head size at positions up to 4096; theta is an f32 power series as in ggml's
     rope cache, whose error against float64 grows with the position (NMSE ~4e-7 at 32k, the
