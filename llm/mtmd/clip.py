@@ -301,15 +301,19 @@ class ClipGraph:
         """ggml_conv_2d(kernel [p, p, C, n_embd], img [nx, ny, C]) with stride p and no padding
         -> [n_embd, n_patches] (the result clip's build_inp transposes to): im2col's patch
         rows (kx fastest, then ky, then the channel) by reshapes and permutes, one product.
-        im2col writes the kernel's type, so an F16 kernel sees F16-rounded pixels."""
+        ggml_conv_2d's im2col writes F16 (F32 only for a BF16 kernel), and the product, whose
+        first operand is those columns, reads the kernel as F16 too: both are rounded."""
         p, ox, oy = self.patch_size, self.n_patches_x, self.n_patches_y
         c = img.ne[2]
         x = ops.cont(ops.permute(ops.reshape_4d(img, p, ox, p, oy * c), 0, 2, 1, 3))   # [kx, ky, ox, oy c]
         x = ops.cont(ops.permute(ops.reshape_3d(x, p * p, ox * oy, c), 0, 2, 1, 3))    # [kx ky, c, ox oy]
         x = ops.reshape_2d(x, p * p * c, ox * oy)
-        if kernel.type == GGMLType.F16:
+        k = ops.reshape_2d(kernel, p * p * c, kernel.ne[3])
+        if kernel.type != GGMLType.BF16:
             x = ops.cast(ops.cast(x, GGMLType.F16), GGMLType.F32)
-        return ops.mul_mat(ops.reshape_2d(kernel, p * p * c, kernel.ne[3]), x)
+        if kernel.type == GGMLType.F32:
+            k = ops.cast(ops.cast(k, GGMLType.F16), GGMLType.F32)
+        return ops.mul_mat(k, x)
 
     def build_inp(self) -> Tensor:
         """Patches -> [n_embd, n_patches] (+ the patch bias)."""
