@@ -2,6 +2,8 @@
 streams and chats, on top of Context, the vocab and the sampler chain."""
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import contextlib
 import dataclasses
@@ -482,7 +484,9 @@ class LLM:
         each adapter in `self.adapters` (0 leaves one off), instead of those set for the LLM.
         images: with an mmproj, the images the prompt's markers (llm.mtmd.default_marker())
         stand for, in order: llm.mtmd.Bitmaps, file paths, image bytes, data URLs or uint8
-        arrays; a MediaError when they do not pair up or cannot be read."""
+        arrays; with an audio mmproj (ultravox), sounds: WAV / MP3 / FLAC paths or bytes, or
+        1-d float arrays of 16 kHz samples; a MediaError when they do not pair up or cannot
+        be read."""
         batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         params = self._gen_params(max_tokens=max_tokens, stop=stop, grammar=grammar, json_schema=json_schema, n=n,
                                   logprobs=logprobs, top_logprobs=top_logprobs, speculative=speculative,
@@ -758,14 +762,35 @@ class LLM:
                         raise mtmd_mod.MediaError(f"{where}: an image_url part needs {{'url': 'data:...'}}")
                     images.append(mtmd_mod.Bitmap.from_url(url, where))
                     text.append(marker)
+                elif kind == "input_audio":
+                    images.append(self._input_audio(part.get("input_audio"), where))
+                    text.append(marker)
                 else:
                     raise mtmd_mod.MediaError(f"{where}: content part type {kind!r} is not supported "
-                                              f"(text, image_url)")
+                                              f"(text, image_url, input_audio)")
             out.append({**m, "content": "".join(text)})
         if images and self.mtmd is None:
             raise mtmd_mod.MediaError("the messages hold images but this LLM has no vision projector: "
                                       "LLM(model, mmproj='....mmproj.gguf')")
         return out, images
+
+    @staticmethod
+    def _input_audio(ref, where: str) -> mtmd_mod.Bitmap:
+        """An OpenAI input_audio part, {"data": base64, "format": "wav" | "mp3" | "flac"}; the
+        bytes are decoded by what they are, as llama-server's mtmd-helper does."""
+        data = ref.get("data") if isinstance(ref, dict) else None
+        fmt = ref.get("format") if isinstance(ref, dict) else None
+        if not isinstance(data, str) or fmt not in ("wav", "mp3", "flac"):
+            raise mtmd_mod.MediaError(f"{where}: an input_audio part needs {{'data': base64, 'format': "
+                                      f"'wav' | 'mp3' | 'flac'}}, got format {fmt!r}")
+        try:
+            buf = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise mtmd_mod.MediaError(f"{where}: the input_audio data is not valid base64: {e}") from None
+        bm = mtmd_mod.Bitmap.from_bytes(buf, where)
+        if not bm.is_audio:
+            raise mtmd_mod.MediaError(f"{where}: the input_audio data is an image, not a sound")
+        return bm
 
     def _bitmaps(self, images: Sequence) -> list[mtmd_mod.Bitmap]:
         out = []

@@ -17,7 +17,12 @@ For each projector NAME it writes, under tests/data/mtmd/:
 - `NAME-f16.mmproj.gguf` and `NAME-f16.npz`: the same mmproj with its attention, FFN and
   projector matrices in F16, as released mmproj files hold them, and the first prompt's arrays.
 
-`--images` rewrites the two test images (seeded; committed, so normally never needed).
+ultravox reads sounds instead: SOUND (committed, 0.4 s of 16 kHz mono 16-bit PCM) and a
+22.05 kHz stereo twin made in memory (stereo_sound_bytes), for AUDIO_PROMPTS; its npz also
+holds llama.cpp's decoded samples of each (`samples_<j>`, mono float32 at 16 kHz).
+
+`--images` rewrites the two test images and the test sound (seeded; committed, so normally
+never needed).
 The GGUFs are byte-identical on rerun; the tests read only the stored files.
 """
 from __future__ import annotations
@@ -37,6 +42,7 @@ import make_fixture as mf  # noqa: E402  (the shared writers and vocabulary)
 
 OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
+SOUND = OUT / "test-sound.wav"
 N_CTX = 256
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
@@ -46,6 +52,36 @@ PROMPTS = (
     ("Look at this: <__media__> What is in the picture?", (0,)),
     ("<__media__>two <__media__> images", (1, 0)),
 )
+
+
+AUDIO_PROMPTS = (
+    ("Listen: <__media__> What is it?", (0,)),
+    ("<__media__>a second sound", (1,)),
+)
+
+
+def sound_bytes(rate: int, channels: int, seconds: float, seed: int) -> bytes:
+    """A seeded 16-bit PCM WAV: a 440 Hz tone, a rising chirp and noise under a fade in/out."""
+    import io
+    import wave
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(rate * seconds)) / rate
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * (200 + 3000 * t) * t)
+    x = (x + 0.05 * rng.standard_normal(t.size)) * np.minimum(1.0, np.minimum(t, t[-1] - t) * 20)
+    pcm = np.stack([x * (1.0 - 0.3 * c) for c in range(channels)], axis=1)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(np.round(pcm * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def stereo_sound_bytes() -> bytes:
+    """The second test sound (not committed: rebuilt identically from its seed), resampled and
+    mixed down by the decoder."""
+    return sound_bytes(22050, 2, 0.3, 2026)
 
 
 def make_images() -> None:
@@ -59,6 +95,7 @@ def make_images() -> None:
     Image.fromarray(a).save(IMAGES[0], optimize=True)
     b = rng.integers(0, 256, (5, 5, 3)).astype(np.uint8).repeat(8, 0).repeat(8, 1)
     Image.fromarray(b).save(IMAGES[1], optimize=True)
+    SOUND.write_bytes(sound_bytes(16000, 1, 0.4, 2025))
 
 
 def vocab_with(extra: list[str]) -> list:
@@ -222,12 +259,61 @@ def mlp_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def ultravox_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """A Whisper encoder over 80 mel bands (2 layers of width 32, 4 heads, FFN 64; convolutions
+    80 -> 32 -> 32) and the ultravox projector: 12 positions stacked per token (125 tokens a
+    30 s chunk; llama.cpp cannot run Ultravox's own 8), mm.a.mlp.1 to 2 x 64, SwiGLU, 64 ->
+    the text width."""
+    n_embd, n_ff, n_layer, n_mel, stack, n_mid = 32, 64, 2, 80, 12, 64
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "ultravox",
+        "clip.has_audio_encoder": True,
+        "clip.use_gelu": True,
+        "clip.audio.embedding_length": n_embd,
+        "clip.audio.feed_forward_length": n_ff,
+        "clip.audio.block_count": n_layer,
+        "clip.audio.projection_dim": n_embd_text,
+        "clip.audio.attention.head_count": 4,
+        "clip.audio.attention.layer_norm_epsilon": 1e-5,
+        "clip.audio.num_mel_bins": n_mel,
+        "clip.audio.projector.stack_factor": stack,
+    }
+    for il, n_in in ((1, n_mel), (2, n_embd)):
+        w.t[f"a.conv1d.{il}.weight"] = (w.rng.standard_normal((n_embd, n_in, 3)) / np.sqrt(3 * n_in)).astype(np.float32)
+        w.bias(f"a.conv1d.{il}.bias", n_embd, 1)
+    w.embd("a.position_embd.weight", 1500, n_embd, scale=0.5)
+    for il in range(n_layer):
+        p = f"a.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            if name != "attn_k":
+                w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("a.post_ln.weight", n_embd)
+    w.bias("a.post_ln.bias", n_embd)
+    w.norm("mm.a.norm_pre.weight", n_embd * stack)
+    w.mat("mm.a.mlp.1.weight", 2 * n_mid, n_embd * stack)
+    w.norm("mm.a.norm_mid.weight", n_mid)
+    w.mat("mm.a.mlp.2.weight", n_embd_text, n_mid)
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
     "idefics3": (llama_text, idefics3_mmproj, ["\n\n", "<fake_token_around_image>", "<global-img>"]
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
     "mlp": (llama_text, mlp_mmproj, [], 205),
+    "ultravox": (llama_text, ultravox_mmproj, [], 209),
 }
 
 
@@ -275,6 +361,10 @@ def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
     if not all(bitmaps):
         raise RuntimeError(f"libmtmd could not decode {image_paths}")
     arrays: dict[str, np.ndarray] = {}
+    for j, bm in enumerate(bitmaps):
+        if M.mtmd_bitmap_is_audio(bm):      # the decoder's mono float32 samples
+            raw = np.ctypeslib.as_array(M.mtmd_bitmap_get_data(bm), (M.mtmd_bitmap_get_n_bytes(bm),))
+            arrays[f"samples_{j}"] = raw.view(np.float32).copy()
     for k, (text, which) in enumerate(prompts):
         chunks = M.mtmd_input_chunks_init()
         raw = text.encode()
@@ -342,16 +432,24 @@ def f16_twin(path: Path, twin: Path) -> None:
 
 
 def make_oracle(name: str, out: Path = OUT) -> list[Path]:
+    import tempfile
+
     from llm.research import llamacpp_child
     model, mmproj = make_files(name, out)
     twin = out / f"{name}-f16.mmproj.gguf"
     f16_twin(mmproj, twin)
     written = []
-    for proj, prompts, npz in ((mmproj, PROMPTS, out / f"{name}.npz"), (twin, PROMPTS[:1], out / f"{name}-f16.npz")):
-        arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), [str(p) for p in IMAGES], prompts,
-                                     model_path=str(model))
-        np.savez_compressed(npz, **arrays)
-        written.append(npz)
+    with tempfile.TemporaryDirectory() as tmp:
+        media, all_prompts = [str(p) for p in IMAGES], PROMPTS
+        if name == "ultravox":
+            stereo = Path(tmp) / "stereo.wav"
+            stereo.write_bytes(stereo_sound_bytes())
+            media, all_prompts = [str(SOUND), str(stereo)], AUDIO_PROMPTS
+        for proj, prompts, npz in ((mmproj, all_prompts, out / f"{name}.npz"),
+                                   (twin, all_prompts[:1], out / f"{name}-f16.npz")):
+            arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), media, prompts, model_path=str(model))
+            np.savez_compressed(npz, **arrays)
+            written.append(npz)
     return written
 
 

@@ -194,6 +194,9 @@ def _add_media(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the prompt (repeatable; PNG, JPEG, WebP, GIF, BMP): each stands for a "
                         "<__media__> marker in -p, or the markers go before the prompt, one per image")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE",
+                   help="a sound for the prompt, as --image (repeatable; WAV, MP3, FLAC), with an audio "
+                        "projector (ultravox) as --mmproj")
 
 
 def _open(a, mmproj: str | None = None):
@@ -249,15 +252,18 @@ def _print_perf(result) -> None:
 def cmd_generate(a) -> int:
     if a.image and not a.mmproj:
         raise UsageError("--image needs --mmproj (the model's vision projector GGUF)")
+    if a.audio and not a.mmproj:
+        raise UsageError("--audio needs --mmproj (the model's audio projector GGUF)")
+    media = a.image + a.audio       # a projector reads images or sounds, never both
     llm = _open(a, a.mmproj)
     if not distributed.is_leader():
         llm.follow()
         return 0
-    if a.image:
+    if media:
         from llm import mtmd
         marker = mtmd.default_marker()
-        prompt = a.prompt if marker in a.prompt else marker * len(a.image) + a.prompt
-        n_prompt = sum(c.n_pos for c in llm.mtmd.tokenize(prompt, [mtmd.Bitmap.from_file(f) for f in a.image]))
+        prompt = a.prompt if marker in a.prompt else marker * len(media) + a.prompt
+        n_prompt = sum(c.n_pos for c in llm.mtmd.tokenize(prompt, [mtmd.Bitmap.from_file(f) for f in media]))
     else:
         tokens = llm.tokenize(a.prompt)
         n_prompt = len(tokens)
@@ -266,8 +272,8 @@ def cmd_generate(a) -> int:
         raise UsageError(f"the prompt has {n_prompt} tokens; -c {a.n_ctx} holds at most {a.n_ctx - 1}")
     try:
         t0 = time.perf_counter()
-        if a.image:
-            chunks = llm.stream(prompt, images=a.image, **_sampling_kwargs(a, n_prompt))
+        if media:
+            chunks = llm.stream(prompt, images=media, **_sampling_kwargs(a, n_prompt))
         else:
             chunks = llm.stream(tokens, interventions=_interventions(a, llm), **_sampling_kwargs(a, n_prompt))
         completion = _write_stream(a, chunks, t0)

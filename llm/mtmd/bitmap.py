@@ -1,10 +1,11 @@
-"""Media in: decoded RGB images (libmtmd's mtmd_bitmap) and the typed error of bad media.
+"""Media in: decoded RGB images and sounds (libmtmd's mtmd_bitmap) and the typed error of bad media.
 
 llama.cpp decodes files with stb_image (mtmd_helper_bitmap_init_from_buf); here Pillow
 decodes them (PNG, JPEG, WebP, GIF's first frame, BMP). Both give the same pixels for the
 lossless formats; JPEG decoders may differ by a step of 1 in some pixels. The image's size is
 read from its header and checked against a pixel limit before any pixel is decoded, so a
-decompression bomb is refused without allocating its buffer.
+decompression bomb is refused without allocating its buffer. Sounds (WAV, MP3, FLAC, told
+apart by their first bytes as mtmd-helper does) are decoded in audio.py.
 """
 from __future__ import annotations
 
@@ -34,29 +35,38 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Bitmap:
-    """An RGB image, uint8 [ny, nx, 3] (mtmd_bitmap); `id` is the SHA-256 of its size and
-    pixels, which keys the encoder's cache."""
+    """An RGB image, uint8 [ny, nx, 3], or a sound, mono float32 [n_samples] at 16 kHz
+    (mtmd_bitmap; nx = n_samples, ny = 1 for a sound); `id` is the SHA-256 of its size and
+    values, which keys the encoder's cache."""
     data: np.ndarray = field(repr=False)
     id: str = ""
 
     def __post_init__(self) -> None:
         if not self.id:
-            h = hashlib.sha256(f"{self.nx}x{self.ny}:".encode() + self.data.tobytes())
+            kind = "audio:" if self.is_audio else ""
+            h = hashlib.sha256(f"{kind}{self.nx}x{self.ny}:".encode() + self.data.tobytes())
             object.__setattr__(self, "id", h.hexdigest())
 
     @property
+    def is_audio(self) -> bool:
+        return self.data.ndim == 1
+
+    @property
     def nx(self) -> int:
-        return int(self.data.shape[1])
+        return int(self.data.shape[0 if self.is_audio else 1])
 
     @property
     def ny(self) -> int:
-        return int(self.data.shape[0])
+        return 1 if self.is_audio else int(self.data.shape[0])
 
     @classmethod
     def from_array(cls, pixels: np.ndarray) -> Bitmap:
         """uint8 [ny, nx, 3] RGB ([ny, nx] grey or [ny, nx, 4] RGBA, its alpha dropped as
-        stb_image does when asked for 3 channels)."""
+        stb_image does when asked for 3 channels); a 1-d float array is a sound (mono samples
+        at 16 kHz, mtmd_bitmap_init_from_audio)."""
         a = np.asarray(pixels)
+        if a.ndim == 1:
+            return cls._audio(a)
         if a.dtype != np.uint8:
             raise MediaError(f"image array must be uint8, got {a.dtype}")
         if a.ndim == 2:
@@ -70,9 +80,26 @@ class Bitmap:
         return cls(np.ascontiguousarray(a[:, :, :3]))
 
     @classmethod
+    def _audio(cls, a: np.ndarray) -> Bitmap:
+        from llm.mtmd import audio
+        if a.dtype.kind != "f":
+            raise MediaError(f"audio array must hold float samples, got {a.dtype}")
+        if a.size == 0:
+            raise MediaError("audio array is empty")
+        if a.size > audio.MAX_SECONDS * audio.SAMPLE_RATE:
+            raise MediaError(f"audio of {a.size} samples is over the limit of {audio.MAX_SECONDS} s")
+        if not np.isfinite(a).all():
+            raise MediaError("audio array holds NaN or infinite samples")
+        return cls(np.ascontiguousarray(a, np.float32))
+
+    @classmethod
     def from_bytes(cls, buf: bytes, what: str = "image") -> Bitmap:
-        """Decode an image file's bytes; `what` names it in errors."""
+        """Decode an image or sound file's bytes; `what` names it in errors."""
         from PIL import Image, UnidentifiedImageError
+
+        from llm.mtmd import audio
+        if audio.is_audio(buf):
+            return cls(audio.decode(buf, what))
         try:
             with warnings.catch_warnings():
                 # our own limit below replaces Pillow's DecompressionBombWarning
@@ -92,7 +119,8 @@ class Bitmap:
         except Image.DecompressionBombError as e:     # Pillow's own check, at twice its limit
             raise MediaError(f"{what}: over the pixel limit, refused before decoding: {e}") from None
         except UnidentifiedImageError:
-            raise MediaError(f"{what}: not an image in a known format ({len(buf)} bytes)") from None
+            raise MediaError(f"{what}: not an image in a known format, nor WAV / MP3 / FLAC audio "
+                             f"({len(buf)} bytes)") from None
         except (OSError, SyntaxError, ValueError, EOFError) as e:
             raise MediaError(f"{what}: cannot decode the image: {e}") from None
         return cls(np.ascontiguousarray(rgb))

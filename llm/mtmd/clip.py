@@ -5,7 +5,8 @@ tensors (clip-impl.h's KEY_* and TN_*, tabled here as ClipKV and ClipTensor). Cl
 clip_model (hparams, tensors on one device); ClipGraph is clip_graph: build_inp (the patch
 embedding, ggml_conv_2d), build_vit, build_norm, build_attn and build_ffn with clip.cpp's
 node names (`cb(cur, "ffn_out", il)`). Each projector family has its own file building on
-them (siglip.py for gemma3), as clip.cpp's models/*.cpp.
+them (siglip.py for gemma3), as clip.cpp's models/*.cpp. An audio mmproj (`clip.audio.*`
+keys, `a.*` tensors) loads the same way with the audio hparams (whisper.py).
 """
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ from llm.errors import ModelLoadError
 from llm.mtmd.image import PadStyle, ResizeAlgo, resize
 
 PREFIX_VISION = "v"
+PREFIX_AUDIO = "a"
 
 
 class ClipKV(enum.Enum):
     """clip-impl.h's KEY_*; `%s` is the modality prefix ("vision")."""
     PROJ_TYPE = "clip.projector_type"
     VISION_PROJ_TYPE = "clip.vision.projector_type"
+    AUDIO_PROJ_TYPE = "clip.audio.projector_type"
     HAS_VISION_ENC = "clip.has_vision_encoder"
+    HAS_AUDIO_ENC = "clip.has_audio_encoder"
     USE_GELU = "clip.use_gelu"
     USE_SILU = "clip.use_silu"
     N_EMBD = "clip.%s.embedding_length"
@@ -49,6 +53,8 @@ class ClipKV(enum.Enum):
     IMAGE_STD = "clip.vision.image_std"
     PROJ_SCALE_FACTOR = "clip.vision.projector.scale_factor"
     PREPROC_IMAGE_SIZE = "clip.vision.preproc_image_size"
+    A_NUM_MEL_BINS = "clip.audio.num_mel_bins"
+    A_PROJ_STACK_FACTOR = "clip.audio.projector.stack_factor"
 
     def key(self, prefix: str = "vision") -> str:
         return self.value % prefix if "%s" in self.value else self.value
@@ -75,6 +81,11 @@ class ClipTensor(enum.Enum):
     MM_PROJECTOR = "mm.model.fc.{s}"                # idefics3
     LLAVA_PROJ = "mm.{il}.{s}"                      # mlp (LLaVA): mm.0, mm.2
     MM_SOFT_EMB_N = "mm.soft_emb_norm.weight"       # gemma3
+    CONV1D = "a.conv1d.{il}.{s}"                    # whisper encoder: a.conv1d.1, a.conv1d.2
+    MM_AUDIO_MLP = "mm.a.mlp.{il}.{s}"              # ultravox: mm.a.mlp.1, mm.a.mlp.2
+    MM_AUDIO_FC = "mm.a.fc.{s}"                     # qwen2a
+    MM_NORM_PRE = "mm.a.norm_pre.{s}"               # ultravox
+    MM_NORM_MID = "mm.a.norm_mid.{s}"               # ultravox
 
 
 def ctn(t: ClipTensor, suffix: str = "weight", il: int = -1, prefix: str = PREFIX_VISION) -> str:
@@ -82,10 +93,12 @@ def ctn(t: ClipTensor, suffix: str = "weight", il: int = -1, prefix: str = PREFI
 
 
 class FfnOp(enum.Enum):
-    """ffn_op_type: clip.use_gelu -> GELU, clip.use_silu -> SILU, neither -> GELU_QUICK."""
+    """ffn_op_type: clip.use_gelu -> GELU, clip.use_silu -> SILU, neither -> GELU_QUICK;
+    the Whisper-style audio encoders always GELU_ERF."""
     GELU = "gelu"
     SILU = "silu"
     GELU_QUICK = "gelu_quick"
+    GELU_ERF = "gelu_erf"
 
 
 @dataclass
@@ -107,6 +120,12 @@ class ClipHParams:
     ffn_op: FfnOp
     n_merge: int = 1             # the projector's spatial merge / pooling factor per side
     image_longest_edge: int = 0  # idefics3: the longer side the image is resized to before tiling
+    n_mel_bins: int = 0          # an audio encoder's mel bands (0: a vision encoder)
+    proj_stack_factor: int = 0   # ultravox: encoder frames stacked into one token
+
+    @property
+    def is_audio(self) -> bool:
+        return self.n_mel_bins > 0
 
     @property
     def n_patches_side(self) -> int:
@@ -137,10 +156,12 @@ class ClipLayer:
 
 @dataclass
 class ClipModel:
-    """clip_model: an mmproj file's vision hparams and tensors, on one device."""
+    """clip_model: an mmproj file's vision (or audio) hparams and tensors, on one device;
+    `prefix` is the encoder's tensor prefix ("v", or "a" for audio)."""
     path: str
     hparams: ClipHParams
     kv: dict
+    prefix: str = PREFIX_VISION
     tensors: dict[str, Tensor] = field(default_factory=dict)
     layers: list[ClipLayer] = field(default_factory=list)
 
@@ -177,8 +198,9 @@ def _floats(path: str, kv: dict, k: ClipKV) -> tuple[float, float, float]:
     return (float(v[0]), float(v[1]), float(v[2]))
 
 
-def projector_type(path: str, kv: dict) -> str:
-    proj = kv.get(ClipKV.PROJ_TYPE.value) or kv.get(ClipKV.VISION_PROJ_TYPE.value)
+def projector_type(path: str, kv: dict, audio: bool = False) -> str:
+    modal = ClipKV.AUDIO_PROJ_TYPE if audio else ClipKV.VISION_PROJ_TYPE
+    proj = kv.get(ClipKV.PROJ_TYPE.value) or kv.get(modal.value)
     if not isinstance(proj, str) or not proj:
         raise ModelLoadError(f"{path}: no projector type ('{ClipKV.PROJ_TYPE.value}'): not an mmproj file?")
     return proj
@@ -212,6 +234,29 @@ def load_hparams(path: str, kv: dict, projector: str) -> ClipHParams:
     return hp
 
 
+def load_hparams_audio(path: str, kv: dict, projector: str) -> ClipHParams:
+    """clip_model_loader::load_hparams for the audio modality of the Whisper-style encoders:
+    GELU (erf) FFNs whatever use_gelu says, no image keys; qwen2.5o's audio half is qwen2a."""
+    n_embd = _key(path, kv, ClipKV.N_EMBD, int, prefix="audio")
+    n_head = _key(path, kv, ClipKV.N_HEAD, int, prefix="audio")
+    n_mel = _key(path, kv, ClipKV.A_NUM_MEL_BINS, int)
+    if not 0 < n_mel <= 256:
+        raise ModelLoadError(f"{path}: '{ClipKV.A_NUM_MEL_BINS.key()}' is {n_mel}; it must be in 1..256")
+    hp = ClipHParams(
+        projector="qwen2a" if projector == "qwen2.5o" else projector, n_embd=n_embd,
+        n_ff=_key(path, kv, ClipKV.N_FF, int, prefix="audio"),
+        n_layer=_key(path, kv, ClipKV.N_BLOCK, int, prefix="audio"),
+        n_head=n_head, n_head_kv=_key(path, kv, ClipKV.N_HEAD_KV, int, n_head, prefix="audio"),
+        d_head=_key(path, kv, ClipKV.N_EMBD_HEAD, int, n_embd // max(n_head, 1), prefix="audio"),
+        projection_dim=_key(path, kv, ClipKV.PROJ_DIM, int, prefix="audio"),
+        eps=_key(path, kv, ClipKV.LAYER_NORM_EPS, float, prefix="audio"),
+        image_size=0, patch_size=1, image_mean=(0.0, 0.0, 0.0), image_std=(1.0, 1.0, 1.0), ffn_op=FfnOp.GELU_ERF,
+        n_mel_bins=n_mel, proj_stack_factor=_key(path, kv, ClipKV.A_PROJ_STACK_FACTOR, int, 0))
+    if n_head <= 0 or hp.d_head * n_head != n_embd:
+        raise ModelLoadError(f"{path}: {n_head} heads of {hp.d_head} do not make embedding_length {n_embd}")
+    return hp
+
+
 def load_model(path: str | os.PathLike, device: jax.Device | None = None) -> tuple[ClipModel, gguf.GGUFReader]:
     """Read an mmproj file: its hparams and every tensor put on `device` (F32/F16 as stored,
     quantized ones as blocks). The projector's own loader then picks its tensors."""
@@ -221,7 +266,11 @@ def load_model(path: str | os.PathLike, device: jax.Device | None = None) -> tup
     except gguf.GGUFError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     kv = dict(reader.kv)
-    model = ClipModel(path, load_hparams(path, kv, projector_type(path, kv)), kv)
+    if not kv.get(ClipKV.HAS_VISION_ENC.value, False) and kv.get(ClipKV.HAS_AUDIO_ENC.value, False):
+        model = ClipModel(path, load_hparams_audio(path, kv, projector_type(path, kv, audio=True)), kv,
+                          PREFIX_AUDIO)
+    else:
+        model = ClipModel(path, load_hparams(path, kv, projector_type(path, kv)), kv)
     for name, ti in reader.tensors.items():
         t = new_weight(GGMLType(ti.type), ti.ne, name)
         t.data = weights.to_device(ti.data, GGMLType(ti.type), ti.ne, device, "native")
@@ -244,15 +293,17 @@ def load_vit_layers(model: ClipModel) -> None:
     hp = model.hparams
     n_embd, n_ff = hp.n_embd, hp.n_ff
     n_q, n_kv = hp.d_head * hp.n_head, hp.d_head * hp.n_head_kv
+    p = model.prefix
     for il in range(hp.n_layer):
         def get(t: ClipTensor, s: str = "weight", required: bool = False, il: int = il) -> Tensor | None:
-            return model.get(ctn(t, s, il), required)
+            return model.get(ctn(t, s, il, p), required)
         layer = ClipLayer(
-            q_w=model.need(ctn(ClipTensor.ATTN_Q, "weight", il)), k_w=model.need(ctn(ClipTensor.ATTN_K, "weight", il)),
-            v_w=model.need(ctn(ClipTensor.ATTN_V, "weight", il)),
-            o_w=model.need(ctn(ClipTensor.ATTN_OUTPUT, "weight", il)),
-            ff_up_w=model.need(ctn(ClipTensor.FFN_UP, "weight", il)),
-            ff_down_w=model.need(ctn(ClipTensor.FFN_DOWN, "weight", il)),
+            q_w=model.need(ctn(ClipTensor.ATTN_Q, "weight", il, p)),
+            k_w=model.need(ctn(ClipTensor.ATTN_K, "weight", il, p)),
+            v_w=model.need(ctn(ClipTensor.ATTN_V, "weight", il, p)),
+            o_w=model.need(ctn(ClipTensor.ATTN_OUTPUT, "weight", il, p)),
+            ff_up_w=model.need(ctn(ClipTensor.FFN_UP, "weight", il, p)),
+            ff_down_w=model.need(ctn(ClipTensor.FFN_DOWN, "weight", il, p)),
             q_b=get(ClipTensor.ATTN_Q, "bias"), k_b=get(ClipTensor.ATTN_K, "bias"), v_b=get(ClipTensor.ATTN_V, "bias"),
             o_b=get(ClipTensor.ATTN_OUTPUT, "bias"), ln_1_w=get(ClipTensor.LN_1), ln_1_b=get(ClipTensor.LN_1, "bias"),
             ln_2_w=get(ClipTensor.LN_2), ln_2_b=get(ClipTensor.LN_2, "bias"), ff_up_b=get(ClipTensor.FFN_UP, "bias"),
@@ -270,8 +321,8 @@ def load_vit_layers(model: ClipModel) -> None:
 
 class ClipGraph:
     """clip_graph: one image's encoder graph, built from the model's tensors; `inp_raw` is the
-    F32 [nx, ny, 3] input (planar RGB, normalized) and `out` the [n_mmproj_embd, n_tokens]
-    result."""
+    F32 [nx, ny, 3] input (planar RGB, normalized; for a sound the [n_frames, n_mel, 1] log-mel
+    spectrogram) and `out` the [n_mmproj_embd, n_tokens] result."""
 
     def __init__(self, model: ClipModel, nx: int, ny: int):
         hp = model.hparams
@@ -285,7 +336,7 @@ class ClipGraph:
         self.eps = hp.eps
         self.kq_scale = 1.0 / math.sqrt(float(hp.d_head))
         self.gf = Graph()
-        self.inp_raw = new_input(GGMLType.F32, (nx, ny, 3, 1), "inp_raw")
+        self.inp_raw = new_input(GGMLType.F32, (nx, ny, 1 if hp.is_audio else 3, 1), "inp_raw")
         self.out: Tensor | None = None
 
     @staticmethod
@@ -301,19 +352,15 @@ class ClipGraph:
         """ggml_conv_2d(kernel [p, p, C, n_embd], img [nx, ny, C]) with stride p and no padding
         -> [n_embd, n_patches] (the result clip's build_inp transposes to): im2col's patch
         rows (kx fastest, then ky, then the channel) by reshapes and permutes, one product.
-        ggml_conv_2d's im2col writes F16 (F32 only for a BF16 kernel), and the product, whose
-        first operand is those columns, reads the kernel as F16 too: both are rounded."""
+        im2col writes the kernel's type, so an F16 kernel sees F16-rounded pixels."""
         p, ox, oy = self.patch_size, self.n_patches_x, self.n_patches_y
         c = img.ne[2]
         x = ops.cont(ops.permute(ops.reshape_4d(img, p, ox, p, oy * c), 0, 2, 1, 3))   # [kx, ky, ox, oy c]
         x = ops.cont(ops.permute(ops.reshape_3d(x, p * p, ox * oy, c), 0, 2, 1, 3))    # [kx ky, c, ox oy]
         x = ops.reshape_2d(x, p * p * c, ox * oy)
-        k = ops.reshape_2d(kernel, p * p * c, kernel.ne[3])
-        if kernel.type != GGMLType.BF16:
+        if kernel.type == GGMLType.F16:
             x = ops.cast(ops.cast(x, GGMLType.F16), GGMLType.F32)
-        if kernel.type == GGMLType.F32:
-            k = ops.cast(ops.cast(k, GGMLType.F16), GGMLType.F32)
-        return ops.mul_mat(k, x)
+        return ops.mul_mat(ops.reshape_2d(kernel, p * p * c, kernel.ne[3]), x)
 
     def build_inp(self) -> Tensor:
         """Patches -> [n_embd, n_patches] (+ the patch bias)."""
@@ -348,7 +395,7 @@ class ClipGraph:
             cur = self.cb(glu_fn(cur, tmp), name, il)
         else:
             act = {FfnOp.SILU: (ops.silu, "ffn_silu"), FfnOp.GELU: (ops.gelu, "ffn_gelu"),
-                   FfnOp.GELU_QUICK: (ops.gelu_quick, "ffn_gelu_quick")}
+                   FfnOp.GELU_QUICK: (ops.gelu_quick, "ffn_gelu_quick"), FfnOp.GELU_ERF: (ops.gelu_erf, "ffn_gelu_erf")}
             fn, name = act[op]
             cur = self.cb(fn(tmp), name, il)
         if down is not None:
@@ -381,7 +428,9 @@ class ClipGraph:
         if learned_pos_embd is not None:
             inp = self.cb(ops.add(inp, learned_pos_embd), "pos_embed")
         inpL = ops.reshape_2d(inp, self.n_embd, n_pos)
-        pre_w, pre_b = m.get(ctn(ClipTensor.LN_PRE), False), m.get(ctn(ClipTensor.LN_PRE, "bias"), False)
+        p = m.prefix
+        pre_w = m.get(ctn(ClipTensor.LN_PRE, prefix=p), False)
+        pre_b = m.get(ctn(ClipTensor.LN_PRE, "bias", prefix=p), False)
         if pre_w is not None:
             inpL = self.cb(self.build_norm(inpL, pre_w, pre_b, False, -1), "pre_ln")
         for il, layer in enumerate(m.layers[:n_layer]):
@@ -406,7 +455,8 @@ class ClipGraph:
                                  layer.ff_down_w, layer.ff_down_b, hp.ffn_op, il)
             cur = self.cb(cur, "ffn_out", il)
             inpL = self.cb(ops.add(inpL, cur), "layer_out", il)
-        post_w, post_b = m.get(ctn(ClipTensor.LN_POST), False), m.get(ctn(ClipTensor.LN_POST, "bias"), False)
+        post_w = m.get(ctn(ClipTensor.LN_POST, prefix=p), False)
+        post_b = m.get(ctn(ClipTensor.LN_POST, "bias", prefix=p), False)
         if post_w is not None:
             inpL = self.build_norm(inpL, post_w, post_b, False, -1)
         return ops.reshape_3d(inpL, self.n_embd, n_pos, 1)
@@ -440,7 +490,7 @@ class Projector:
     load: Callable[[ClipModel], int]            # picks and checks its tensors; -> n_mmproj_embd
     build: Callable[[ClipGraph], Tensor]        # the graph of one image -> [n_mmproj_embd, n_tokens]
     n_output_tokens: Callable[[ClipHParams, int, int], int]   # (hp, nx, ny) of the preprocessed image
-    resize_algo: ResizeAlgo
+    resize_algo: ResizeAlgo = ResizeAlgo.BILINEAR               # images only
     preprocess: Callable[[ClipModel, Projector, np.ndarray], Preprocessed] = preprocess_fixed_size
     resize_pad: PadStyle = PadStyle.CEIL
     pad_color: tuple[int, int, int] = (0, 0, 0)

@@ -1,10 +1,12 @@
-"""libmtmd's context: tokenize a prompt with media markers into chunks, encode image chunks
-with the projector's graph, and evaluate chunks into a text model's Context.
+"""libmtmd's context: tokenize a prompt with media markers into chunks, encode image (or
+audio) chunks with the projector's graph, and evaluate chunks into a text model's Context.
 
 llama.cpp: tools/mtmd/mtmd.cpp (mtmd_init_from_file, mtmd_tokenize, mtmd_encode_chunk) and
 mtmd-helper.cpp (mtmd_helper_eval_chunks). The text is split at each marker; every text
 part is tokenized alone (parse_special, no BOS), an image becomes the projector's begin
-text, an image chunk and its end text, and BOS goes first when the vocabulary adds one.
+text, an image chunk and its end text, and BOS goes first when the vocabulary adds one. A
+sound becomes one audio chunk per 30 s of its log-mel spectrogram (audio.py), held like an
+image's preprocessed pixels so the rest of the engine treats both alike.
 Encoder graphs are built once per image shape and compiled through ggmlx's graph cache;
 the embeddings of an image are cached by its content hash, so asking about the same image
 again runs no encoder.
@@ -28,6 +30,7 @@ from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
 from llm.mtmd.image import normalize
 from llm.mtmd.llava import MLP
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
+from llm.mtmd.whisper import ULTRAVOX
 
 if TYPE_CHECKING:
     from llm.context import Context
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, ULTRAVOX)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 
@@ -51,7 +54,8 @@ class EvalError(RuntimeError):
 class ImageTokens:
     """mtmd_image_tokens: the preprocessed image (float32 [3, ny, nx], normalized) and the
     grid its tokens cover (nx x ny; nx = n_tokens, ny = 1 where the positions are 1-d). `id`
-    is the bitmap's; `key` tells the slices of one image apart (id#k, the overview k = 0)."""
+    is the bitmap's; `key` tells the slices of one image apart (id#k, the overview k = 0).
+    A sound's chunk (mtmd_audio_tokens) holds its log-mel chunk as float32 [1, n_mel, n_frames]."""
     nx: int
     ny: int
     id: str
@@ -65,7 +69,7 @@ class ImageTokens:
 
 @dataclass(eq=False)
 class InputChunk:
-    """mtmd_input_chunk: "text" (its tokens) or "image" (its ImageTokens)."""
+    """mtmd_input_chunk: "text" (its tokens), "image" or "audio" (its ImageTokens)."""
     type: str
     tokens: list[int] = field(default_factory=list)
     image: ImageTokens | None = None
@@ -136,6 +140,15 @@ class MtmdContext:
         raise ModelLoadError(f"{self.path}: the '{self.projector.name}' projector needs the token {text!r}; "
                              f"{self.text_model.path}'s vocabulary has none")
 
+    def _audio(self, bm: Bitmap, what: str) -> list[ImageTokens]:
+        """A sound's chunks: one per 30 s of its log-mel spectrogram."""
+        if not self.clip.hparams.is_audio:
+            raise MediaError(f"{what} is a sound; the '{self.projector.name}' projector reads images")
+        pre = self.projector.preprocess(self.clip, self.projector, bm.data)
+        hp = self.clip.hparams
+        return [ImageTokens(self.projector.n_output_tokens(hp, mel.shape[1], mel.shape[0]), 1, bm.id, mel[None],
+                            f"{bm.id}#{k}") for k, mel in enumerate(pre.entries)]
+
     def _image(self, img: np.ndarray, bm: Bitmap, k: int) -> ImageTokens:
         hp = self.clip.hparams
         n = self.projector.n_output_tokens(hp, img.shape[1], img.shape[0])
@@ -143,7 +156,9 @@ class MtmdContext:
 
     def preprocess(self, bm: Bitmap) -> list[ImageTokens]:
         """The images the encoder reads for one bitmap (the projector's preprocessor): one,
-        or for a tiled image the overview then each slice, row by row."""
+        or for a tiled image the overview then each slice, row by row; a sound's chunks."""
+        if bm.is_audio:
+            return self._audio(bm, "the bitmap")
         pre = self.projector.preprocess(self.clip, self.projector, bm.data)
         images = [] if pre.overview is None else [pre.overview]
         return [self._image(img, bm, k) for k, img in enumerate(images + pre.entries)]
@@ -179,6 +194,13 @@ class MtmdContext:
                 add_text(vocab.tokenize(part, False, parse_special))
             if i == len(bitmaps):
                 break
+            if bitmaps[i].is_audio:
+                add_text(self.tok_beg)
+                chunks += [InputChunk("audio", image=a) for a in self._audio(bitmaps[i], f"bitmaps[{i}]")]
+                add_text(self.tok_end)
+                continue
+            if self.clip.hparams.is_audio:
+                raise MediaError(f"bitmaps[{i}] is an image; the '{proj.name}' projector reads sounds")
             add_text(self.tok_beg)
             pre = proj.preprocess(self.clip, proj, bitmaps[i].data)
             if pre.overview is None:
@@ -285,7 +307,7 @@ class MtmdContext:
                     rows = embd[s:s + n_batch]
                     self._decode(ctx, Batch(embd=rows, pos=np.arange(n_past + s, n_past + s + len(rows)),
                                             seq_id=[seq_id] * len(rows), logits=np.zeros(len(rows), bool)),
-                                 "image")
+                                 chunk.type)
             finally:
                 if non_causal:
                     ctx.set_causal_attn(True)

@@ -1,0 +1,132 @@
+"""Whisper-style audio encoders: llama.cpp's tools/mtmd/models/whisper-enc.cpp (clip_graph_whisper_enc).
+
+The encoder reads one 30 s chunk of the log-mel spectrogram (audio.py), [3000 frames, n_mel]:
+two convolutions (kernel 3, padding 1; the second with stride 2, so 1500 positions), each
+followed by the exact (erf) GELU, learned positions, pre-LN transformer layers (biases on Q
+and V, none on K; GELU-erf FFN) and a post-LN. ggml_conv_1d reads its input through an F16
+im2col and so multiplies F16-rounded inputs by the F16-rounded kernel; conv_1d_ph does the same.
+
+ultravox (Ultravox 0.5 on Llama 3 / Gemma 3): the encoder's positions stacked stack_factor at a
+time into one token (StackAudioFrames), RMS-normed, mm.a.mlp.1, a SwiGLU that passes the first
+half through and gates with silu of the second (ggml_swiglu_swapped), RMS-normed again and
+mm.a.mlp.2 to the text width. No text marks the sound in the prompt.
+
+The stack must divide the 1500 positions: llama.cpp 0.3.36 counts ceil(3000 / s) / 2 tokens
+(187 for Ultravox's s = 8) but its graph gives ceil(1500 / s) (188) and aborts on the mismatch,
+so such a file is refused here at load rather than run differently from llama.cpp.
+"""
+from __future__ import annotations
+
+from ggmlx import ops
+from ggmlx.tensor import Tensor
+from ggmlx.types import GGMLType
+from llm.errors import ModelLoadError
+from llm.mtmd import audio
+from llm.mtmd.clip import (
+    ClipGraph,
+    ClipHParams,
+    ClipModel,
+    ClipTensor,
+    Preprocessed,
+    Projector,
+    check_shape,
+    ctn,
+    load_vit_layers,
+)
+
+N_POS = audio.CHUNK_FRAMES // 2          # encoder positions of one chunk (after the stride-2 conv)
+RMS_EPS = 1e-6                           # the ultravox projector's norms (not the file's eps)
+
+
+def conv_1d_ph(kernel: Tensor, x: Tensor, s: int, d: int) -> Tensor:
+    """ggml_conv_1d_ph(kernel [K, IC, OC], x [L, IC]): stride s, dilation d, padding K / 2
+    -> [OL, OC]. The columns are F16 (ggml_conv_1d's im2col), and the mul_mat converts the
+    kernel to F16 to multiply them, so it is rounded here too; sums stay F32."""
+    k = kernel.ne[0]
+    cols = ops.im2col(kernel, x, s, 0, k // 2, 0, d, 0, False, GGMLType.F16)    # [IC K, OL]
+    w = kernel if kernel.type == GGMLType.F16 else ops.cast(ops.cast(kernel, GGMLType.F16), GGMLType.F32)
+    out = ops.mul_mat(ops.reshape_2d(cols, cols.ne[0], cols.ne[1] * cols.ne[2]),
+                      ops.reshape_2d(w, k * kernel.ne[1], kernel.ne[2]))
+    return ops.reshape_2d(out, cols.ne[1], kernel.ne[2])
+
+
+def load_whisper_encoder(model: ClipModel) -> None:
+    """The encoder's tensors (conv1d, positions, the ViT layers), checked against the hparams."""
+    hp = model.hparams
+    load_vit_layers(model)
+    for il, layer in enumerate(model.layers):
+        if layer.q_b is None or layer.v_b is None or layer.k_b is not None or layer.ln_1_b is None \
+                or layer.ln_2_b is None:
+            raise ModelLoadError(f"{model.path}: Whisper layer {il} needs Q and V biases, no K bias, and biased "
+                                 f"layer norms")
+    check_shape(model, model.need(ctn(ClipTensor.CONV1D, "weight", 1)), (3, hp.n_mel_bins, hp.n_embd))
+    check_shape(model, model.need(ctn(ClipTensor.CONV1D, "bias", 1)), (1, hp.n_embd))
+    check_shape(model, model.need(ctn(ClipTensor.CONV1D, "weight", 2)), (3, hp.n_embd, hp.n_embd))
+    check_shape(model, model.need(ctn(ClipTensor.CONV1D, "bias", 2)), (1, hp.n_embd))
+    pos = model.need(ctn(ClipTensor.POS_EMBD, prefix=model.prefix))
+    if pos.ne[0] != hp.n_embd or pos.ne[1] < N_POS:
+        raise ModelLoadError(f"{model.path}: '{pos.name}' is {list(pos.ne[:2])}; the encoder needs "
+                             f"[{hp.n_embd}, >= {N_POS}]")
+
+
+def build_whisper_encoder(g: ClipGraph) -> Tensor:
+    """The convolutions and the transformer -> [n_embd, 1500] ("after_transformer")."""
+    m, hp = g.model, g.hparams
+    x = ops.reshape_2d(g.inp_raw, g.nx, g.ny)                                   # [n_frames, n_mel]
+    cur = ops.add(conv_1d_ph(m.need(ctn(ClipTensor.CONV1D, "weight", 1)), x, 1, 1),
+                  m.need(ctn(ClipTensor.CONV1D, "bias", 1)))
+    cur = ops.gelu_erf(cur)
+    cur = ops.add(conv_1d_ph(m.need(ctn(ClipTensor.CONV1D, "weight", 2)), cur, 2, 1),
+                  m.need(ctn(ClipTensor.CONV1D, "bias", 2)))
+    cur = ops.gelu_erf(cur)
+    inp = g.cb(ops.cont(ops.transpose(cur)), "after_conv1d")                   # [n_embd, n_pos]
+    n_pos = inp.ne[1]
+    pos = m.need(ctn(ClipTensor.POS_EMBD, prefix=m.prefix))
+    cur = g.build_vit(inp, n_pos, ops.view_2d(pos, pos.ne[0], n_pos, pos.nb[1], 0))
+    return g.cb(ops.reshape_2d(cur, hp.n_embd, n_pos), "after_transformer")
+
+
+def preprocess_whisper(model: ClipModel, proj: Projector, samples) -> Preprocessed:
+    """mtmd_audio_preprocessor_whisper: the sound's log-mel chunks, each [n_mel, 3000]."""
+    return Preprocessed(audio.whisper_chunks(samples, audio.mel_filters(model.hparams.n_mel_bins)))
+
+
+def load_ultravox(model: ClipModel) -> int:
+    hp = model.hparams
+    s = hp.proj_stack_factor
+    if s <= 0:
+        raise ModelLoadError(f"{model.path}: ultravox needs 'clip.audio.projector.stack_factor'")
+    if N_POS % s:
+        raise ModelLoadError(f"{model.path}: a stack factor of {s} does not divide the encoder's {N_POS} positions "
+                             f"(llama.cpp miscounts such a chunk's tokens and aborts)")
+    load_whisper_encoder(model)
+    n_stack = hp.n_embd * s
+    check_shape(model, model.need(ctn(ClipTensor.MM_NORM_PRE)), (n_stack,))
+    mlp1 = model.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1))
+    check_shape(model, mlp1, (n_stack, mlp1.ne[1]))
+    if mlp1.ne[1] % 2:
+        raise ModelLoadError(f"{model.path}: '{mlp1.name}' gives {mlp1.ne[1]} values; the SwiGLU halves an even count")
+    check_shape(model, model.need(ctn(ClipTensor.MM_NORM_MID)), (mlp1.ne[1] // 2,))
+    mlp2 = model.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 2))
+    check_shape(model, mlp2, (mlp1.ne[1] // 2, mlp2.ne[1]))
+    return mlp2.ne[1]
+
+
+def n_tokens_ultravox(hp: ClipHParams, nx: int, ny: int) -> int:
+    return nx // 2 // hp.proj_stack_factor
+
+
+def build_ultravox(g: ClipGraph) -> Tensor:
+    m, hp = g.model, g.hparams
+    cur = build_whisper_encoder(g)
+    s = hp.proj_stack_factor
+    cur = g.cb(ops.reshape_2d(cur, hp.n_embd * s, cur.ne[1] // s), "after_stacked")     # clip_graph::build_stack
+    cur = ops.mul(ops.rms_norm(cur, RMS_EPS), m.need(ctn(ClipTensor.MM_NORM_PRE)))
+    cur = ops.mul_mat(m.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1)), cur)
+    cur = ops.glu(cur, None, ops.GLU_SWIGLU, swapped=True)
+    cur = ops.mul(ops.rms_norm(cur, RMS_EPS), m.need(ctn(ClipTensor.MM_NORM_MID)))
+    return g.cb(ops.mul_mat(m.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 2)), cur), "projected")
+
+
+ULTRAVOX = Projector(name="ultravox", text_archs=frozenset({"llama", "gemma3"}), load=load_ultravox,
+                     build=build_ultravox, n_output_tokens=n_tokens_ultravox, preprocess=preprocess_whisper)

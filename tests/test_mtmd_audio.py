@@ -1,0 +1,224 @@
+"""llm.mtmd's audio path (Whisper log-mel front end, the Whisper encoder, the ultravox projector)
+against llama.cpp's stored output.
+
+tests/data/mtmd/ultravox.* (benchmarks/reference/make_mmproj.py ultravox): a tiny llama text
+model, an ultravox mmproj, and llama.cpp's decoded samples, chunks, audio embeddings and last
+logits for two prompts: the committed 0.4 s 16 kHz mono test sound, and a 22.05 kHz stereo
+sound rebuilt from its seed (resampled and mixed down by the decoder).
+"""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llm
+from llm import mtmd
+from llm.errors import ModelLoadError
+from llm.mtmd import audio
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "mtmd"
+MODEL, MMPROJ = DATA / "ultravox.gguf", DATA / "ultravox.mmproj.gguf"
+SOUND = DATA / "test-sound.wav"
+TOL = 1e-3          # relative: max |ours - llama.cpp| / max |llama.cpp|
+
+
+def gen():
+    spec = importlib.util.spec_from_file_location("make_mmproj", ROOT / "benchmarks" / "reference" / "make_mmproj.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_mmproj", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rel(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return dict(np.load(DATA / "ultravox.npz"))
+
+
+@pytest.fixture(scope="module")
+def sounds() -> list[mtmd.Bitmap]:
+    return [mtmd.Bitmap.from_file(SOUND), mtmd.Bitmap.from_bytes(gen().stereo_sound_bytes(), "stereo")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llm.load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def mctx(model):
+    return mtmd.init_from_file(MMPROJ, model)
+
+
+def prompt_chunks(mctx, sounds, k: int) -> list[mtmd.InputChunk]:
+    text, which = gen().AUDIO_PROMPTS[k]
+    return mctx.tokenize(text, [sounds[i] for i in which])
+
+
+def new_ctx(model) -> llm.Context:
+    n = gen().N_CTX
+    return llm.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, flash_attn=False)
+
+
+# ---- decoding and the spectrogram ---------------------------------------------------------
+
+
+def test_decoded_samples_equal_llamacpps(sounds, ref):
+    """The same miniaudio: 16-bit mono at 16 kHz exactly, 22.05 kHz stereo after its mix and
+    resampler within float rounding."""
+    assert sounds[0].is_audio and (sounds[0].nx, sounds[0].ny) == (6400, 1)
+    assert np.array_equal(sounds[0].data, ref["samples_0"])
+    assert sounds[1].data.shape == ref["samples_1"].shape
+    assert np.abs(sounds[1].data - ref["samples_1"]).max() < 1e-6
+    assert mtmd.Bitmap.from_array(ref["samples_0"].astype(np.float64)).id == sounds[0].id
+
+
+def test_the_spectrogram_is_cut_into_30_s_chunks():
+    """30 s of padding follow the sound, so n seconds give floor(n / 30) + 1 chunks of 3000
+    frames (the last partial one dropped); a sound shorter than half a window is padded."""
+    filters = audio.mel_filters(80)
+    assert filters.shape == (80, 201) and (filters >= 0).all()
+    for seconds, n_chunks in ((0.005, 1), (29.9, 1), (30.0, 2), (65.0, 3)):
+        x = np.sin(np.arange(int(seconds * audio.SAMPLE_RATE)) * 0.05).astype(np.float32)
+        chunks = audio.whisper_chunks(x, filters)
+        assert [c.shape for c in chunks] == [(80, 3000)] * n_chunks, seconds
+    mel = chunks[0]
+    # clamped 8 below the maximum, then (x + 4) / 4: values span at most 2
+    assert mel.max() - mel.min() <= 2.0 + 1e-6
+
+
+# ---- against llama.cpp -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_chunks_and_embeddings_equal_llamacpp(mctx, sounds, ref, k):
+    """No text marks an ultravox sound; its 30 s chunk is 1500 encoder positions stacked 12 at a
+    time: 125 tokens."""
+    chunks = prompt_chunks(mctx, sounds, k)
+    types = {"text": 0, "image": 1, "audio": 2}
+    assert [types[c.type] for c in chunks] == list(ref[f"{k}_types"])
+    assert [c.n_tokens for c in chunks] == list(ref[f"{k}_n_tokens"])
+    assert [c.n_pos for c in chunks] == list(ref[f"{k}_n_pos"])
+    for i, c in enumerate(chunks):
+        if c.type == "text":
+            assert c.tokens == list(ref[f"{k}_text_{i}"])
+        else:
+            embd = mctx.encode_chunk(c)
+            assert embd.shape == ref[f"{k}_embd_{i}"].shape == (125, 64)
+            assert rel(embd, ref[f"{k}_embd_{i}"]) < TOL          # 5.1e-6 and 5.7e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
+def test_eval_chunks_logits_and_n_past_equal_llamacpp(model, mctx, sounds, ref, k):
+    ctx = new_ctx(model)
+    n_past = mctx.eval_chunks(ctx, prompt_chunks(mctx, sounds, k))
+    assert n_past == int(ref[f"{k}_n_past"])
+    assert rel(ctx.get_logits_ith(-1), ref[f"{k}_logits"]) < TOL      # 3.1e-7 and 5.1e-7
+
+
+@pytest.mark.slow
+def test_an_f16_mmproj_equals_llamacpp(model, sounds):
+    mctx = mtmd.init_from_file(DATA / "ultravox-f16.mmproj.gguf", model)
+    ref = dict(np.load(DATA / "ultravox-f16.npz"))
+    chunks = prompt_chunks(mctx, sounds, 0)
+    for i, c in enumerate(chunks):
+        if c.type == "audio":
+            assert rel(mctx.encode_chunk(c), ref[f"0_embd_{i}"]) < TOL
+    ctx = new_ctx(model)
+    assert mctx.eval_chunks(ctx, chunks) == int(ref["0_n_past"])
+    assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL
+
+
+@pytest.mark.slow
+def test_encoder_nodes_carry_clip_cpps_names(mctx):
+    g = mctx.graph(3000, 80)
+    names = {n.name for n in g.gf.nodes} | {g.inp_raw.name}
+    assert g.inp_raw.ne == (3000, 80, 1, 1)
+    for il in (0, 1):
+        assert {f"{n}-{il}" for n in ("layer_inp_normed", "Qcur", "Kcur", "Vcur", "kqv_out", "attn_out", "ffn_inp",
+                                      "ffn_inp_normed", "ffn_up", "ffn_up_b", "ffn_gelu_erf", "ffn_down", "ffn_out",
+                                      "layer_out")} <= names
+    assert {"inp_raw", "after_conv1d", "pos_embed", "after_transformer", "after_stacked", "projected"} <= names
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def test_corrupt_truncated_and_unknown_sounds_are_media_errors(monkeypatch):
+    wav = SOUND.read_bytes()
+    with pytest.raises(mtmd.MediaError, match=r"half.wav: the WAV is truncated: its data chunk declares 12800 bytes"):
+        mtmd.Bitmap.from_bytes(wav[: len(wav) // 2], "half.wav")
+    with pytest.raises(mtmd.MediaError, match="the WAV has no data chunk"):
+        mtmd.Bitmap.from_bytes(wav[:12] + bytes(100), "garbage.wav")
+    with pytest.raises(mtmd.MediaError, match="cannot decode the audio"):
+        mtmd.Bitmap.from_bytes(b"fLaC" + bytes(60), "bad.flac")
+    with pytest.raises(mtmd.MediaError, match="sound.ogg: not an image in a known format, nor WAV / MP3 / FLAC"):
+        mtmd.Bitmap.from_bytes(b"OggS" + bytes(60), "sound.ogg")
+    monkeypatch.setattr(audio, "MAX_SECONDS", 0.25)
+    with pytest.raises(mtmd.MediaError, match="over the limit of 0.25 s .refused before decoding"):
+        mtmd.Bitmap.from_bytes(wav, "long.wav")
+    with pytest.raises(mtmd.MediaError, match="float samples"):
+        mtmd.Bitmap.from_array(np.zeros(100, np.int16))
+    with pytest.raises(mtmd.MediaError, match="NaN"):
+        mtmd.Bitmap.from_array(np.full(100, np.nan, np.float32))
+
+
+@pytest.mark.slow
+def test_images_and_sounds_go_to_their_own_projectors(mctx, sounds):
+    img = mtmd.Bitmap.from_file(DATA / "test-image.png")
+    with pytest.raises(mtmd.MediaError, match=r"bitmaps\[0\] is an image; the 'ultravox' projector reads sounds"):
+        mctx.tokenize(f"{mtmd.default_marker()} x", [img])
+    vision = mtmd.init_from_file(DATA / "mlp.mmproj.gguf", llm.load_model(DATA / "mlp.gguf"))
+    with pytest.raises(mtmd.MediaError, match=r"bitmaps\[0\] is a sound; the 'mlp' projector reads images"):
+        vision.tokenize(f"{mtmd.default_marker()} x", [sounds[0]])
+    with pytest.raises(ModelLoadError, match="feeds gemma3, llama text models"):
+        mtmd.init_from_file(MMPROJ, llm.load_model(ROOT / "tests" / "data" / "fixtures" / "smollm3-F32.gguf"))
+
+
+# ---- the API -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def alm():
+    return llm.LLM(MODEL, mmproj=MMPROJ, n_ctx=256)
+
+
+@pytest.mark.slow
+def test_generate_and_chat_with_a_sound_start_with_llamacpps_greedy_token(alm, ref):
+    text, _ = gen().AUDIO_PROMPTS[0]
+    c = alm.generate(text, images=[SOUND], max_tokens=1, temperature=0)
+    assert c.tokens == [int(ref["0_logits"].argmax())] and c.n_prompt_tokens == int(ref["0_n_past"])
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(SOUND.read_bytes()).decode(),
+                                                   "format": "wav"}}
+    chat = alm.chat([{"role": "user", "content": [{"type": "text", "text": "What is this? "}, part]}],
+                    max_tokens=2, temperature=0)
+    assert chat.n_completion_tokens == 2
+    bad = {"type": "input_audio", "input_audio": {"data": "%%", "format": "wav"}}
+    with pytest.raises(mtmd.MediaError, match=r"messages\[0\].content\[0\]: the input_audio data is not valid base64"):
+        alm.chat([{"role": "user", "content": [bad]}])
+    with pytest.raises(mtmd.MediaError, match="format 'ogg'"):
+        alm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "ogg"}}]}])
+
+
+@pytest.mark.slow
+def test_the_cli_generates_about_a_sound(alm, capsys):
+    from llm import cli
+    rc = cli.main(["generate", "-m", str(MODEL), "--mmproj", str(MMPROJ), "--audio", str(SOUND), "-p", "What is it?",
+                   "-n", "3", "--temp", "0", "-c", "256"])
+    out = capsys.readouterr()
+    want = alm.generate(mtmd.default_marker() + "What is it?", images=[SOUND], max_tokens=3, temperature=0)
+    assert rc == 0 and out.out == want.text + "\n"
+    assert cli.main(["generate", "-m", str(MODEL), "--audio", str(SOUND), "-p", "x"]) == 2
+    assert "--audio needs --mmproj" in capsys.readouterr().err
