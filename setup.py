@@ -1,8 +1,8 @@
 """Build step for the optional native kernels (ggmlx/native); everything else is in pyproject.toml.
 
-The native kernels (the int8 and int4 matvec, decode attention: one library, `_kernels`) are
-compiled with the system C++ compiler against the XLA FFI headers that jaxlib ships. The
-build is optional: without a compiler, or when it fails, the install still succeeds and
+The native kernels (the int8 and int4 matvec, decode attention, the quantizers' scale searches:
+one library, `_kernels`) are compiled with the system C++ compiler against the XLA FFI headers
+that jaxlib ships. The build is optional: without a compiler, or when it fails, the install still succeeds and
 ggmlx uses its pure-XLA path (ggmlx.native.available() is False).
 No -march flags: each kernel picks AVX-512, AVX2 or plain loops on the running CPU.
 """
@@ -33,7 +33,7 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension(
         "ggmlx.native._kernels",
-        sources=["ggmlx/native/int8_matvec.cc", "ggmlx/native/attn_decode.cc"],
+        sources=["ggmlx/native/int8_matvec.cc", "ggmlx/native/attn_decode.cc", "ggmlx/native/quant_search.cc"],
         depends=["ggmlx/native/half.h", "ggmlx/native/parallel.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],

@@ -30,6 +30,8 @@ import pytest
 from tiny_model import TinySpec, model_kv, model_tensors, vocab_kv
 
 from ggmlx import gguf, quants
+from ggmlx.native import search
+from ggmlx.quants import kquants
 from ggmlx.types import GGMLType
 from llm.quantize import (
     FTYPE_NAMES,
@@ -279,6 +281,35 @@ def test_imatrix_quantizer_rows_equal_llamacpp(ref, type_name, imatrix_name):
     want = ref["rows_imatrix"][imatrix_name][type_name]
     bad = [i for i, (r, w) in enumerate(zip(ours, want, strict=True)) if sha(r) != w]
     assert not bad, f"{type_name} with the {imatrix_name} imatrix: rows {bad} differ from ggml_quantize_chunk's"
+
+
+def _search_groups(n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Groups [n, m] for the scale searches: scaled normals, and the edge cases (all zero, below
+    GROUP_MAX_EPS, flat, +a and -a both largest, zero weights)."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((n, m)) * rng.exponential(1, m)).astype(np.float32)
+    x[:, 0], x[:, 1], x[:, 2] = 0, 1e-20, 3
+    x[0, 3], x[1, 3] = -5, 5
+    w = np.abs(rng.standard_normal((n, m))).astype(np.float32)
+    w[:, 4] = 0
+    return x, w
+
+
+@pytest.mark.skipif(search.lib() is None, reason="the native library is not built")
+@pytest.mark.parametrize("n", [16, 32])
+def test_native_scale_searches_equal_numpys(monkeypatch, n):
+    """The C searches (ggmlx/native/search.py) give the numpy searches' bits, which the byte
+    tests above hold to ggml's; so both paths are ggml's."""
+    x, w = _search_groups(n, 3000)
+    cases = [(kquants.make_qx_quants, (x, nmax, ww)) for nmax in (4, 16, 32) for ww in (None, w)]
+    cases += [(kquants.make_qkx2_quants, (x, w, *a)) for a in ((3, -0.5, 0.1, 15, True), (15, -1.0, 0.1, 20, False),
+                                                                (31, -0.5, 0.1, 15, False))]
+    cases += [(kquants.make_qkx3_quants, (x, w, nmax, -0.9, 0.05, 36)) for nmax in (3, 15, 31)]
+    native = [fn(*args) for fn, args in cases]
+    monkeypatch.setattr(search, "lib", lambda: None)
+    for (fn, args), got in zip(cases, native, strict=True):
+        for a, b in zip(got, fn(*args), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32)), fn.__name__
 
 
 def test_quantizer_round_trip_error_is_small():

@@ -12,6 +12,8 @@ so every operation is the same float32 operation as in C, in the same order:
 `seq_sum` adds the rows of a C-contiguous array one after another (numpy's reduction over a
 non-contiguous axis is that loop, not a pairwise sum), and `nearest_int` is ggml's
 `nearest_int` bit trick itself, so out-of-range values give ggml's result too.
+The three scale searches (make_qx_quants, make_qkx2_quants, make_qkx3_quants: most of the time)
+run ggml's per-group loops in C instead where the native library is built (ggmlx/native/search.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..native import search
 from ..types import GGMLType
 from .kernels import NUMPY, k_scale_min
 
@@ -159,6 +162,9 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
 
     The quants of the best trial are computed again at the end from its (iscale, min), not
     carried through the search: the same values, one pass instead of one per trial."""
+    c = search.lib()
+    if c is not None and x.shape[0] <= search.MAX_QKX_GROUP:
+        return search.make_qkx_quants(c, x, w, nmax, rmin, rdelta, nstep, use_mad, False)
     lo_x = x.min(axis=0)
     mn = select(lo_x > 0, F32(0), lo_x)
     mx = x.max(axis=0)
@@ -190,6 +196,9 @@ def make_qx_quants(x: np.ndarray, nmax: int, w: np.ndarray | None = None) -> tup
 
     |iscale * x| <= nmax + 1 (iscale is about nmax / max|x|), so rounding takes the quick path;
     as in make_qkx2_quants the best trial's quants are computed again at the end."""
+    c = search.lib()
+    if c is not None:
+        return search.make_qx_quants(c, x, nmax, w)
     amax, mx = signed_absmax(x)
     zero = amax < GROUP_MAX_EPS
     w = x * x if w is None else w
@@ -429,6 +438,9 @@ def make_qkx3_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """make_qkx3_quants (squared error): make_qkx2_quants with its trial quants taken as
     `v > 0 ? nearest_int(MIN(v, nmax)) : 0` (in range, so rounded the quick way) -> (L, scale, -min)."""
+    c = search.lib()
+    if c is not None and x.shape[0] <= search.MAX_QKX_GROUP:
+        return search.make_qkx_quants(c, x, w, nmax, rmin, rdelta, nstep, False, True)
     lo_x = x.min(axis=0)
     mn = select(lo_x > 0, F32(0), lo_x)
     mx = x.max(axis=0)

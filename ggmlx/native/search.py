@@ -1,0 +1,74 @@
+"""The quantizers' scale searches in C (quant_search.cc), for `llm quantize`.
+
+ggmlx/quants/kquants.py runs make_qx_quants, make_qkx2_quants and make_qkx3_quants over many
+groups at once in numpy; these run ggml's per-group loops instead, with the same float32
+operations in the same order (the same bytes, tests/test_quants.py), at a few times the speed.
+Used when the native library is built and GGMLX_NATIVE is on; `lib()` is None otherwise and the
+numpy searches run. Plain ctypes calls: nothing is registered with XLA.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from ggmlx import flags
+from ggmlx.native import library_path
+
+_F32P = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
+MAX_QKX_GROUP = 256       # quant_search.cc's scratch
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    path = library_path()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        qx, qkx = lib.ggmlx_make_qx_quants, lib.ggmlx_make_qkx_quants
+    except (OSError, AttributeError):       # an older build without the searches
+        return None
+    i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    qx.argtypes = [i64, i64, _F32P, vp, i32, _F32P, _F32P]
+    qx.restype = None
+    qkx.argtypes = [i64, i64, _F32P, _F32P, i32, f32, f32, i32, i32, i32, _F32P, _F32P, _F32P]
+    qkx.restype = None
+    return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The library with the searches, or None (not built, or GGMLX_NATIVE=0)."""
+    return _load() if flags.NATIVE.get() == "1" else None
+
+
+def _groups(a: np.ndarray) -> np.ndarray:
+    """[n, m] elements first (kquants' layout) -> [m, n], each group contiguous."""
+    return np.ascontiguousarray(a.T, dtype=np.float32)
+
+
+def make_qx_quants(c: ctypes.CDLL, x: np.ndarray, nmax: int, w: np.ndarray | None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """kquants.make_qx_quants in C: x, w [n, m] -> (L [n, m] float32, scale [m])."""
+    n, m = x.shape
+    xg = _groups(x)
+    wg = None if w is None else _groups(w)
+    L = np.empty((m, n), np.float32)
+    scale = np.empty(m, np.float32)
+    c.ggmlx_make_qx_quants(m, n, xg, None if wg is None else wg.ctypes.data, nmax, L, scale)
+    return np.ascontiguousarray(L.T), scale
+
+
+def make_qkx_quants(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                    nstep: int, use_mad: bool, qkx3: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """kquants.make_qkx2_quants (qkx3 False) or make_qkx3_quants in C: x, w [n, m] ->
+    (L [n, m] float32, scale [m], -min [m])."""
+    n, m = x.shape
+    if n > MAX_QKX_GROUP:
+        raise ValueError(f"make_qkx_quants: groups of {n} elements (at most {MAX_QKX_GROUP})")
+    L = np.empty((m, n), np.float32)
+    scale, neg_min = np.empty(m, np.float32), np.empty(m, np.float32)
+    c.ggmlx_make_qkx_quants(m, n, _groups(x), _groups(w), nmax, rmin, rdelta, nstep, int(use_mad), int(qkx3),
+                            L, scale, neg_min)
+    return np.ascontiguousarray(L.T), scale, neg_min
