@@ -1,10 +1,10 @@
-"""llm.mtmd's audio path (Whisper log-mel front end, the Whisper encoder, the ultravox projector)
-against llama.cpp's stored output.
+"""llm.mtmd's audio path (Whisper log-mel front end, the Whisper encoder, the ultravox and
+qwen2a projectors) against llama.cpp's stored output.
 
-tests/data/mtmd/ultravox.* (benchmarks/reference/make_mmproj.py ultravox): a tiny llama text
-model, an ultravox mmproj, and llama.cpp's decoded samples, chunks, audio embeddings and last
-logits for two prompts: the committed 0.4 s 16 kHz mono test sound, and a 22.05 kHz stereo
-sound rebuilt from its seed (resampled and mixed down by the decoder).
+tests/data/mtmd/ultravox.* and qwen2a.* (benchmarks/reference/make_mmproj.py ultravox qwen2a):
+a tiny text model (llama; qwen2), its audio mmproj, and llama.cpp's decoded samples, chunks,
+audio embeddings and last logits for two prompts: the committed 0.4 s 16 kHz mono test sound,
+and a 22.05 kHz stereo sound rebuilt from its seed (resampled and mixed down by the decoder).
 """
 from __future__ import annotations
 
@@ -40,9 +40,21 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
+PROJECTORS = ["ultravox", "qwen2a"]
+N_TOKENS = {"ultravox": 125, "qwen2a": 750}     # a 30 s chunk: 1500 positions stacked by 12; averaged in pairs
+
+
 @pytest.fixture(scope="module")
 def ref() -> dict:
     return dict(np.load(DATA / "ultravox.npz"))
+
+
+@pytest.fixture(scope="module", params=PROJECTORS)
+def each(request) -> tuple:
+    """(name, model, its MtmdContext, llama.cpp's arrays) per audio projector fixture."""
+    name = request.param
+    model = llm.load_model(DATA / f"{name}.gguf")
+    return name, model, mtmd.init_from_file(DATA / f"{name}.mmproj.gguf", model), dict(np.load(DATA / f"{name}.npz"))
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +77,8 @@ def prompt_chunks(mctx, sounds, k: int) -> list[mtmd.InputChunk]:
     return mctx.tokenize(text, [sounds[i] for i in which])
 
 
-def new_ctx(model) -> llm.Context:
-    n = gen().N_CTX
+def new_ctx(model, name: str = "ultravox") -> llm.Context:
+    n = gen().N_CTX_OF.get(name, gen().N_CTX)
     return llm.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, flash_attn=False)
 
 
@@ -102,9 +114,10 @@ def test_the_spectrogram_is_cut_into_30_s_chunks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1])
-def test_chunks_and_embeddings_equal_llamacpp(mctx, sounds, ref, k):
-    """No text marks an ultravox sound; its 30 s chunk is 1500 encoder positions stacked 12 at a
-    time: 125 tokens."""
+def test_chunks_and_embeddings_equal_llamacpp(each, sounds, k):
+    """No text marks an ultravox sound, <|audio_bos|> and <|audio_eos|> a qwen2a one; a 30 s
+    chunk is 1500 encoder positions, stacked 12 at a time (125 tokens) or averaged in pairs (750)."""
+    name, _, mctx, ref = each
     chunks = prompt_chunks(mctx, sounds, k)
     types = {"text": 0, "image": 1, "audio": 2}
     assert [types[c.type] for c in chunks] == list(ref[f"{k}_types"])
@@ -115,28 +128,31 @@ def test_chunks_and_embeddings_equal_llamacpp(mctx, sounds, ref, k):
             assert c.tokens == list(ref[f"{k}_text_{i}"])
         else:
             embd = mctx.encode_chunk(c)
-            assert embd.shape == ref[f"{k}_embd_{i}"].shape == (125, 64)
-            assert rel(embd, ref[f"{k}_embd_{i}"]) < TOL          # 5.1e-6 and 5.7e-6
+            assert embd.shape == ref[f"{k}_embd_{i}"].shape == (N_TOKENS[name], 64)
+            assert rel(embd, ref[f"{k}_embd_{i}"]) < TOL          # ultravox 5.1e-6 and 5.7e-6
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1])
-def test_eval_chunks_logits_and_n_past_equal_llamacpp(model, mctx, sounds, ref, k):
-    ctx = new_ctx(model)
+def test_eval_chunks_logits_and_n_past_equal_llamacpp(each, sounds, k):
+    name, model, mctx, ref = each
+    ctx = new_ctx(model, name)
     n_past = mctx.eval_chunks(ctx, prompt_chunks(mctx, sounds, k))
     assert n_past == int(ref[f"{k}_n_past"])
-    assert rel(ctx.get_logits_ith(-1), ref[f"{k}_logits"]) < TOL      # 3.1e-7 and 5.1e-7
+    assert rel(ctx.get_logits_ith(-1), ref[f"{k}_logits"]) < TOL      # ultravox 3.1e-7 and 5.1e-7
 
 
 @pytest.mark.slow
-def test_an_f16_mmproj_equals_llamacpp(model, sounds):
-    mctx = mtmd.init_from_file(DATA / "ultravox-f16.mmproj.gguf", model)
-    ref = dict(np.load(DATA / "ultravox-f16.npz"))
+@pytest.mark.parametrize("name", PROJECTORS)
+def test_an_f16_mmproj_equals_llamacpp(sounds, name):
+    model = llm.load_model(DATA / f"{name}.gguf")
+    mctx = mtmd.init_from_file(DATA / f"{name}-f16.mmproj.gguf", model)
+    ref = dict(np.load(DATA / f"{name}-f16.npz"))
     chunks = prompt_chunks(mctx, sounds, 0)
     for i, c in enumerate(chunks):
         if c.type == "audio":
             assert rel(mctx.encode_chunk(c), ref[f"0_embd_{i}"]) < TOL
-    ctx = new_ctx(model)
+    ctx = new_ctx(model, name)
     assert mctx.eval_chunks(ctx, chunks) == int(ref["0_n_past"])
     assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL
 
@@ -151,6 +167,16 @@ def test_encoder_nodes_carry_clip_cpps_names(mctx):
                                       "ffn_inp_normed", "ffn_up", "ffn_up_b", "ffn_gelu_erf", "ffn_down", "ffn_out",
                                       "layer_out")} <= names
     assert {"inp_raw", "after_conv1d", "pos_embed", "after_transformer", "after_stacked", "projected"} <= names
+
+
+@pytest.mark.slow
+def test_qwen2a_averages_positions_in_pairs_before_its_post_ln():
+    """nn.AvgPool1d(2, 2) between the last layer and the post-LN: 1500 positions -> 750."""
+    model = llm.load_model(DATA / "qwen2a.gguf")
+    g = mtmd.init_from_file(DATA / "qwen2a.mmproj.gguf", model).graph(3000, 80)
+    by_name = {n.name: n for n in g.gf.nodes}
+    assert by_name["layer_out-1"].ne[:2] == (32, 1500) and by_name["after_transformer"].ne[:2] == (32, 750)
+    assert g.out is not None and g.out.ne[:2] == (64, 750) and "after_stacked" not in by_name
 
 
 # ---- bad input ---------------------------------------------------------------------------

@@ -17,9 +17,10 @@ For each projector NAME it writes, under tests/data/mtmd/:
 - `NAME-f16.mmproj.gguf` and `NAME-f16.npz`: the same mmproj with its attention, FFN and
   projector matrices in F16, as released mmproj files hold them, and the first prompt's arrays.
 
-ultravox reads sounds instead: SOUND (committed, 0.4 s of 16 kHz mono 16-bit PCM) and a
-22.05 kHz stereo twin made in memory (stereo_sound_bytes), for AUDIO_PROMPTS; its npz also
-holds llama.cpp's decoded samples of each (`samples_<j>`, mono float32 at 16 kHz).
+ultravox and qwen2a (AUDIO) read sounds instead: SOUND (committed, 0.4 s of 16 kHz mono
+16-bit PCM) and a 22.05 kHz stereo twin made in memory (stereo_sound_bytes), for
+AUDIO_PROMPTS; their npz also hold llama.cpp's decoded samples of each (`samples_<j>`, mono
+float32 at 16 kHz). qwen2a's 750 tokens a sound need a context of N_CTX_OF["qwen2a"].
 
 `--images` rewrites the two test images and the test sound (seeded; committed, so normally
 never needed).
@@ -44,6 +45,8 @@ OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
+N_CTX_OF = {"qwen2a": 1024}     # projectors whose prompts need a longer context than N_CTX
+AUDIO = ("ultravox", "qwen2a")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
 USER_DEFINED = 4
@@ -307,6 +310,37 @@ def ultravox_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def qwen2_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """Qwen2-Audio's text model is a qwen2: llama blocks with Q/K/V biases, an untied output."""
+    kv = mf.base_kv("qwen2", d)
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        mf.attn_qkv(w, p, d, bias=True)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    w.norm("output_norm.weight", d.n_embd)
+    w.mat("output.weight", n_vocab, d.n_embd, gain=3.0)
+    return kv
+
+
+def qwen2a_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """ultravox's Whisper encoder (its own seed), its positions averaged in pairs before the
+    post-LN (750 tokens a 30 s chunk), then mm.a.fc (with bias) to the text width."""
+    kv = ultravox_mmproj(w, n_embd_text)
+    kv["clip.projector_type"] = "qwen2a"
+    del kv["clip.audio.projector.stack_factor"]
+    for name in [n for n in w.t if n.startswith("mm.")]:
+        del w.t[name]
+    w.mat("mm.a.fc.weight", n_embd_text, 32)
+    w.bias("mm.a.fc.bias", n_embd_text)
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
@@ -314,6 +348,7 @@ SPECS = {
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
     "mlp": (llama_text, mlp_mmproj, [], 205),
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
+    "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
 }
 
 
@@ -333,7 +368,7 @@ def make_files(name: str, out: Path = OUT) -> tuple[Path, Path]:
 
 
 def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
-                  prompts: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, np.ndarray]:
+                  prompts: tuple[tuple[str, tuple[int, ...]], ...], n_ctx: int = N_CTX) -> dict[str, np.ndarray]:
     """In llama.cpp (run in a child process): every prompt tokenized, its images encoded and
     the whole evaluated into a fresh context; the arrays of the module docstring."""
     import llama_cpp as L
@@ -395,14 +430,14 @@ def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
         arrays[f"{k}_n_tokens"] = np.array(n_tokens, np.int32)
         arrays[f"{k}_n_pos"] = np.array(n_pos, np.int32)
         cp = L.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = N_CTX
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = 2
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.type_k = cp.type_v = 0       # F32
         lctx = L.llama_init_from_model(model, cp)
         new_n_past = L.llama_pos(0)
-        rc = M.mtmd_helper_eval_chunks(mctx, lctx, chunks, 0, 0, N_CTX, True, ctypes.byref(new_n_past))
+        rc = M.mtmd_helper_eval_chunks(mctx, lctx, chunks, 0, 0, n_ctx, True, ctypes.byref(new_n_past))
         if rc != 0:
             raise RuntimeError(f"mtmd_helper_eval_chunks returned {rc} for prompt {k}")
         arrays[f"{k}_logits"] = np.ctypeslib.as_array(L.llama_get_logits_ith(lctx, -1), (n_vocab,)).copy()
@@ -441,13 +476,14 @@ def make_oracle(name: str, out: Path = OUT) -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory() as tmp:
         media, all_prompts = [str(p) for p in IMAGES], PROMPTS
-        if name == "ultravox":
+        if name in AUDIO:
             stereo = Path(tmp) / "stereo.wav"
             stereo.write_bytes(stereo_sound_bytes())
             media, all_prompts = [str(SOUND), str(stereo)], AUDIO_PROMPTS
         for proj, prompts, npz in ((mmproj, all_prompts, out / f"{name}.npz"),
                                    (twin, all_prompts[:1], out / f"{name}-f16.npz")):
-            arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), media, prompts, model_path=str(model))
+            arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), media, prompts,
+                                         N_CTX_OF.get(name, N_CTX), model_path=str(model))
             np.savez_compressed(npz, **arrays)
             written.append(npz)
     return written

@@ -421,9 +421,11 @@ class ClipGraph:
         return cur
 
     def build_vit(self, inp: Tensor, n_pos: int, learned_pos_embd: Tensor | None,
-                  n_layer: int | None = None) -> Tensor:
+                  n_layer: int | None = None, avgpool: bool = False) -> Tensor:
         """clip_graph::build_vit with layer norms (NORM_TYPE_NORMAL) -> [n_embd, n_pos, 1];
-        n_layer: run only the first n_layer layers (LLaVA reads the one before the last)."""
+        n_layer: run only the first n_layer layers (LLaVA reads the one before the last);
+        avgpool: each two positions averaged before the post-LN (qwen2a's nn.AvgPool1d(2, 2),
+        ggml_pool_1d on the transposed rows) -> [n_embd, n_pos / 2, 1]."""
         m, hp = self.model, self.hparams
         if learned_pos_embd is not None:
             inp = self.cb(ops.add(inp, learned_pos_embd), "pos_embed")
@@ -455,6 +457,11 @@ class ClipGraph:
                                  layer.ff_down_w, layer.ff_down_b, hp.ffn_op, il)
             cur = self.cb(cur, "ffn_out", il)
             inpL = self.cb(ops.add(inpL, cur), "layer_out", il)
+        if avgpool:
+            n_pos //= 2
+            even = ops.view_2d(inpL, self.n_embd, n_pos, 2 * inpL.nb[1], 0)
+            odd = ops.view_2d(inpL, self.n_embd, n_pos, 2 * inpL.nb[1], inpL.nb[1])
+            inpL = ops.scale(ops.add(even, odd), 0.5)
         post_w = m.get(ctn(ClipTensor.LN_POST, prefix=p), False)
         post_b = m.get(ctn(ClipTensor.LN_POST, "bias", prefix=p), False)
         if post_w is not None:

@@ -30,7 +30,7 @@ from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
 from llm.mtmd.image import normalize
 from llm.mtmd.llava import MLP
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
-from llm.mtmd.whisper import ULTRAVOX
+from llm.mtmd.whisper import QWEN2A, ULTRAVOX
 
 if TYPE_CHECKING:
     from llm.context import Context
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, ULTRAVOX)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, ULTRAVOX, QWEN2A)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 

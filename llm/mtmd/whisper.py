@@ -11,6 +11,10 @@ time into one token (StackAudioFrames), RMS-normed, mm.a.mlp.1, a SwiGLU that pa
 half through and gates with silu of the second (ggml_swiglu_swapped), RMS-normed again and
 mm.a.mlp.2 to the text width. No text marks the sound in the prompt.
 
+qwen2a (Qwen2-Audio): each two encoder positions averaged before the post-LN (750 tokens a
+chunk), then one projection with bias (mm.a.fc); the sound sits between <|audio_bos|> and
+<|audio_eos|>. (qwen2.5o's audio half is the same, but its text model reads M-RoPE positions.)
+
 The stack must divide the 1500 positions: llama.cpp 0.3.36 counts ceil(3000 / s) / 2 tokens
 (187 for Ultravox's s = 8) but its graph gives ceil(1500 / s) (188) and aborts on the mismatch,
 so such a file is refused here at load rather than run differently from llama.cpp.
@@ -69,8 +73,9 @@ def load_whisper_encoder(model: ClipModel) -> None:
                              f"[{hp.n_embd}, >= {N_POS}]")
 
 
-def build_whisper_encoder(g: ClipGraph) -> Tensor:
-    """The convolutions and the transformer -> [n_embd, 1500] ("after_transformer")."""
+def build_whisper_encoder(g: ClipGraph, avgpool: bool = False) -> Tensor:
+    """The convolutions and the transformer -> [n_embd, 1500] ("after_transformer"; 750 with
+    avgpool)."""
     m, hp = g.model, g.hparams
     x = ops.reshape_2d(g.inp_raw, g.nx, g.ny)                                   # [n_frames, n_mel]
     cur = ops.add(conv_1d_ph(m.need(ctn(ClipTensor.CONV1D, "weight", 1)), x, 1, 1),
@@ -82,8 +87,8 @@ def build_whisper_encoder(g: ClipGraph) -> Tensor:
     inp = g.cb(ops.cont(ops.transpose(cur)), "after_conv1d")                   # [n_embd, n_pos]
     n_pos = inp.ne[1]
     pos = m.need(ctn(ClipTensor.POS_EMBD, prefix=m.prefix))
-    cur = g.build_vit(inp, n_pos, ops.view_2d(pos, pos.ne[0], n_pos, pos.nb[1], 0))
-    return g.cb(ops.reshape_2d(cur, hp.n_embd, n_pos), "after_transformer")
+    cur = g.build_vit(inp, n_pos, ops.view_2d(pos, pos.ne[0], n_pos, pos.nb[1], 0), avgpool=avgpool)
+    return g.cb(ops.reshape_2d(cur, hp.n_embd, cur.ne[1]), "after_transformer")
 
 
 def preprocess_whisper(model: ClipModel, proj: Projector, samples) -> Preprocessed:
@@ -130,3 +135,28 @@ def build_ultravox(g: ClipGraph) -> Tensor:
 
 ULTRAVOX = Projector(name="ultravox", text_archs=frozenset({"llama", "gemma3"}), load=load_ultravox,
                      build=build_ultravox, n_output_tokens=n_tokens_ultravox, preprocess=preprocess_whisper)
+
+
+def load_qwen2a(model: ClipModel) -> int:
+    hp = model.hparams
+    load_whisper_encoder(model)
+    fc = model.need(ctn(ClipTensor.MM_AUDIO_FC))
+    check_shape(model, fc, (hp.n_embd, fc.ne[1]))
+    check_shape(model, model.need(ctn(ClipTensor.MM_AUDIO_FC, "bias")), (fc.ne[1],))
+    return fc.ne[1]
+
+
+def n_tokens_qwen2a(hp: ClipHParams, nx: int, ny: int) -> int:
+    return nx // 2 // 2
+
+
+def build_qwen2a(g: ClipGraph) -> Tensor:
+    m = g.model
+    cur = build_whisper_encoder(g, avgpool=True)
+    cur = ops.add(ops.mul_mat(m.need(ctn(ClipTensor.MM_AUDIO_FC)), cur), m.need(ctn(ClipTensor.MM_AUDIO_FC, "bias")))
+    return g.cb(cur, "projected")
+
+
+QWEN2A = Projector(name="qwen2a", text_archs=frozenset({"qwen2"}), load=load_qwen2a, build=build_qwen2a,
+                   n_output_tokens=n_tokens_qwen2a, preprocess=preprocess_whisper, img_beg="<|audio_bos|>",
+                   img_end="<|audio_eos|>")
