@@ -17,6 +17,7 @@ MAX_SEQ = 64
 # The largest position a token may take: the position after it must fit int32 (llama_pos) too,
 # so a sequence at POS_MAX is full and the next batch is rejected instead of overflowing.
 POS_MAX = int(np.iinfo(np.int32).max) - 1
+N_POS_SECTIONS = 4          # M-RoPE positions per token (llama_hparams::n_pos_per_embd)
 
 
 class BatchError(ValueError):
@@ -67,9 +68,11 @@ def _seq_ids(values, n: int) -> tuple[tuple[int, ...], ...]:
 class Batch:
     """Input of one decode call (llama_batch): `tokens` [n] ids or `embd` [n, n_embd] floats.
 
-    pos [n]: positions (default: continue each sequence in the cache); seq_id: per token an
-    int or a list of ints, or a 2-D int array (default: sequence 0); logits [n]: which
-    tokens produce output (default: the last one).
+    pos [n]: positions (default: continue each sequence in the cache); for an M-RoPE model's
+    embeddings also [4, n], each token's t, y, x and e positions (llama_batch's section-major
+    positions: an image's grid, from llm.mtmd); seq_id: per token an int or a list of ints,
+    or a 2-D int array (default: sequence 0); logits [n]: which tokens produce output
+    (default: the last one).
     """
 
     def __init__(self, tokens=None, embd=None, pos=None, seq_id=None, logits=None):
@@ -85,7 +88,17 @@ class Batch:
             if self.embd.ndim != 2:
                 raise BatchError(f"embd must be 2-D [n_tokens, n_embd], got shape {self.embd.shape}")
             n = self.embd.shape[0]
-        self.pos = None if pos is None else _int_array("pos", pos, n)
+        self.pos: np.ndarray | None = None
+        self.pos_sections: np.ndarray | None = None     # int32 [4, n] with 2-D positions
+        if pos is not None and np.ndim(pos) == 2:
+            if self.embd is None:
+                raise BatchError("2-D positions (M-RoPE sections) go with embd, not with tokens")
+            if len(pos) != N_POS_SECTIONS:
+                raise BatchError(f"pos has {len(pos)} rows; M-RoPE positions are {N_POS_SECTIONS} (t, y, x, e)")
+            self.pos_sections = np.stack([_int_array(f"pos[{j}]", pos[j], n) for j in range(N_POS_SECTIONS)])
+            self.pos = self.pos_sections[0]
+        elif pos is not None:
+            self.pos = _int_array("pos", pos, n)
         self.seq_id = None if seq_id is None else _seq_ids(seq_id, n)
         self.logits = None if logits is None else _int_array("logits", logits, n).astype(bool)
 
@@ -123,6 +136,7 @@ class UBatch:
     seq_id_unq: np.ndarray        # int32, the distinct sequence ids, ascending
     output: np.ndarray            # bool [n_tokens]
     idxs: np.ndarray              # int32 [n_tokens], index of each token in the batch
+    pos_sections: np.ndarray | None = None   # int32 [4, n_tokens]: t (= pos), y, x, e of 2-D positions
 
     @property
     def n_outputs(self) -> int:
@@ -170,6 +184,7 @@ class BatchAllocator:
         self.token: np.ndarray | None = None
         self.embd: np.ndarray | None = None
         self.pos = np.zeros(0, np.int32)
+        self.pos_sections: np.ndarray | None = None
         self.seq_id: tuple[tuple[int, ...], ...] = ()
         self.n_seq_id = np.zeros(0, np.int32)
         self.seq_set = np.zeros(0, np.uint64)
@@ -183,12 +198,15 @@ class BatchAllocator:
         self._used = np.zeros(0, bool)
 
     def init(self, batch: Batch, *, n_vocab: int, n_embd: int, n_seq_max: int,
-             memory: SeqPosMemory | None = None, output_all: bool = False) -> None:
+             memory: SeqPosMemory | None = None, output_all: bool = False, mrope: bool = False) -> None:
         """Validate `batch` and fill its missing fields (llama_batch_allocr::init).
 
         memory gives each sequence's cached positions: missing positions continue from
-        seq_pos_max + 1 and given ones must. output_all (embeddings) makes every token an
-        output. Raises BatchError naming the token and field; on error nothing is kept.
+        seq_pos_max + 1 and given ones must, but for an M-RoPE model (mrope) they may jump
+        forward (an image takes max(nx, ny) positions) and embeddings may start at the last
+        one (an image's tokens share their first position). output_all (embeddings) makes
+        every token an output. Raises BatchError naming the token and field; on error nothing
+        is kept.
         """
         if not 1 <= n_seq_max <= MAX_SEQ:
             raise ValueError(f"n_seq_max = {n_seq_max} is outside [1, {MAX_SEQ}]")
@@ -215,6 +233,8 @@ class BatchAllocator:
         seq_set = np.array([_seq_bits(ids) for ids in seq_id], dtype=np.uint64)
         seq_id_unq = np.array(sorted({s for ids in seq_id for s in ids}), dtype=np.int32)
 
+        if batch.pos_sections is not None and not mrope:
+            raise BatchError("pos has M-RoPE sections, but the model takes one position per token")
         pos = batch.pos if batch.pos is not None else self._fill_pos(seq_id, seq_id_unq, memory)
         bad = np.flatnonzero((pos < 0) | (pos > POS_MAX))
         if bad.size:
@@ -235,7 +255,10 @@ class BatchAllocator:
 
         seq_pos = {int(s): pos[((seq_set >> np.uint64(s)) & np.uint64(1)) == 1]
                    for s in seq_id_unq}
-        self._check_positions(seq_pos, memory)
+        if mrope:
+            self._check_positions_mrope(seq_pos, memory, embd=batch.embd is not None)
+        else:
+            self._check_positions(seq_pos, memory)
         self._check_coupled(seq_id, memory)
 
         self.n_tokens = n
@@ -244,6 +267,7 @@ class BatchAllocator:
         self.token = batch.token
         self.embd = batch.embd
         self.pos = pos
+        self.pos_sections = batch.pos_sections
         self.seq_id = seq_id
         self.n_seq_id = np.array([len(ids) for ids in seq_id], dtype=np.int32)
         self.seq_set = seq_set
@@ -277,6 +301,21 @@ class BatchAllocator:
             if p_max - p_min + 1 > len(np.unique(p)):
                 raise BatchError(f"sequence {s}: positions are not continuous "
                                  f"({len(np.unique(p))} distinct values in [{p_min}, {p_max}])")
+            down = np.flatnonzero(np.diff(p) < 0)
+            if down.size:
+                raise BatchError(f"sequence {s}: positions decrease ({int(p[down[0]])} then "
+                                 f"{int(p[down[0] + 1])})")
+
+    @staticmethod
+    def _check_positions_mrope(seq_pos: dict[int, np.ndarray], memory: SeqPosMemory | None, embd: bool) -> None:
+        for s, p in seq_pos.items():
+            p_min = int(p.min())
+            p0 = memory.seq_pos_max(s) if memory is not None else -1
+            if p0 >= 0 and (p_min < p0 if embd else p_min <= p0):
+                first = p0 if embd else p0 + 1
+                raise BatchError(f"sequence {s}: the cache holds positions up to {p0}, so the batch's "
+                                 f"{'embeddings' if embd else 'tokens'} must start at {first} or later "
+                                 f"(M-RoPE), but start at {p_min}")
             down = np.flatnonzero(np.diff(p) < 0)
             if down.size:
                 raise BatchError(f"sequence {s}: positions decrease ({int(p[down[0]])} then "
@@ -411,5 +450,6 @@ class BatchAllocator:
             seq_id_unq=np.array(sorted({s for i in idxs for s in self.seq_id[i]}), dtype=np.int32),
             output=output,
             idxs=idxs.astype(np.int32),
+            pos_sections=None if self.pos_sections is None else self.pos_sections[:, idxs],
         )
 

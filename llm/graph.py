@@ -19,7 +19,7 @@ from ggmlx.types import GGMLType
 from llm.adapter import TOKEN_EMBD
 from llm.arch import LLMArch
 from llm.errors import ModelLoadError
-from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType, RopeType
+from llm.hparams import ExpertGatingFuncType, HParams, RopeScalingType
 from llm.kv_cache import hadamard
 from llm.layer import Layer
 
@@ -151,7 +151,8 @@ class InpEmbd(GraphInput):
 
 class InpPos(GraphInput):
     """Token positions [n_tokens]; for M-RoPE models (n_pos_per_embd 4) the t, h, w, e streams
-    [4 * n_tokens], a text token at (p, p, p, 0) as llama.cpp sets them."""
+    [4 * n_tokens], a text token at (p, p, p, 0) as llama.cpp sets them, an image's token at
+    the ubatch's 2-D positions."""
 
     def __init__(self, params: GraphParams, n_pos_per_embd: int = 1):
         super().__init__(params)
@@ -161,7 +162,10 @@ class InpPos(GraphInput):
     def set_input(self, ub, values: dict) -> None:
         n = self.params.n_tokens
         p = np.zeros((self.n_pos_per_embd, n), np.int32)
-        p[:min(3, self.n_pos_per_embd), :ub.n_tokens] = ub.pos
+        if ub.pos_sections is not None:
+            p[:, :ub.n_tokens] = ub.pos_sections[:self.n_pos_per_embd]
+        else:
+            p[:min(3, self.n_pos_per_embd), :ub.n_tokens] = ub.pos
         values[self.pos] = p.reshape(-1)
 
 
@@ -413,8 +417,7 @@ class GraphBuilder:
         return self.cb(cur, "inp_embd")
 
     def build_inp_pos(self) -> Tensor:
-        mrope = self.hparams.rope_type in (RopeType.MROPE, RopeType.IMROPE)
-        inp = InpPos(self.params, 4 if mrope else 1)
+        inp = InpPos(self.params, self.hparams.n_pos_per_embd())
         self.inputs.append(inp)
         return inp.pos
 

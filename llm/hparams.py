@@ -309,6 +309,10 @@ class HParams:
         """Width of one token's values over all KV heads of layer il."""
         return self.n_embd_head_v_l(il) * self.n_head_kv(il)
 
+    def n_pos_per_embd(self) -> int:
+        """Positions per token: 4 (t, h, w, e) for M-RoPE models, else 1 (llama_hparams)."""
+        return 4 if self.rope_type in (RopeType.MROPE, RopeType.IMROPE) else 1
+
     def has_rope(self, il: int) -> bool:
         """Does layer il rotate its queries and keys (and so its cached keys on a shift)?"""
         return self.rope_type != RopeType.NONE and self.rope_layers[self._layer(il)]

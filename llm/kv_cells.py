@@ -3,7 +3,8 @@ plus the slot logic of `llama_kv_cache` (find_slot, apply_ubatch, prepare, seque
 the attention mask and the K-shift input).
 
 Per cell: its position (-1 = empty), the set of sequences it belongs to (a uint64 bitmask,
-bit s = sequence s) and the position shift accumulated since the last K-shift. Everything
+bit s = sequence s), the position shift accumulated since the last K-shift and its 2-D
+position (llama_kv_cell_ext: an M-RoPE image token's y, x; else the position twice). Everything
 is numpy over all cells at once, so a decode step costs a few array passes, not a Python
 loop over n_ctx cells. One stream (a unified cache for all sequences).
 """
@@ -57,6 +58,8 @@ class KVCells:
         self.pos = np.full(n_ctx, -1, np.int32)
         self.seq = np.zeros(n_ctx, np.uint64)
         self.shift = np.zeros(n_ctx, np.int32)
+        self.ext_y = np.zeros(n_ctx, np.int32)
+        self.ext_x = np.zeros(n_ctx, np.int32)
         self.has_shift = False
         self.head = 0  # where the next slot search starts
 
@@ -171,6 +174,9 @@ class KVCells:
 
         self.pos[idxs] = ubatch.pos
         self.seq[idxs] = ubatch.seq_set
+        sections = ubatch.pos_sections
+        self.ext_y[idxs] = ubatch.pos if sections is None else sections[1]
+        self.ext_x[idxs] = ubatch.pos if sections is None else sections[2]
         for s, p_max in pos_max_rm.items():
             p_min = self.seq_pos_min(s)
             if 0 <= p_min <= p_max:
@@ -180,7 +186,8 @@ class KVCells:
     def prepare(self, ubatches: list[UBatch], cont: bool = False) -> list[SlotInfo] | None:
         """Slots for ALL ubatches of a batch, each placed as if the earlier ones were applied
         (llama_kv_cache::prepare). The cells are left unchanged either way; None if any fails."""
-        saved = (self.pos.copy(), self.seq.copy(), self.shift.copy(), self.head, self.has_shift)
+        saved = (self.pos.copy(), self.seq.copy(), self.shift.copy(), self.ext_y.copy(), self.ext_x.copy(),
+                 self.head, self.has_shift)
         slots: list[SlotInfo] = []
         try:
             for ubatch in ubatches:
@@ -190,7 +197,7 @@ class KVCells:
                 slots.append(slot)
                 self.apply(slot, ubatch)
         finally:
-            self.pos, self.seq, self.shift, self.head, self.has_shift = saved
+            self.pos, self.seq, self.shift, self.ext_y, self.ext_x, self.head, self.has_shift = saved
         return slots
 
     # --- sequence operations (llama_memory_seq_*) ---
@@ -328,6 +335,9 @@ class KVCells:
         Call it after `apply` (the ubatch's own cells must be in the cache). A token sees a
         cell of its first sequence (llama.cpp assumes a token's sequences are equivalent)
         whose position is not after its own (when causal) and not outside the sliding window.
+        A ubatch with 2-D positions (an M-RoPE image, whose tokens share one position) sees
+        the cells at its own position up to its place in the grid (llama.cpp's M-RoPE causal
+        mask: row by row, then by column).
         swa_type / n_swa default to the cache's own; pass them to mask a window on a cache
         shared by global and sliding-window layers.
 
@@ -353,6 +363,10 @@ class KVCells:
             visible[first_seq == s] = (self.seq[:n_kv] & _bit(int(s))) != 0
         if causal:
             visible &= cell_pos <= tok_pos
+            if ubatch.pos_sections is not None:
+                cy, cx = self.ext_y[None, :n_kv], self.ext_x[None, :n_kv]
+                ty, tx = ubatch.pos_sections[1][:, None], ubatch.pos_sections[2][:, None]
+                visible &= ~((cell_pos == tok_pos) & ((cy > ty) | ((cy == ty) & (cx > tx))))
         if swa_type != SWAType.NONE:
             visible &= ~is_masked_swa(n_swa, swa_type, cell_pos, tok_pos)
 

@@ -256,3 +256,31 @@ def test_ubatch_reserve():
     assert (u.n_tokens, u.n_seqs, u.n_seq_tokens, u.n_outputs) == (6, 2, 3, 0)
     assert u.seq_id == ((0,),) * 3 + ((1,),) * 3
     assert u.seq_set.tolist() == [1, 1, 1, 2, 2, 2] and u.seq_id_unq.tolist() == [0, 1]
+
+
+# --- M-RoPE positions ---
+
+def test_mrope_positions_of_an_image():
+    """An M-RoPE model's image embeddings carry [4, n] positions (t, y, x, e): the t of all its
+    tokens is the image's first position, the next batch may start there again (embeddings)
+    or jump forward (the image took max(nx, ny) positions), never back."""
+    grid = np.array([[5, 5, 5, 5], [5, 5, 6, 6], [5, 6, 5, 6], [0, 0, 0, 0]])
+    balloc = BatchAllocator()
+    balloc.init(Batch(embd=np.zeros((4, 8)), pos=grid), n_vocab=100, n_embd=8, n_seq_max=1,
+                memory=FakeMemory({0: (0, 4)}), mrope=True)
+    assert balloc.pos.tolist() == [5, 5, 5, 5]
+    ubs = balloc.split_simple(3)
+    assert ubs[0].pos_sections.tolist() == grid[:, :3].tolist() and ubs[1].pos_sections.tolist() == grid[:, 3:].tolist()
+    again = Batch(embd=np.zeros((1, 8)), pos=[[5], [6], [6], [0]])
+    balloc.init(again, n_vocab=100, n_embd=8, n_seq_max=1, memory=FakeMemory({0: (0, 5)}), mrope=True)
+    balloc.init(Batch(tokens=[1], pos=[7]), n_vocab=100, n_embd=8, n_seq_max=1, memory=FakeMemory({0: (0, 5)}),
+                mrope=True)
+    with pytest.raises(BatchError, match="the batch's tokens must start at 6 or later"):
+        balloc.init(Batch(tokens=[1], pos=[5]), n_vocab=100, n_embd=8, n_seq_max=1, memory=FakeMemory({0: (0, 5)}),
+                    mrope=True)
+    with pytest.raises(BatchError, match="M-RoPE sections, but the model takes one position per token"):
+        _init(Batch(embd=np.zeros((4, 8)), pos=grid))
+    with pytest.raises(BatchError, match="2-D positions .* go with embd"):
+        Batch(tokens=[1, 2, 3, 4], pos=grid)
+    with pytest.raises(BatchError, match="pos has 3 rows"):
+        Batch(embd=np.zeros((4, 8)), pos=grid[:3])

@@ -389,3 +389,26 @@ def test_allocator_continues_the_cells():
     assert balloc.pos.tolist() == [3, 0, 4]
     with pytest.raises(BatchError, match="must continue at 3, but it starts at 2"):
         balloc.init(Batch(tokens=[1], pos=[2]), n_vocab=10, n_embd=1, n_seq_max=2, memory=cells)
+
+
+def test_mask_of_an_mrope_image_is_causal_over_its_grid():
+    """The tokens of an M-RoPE image share one position; each sees the image's cells up to its
+    own place in the grid, row by row (llama.cpp's is_2d_gt), whichever ubatch wrote them."""
+    cells = KVCells(16, 1)
+    _put(cells, [0, 1])                                                 # text before the image
+    balloc = BatchAllocator()
+    grid = np.array([[2] * 4, [2, 2, 3, 3], [2, 3, 2, 3], [0] * 4])      # a 2 x 2 image at t = 2
+    balloc.init(Batch(embd=np.zeros((4, 1)), pos=grid), n_vocab=1, n_embd=1, n_seq_max=1, mrope=True)
+    masks = []
+    for ub in balloc.split_simple(3):
+        slot = cells.find_slot(ub)
+        assert slot is not None
+        cells.apply(slot, ub)
+        masks.append(cells.build_mask(ub, 6))
+    assert np.isneginf(masks[0]).tolist() == [[False, False, False, True, True, True],
+                                              [False, False, False, False, True, True],
+                                              [False, False, False, False, False, True]]
+    assert not np.isneginf(masks[1]).any()
+    text = _ub([4])
+    cells.apply(cells.find_slot(text), text)
+    assert not np.isneginf(cells.build_mask(text, 7)).any()            # after the image: all of it

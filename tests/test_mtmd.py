@@ -1,10 +1,11 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
-tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models), a tiny
-text model, its mmproj, and llama.cpp's chunks, image embeddings and last logits for two
-prompts over two committed test images (benchmarks/reference/make_mmproj.py). Embeddings
-differ from llama.cpp's by ggml-cpu's fp16 GELU tables (2 ViT layers: <= 4.8e-4 relative);
-everything else is F32 math in both.
+tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
+qwen2.5vl_merger with a qwen2vl one), a tiny text model, its mmproj, and llama.cpp's chunks,
+image embeddings and last logits for two prompts over two committed test images
+(benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's fp16
+GELU tables (<= 4.1e-4 relative); everything else is F32 math in both, but the patch
+convolution, which ggml computes in F16.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import pytest
 
 import llm
 from ggmlx import gguf
+from ggmlx.tensor import Op
 from llm import mtmd
 from llm.errors import ModelLoadError
-from llm.mtmd.image import ResizeAlgo, resize_pillow
+from llm.mtmd.image import ResizeAlgo, calc_size_preserved_ratio, resize_pillow
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "mtmd"
@@ -45,7 +47,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2.5vl"]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,8 @@ def new_ctx(model) -> llm.Context:
 def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     """gemma3: <start_of_image> image <end_of_image>; idefics3: 2 x 2 slices, each after
     <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview; mlp:
-    the image's 64 patch tokens alone."""
+    the image's 64 patch tokens alone; qwen2.5vl: <|vision_start|> image <|vision_end|>, a grid
+    of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions."""
     _, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
@@ -134,6 +137,34 @@ def test_an_f16_mmproj_equals_llamacpp(images, name):
     ctx = new_ctx(model)
     assert mctx.eval_chunks(ctx, chunks) == int(ref["0_n_past"])
     assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL
+
+
+@pytest.mark.slow
+def test_qwen25vl_windows_grid_and_positions(images):
+    """qwen2.5vl_merger: the 96 x 72 image is resized to 128 x 96 (4 x 3 merged tokens of 2 x 2
+    patches of 16), two windows of 112 pixels (3 x 3 tokens, then 1 x 3): layers 0 and 2 attend
+    within them (the blocks in window order, window_idx putting the tokens back), layer 1 over
+    the whole image (n_wa_pattern 2). The text model reads token i at t = n_past, y = n_past +
+    row, x = n_past + column; the image takes max(4, 3) positions."""
+    model = llm.load_model(DATA / "qwen2.5vl.gguf")
+    mctx = mtmd.init_from_file(DATA / "qwen2.5vl.mmproj.gguf", model)
+    chunk = prompt_chunks(mctx, images, 0)[1]
+    assert chunk.image is not None and chunk.image.pixels.shape == (3, 96, 128)
+    assert (chunk.image.nx, chunk.image.ny, chunk.n_tokens, chunk.n_pos) == (4, 3, 12, 4)
+    g = mctx.graph(128, 96)
+    names = {n.name for n in g.gf.nodes}
+    for il in (0, 1, 2):
+        assert {f"{n}-{il}" for n in ("ln1", "Qcur", "Kcur", "Vcur", "Qcur_rope", "Kcur_rope", "kqv_out", "attn_out",
+                                      "ffn_inp", "ffn_inp_normed", "ffn_gate", "ffn_swiglu", "ffn_out",
+                                      "layer_out")} <= names
+    assert {"ffn_up", "ffn_gelu", "ffn_down"} <= names                 # the merger
+    inputs = {t.name: v for t, v in g.inputs.items()}
+    assert inputs["window_idx"].tolist() == [0, 1, 2, 9, 3, 4, 5, 10, 6, 7, 8, 11]
+    mask = inputs["window_mask"]                                        # 36 patches, then 12
+    assert (mask[:36, :36] == 0).all() and (mask[36:, 36:] == 0).all() and (mask[:36, 36:] < -1e38).all()
+    masked = [len(n.src) == 2 for n in g.gf.nodes if n.op == Op.SOFT_MAX]
+    assert masked == [True, False, True]
+    assert chunk.image.decoder_pos(10)[:, 6].tolist() == [10, 11, 12, 0]
 
 
 @pytest.mark.slow
@@ -244,6 +275,16 @@ def test_resize_is_pillows_resampling():
         a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         for algo, pil in ((ResizeAlgo.BILINEAR, Image.BILINEAR), (ResizeAlgo.BICUBIC, Image.BICUBIC)):
             assert np.array_equal(resize_pillow(a, nw, nh, algo), np.asarray(Image.fromarray(a).resize((nw, nh), pil)))
+
+
+def test_smart_resize_sizes():
+    """img_tool::calc_size_preserved_ratio: sides rounded to the alignment, then scaled up to
+    min_pixels or down to max_pixels keeping the aspect ratio (Qwen2.5-VL's 28-pixel blocks)."""
+    assert calc_size_preserved_ratio(96, 72, align=32, min_pixels=8192, max_pixels=4194304) == (128, 96)
+    assert calc_size_preserved_ratio(40, 40, align=32, min_pixels=8192, max_pixels=4194304) == (96, 96)
+    assert calc_size_preserved_ratio(640, 427, align=28, min_pixels=6272, max_pixels=3211264) == (644, 420)
+    assert calc_size_preserved_ratio(3000, 2000, align=28, min_pixels=6272, max_pixels=3211264) == (2184, 1456)
+    assert calc_size_preserved_ratio(5, 2000, align=28, min_pixels=6272, max_pixels=3211264) == (28, 1988)
 
 
 @pytest.mark.slow

@@ -341,12 +341,83 @@ def qwen2a_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def qwen2vl_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """Qwen2.5-VL's text model is a qwen2vl: make_fixture's (biased Q/K/V, M-RoPE over sections
+    of 3/3/2 t/h/w pairs), an untied output."""
+    a = "qwen2vl"
+    kv = mf.base_kv(a, d)
+    kv[f"{a}.rope.dimension_sections"] = [3, 3, 2, 0]
+    kv[f"{a}.attention.layer_norm_rms_epsilon"] = 1e-12       # llama.cpp 0.3.36 normalizes with 0 here
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    w.norm("output_norm.weight", d.n_embd)
+    w.mat("output.weight", n_vocab, d.n_embd, gain=3.0)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        mf.attn_qkv(w, p, d, bias=True)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
+def qwen25vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """Qwen2.5-VL's ViT at width 16 (2 heads of 8, 2-D RoPE), 3 RMS-norm layers with SiLU-gated
+    FFNs, every 2nd attending over the whole image and the others within windows (n_wa_pattern
+    2), two temporal patch kernels of 16 x 16, then the 2 x 2 merger (post-LN, mm.0, GELU, mm.2).
+    llama.cpp fixes a window at 112 pixels (3 merged tokens of 32 pixels here), so the 96 x 72
+    test image, resized to 128 x 96 (4 x 3 merged tokens: the minimum is 8), spans two windows."""
+    n_embd, n_ff, n_layer, patch = 16, 32, 3, 16
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "qwen2.5vl_merger",
+        "clip.has_vision_encoder": True,
+        "clip.use_silu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 2,
+        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.image_size": 512,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
+        "clip.vision.n_wa_pattern": 2,
+    }
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(6 * patch * patch)).astype(np.float32)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        w.bias(p + "ffn_gate.bias", n_ff)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("v.post_ln.weight", n_embd)
+    w.mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
+    w.bias("mm.0.bias", 4 * n_embd)
+    w.mat("mm.2.weight", n_embd_text, 4 * n_embd)
+    w.bias("mm.2.bias", n_embd_text)
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
     "idefics3": (llama_text, idefics3_mmproj, ["\n\n", "<fake_token_around_image>", "<global-img>"]
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
     "mlp": (llama_text, mlp_mmproj, [], 205),
+    "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
 }

@@ -53,6 +53,8 @@ class ClipKV(enum.Enum):
     IMAGE_STD = "clip.vision.image_std"
     PROJ_SCALE_FACTOR = "clip.vision.projector.scale_factor"
     PREPROC_IMAGE_SIZE = "clip.vision.preproc_image_size"
+    SPATIAL_MERGE_SIZE = "clip.vision.spatial_merge_size"
+    WIN_ATTN_PATTERN = "clip.vision.n_wa_pattern"
     A_NUM_MEL_BINS = "clip.audio.num_mel_bins"
     A_PROJ_STACK_FACTOR = "clip.audio.projector.stack_factor"
 
@@ -65,6 +67,7 @@ class ClipTensor(enum.Enum):
     POS_EMBD = "{p}.position_embd.weight"
     CLASS_EMBD = "v.class_embd"
     PATCH_EMBD = "v.patch_embd.weight"
+    PATCH_EMBD_1 = "v.patch_embd.weight.1"          # qwen2vl: the second temporal patch kernel
     PATCH_BIAS = "v.patch_embd.bias"
     ATTN_Q = "{p}.blk.{il}.attn_q.{s}"
     ATTN_K = "{p}.blk.{il}.attn_k.{s}"
@@ -122,6 +125,9 @@ class ClipHParams:
     image_longest_edge: int = 0  # idefics3: the longer side the image is resized to before tiling
     n_mel_bins: int = 0          # an audio encoder's mel bands (0: a vision encoder)
     proj_stack_factor: int = 0   # ultravox: encoder frames stacked into one token
+    image_min_pixels: int = 0    # dynamic-size images (qwen2vl): the pixel range they are resized into
+    image_max_pixels: int = 0
+    n_wa_pattern: int = 0        # qwen2.5vl: every n-th layer attends over the whole image, the rest in windows
 
     @property
     def is_audio(self) -> bool:
@@ -337,6 +343,8 @@ class ClipGraph:
         self.kq_scale = 1.0 / math.sqrt(float(hp.d_head))
         self.gf = Graph()
         self.inp_raw = new_input(GGMLType.F32, (nx, ny, 1 if hp.is_audio else 3, 1), "inp_raw")
+        # the values of its other inputs (positions, window indices), fixed by the image's size
+        self.inputs: dict[Tensor, np.ndarray] = {}
         self.out: Tensor | None = None
 
     @staticmethod
@@ -352,15 +360,19 @@ class ClipGraph:
         """ggml_conv_2d(kernel [p, p, C, n_embd], img [nx, ny, C]) with stride p and no padding
         -> [n_embd, n_patches] (the result clip's build_inp transposes to): im2col's patch
         rows (kx fastest, then ky, then the channel) by reshapes and permutes, one product.
-        im2col writes the kernel's type, so an F16 kernel sees F16-rounded pixels."""
+        ggml_conv_2d's im2col writes F16 (F32 only for a BF16 kernel), and the product, whose
+        first operand is those columns, reads the kernel as F16 too: both are rounded."""
         p, ox, oy = self.patch_size, self.n_patches_x, self.n_patches_y
         c = img.ne[2]
         x = ops.cont(ops.permute(ops.reshape_4d(img, p, ox, p, oy * c), 0, 2, 1, 3))   # [kx, ky, ox, oy c]
         x = ops.cont(ops.permute(ops.reshape_3d(x, p * p, ox * oy, c), 0, 2, 1, 3))    # [kx ky, c, ox oy]
         x = ops.reshape_2d(x, p * p * c, ox * oy)
-        if kernel.type == GGMLType.F16:
+        k = ops.reshape_2d(kernel, p * p * c, kernel.ne[3])
+        if kernel.type != GGMLType.BF16:
             x = ops.cast(ops.cast(x, GGMLType.F16), GGMLType.F32)
-        return ops.mul_mat(ops.reshape_2d(kernel, p * p * c, kernel.ne[3]), x)
+        if kernel.type == GGMLType.F32:
+            k = ops.cast(ops.cast(k, GGMLType.F16), GGMLType.F32)
+        return ops.mul_mat(k, x)
 
     def build_inp(self) -> Tensor:
         """Patches -> [n_embd, n_patches] (+ the patch bias)."""
@@ -405,13 +417,14 @@ class ClipGraph:
         return cur
 
     def build_attn(self, wo: Tensor, wo_b: Tensor | None, q_cur: Tensor, k_cur: Tensor, v_cur: Tensor,
-                   il: int) -> Tensor:
-        """Full (non-causal) attention over the patches, unfused (kq -> softmax -> kqv), as
-        clip.cpp computes it with flash attention off; -> [n_embd, n_pos]."""
+                   il: int, kq_mask: Tensor | None = None) -> Tensor:
+        """Attention over the patches, unfused (kq -> softmax -> kqv), as clip.cpp computes it
+        with flash attention off: full (non-causal), or within kq_mask [n_pos, n_pos] (0 or
+        -inf); -> [n_embd, n_pos]."""
         q = ops.permute(q_cur, 0, 2, 1, 3)
         k = ops.permute(k_cur, 0, 2, 1, 3)
         v = ops.cont(ops.permute(v_cur, 1, 2, 0, 3))
-        kq = ops.soft_max_ext(ops.mul_mat(k, q), None, self.kq_scale, 0.0)
+        kq = ops.soft_max_ext(ops.mul_mat(k, q), kq_mask, self.kq_scale, 0.0)
         kqv = ops.mul_mat(v, kq)
         cur = ops.permute(kqv, 0, 2, 1, 3)
         cur = self.cb(ops.cont_2d(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]), "kqv_out", il)
@@ -498,6 +511,8 @@ class Projector:
     build: Callable[[ClipGraph], Tensor]        # the graph of one image -> [n_mmproj_embd, n_tokens]
     n_output_tokens: Callable[[ClipHParams, int, int], int]   # (hp, nx, ny) of the preprocessed image
     resize_algo: ResizeAlgo = ResizeAlgo.BILINEAR               # images only
+    # the tokens' grid (per row, per column) where the text model reads 2-D (M-RoPE) positions
+    n_output_grid: Callable[[ClipHParams, int, int], tuple[int, int]] | None = None
     preprocess: Callable[[ClipModel, Projector, np.ndarray], Preprocessed] = preprocess_fixed_size
     resize_pad: PadStyle = PadStyle.CEIL
     pad_color: tuple[int, int, int] = (0, 0, 0)

@@ -29,6 +29,7 @@ from llm.mtmd import clip
 from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
 from llm.mtmd.image import normalize
 from llm.mtmd.llava import MLP
+from llm.mtmd.qwen2vl import QWEN25VL
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
 from llm.mtmd.whisper import QWEN2A, ULTRAVOX
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, ULTRAVOX, QWEN2A)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN25VL, ULTRAVOX, QWEN2A)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 
@@ -61,10 +62,19 @@ class ImageTokens:
     id: str
     pixels: np.ndarray = field(repr=False)
     key: str = ""
+    mrope: bool = False     # the text model reads the grid at 2-D positions (M-RoPE)
 
     @property
     def n_tokens(self) -> int:
         return self.nx * self.ny
+
+    def decoder_pos(self, n_past: int) -> np.ndarray:
+        """mtmd_image_tokens_get_decoder_pos: the tokens' positions from n_past, [n_tokens]; for
+        M-RoPE [4, n_tokens], each token's t (n_past), y and x (n_past + its row and column), e (0)."""
+        i = np.arange(self.n_tokens)
+        if not self.mrope:
+            return n_past + i
+        return np.stack([np.full_like(i, n_past), n_past + i // self.nx, n_past + i % self.nx, np.zeros_like(i)])
 
 
 @dataclass(eq=False)
@@ -80,7 +90,10 @@ class InputChunk:
 
     @property
     def n_pos(self) -> int:
-        """Positions the chunk takes in the text model (its tokens, for 1-d positions)."""
+        """Positions the chunk takes in the text model: its tokens, or for an image at 2-D
+        positions the longer side of its grid (mtmd_image_tokens_get_n_pos)."""
+        if self.image is not None and self.image.mrope:
+            return max(self.image.nx, self.image.ny)
         return self.n_tokens
 
     @property
@@ -117,6 +130,7 @@ class MtmdContext:
             raise ModelLoadError(f"{self.path}: the projector gives {self.n_mmproj_embd} values per token; "
                                  f"{model.path} has n_embd {model.hparams.n_embd}")
         self.marker = default_marker()
+        self.mrope = model.hparams.n_pos_per_embd() > 1         # mtmd_decode_use_mrope
         vocab = model.vocab
         self.tok_beg = vocab.tokenize(proj.img_beg, False, True) if proj.img_beg else []
         self.tok_end = vocab.tokenize(proj.img_end, False, True) if proj.img_end else []
@@ -151,8 +165,12 @@ class MtmdContext:
 
     def _image(self, img: np.ndarray, bm: Bitmap, k: int) -> ImageTokens:
         hp = self.clip.hparams
-        n = self.projector.n_output_tokens(hp, img.shape[1], img.shape[0])
-        return ImageTokens(n, 1, bm.id, normalize(img, hp.image_mean, hp.image_std), f"{bm.id}#{k}")
+        nx, ny = self.projector.n_output_tokens(hp, img.shape[1], img.shape[0]), 1
+        grid = self.projector.n_output_grid
+        if self.mrope and grid is not None:
+            nx, ny = grid(hp, img.shape[1], img.shape[0])
+        return ImageTokens(nx, ny, bm.id, normalize(img, hp.image_mean, hp.image_std), f"{bm.id}#{k}",
+                           mrope=self.mrope)
 
     def preprocess(self, bm: Bitmap) -> list[ImageTokens]:
         """The images the encoder reads for one bitmap (the projector's preprocessor): one,
@@ -260,7 +278,7 @@ class MtmdContext:
         ny, nx = img.pixels.shape[1:]
         g = self.graph(nx, ny)
         assert g.out is not None
-        outs, _ = compute(g.gf, {g.inp_raw: img.pixels}, device=self.text_model.place.dev_output)
+        outs, _ = compute(g.gf, {g.inp_raw: img.pixels, **g.inputs}, device=self.text_model.place.dev_output)
         embd = np.asarray(outs[g.out], np.float32).reshape(-1, self.n_mmproj_embd)
         if embd.shape[0] != img.n_tokens:
             raise RuntimeError(f"the encoder gave {embd.shape[0]} tokens for an image of {img.n_tokens}")
@@ -282,7 +300,7 @@ class MtmdContext:
         the chunks do not fit, EvalError when a decode fails."""
         if n_batch <= 0:
             raise ValueError(f"n_batch must be > 0, got {n_batch}")
-        n_total = sum(c.n_pos for c in chunks)
+        n_total = sum(c.n_tokens for c in chunks)        # the cells they take
         if n_past + n_total > ctx.n_ctx:
             raise MediaError(f"the chunks take {n_total} positions from {n_past}; the context holds {ctx.n_ctx}")
         n_batch = min(n_batch, ctx.n_batch)
@@ -299,13 +317,15 @@ class MtmdContext:
                     n_past += len(part)
                 continue
             embd = self.encode_chunk(chunk)
+            assert chunk.image is not None      # encode_chunk refuses a text chunk
+            pos = chunk.image.decoder_pos(n_past)
             non_causal = self.projector.non_causal
             if non_causal:
                 ctx.set_causal_attn(False)
             try:
                 for s in range(0, embd.shape[0], n_batch):
                     rows = embd[s:s + n_batch]
-                    self._decode(ctx, Batch(embd=rows, pos=np.arange(n_past + s, n_past + s + len(rows)),
+                    self._decode(ctx, Batch(embd=rows, pos=pos[..., s:s + len(rows)],
                                             seq_id=[seq_id] * len(rows), logits=np.zeros(len(rows), bool)),
                                  chunk.type)
             finally:

@@ -128,6 +128,26 @@ def resize(img: np.ndarray, nx: int, ny: int, algo: ResizeAlgo, pad: PadStyle = 
     return out
 
 
+def calc_size_preserved_ratio(nx: int, ny: int, *, align: int, min_pixels: int = 0,
+                              max_pixels: int = 0) -> tuple[int, int]:
+    """img_tool::calc_size_preserved_ratio (transformers' smart_resize): the size nx x ny is
+    resized to, each side a multiple of align near its own, scaled into [min_pixels,
+    max_pixels] (0: no bound) keeping the aspect ratio; float32 as llama.cpp computes it."""
+    f = np.float32(align)
+    w, h = np.float32(nx), np.float32(ny)
+    w_bar = max(align, _round(w / f) * align)
+    h_bar = max(align, _round(h / f) * align)
+    if max_pixels > 0 and w_bar * h_bar > max_pixels:
+        beta = np.sqrt(h * w / np.float32(max_pixels))
+        h_bar = max(align, int(np.floor(h / beta / f)) * align)
+        w_bar = max(align, int(np.floor(w / beta / f)) * align)
+    elif min_pixels > 0 and w_bar * h_bar < min_pixels:
+        beta = np.sqrt(np.float32(min_pixels) / (h * w))
+        h_bar = int(np.ceil(h * beta / f)) * align
+        w_bar = int(np.ceil(w * beta / f)) * align
+    return w_bar, h_bar
+
+
 def normalize(img: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """clip_image_f32::from_u8 then normalize: float32 [3, ny, nx] (planar, inp_raw's layout)."""
     x = img.astype(np.float32) / np.float32(255.0)
