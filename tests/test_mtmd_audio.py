@@ -248,3 +248,36 @@ def test_the_cli_generates_about_a_sound(alm, capsys):
     assert rc == 0 and out.out == want.text + "\n"
     assert cli.main(["generate", "-m", str(MODEL), "--audio", str(SOUND), "-p", "x"]) == 2
     assert "--audio needs --mmproj" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_server_answers_input_audio_parts_as_the_librarys_chat(alm):
+    import openai
+    from starlette.testclient import TestClient
+
+    from llm.serving.app import create_app
+    from llm.serving.engine import Engine
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(SOUND.read_bytes()).decode(),
+                                                   "format": "wav"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this? "}, part]}]
+    want = alm.chat(messages, max_tokens=4, temperature=0)
+    alm.reset()
+    engine = Engine(alm.ctx, alm.vocab, n_slots=1, mtmd=alm.mtmd).start()
+    try:
+        with TestClient(create_app(alm, engine, model_name="ultravox")) as http_client:
+            c = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http_client, max_retries=0)
+            r = c.chat.completions.create(model="ultravox", messages=messages, max_tokens=4, temperature=0)
+            assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.n_prompt_tokens
+            assert http_client.get("/props").json()["modalities"] == {"vision": False, "audio": True}
+            for bad, message in (({"data": "UklGRg==", "format": "ogg"}, "an input_audio part must be"),
+                                 ({"data": "%%", "format": "wav"}, "base64 is invalid"),
+                                 ({"data": base64.b64encode(b"RIFF\0\0\0\0WAVE").decode(), "format": "wav"},
+                                  "no data chunk")):
+                with pytest.raises(openai.BadRequestError) as e:
+                    c.chat.completions.create(model="ultravox", max_tokens=1, messages=[
+                        {"role": "user", "content": [{"type": "text", "text": "x"},
+                                                     {"type": "input_audio", "input_audio": bad}]}])
+                assert e.value.param == "messages[0].content[1]" and message in e.value.message, e.value.body
+    finally:
+        engine.stop()
+        alm.reset()

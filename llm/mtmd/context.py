@@ -142,6 +142,14 @@ class MtmdContext:
         self.n_encode = 0               # encoder runs (a cached image does not count)
         self.t_encode = 0.0
 
+    def support_vision(self) -> bool:
+        """mtmd_support_vision: the projector reads images."""
+        return not self.clip.hparams.is_audio
+
+    def support_audio(self) -> bool:
+        """mtmd_support_audio: the projector reads sounds."""
+        return self.clip.hparams.is_audio
+
     # ---- tokenize -----------------------------------------------------------------------
 
     def lookup_token(self, text: str) -> int:

@@ -514,9 +514,12 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+AUDIO_FORMATS = ("wav", "mp3", "flac")      # input_audio formats (the decoder tells them apart by content)
+
+
 def _content_part(part, where: str) -> str:
-    """A content part's text: a text part's own, an image_url part's media marker (llama-server's
-    oaicompat_content_load_media); media_parts lists the images."""
+    """A content part's text: a text part's own, an image_url or input_audio part's media marker
+    (llama-server's oaicompat_content_load_media); media_parts lists the media."""
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
@@ -526,23 +529,34 @@ def _content_part(part, where: str) -> str:
             raise bad(where, f"{where}: an image_url part must be {{\"type\": \"image_url\", \"image_url\": "
                              "{\"url\": \"data:image/...;base64,...\"}}")
         return default_marker()
-    raise bad(where, f"{where} must be {{\"type\": \"text\", \"text\": string}} or {{\"type\": \"image_url\", "
-                     "\"image_url\": {\"url\": string}}")
+    if kind == "input_audio":
+        ref = part.get("input_audio")
+        if not isinstance(ref, dict) or not isinstance(ref.get("data"), str) or ref.get("format") not in AUDIO_FORMATS:
+            raise bad(where, f"{where}: an input_audio part must be {{\"type\": \"input_audio\", \"input_audio\": "
+                             "{\"data\": base64, \"format\": \"wav\" | \"mp3\" | \"flac\"}}")
+        return default_marker()
+    raise bad(where, f"{where} must be {{\"type\": \"text\", \"text\": string}}, {{\"type\": \"input_audio\", ...}} "
+                     "or {\"type\": \"image_url\", \"image_url\": {\"url\": string}}")
 
 
 @dataclass(frozen=True)
 class MediaPart:
-    """An image_url content part: where it is in the request and its URL."""
+    """An image_url or input_audio content part: where it is in the request and its URL (an
+    input_audio part's data as a data URL)."""
 
     where: str      # messages[i].content[j]
     url: str
 
 
 def media_parts(body: dict) -> list[MediaPart]:
-    """The image_url parts of the (checked, chat_messages) messages, in prompt order."""
-    return [MediaPart(f"messages[{i}].content[{j}]", p["image_url"]["url"])
+    """The image_url and input_audio parts of the (checked, chat_messages) messages, in prompt order."""
+    def url(p: dict) -> str:
+        if p["type"] == "image_url":
+            return p["image_url"]["url"]
+        return f"data:audio/{p['input_audio']['format']};base64,{p['input_audio']['data']}"
+    return [MediaPart(f"messages[{i}].content[{j}]", url(p))
             for i, m in enumerate(body["messages"]) if isinstance(m.get("content"), list)
-            for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
+            for j, p in enumerate(m["content"]) if p.get("type") in ("image_url", "input_audio")]
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
