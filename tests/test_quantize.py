@@ -31,7 +31,7 @@ from tiny_model import TinySpec, model_kv, model_tensors, vocab_kv
 
 from ggmlx import gguf, quants
 from ggmlx.native import search
-from ggmlx.quants import kquants
+from ggmlx.quants import kquants, nlquants
 from ggmlx.types import GGMLType
 from llm.quantize import (
     FTYPE_NAMES,
@@ -305,10 +305,13 @@ def test_native_scale_searches_equal_numpys(monkeypatch, n):
     cases += [(kquants.make_qkx2_quants, (x, w, *a)) for a in ((3, -0.5, 0.1, 15, True), (15, -1.0, 0.1, 20, False),
                                                                 (31, -0.5, 0.1, 15, False))]
     cases += [(kquants.make_qkx3_quants, (x, w, nmax, -0.9, 0.05, 36)) for nmax in (3, 15, 31)]
+    if n == 32:
+        cases.append((nlquants._iq4_group_scales, (x, w)))
     native = [fn(*args) for fn, args in cases]
     monkeypatch.setattr(search, "lib", lambda: None)
     for (fn, args), got in zip(cases, native, strict=True):
-        for a, b in zip(got, fn(*args), strict=True):
+        want = fn(*args)
+        for a, b in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,))), strict=True):
             assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32)), fn.__name__
 
 

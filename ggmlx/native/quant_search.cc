@@ -1,6 +1,6 @@
 // The scale searches of ggml's quantizers (ggml-quants.c: make_qx_quants, make_qkx2_quants,
-// make_qkx3_quants), for `llm quantize`. The numpy versions in ggmlx/quants/kquants.py run the
-// same searches over many groups at once, one array pass per operation and trial scale: 19 to 37
+// make_qkx3_quants, quantize_row_iq4_nl_impl's), for `llm quantize`. The numpy versions in ggmlx/quants/kquants.py and nlquants.py run
+// the same searches over many groups at once, one array pass per operation and trial scale: 19 to 37
 // trials of 6-10 passes each over every weight, several times the time of ggml's loops, which
 // keep a group in registers. These are those loops, group by group, with the float32 operations
 // in the numpy code's (and ggml's) order, so the bytes are the same.
@@ -162,9 +162,60 @@ void qkx_group(int64_t n, const float* x, const float* w, int nmax, float rmin, 
   *neg_min_out = -mn;
 }
 
+// best_index_int8 over 16 sorted levels: the nearer of the two around v (the upper one on a tie),
+// 0 at or below the first, 15 at or above the last and for NaN.
+inline int best_index_16(const float* levels, float v) {
+  if (v <= levels[0]) return 0;
+  if (v >= levels[15]) return 15;
+  int lo = 0, hi = 15;
+  while (hi - lo > 1) {
+    int mid = (lo + hi) / 2;
+    if (v < levels[mid]) hi = mid; else lo = mid;
+  }
+  return v - levels[hi - 1] < levels[hi] - v ? hi - 1 : hi;
+}
+
+// quantize_row_iq4_nl_impl's scale search for one group: 2 * ntry + 2 trial scales.
+float iq4_group_scale(int64_t n, const float* x, const float* w, const float* levels, int ntry) {
+  float amax = 0.0f, max = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float ax = std::fabs(x[i]);
+    if (ax > amax) { amax = ax; max = x[i]; }
+  }
+  auto trial = [&](float iscale, float* sumqx, float* sumq2) {
+    float sx = 0.0f, s2 = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      float q = levels[best_index_16(levels, iscale * x[i])];
+      float wq = w[i] * q;
+      sx += wq * x[i];
+      s2 += wq * q;
+    }
+    *sumqx = sx;
+    *sumq2 = s2;
+  };
+  float sumqx, sumq2;
+  trial(1.0f / (-max / levels[0]), &sumqx, &sumq2);
+  float d = sumq2 > 0.0f ? sumqx / sumq2 : 0.0f;
+  float best = d * sumqx;
+  for (int itry = -ntry; itry <= ntry; ++itry) {
+    trial(static_cast<float>(itry + static_cast<int>(levels[0])) / max, &sumqx, &sumq2);
+    if (sumq2 > 0.0f && sumqx * sumqx > best * sumq2) {
+      d = sumqx / sumq2;
+      best = d * sumqx;
+    }
+  }
+  return amax < kGroupMaxEps ? 0.0f : d;
+}
+
 }  // namespace
 
 extern "C" {
+
+void ggmlx_iq4_scales(int64_t m, int64_t n, const float* x, const float* w, const float* levels, int32_t ntry,
+                      float* d) {
+  for (int64_t g = 0; g < m; ++g) d[g] = iq4_group_scale(n, x + g * n, w + g * n, levels, ntry);
+}
+
 
 void ggmlx_make_qx_quants(int64_t m, int64_t n, const float* x, const float* w, int32_t nmax, float* L,
                           float* scale) {

@@ -1,7 +1,7 @@
 """The quantizers' scale searches in C (quant_search.cc), for `llm quantize`.
 
-ggmlx/quants/kquants.py runs make_qx_quants, make_qkx2_quants and make_qkx3_quants over many
-groups at once in numpy; these run ggml's per-group loops instead, with the same float32
+ggmlx/quants/kquants.py runs make_qx_quants, make_qkx2_quants and make_qkx3_quants (nlquants.py
+the IQ4 scale search) over many groups at once in numpy; these run ggml's per-group loops instead, with the same float32
 operations in the same order (the same bytes, tests/test_quants.py), at a few times the speed.
 Used when the native library is built and GGMLX_NATIVE is on; `lib()` is None otherwise and the
 numpy searches run. Plain ctypes calls: nothing is registered with XLA.
@@ -27,7 +27,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(path)
-        qx, qkx = lib.ggmlx_make_qx_quants, lib.ggmlx_make_qkx_quants
+        qx, qkx, iq4 = lib.ggmlx_make_qx_quants, lib.ggmlx_make_qkx_quants, lib.ggmlx_iq4_scales
     except (OSError, AttributeError):       # an older build without the searches
         return None
     i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -35,6 +35,8 @@ def _load() -> ctypes.CDLL | None:
     qx.restype = None
     qkx.argtypes = [i64, i64, _F32P, _F32P, i32, f32, f32, i32, i32, i32, _F32P, _F32P, _F32P]
     qkx.restype = None
+    iq4.argtypes = [i64, i64, _F32P, _F32P, _F32P, i32, _F32P]
+    iq4.restype = None
     return lib
 
 
@@ -72,3 +74,11 @@ def make_qkx_quants(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, nmax: int, rmi
     c.ggmlx_make_qkx_quants(m, n, _groups(x), _groups(w), nmax, rmin, rdelta, nstep, int(use_mad), int(qkx3),
                             L, scale, neg_min)
     return np.ascontiguousarray(L.T), scale, neg_min
+
+
+def iq4_scales(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, levels: np.ndarray, ntry: int) -> np.ndarray:
+    """nlquants' IQ4 group scale search in C: x, w [n, m] -> d [m]."""
+    n, m = x.shape
+    d = np.empty(m, np.float32)
+    c.ggmlx_iq4_scales(m, n, _groups(x), _groups(w), np.ascontiguousarray(levels, np.float32), ntry, d)
+    return d

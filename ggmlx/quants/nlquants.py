@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..native import search
 from ..types import GGMLType
 from . import iq_tables as tab
 from .kquants import (
@@ -60,6 +61,9 @@ def _iq4_sums(x: np.ndarray, w: np.ndarray, iscale: np.ndarray):
 
 def _iq4_group_scales(xt: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Groups of 32 [32, m], weights w -> each group's scale (quantize_row_iq4_nl_impl's search, ntry 7)."""
+    c = search.lib()
+    if c is not None:
+        return search.iq4_scales(c, xt, w, _IQ4, _IQ4_NTRY)
     amax, mx = signed_absmax(xt)
     v0 = F32(_IQ4[0])
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
