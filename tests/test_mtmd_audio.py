@@ -93,6 +93,10 @@ def test_decoded_samples_equal_llamacpps(sounds, ref):
     assert sounds[1].data.shape == ref["samples_1"].shape
     assert np.abs(sounds[1].data - ref["samples_1"]).max() < 1e-6
     assert mtmd.Bitmap.from_array(ref["samples_0"].astype(np.float64)).id == sounds[0].id
+    # the length mtmd-helper keeps (ma_calculate_frame_count_after_resampling), not what the
+    # resampler gives: 279034 samples from llama.cpp's tools/mtmd/test-2.mp3 (44.1 kHz), one less
+    assert audio.frames_after_resampling(16000, 22050, 6615) == ref["samples_1"].size == 4800
+    assert audio.frames_after_resampling(16000, 44100, 769089) == 279034
 
 
 def test_the_spectrogram_is_cut_into_30_s_chunks():

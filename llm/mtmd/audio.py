@@ -58,6 +58,16 @@ def check_wav_chunks(buf: bytes, what: str) -> None:
     raise MediaError(f"{what}: the WAV has no data chunk")
 
 
+def frames_after_resampling(rate_out: int, rate_in: int, n_in: int) -> int:
+    """ma_calculate_frame_count_after_resampling: the length mtmd-helper asks the decoder for
+    (ma_decoder_get_length_in_pcm_frames), which it keeps whatever is read."""
+    if n_in == 0 or rate_out == rate_in:
+        return n_in
+    n = n_in * rate_out // rate_in
+    pre = n * (rate_in % rate_out) + n * (rate_in // rate_out) // rate_out
+    return n + 1 if pre <= n_in else n
+
+
 def decode(buf: bytes, what: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """A WAV / MP3 / FLAC file's bytes -> mono float32 samples at sample_rate (miniaudio's
     decoder, mixing and resampler, as mtmd-helper's decode_audio_from_buf). MediaError for
@@ -73,7 +83,7 @@ def decode(buf: bytes, what: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
         raise MediaError(f"{what}: cannot decode the audio: {e}") from None
     if info.sample_rate <= 0 or info.nchannels <= 0:
         raise MediaError(f"{what}: invalid audio header ({info.nchannels} channels at {info.sample_rate} Hz)")
-    want = info.num_frames * sample_rate // info.sample_rate
+    want = frames_after_resampling(sample_rate, info.sample_rate, info.num_frames)
     if want > MAX_SECONDS * sample_rate:
         raise MediaError(f"{what}: {info.num_frames / info.sample_rate:.0f} s of audio is over the limit of "
                          f"{MAX_SECONDS} s (refused before decoding)")
@@ -82,12 +92,13 @@ def decode(buf: bytes, what: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
                                sample_rate=sample_rate)
     except miniaudio.DecodeError as e:
         raise MediaError(f"{what}: cannot decode the audio: {e}") from None
-    samples = np.frombuffer(out.samples, np.float32).copy()
-    if samples.size + 2 < want:       # resampling may round the length by a sample
+    samples = np.frombuffer(out.samples, np.float32)
+    if samples.size + 2 < want:
         raise MediaError(f"{what}: the audio is truncated ({samples.size} of {want} samples)")
-    if samples.size == 0:
+    if want == 0:
         raise MediaError(f"{what}: the audio holds no samples")
-    return samples
+    # mtmd-helper keeps `want` samples: the resampler's last one or two are cut, or zeros added
+    return np.concatenate([samples[:want], np.zeros(max(0, want - samples.size), np.float32)])
 
 
 def mel_filters(n_mel: int, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
