@@ -367,7 +367,7 @@ class Context:
             # an encoder keeps no memory between calls (llama.cpp gives it none)
             self.memory.clear()
         try:
-            self.balloc.init(batch, n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_seq_max=self.n_seq_max,
+            self.balloc.init(batch, n_vocab=hp.n_vocab, n_embd=hp.n_embd_inp(), n_seq_max=self.n_seq_max,
                              memory=self.memory, output_all=self.pooled, mrope=hp.n_pos_per_embd() > 1)
         except BatchError as e:
             return self._fail(DecodeStatus.INVALID_BATCH, str(e))

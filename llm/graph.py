@@ -336,6 +336,8 @@ class GraphBuilder:
         self.lora = lora
         self.inp_lora: InpLora | None = None
         self.inp_out_ids: Tensor | None = None
+        # input embeddings as given, [n_embd_inp, n_tokens] (None for tokens): DeepStack's slices
+        self.t_inp_embd: Tensor | None = None
         self._lora_scale: dict[tuple[int, int], Tensor] = {}
         self.hparams = model.hparams
         self.memory = memory
@@ -399,7 +401,7 @@ class GraphBuilder:
 
     def build_inp_embd(self, tok_embd: Tensor | None) -> Tensor:
         tok_embd = self.need(tok_embd, "token_embd")
-        inp = InpEmbd(self.params, self.hparams.n_embd)
+        inp = InpEmbd(self.params, self.hparams.n_embd_inp())
         self.inputs.append(inp)
         if inp.tokens is not None:
             cur = ops.get_rows(tok_embd, inp.tokens)
@@ -413,7 +415,9 @@ class GraphBuilder:
                 cur = ops.add(cur, delta)
         else:
             assert inp.embd is not None   # InpEmbd holds one of the two
-            cur = inp.embd
+            self.t_inp_embd = cur = inp.embd
+            if cur.ne[0] != self.hparams.n_embd:    # the model's own columns first (llama.cpp's view)
+                cur = ops.view_2d(cur, self.hparams.n_embd, self.n_tokens, cur.nb[1], 0)
         return self.cb(cur, "inp_embd")
 
     def build_inp_pos(self) -> Tensor:

@@ -309,6 +309,10 @@ class HParams:
         """Width of one token's values over all KV heads of layer il."""
         return self.n_embd_head_v_l(il) * self.n_head_kv(il)
 
+    def n_embd_inp(self) -> int:
+        """Width of an input embedding: n_embd, and a slice for each DeepStack layer (qwen3vl)."""
+        return self.n_embd * (1 + self.n_deepstack_layers)
+
     def n_pos_per_embd(self) -> int:
         """Positions per token: 4 (t, h, w, e) for M-RoPE models, else 1 (llama_hparams)."""
         return 4 if self.rope_type in (RopeType.MROPE, RopeType.IMROPE) else 1

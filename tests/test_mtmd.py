@@ -47,7 +47,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2.5vl"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2.5vl", "qwen3vl"]
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,10 @@ def new_ctx(model) -> llm.Context:
 def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     """gemma3: <start_of_image> image <end_of_image>; idefics3: 2 x 2 slices, each after
     <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview; mlp:
-    the image's 64 patch tokens alone; qwen2.5vl: <|vision_start|> image <|vision_end|>, a grid
-    of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions."""
-    _, mctx, ref = each
+    the image's 64 patch tokens alone; qwen2.5vl and qwen3vl: <|vision_start|> image
+    <|vision_end|>, a grid of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions, for
+    qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's)."""
+    model, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
     assert [types[c.type] for c in chunks] == list(ref[f"{k}_types"])
@@ -109,7 +110,7 @@ def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
             assert c.tokens == list(ref[f"{k}_text_{i}"])       # BOS, <start_of_image> / <end_of_image>
         else:
             embd = mctx.encode_chunk(c)
-            assert embd.shape == ref[f"{k}_embd_{i}"].shape and embd.shape[1] == 64
+            assert embd.shape == ref[f"{k}_embd_{i}"].shape and embd.shape[1] == model.hparams.n_embd_inp()
             assert rel(embd, ref[f"{k}_embd_{i}"]) < TOL
 
 
@@ -275,6 +276,40 @@ def test_resize_is_pillows_resampling():
         a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         for algo, pil in ((ResizeAlgo.BILINEAR, Image.BILINEAR), (ResizeAlgo.BICUBIC, Image.BICUBIC)):
             assert np.array_equal(resize_pillow(a, nw, nh, algo), np.asarray(Image.fromarray(a).resize((nw, nh), pil)))
+
+
+@pytest.mark.slow
+def test_qwen3vl_deepstack_and_position_embeddings(images):
+    """qwen3vl_merger: the learned 8 x 8 position grid resized (bilinear, corners aligned) to the
+    image's 8 x 6 patches; layer 1's DeepStack merger gives each token's second half, which the
+    text model adds after its layer 0 (deepstack_out-0): without it the logits move far."""
+    model = llm.load_model(DATA / "qwen3vl.gguf")
+    mctx = mtmd.init_from_file(DATA / "qwen3vl.mmproj.gguf", model)
+    ref = dict(np.load(DATA / "qwen3vl.npz"))
+    g = mctx.graph(128, 96)
+    names = {n.name for n in g.gf.nodes}
+    assert {"patch_bias", "inp_pos_emb", "ln1-2", "Qcur_rope-2", "ffn_gelu-2", "layer_out-2", "norm_w-1",
+            "ffn_gelu-1", "ffn_down-1", "ffn_gelu"} <= names                 # ffn_*-1: DeepStack's merger
+    taps = {t.name: v for t, v in g.inputs.items()}
+    pe = np.arange(64, dtype=np.float64).reshape(8, 8) ** 1.5                # a smooth grid
+    got = sum(pe.reshape(-1)[taps[f"pos_embd_rows_{k}"]] * taps[f"pos_embd_weights_{k}"].reshape(-1) for k in range(4))
+    want = np.empty((6, 8))
+    for yy in range(6):                              # bilinear, corners aligned: output y -> y * 7 / 5
+        y = yy * 7 / 5
+        y0 = min(int(y), 6)
+        want[yy] = pe[y0] * (y0 + 1 - y) + pe[y0 + 1] * (y - y0)
+    assert np.allclose(got.reshape(6, 8), want, rtol=1e-6)
+    assert mctx.graph(96, 96).inputs.keys() != g.inputs.keys()              # 6 x 6 taps for the other image
+    chunks = prompt_chunks(mctx, images, 0)
+    img = chunks[1]
+    embd = mctx.encode_chunk(img)
+    mctx._embd[img.key] = np.concatenate([embd[:, :64], np.zeros_like(embd[:, 64:])], axis=1)
+    try:
+        ctx = new_ctx(model)
+        mctx.eval_chunks(ctx, chunks)
+    finally:
+        del mctx._embd[img.key]
+    assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) > 10 * TOL
 
 
 def test_smart_resize_sizes():

@@ -411,15 +411,98 @@ def qwen25vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def qwen3vl_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """Qwen3-VL's text model: make_fixture's qwen3vl (QK norms, IMROPE sections 3/3/1), one
+    DeepStack layer (an image token's input is 2 x n_embd wide), an untied output."""
+    a = "qwen3vl"
+    kv = mf.base_kv(a, d)
+    kv[f"{a}.rope.dimension_sections"] = [3, 3, 1, 0]
+    kv[f"{a}.n_deepstack_layers"] = 1
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    w.norm("output_norm.weight", d.n_embd)
+    w.mat("output.weight", n_vocab, d.n_embd, gain=3.0)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        mf.attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "attn_k_norm.weight", d.head_dim)
+        w.norm(p + "attn_q_norm.weight", d.head_dim)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+        w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
+def qwen3vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """Qwen3-VL's ViT at width 16 (2 heads of 8, 2-D RoPE) in 16 x 16 patches: two temporal patch
+    kernels and a patch bias, learned positions for an 8 x 8 grid (resized bilinearly, corners
+    aligned, to the image's), 3 layer-norm layers with fused QKV and GELU FFNs, all over the
+    whole image; layer 1 also feeds a DeepStack merger (norm, fc1, GELU, fc2) whose tokens are
+    appended to the main merger's (post-LN, mm.0, GELU, mm.2): 2 x n_embd_text per token."""
+    n_embd, n_ff, n_layer, patch, side = 16, 32, 3, 16, 8
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "qwen3vl_merger",
+        "clip.has_vision_encoder": True,
+        "clip.use_gelu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 2,
+        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.image_size": side * patch,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.5, 0.5, 0.5],
+        "clip.vision.image_std": [0.5, 0.5, 0.5],
+        "clip.vision.spatial_merge_size": 2,
+    }
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(6 * patch * patch)).astype(np.float32)
+    w.bias("v.patch_embd.bias", n_embd)
+    w.embd("v.position_embd.weight", side * side, n_embd, scale=0.5)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.mat(p + "attn_qkv.weight", 3 * n_embd, n_embd)
+        w.bias(p + "attn_qkv.bias", 3 * n_embd)
+        w.mat(p + "attn_out.weight", n_embd, n_embd)
+        w.bias(p + "attn_out.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("v.deepstack.1.norm.weight", 4 * n_embd)
+    w.bias("v.deepstack.1.norm.bias", 4 * n_embd)
+    w.mat("v.deepstack.1.fc1.weight", 4 * n_embd, 4 * n_embd)
+    w.bias("v.deepstack.1.fc1.bias", 4 * n_embd)
+    w.mat("v.deepstack.1.fc2.weight", n_embd_text, 4 * n_embd)
+    w.bias("v.deepstack.1.fc2.bias", n_embd_text)
+    w.norm("v.post_ln.weight", n_embd)
+    w.bias("v.post_ln.bias", n_embd)
+    w.mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
+    w.bias("mm.0.bias", 4 * n_embd)
+    w.mat("mm.2.weight", n_embd_text, 4 * n_embd)
+    w.bias("mm.2.bias", n_embd_text)
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
     "idefics3": (llama_text, idefics3_mmproj, ["\n\n", "<fake_token_around_image>", "<global-img>"]
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
     "mlp": (llama_text, mlp_mmproj, [], 205),
-    "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
+    "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
+    "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
 }
 
 
@@ -494,7 +577,7 @@ def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
             else:
                 if M.mtmd_encode_chunk(mctx, ch) != 0:
                     raise RuntimeError(f"mtmd_encode_chunk failed on prompt {k} chunk {i}")
-                n_embd = L.llama_model_n_embd(model)
+                n_embd = L.llama_model_n_embd_inp(model)        # with DeepStack's slices (qwen3vl)
                 out = M.mtmd_get_output_embd(mctx)
                 arrays[f"{k}_embd_{i}"] = np.ctypeslib.as_array(out, (n * n_embd,)).reshape(n, n_embd).copy()
         arrays[f"{k}_types"] = np.array(types, np.int32)

@@ -5,7 +5,8 @@ interleaved M-RoPE (IMROPE: rotated pairs cycle through the t, h and w positions
 past 3 x each section take the 4th stream, 0 for text, and stay unrotated). DeepStack adds a
 slice of an image token's wider input embedding to the first `n_deepstack_layers` layer
 outputs; a text token's slices are zero (llama.cpp pads its embedding with zeros), so text
-adds nothing and the slices come with image embeddings (the multimodal issue)."""
+adds nothing, and an image's embeddings (llm.mtmd's qwen3vl_merger) come n_embd_inp wide:
+the model's own n_embd columns, then a slice per DeepStack layer."""
 from __future__ import annotations
 
 import math
@@ -79,5 +80,10 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
                                LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_out", il)
         inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+        if il < hp.n_deepstack_layers and g.t_inp_embd is not None:
+            # an image token's (il + 1)-th slice (a text token's would be zeros)
+            embd = g.t_inp_embd
+            ds = ops.view_2d(embd, hp.n_embd, g.n_tokens, embd.nb[1], (il + 1) * hp.n_embd * embd.nb[0])
+            inpL = g.cb(ops.add(inpL, ds), "deepstack_out", il)
 
     g.build_output(inpL)

@@ -53,10 +53,10 @@ class ClipKV(enum.Enum):
     IMAGE_STD = "clip.vision.image_std"
     PROJ_SCALE_FACTOR = "clip.vision.projector.scale_factor"
     PREPROC_IMAGE_SIZE = "clip.vision.preproc_image_size"
-    SPATIAL_MERGE_SIZE = "clip.vision.spatial_merge_size"
-    WIN_ATTN_PATTERN = "clip.vision.n_wa_pattern"
     A_NUM_MEL_BINS = "clip.audio.num_mel_bins"
     A_PROJ_STACK_FACTOR = "clip.audio.projector.stack_factor"
+    SPATIAL_MERGE_SIZE = "clip.vision.spatial_merge_size"
+    WIN_ATTN_PATTERN = "clip.vision.n_wa_pattern"
 
     def key(self, prefix: str = "vision") -> str:
         return self.value % prefix if "%s" in self.value else self.value
@@ -68,6 +68,10 @@ class ClipTensor(enum.Enum):
     CLASS_EMBD = "v.class_embd"
     PATCH_EMBD = "v.patch_embd.weight"
     PATCH_EMBD_1 = "v.patch_embd.weight.1"          # qwen2vl: the second temporal patch kernel
+    ATTN_QKV = "{p}.blk.{il}.attn_qkv.{s}"          # qwen3vl: Q, K and V in one matrix
+    DEEPSTACK_NORM = "v.deepstack.{il}.norm.{s}"    # qwen3vl: a layer's DeepStack merger
+    DEEPSTACK_FC1 = "v.deepstack.{il}.fc1.{s}"
+    DEEPSTACK_FC2 = "v.deepstack.{il}.fc2.{s}"
     PATCH_BIAS = "v.patch_embd.bias"
     ATTN_Q = "{p}.blk.{il}.attn_q.{s}"
     ATTN_K = "{p}.blk.{il}.attn_k.{s}"

@@ -29,7 +29,7 @@ from llm.mtmd import clip
 from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
 from llm.mtmd.image import normalize
 from llm.mtmd.llava import MLP
-from llm.mtmd.qwen2vl import QWEN25VL
+from llm.mtmd.qwen2vl import QWEN3VL, QWEN25VL
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
 from llm.mtmd.whisper import QWEN2A, ULTRAVOX
 
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN25VL, ULTRAVOX, QWEN2A)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN25VL, QWEN3VL, ULTRAVOX,
+                                                              QWEN2A)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 
@@ -126,9 +127,12 @@ class MtmdContext:
                                  f"text models; {model.path} is '{arch}'")
         self.projector = proj
         self.n_mmproj_embd = proj.load(self.clip)
-        if self.n_mmproj_embd != model.hparams.n_embd:
+        n_embd_inp = model.hparams.n_embd_inp()         # llama_model_n_embd_inp: with DeepStack's slices
+        if self.n_mmproj_embd != n_embd_inp:
             raise ModelLoadError(f"{self.path}: the projector gives {self.n_mmproj_embd} values per token; "
-                                 f"{model.path} has n_embd {model.hparams.n_embd}")
+                                 f"{model.path} has n_embd {model.hparams.n_embd}"
+                                 + (f" and reads {n_embd_inp} per image token" if n_embd_inp != model.hparams.n_embd
+                                    else ""))
         self.marker = default_marker()
         self.mrope = model.hparams.n_pos_per_embd() > 1         # mtmd_decode_use_mrope
         vocab = model.vocab
