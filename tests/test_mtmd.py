@@ -405,6 +405,23 @@ def test_a_second_question_about_the_image_encodes_nothing(vlm):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5vl", "qwen3vl"])
+def test_generate_at_mrope_positions_starts_with_llamacpps_greedy_token(name):
+    """LLM.generate with a Qwen-VL model: the images at M-RoPE positions in the Batcher's
+    prefill (an image's cells outnumber its positions), llama.cpp's greedy first token and
+    n_past; asked again, the kept cells and the encoder's cache answer the same."""
+    ref = dict(np.load(DATA / f"{name}.npz"))
+    vlm = llm.LLM(DATA / f"{name}.gguf", mmproj=DATA / f"{name}.mmproj.gguf", n_ctx=256)
+    for k in (0, 1):
+        text, which = gen().PROMPTS[k]
+        c = vlm.generate(text, images=[gen().IMAGES[i] for i in which], max_tokens=3, temperature=0)
+        assert c.tokens[0] == int(ref[f"{k}_logits"].argmax()) and c.n_prompt_tokens == int(ref[f"{k}_n_past"])
+    n = vlm.mtmd.n_encode
+    again = vlm.generate(text, images=[gen().IMAGES[i] for i in which], max_tokens=3, temperature=0)
+    assert again.tokens == c.tokens and vlm.mtmd.n_encode == n
+
+
+@pytest.mark.slow
 def test_text_after_an_image_does_not_reuse_its_cells(vlm):
     """The batcher sees an image's positions as placeholder tokens; after an image prompt its
     record of the cells stops before the image, so a text prompt cannot match them."""
