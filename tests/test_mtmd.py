@@ -338,6 +338,52 @@ def test_markers_must_pair_with_images_and_nothing_changes(model, mctx, images):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("n_batch, n_ubatch", [(5, 256), (256, 4)])
+def test_an_image_split_over_batches_is_read_as_one(images, n_batch, n_ubatch):
+    """The 12 tokens of a qwen2.5vl image share one position: decoded 5 at a time (batches) or
+    4 (ubatches), each still sees the cells of the tokens before it in the grid, and only
+    those, so the logits are llama.cpp's (one batch there)."""
+    model = llm.load_model(DATA / "qwen2.5vl.gguf")
+    mctx = mtmd.init_from_file(DATA / "qwen2.5vl.mmproj.gguf", model)
+    ref = dict(np.load(DATA / "qwen2.5vl.npz"))
+    ctx = llm.Context(model, n_ctx=256, n_batch=256, n_ubatch=n_ubatch, flash_attn=False)
+    assert mctx.eval_chunks(ctx, prompt_chunks(mctx, images, 0), n_batch=n_batch) == int(ref["0_n_past"])
+    assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL
+
+
+def rewrite_mmproj(src: Path, dst: Path, *, drop_key: str = "", drop_tensor: str = "") -> Path:
+    """A copy of an mmproj without one key or tensor."""
+    with gguf.GGUFReader(src) as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            if k != drop_key:
+                w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+        for name, ti in f.tensors.items():
+            if name != drop_tensor:
+                w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))
+        w.write(dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_a_qwen_mmproj_missing_a_part_is_refused_by_name(tmp_path):
+    qwen25 = llm.load_model(DATA / "qwen2.5vl.gguf")
+    bad = rewrite_mmproj(DATA / "qwen2.5vl.mmproj.gguf", tmp_path / "a.gguf", drop_key="clip.vision.n_wa_pattern")
+    with pytest.raises(ModelLoadError, match="a.gguf: qwen2.5vl_merger needs 'clip.vision.n_wa_pattern'"):
+        mtmd.init_from_file(bad, qwen25)
+    bad = rewrite_mmproj(DATA / "qwen2.5vl.mmproj.gguf", tmp_path / "b.gguf", drop_tensor="v.patch_embd.weight.1")
+    with pytest.raises(ModelLoadError, match="b.gguf: missing tensor 'v.patch_embd.weight.1'"):
+        mtmd.init_from_file(bad, qwen25)
+    qwen3 = llm.load_model(DATA / "qwen3vl.gguf")
+    bad = rewrite_mmproj(DATA / "qwen3vl.mmproj.gguf", tmp_path / "c.gguf", drop_tensor="v.deepstack.1.fc1.weight")
+    with pytest.raises(ModelLoadError, match=r"c.gguf: the projector gives 64 values per token; .*qwen3vl.gguf has "
+                                             r"n_embd 64 and reads 128 per image token"):
+        mtmd.init_from_file(bad, qwen3)
+    with pytest.raises(ModelLoadError, match=r"feeds qwen3vl text models; .*qwen2.5vl.gguf is 'qwen2vl'"):
+        mtmd.init_from_file(DATA / "qwen3vl.mmproj.gguf", qwen25)
+
+
+@pytest.mark.slow
 def test_an_mmproj_that_does_not_fit_names_both_files(model, tmp_path):
     with pytest.raises(ModelLoadError, match="no projector type"):
         mtmd.init_from_file(MODEL, model)
