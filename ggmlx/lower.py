@@ -711,6 +711,11 @@ def lower_im2col(n: Tensor, env):
     return cols.reshape(n.shape).astype(jnp_dtype(n.type))
 
 
+@lowers(Op.PAD)
+def lower_pad(n: Tensor, env):
+    return jnp.pad(_value_f32(env, n.src[0]), [(0, p) for p in reversed(n.op_params)])
+
+
 @lowers(Op.SUM_ROWS)
 def lower_sum_rows(n: Tensor, env):
     return jnp.sum(_value_f32(env, n.src[0]), axis=-1, keepdims=True)

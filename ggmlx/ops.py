@@ -576,6 +576,15 @@ def im2col(a: Tensor, b: Tensor, s0: int, s1: int, p0: int, p1: int, d0: int, d1
                  (int(s0), int(s1), int(p0), int(p1), int(d0), int(d1), False))
 
 
+def pad(a: Tensor, p0: int, p1: int, p2: int, p3: int) -> Tensor:
+    """a followed by zeros: p_i more along dim i (ggml_pad). -> F32 [ne0 + p0, ne1 + p1, ...]."""
+    if min(p0, p1, p2, p3) < 0:
+        raise ValueError(f"pad: paddings must be >= 0, got {[p0, p1, p2, p3]}")
+    _float("pad", a)
+    ne = tuple(n + p for n, p in zip(a.ne, (p0, p1, p2, p3), strict=True))
+    return _node(Op.PAD, F32, ne, (a,), (int(p0), int(p1), int(p2), int(p3)))
+
+
 def sum_rows(a: Tensor) -> Tensor:
     """Sum over ne0. -> [1, ne1, ne2, ne3]."""
     _float("sum_rows", a)

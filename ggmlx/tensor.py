@@ -64,6 +64,7 @@ class Op(enum.Enum):
     CONCAT = "CONCAT"
     REPEAT = "REPEAT"
     IM2COL = "IM2COL"
+    PAD = "PAD"
     SUM_ROWS = "SUM_ROWS"
     ARGSORT = "ARGSORT"
     TOP_K = "TOP_K"

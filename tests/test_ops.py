@@ -71,6 +71,7 @@ TESTED_OPS: dict[Op, str] = {
     Op.REPEAT: "test_repeat_4d",
     Op.GELU_ERF: "test_unary",
     Op.IM2COL: "test_im2col",
+    Op.PAD: "test_pad",
 }
 
 ROUND = {T.F32: np.float32, T.F16: np.float16, T.BF16: ml_dtypes.bfloat16}
@@ -1289,6 +1290,20 @@ def test_gated_delta_net(kda, K, n_tok):
     with pytest.raises(ShapeError, match="gated_delta_net"):
         ops.gated_delta_net(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"],
                             new_input(T.F32, (S, S, H_v, n_seqs + 1), "s_bad"))
+
+
+def test_pad():
+    """ggml_pad: zeros after a along each dim; here of a view (the 1-D view clip.cpp's
+    build_stack pads) and of a 3-D tensor."""
+    rng = np.random.default_rng(35)
+    a = new_input(T.F32, (5, 3, 2), "a")
+    av = rand(rng, a.ne)
+    flat = ops.view_1d(a, 30, 0)
+    outs = run([ops.pad(a, 2, 0, 1, 0), ops.pad(flat, 6, 0, 0, 0)], {a: av.astype(np.float32)})
+    check("pad 3-D", outs[0], np.pad(av, ((0, 0), (0, 1), (0, 0), (0, 2))))
+    check("pad view", outs[1], np.pad(av.reshape(1, 1, 1, 30), ((0, 0), (0, 0), (0, 0), (0, 6))))
+    with pytest.raises(ValueError, match="pad"):
+        ops.pad(a, -1, 0, 0, 0)
 
 
 def test_repeat_4d():

@@ -262,12 +262,12 @@ def mlp_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
-def ultravox_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
-    """A Whisper encoder over 80 mel bands (2 layers of width 32, 4 heads, FFN 64; convolutions
-    80 -> 32 -> 32) and the ultravox projector: 12 positions stacked per token (125 tokens a
-    30 s chunk; llama.cpp cannot run Ultravox's own 8), mm.a.mlp.1 to 2 x 64, SwiGLU, 64 ->
-    the text width."""
-    n_embd, n_ff, n_layer, n_mel, stack, n_mid = 32, 64, 2, 80, 12, 64
+def ultravox_mmproj(w: mf.Weights, n_embd_text: int, n_embd: int = 40, stack: int = 8) -> dict:
+    """A Whisper encoder over 80 mel bands (2 layers of width n_embd, 4 heads, FFN 64;
+    convolutions 80 -> n_embd -> n_embd) and the ultravox projector: Ultravox's 8 positions
+    stacked per token (187 tokens a 30 s chunk, the last 4 positions dropped as llama.cpp's
+    build_stack does at Ultravox's width), mm.a.mlp.1 to 2 x 64, SwiGLU, 64 -> the text width."""
+    n_ff, n_layer, n_mel, n_mid = 64, 2, 80, 64
     kv: dict[str, object] = {
         "general.architecture": "clip",
         "general.name": "fixture mmproj",
@@ -331,7 +331,7 @@ def qwen2_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
 def qwen2a_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """ultravox's Whisper encoder (its own seed), its positions averaged in pairs before the
     post-LN (750 tokens a 30 s chunk), then mm.a.fc (with bias) to the text width."""
-    kv = ultravox_mmproj(w, n_embd_text)
+    kv = ultravox_mmproj(w, n_embd_text, n_embd=32, stack=12)
     kv["clip.projector_type"] = "qwen2a"
     del kv["clip.audio.projector.stack_factor"]
     for name in [n for n in w.t if n.startswith("mm.")]:

@@ -11,13 +11,16 @@ time into one token (StackAudioFrames), RMS-normed, mm.a.mlp.1, a SwiGLU that pa
 half through and gates with silu of the second (ggml_swiglu_swapped), RMS-normed again and
 mm.a.mlp.2 to the text width. No text marks the sound in the prompt.
 
+The stack is clip_graph::build_stack's, quirks included: the values are padded with zeros to
+GGML_PAD(n, stack x n_embd), a power-of-two bit trick that is no multiple for other strides,
+and the rows that fit are read. Ultravox's 1500 positions of 1280 in 8s give 187 tokens (its
+last 4 positions dropped, where StackAudioFrames would pad them into a 188th), as many as
+clip_n_output_tokens counts (ceil(3000 / s) / 2). Where the two counts differ (width 32 in 8s:
+188 rows, 187 counted) llama.cpp aborts, and such a file is refused here at load.
+
 qwen2a (Qwen2-Audio): each two encoder positions averaged before the post-LN (750 tokens a
 chunk), then one projection with bias (mm.a.fc); the sound sits between <|audio_bos|> and
 <|audio_eos|>. (qwen2.5o's audio half is the same, but its text model reads M-RoPE positions.)
-
-The stack must divide the 1500 positions: llama.cpp 0.3.36 counts ceil(3000 / s) / 2 tokens
-(187 for Ultravox's s = 8) but its graph gives ceil(1500 / s) (188) and aborts on the mismatch,
-so such a file is refused here at load rather than run differently from llama.cpp.
 """
 from __future__ import annotations
 
@@ -96,14 +99,25 @@ def preprocess_whisper(model: ClipModel, proj: Projector, samples) -> Preprocess
     return Preprocessed(audio.whisper_chunks(samples, audio.mel_filters(model.hparams.n_mel_bins)))
 
 
+def ggml_pad_size(x: int, n: int) -> int:
+    """GGML_PAD(x, n): x rounded up to a multiple of n by a mask, exact only for powers of two."""
+    return (x + n - 1) & ~(n - 1)
+
+
+def stack_rows(n_embd: int, n_pos: int, s: int) -> int:
+    """The tokens clip_graph::build_stack makes of n_pos positions of n_embd, s at a time."""
+    return ggml_pad_size(n_embd * n_pos, n_embd * s) // (n_embd * s)
+
+
 def load_ultravox(model: ClipModel) -> int:
     hp = model.hparams
     s = hp.proj_stack_factor
     if s <= 0:
         raise ModelLoadError(f"{model.path}: ultravox needs 'clip.audio.projector.stack_factor'")
-    if N_POS % s:
-        raise ModelLoadError(f"{model.path}: a stack factor of {s} does not divide the encoder's {N_POS} positions "
-                             f"(llama.cpp miscounts such a chunk's tokens and aborts)")
+    rows, counted = stack_rows(hp.n_embd, N_POS, s), n_tokens_ultravox(hp, audio.CHUNK_FRAMES, hp.n_mel_bins)
+    if rows != counted:
+        raise ModelLoadError(f"{model.path}: stacking {N_POS} positions of {hp.n_embd} by {s} gives {rows} tokens, "
+                             f"llama.cpp counts {counted} and aborts on such a file")
     load_whisper_encoder(model)
     n_stack = hp.n_embd * s
     check_shape(model, model.need(ctn(ClipTensor.MM_NORM_PRE)), (n_stack,))
@@ -118,14 +132,19 @@ def load_ultravox(model: ClipModel) -> int:
 
 
 def n_tokens_ultravox(hp: ClipHParams, nx: int, ny: int) -> int:
-    return nx // 2 // hp.proj_stack_factor
+    """clip_n_output_tokens: the frames in stacks (the last one partial), halved."""
+    return -(-nx // hp.proj_stack_factor) // 2
 
 
 def build_ultravox(g: ClipGraph) -> Tensor:
     m, hp = g.model, g.hparams
     cur = build_whisper_encoder(g)
-    s = hp.proj_stack_factor
-    cur = g.cb(ops.reshape_2d(cur, hp.n_embd * s, cur.ne[1] // s), "after_stacked")     # clip_graph::build_stack
+    s, total = hp.proj_stack_factor, cur.ne[0] * cur.ne[1]
+    stride = hp.n_embd * s
+    padded = ggml_pad_size(total, stride)
+    if padded > total:                                                          # clip_graph::build_stack
+        cur = ops.pad(ops.view_1d(cur, total, 0), padded - total, 0, 0, 0)
+    cur = g.cb(ops.view_2d(cur, stride, padded // stride, stride * 4, 0), "after_stacked")
     cur = ops.mul(ops.rms_norm(cur, RMS_EPS), m.need(ctn(ClipTensor.MM_NORM_PRE)))
     cur = ops.mul_mat(m.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1)), cur)
     cur = ops.glu(cur, None, ops.GLU_SWIGLU, swapped=True)
