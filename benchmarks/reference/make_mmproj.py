@@ -17,7 +17,7 @@ For each projector NAME it writes, under tests/data/mtmd/:
 - `NAME-f16.mmproj.gguf` and `NAME-f16.npz`: the same mmproj with its attention, FFN and
   projector matrices in F16, as released mmproj files hold them, and the first prompt's arrays.
 
-ultravox and qwen2a (AUDIO) read sounds instead: SOUND (committed, 0.4 s of 16 kHz mono
+ultravox, qwen2a and voxtral (AUDIO) read sounds instead: SOUND (committed, 0.4 s of 16 kHz mono
 16-bit PCM) and a 22.05 kHz stereo twin made in memory (stereo_sound_bytes), for
 AUDIO_PROMPTS; their npz also hold llama.cpp's decoded samples of each (`samples_<j>`, mono
 float32 at 16 kHz). qwen2a's 750 tokens a sound need a context of N_CTX_OF["qwen2a"].
@@ -46,7 +46,7 @@ IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
 N_CTX_OF = {"qwen2a": 1024}     # projectors whose prompts need a longer context than N_CTX
-AUDIO = ("ultravox", "qwen2a")
+AUDIO = ("ultravox", "qwen2a", "voxtral")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
 USER_DEFINED = 4
@@ -493,6 +493,19 @@ def qwen3vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def voxtral_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """ultravox's Whisper encoder (its own seed), its positions averaged in pairs, stacked 4 at
+    a time (Voxtral's: 187 tokens a chunk) and a GELU MLP without biases, 160 -> 64 -> the text
+    width."""
+    kv = ultravox_mmproj(w, n_embd_text, n_embd=40, stack=4)
+    kv["clip.projector_type"] = "voxtral"
+    for name in [n for n in w.t if n.startswith("mm.")]:
+        del w.t[name]
+    w.mat("mm.a.mlp.1.weight", 64, 40 * 4)
+    w.mat("mm.a.mlp.2.weight", n_embd_text, 64)
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
@@ -501,6 +514,7 @@ SPECS = {
     "mlp": (llama_text, mlp_mmproj, [], 205),
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
+    "voxtral": (llama_text, voxtral_mmproj, ["[BEGIN_AUDIO]"], 213),
     "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
 }

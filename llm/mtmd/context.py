@@ -31,7 +31,7 @@ from llm.mtmd.image import normalize
 from llm.mtmd.llava import MLP
 from llm.mtmd.qwen2vl import QWEN3VL, QWEN25VL
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
-from llm.mtmd.whisper import QWEN2A, ULTRAVOX
+from llm.mtmd.whisper import QWEN2A, ULTRAVOX, VOXTRAL
 
 if TYPE_CHECKING:
     from llm.context import Context
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN25VL, QWEN3VL, ULTRAVOX,
-                                                              QWEN2A)}
+                                                              QWEN2A, VOXTRAL)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 
 

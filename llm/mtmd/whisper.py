@@ -21,6 +21,10 @@ clip_n_output_tokens counts (ceil(3000 / s) / 2). Where the two counts differ (w
 qwen2a (Qwen2-Audio): each two encoder positions averaged before the post-LN (750 tokens a
 chunk), then one projection with bias (mm.a.fc); the sound sits between <|audio_bos|> and
 <|audio_eos|>. (qwen2.5o's audio half is the same, but its text model reads M-RoPE positions.)
+
+voxtral (Voxtral Mini): the positions averaged in pairs, stacked stack_factor at a time (4: 187
+tokens a chunk, with the same padding quirk), then a GELU (erf) MLP without biases (mm.a.mlp.1,
+mm.a.mlp.2); [BEGIN_AUDIO] goes before the sound.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from llm.mtmd.clip import (
     ClipHParams,
     ClipModel,
     ClipTensor,
+    FfnOp,
     Preprocessed,
     Projector,
     check_shape,
@@ -109,17 +114,33 @@ def stack_rows(n_embd: int, n_pos: int, s: int) -> int:
     return ggml_pad_size(n_embd * n_pos, n_embd * s) // (n_embd * s)
 
 
-def load_ultravox(model: ClipModel) -> int:
+def check_stack(model: ClipModel, n_pos: int, counted: int) -> None:
+    """The stacked rows of a chunk's n_pos positions must be the tokens llama.cpp counts."""
     hp = model.hparams
     s = hp.proj_stack_factor
     if s <= 0:
-        raise ModelLoadError(f"{model.path}: ultravox needs 'clip.audio.projector.stack_factor'")
-    rows, counted = stack_rows(hp.n_embd, N_POS, s), n_tokens_ultravox(hp, audio.CHUNK_FRAMES, hp.n_mel_bins)
+        raise ModelLoadError(f"{model.path}: {hp.projector} needs 'clip.audio.projector.stack_factor'")
+    rows = stack_rows(hp.n_embd, n_pos, s)
     if rows != counted:
-        raise ModelLoadError(f"{model.path}: stacking {N_POS} positions of {hp.n_embd} by {s} gives {rows} tokens, "
+        raise ModelLoadError(f"{model.path}: stacking {n_pos} positions of {hp.n_embd} by {s} gives {rows} tokens, "
                              f"llama.cpp counts {counted} and aborts on such a file")
+
+
+def build_stack(g: ClipGraph, cur: Tensor) -> Tensor:
+    """clip_graph::build_stack: [n_embd, n_pos] -> [n_embd s, rows], zero-padded to GGML_PAD."""
+    s, total = g.hparams.proj_stack_factor, cur.ne[0] * cur.ne[1]
+    stride = g.hparams.n_embd * s
+    padded = ggml_pad_size(total, stride)
+    if padded > total:
+        cur = ops.pad(ops.view_1d(cur, total, 0), padded - total, 0, 0, 0)
+    return g.cb(ops.view_2d(cur, stride, padded // stride, stride * 4, 0), "after_stacked")
+
+
+def load_ultravox(model: ClipModel) -> int:
+    hp = model.hparams
+    check_stack(model, N_POS, n_tokens_ultravox(hp, audio.CHUNK_FRAMES, hp.n_mel_bins))
     load_whisper_encoder(model)
-    n_stack = hp.n_embd * s
+    n_stack = hp.n_embd * hp.proj_stack_factor
     check_shape(model, model.need(ctn(ClipTensor.MM_NORM_PRE)), (n_stack,))
     mlp1 = model.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1))
     check_shape(model, mlp1, (n_stack, mlp1.ne[1]))
@@ -137,14 +158,8 @@ def n_tokens_ultravox(hp: ClipHParams, nx: int, ny: int) -> int:
 
 
 def build_ultravox(g: ClipGraph) -> Tensor:
-    m, hp = g.model, g.hparams
-    cur = build_whisper_encoder(g)
-    s, total = hp.proj_stack_factor, cur.ne[0] * cur.ne[1]
-    stride = hp.n_embd * s
-    padded = ggml_pad_size(total, stride)
-    if padded > total:                                                          # clip_graph::build_stack
-        cur = ops.pad(ops.view_1d(cur, total, 0), padded - total, 0, 0, 0)
-    cur = g.cb(ops.view_2d(cur, stride, padded // stride, stride * 4, 0), "after_stacked")
+    m = g.model
+    cur = build_stack(g, build_whisper_encoder(g))
     cur = ops.mul(ops.rms_norm(cur, RMS_EPS), m.need(ctn(ClipTensor.MM_NORM_PRE)))
     cur = ops.mul_mat(m.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1)), cur)
     cur = ops.glu(cur, None, ops.GLU_SWIGLU, swapped=True)
@@ -179,3 +194,30 @@ def build_qwen2a(g: ClipGraph) -> Tensor:
 QWEN2A = Projector(name="qwen2a", text_archs=frozenset({"qwen2"}), load=load_qwen2a, build=build_qwen2a,
                    n_output_tokens=n_tokens_qwen2a, preprocess=preprocess_whisper, img_beg="<|audio_bos|>",
                    img_end="<|audio_eos|>")
+
+
+def load_voxtral(model: ClipModel) -> int:
+    hp = model.hparams
+    check_stack(model, N_POS // 2, n_tokens_voxtral(hp, audio.CHUNK_FRAMES, hp.n_mel_bins))
+    load_whisper_encoder(model)
+    mlp1 = model.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1))
+    check_shape(model, mlp1, (hp.n_embd * hp.proj_stack_factor, mlp1.ne[1]))
+    mlp2 = model.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 2))
+    check_shape(model, mlp2, (mlp1.ne[1], mlp2.ne[1]))
+    return mlp2.ne[1]
+
+
+def n_tokens_voxtral(hp: ClipHParams, nx: int, ny: int) -> int:
+    return -(-nx // hp.proj_stack_factor) // 2 // 2
+
+
+def build_voxtral(g: ClipGraph) -> Tensor:
+    m = g.model
+    cur = build_stack(g, build_whisper_encoder(g, avgpool=True))
+    cur = g.build_ffn(cur, m.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 1)), None, None, None,
+                      m.need(ctn(ClipTensor.MM_AUDIO_MLP, "weight", 2)), None, FfnOp.GELU_ERF, -1)
+    return g.cb(cur, "projected")
+
+
+VOXTRAL = Projector(name="voxtral", text_archs=frozenset({"llama"}), load=load_voxtral, build=build_voxtral,
+                    n_output_tokens=n_tokens_voxtral, preprocess=preprocess_whisper, img_beg="[BEGIN_AUDIO]")
