@@ -312,6 +312,25 @@ def test_qwen3vl_deepstack_and_position_embeddings(images):
     assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) > 10 * TOL
 
 
+@pytest.mark.slow
+def test_qwen3vlmoe_reads_the_deepstack_slices_too():
+    """Qwen3-VL-MoE's text tower takes qwen3vl_merger images: its input is n_embd_inp wide and
+    the slices after n_embd change the logits (the make_fixture model: 2 DeepStack layers)."""
+    assert "qwen3vlmoe" in mtmd.PROJECTORS["qwen3vl_merger"].text_archs
+    model = llm.load_model(ROOT / "tests" / "data" / "fixtures" / "qwen3vlmoe-F32.gguf")
+    hp = model.hparams
+    embd = np.random.default_rng(3).standard_normal((3, hp.n_embd_inp())).astype(np.float32)
+    assert embd.shape[1] == 3 * hp.n_embd
+
+    def logits(e: np.ndarray) -> np.ndarray:
+        ctx = llm.Context(model, n_ctx=64, n_batch=64, n_ubatch=64, flash_attn=False)
+        assert ctx.decode(llm.Batch(embd=e, logits=np.ones(3, bool))) == 0, ctx.last_error
+        return np.array([ctx.get_logits_ith(i) for i in range(3)])
+    plain = embd.copy()
+    plain[:, hp.n_embd:] = 0
+    assert np.abs(logits(embd) - logits(plain)).max() > 1.0
+
+
 def test_smart_resize_sizes():
     """img_tool::calc_size_preserved_ratio: sides rounded to the alignment, then scaled up to
     min_pixels or down to max_pixels keeping the aspect ratio (Qwen2.5-VL's 28-pixel blocks)."""

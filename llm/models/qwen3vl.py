@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ggmlx import ops
+from ggmlx.tensor import Tensor
 from llm.arch import LLMKV, tn
 from llm.arch import LLMTensor as T
 from llm.graph import GraphBuilder, LLMFfnGateType, LLMFfnOpType, LLMNormType
@@ -51,6 +52,16 @@ def load_tensors(model: Model, ml: ModelLoader) -> None:
         model.layers.append(layer)
 
 
+def add_deepstack(g: GraphBuilder, cur: Tensor, il: int) -> Tensor:
+    """After layer il < n_deepstack_layers, an image token's (il + 1)-th slice of its input
+    embedding (a text token's would be zeros, so token batches add nothing)."""
+    embd, hp = g.t_inp_embd, g.hparams
+    if il >= hp.n_deepstack_layers or embd is None:
+        return cur
+    ds = ops.view_2d(embd, hp.n_embd, g.n_tokens, embd.nb[1], (il + 1) * hp.n_embd * embd.nb[0])
+    return g.cb(ops.add(cur, ds), "deepstack_out", il)
+
+
 def build_graph(g: GraphBuilder) -> None:
     m, hp = g.model, g.hparams
     kq_scale = 1.0 / math.sqrt(hp.n_embd_head_k)
@@ -79,11 +90,6 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.cb(g.build_norm(ffn_inp, layer.ffn_norm, None, LLMNormType.RMS, il), "ffn_norm", il)
         cur = g.cb(g.build_ffn(cur, layer.ffn_up, layer.ffn_gate, layer.ffn_down,
                                LLMFfnOpType.SILU, LLMFfnGateType.PAR, il), "ffn_out", il)
-        inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
-        if il < hp.n_deepstack_layers and g.t_inp_embd is not None:
-            # an image token's (il + 1)-th slice (a text token's would be zeros)
-            embd = g.t_inp_embd
-            ds = ops.view_2d(embd, hp.n_embd, g.n_tokens, embd.nb[1], (il + 1) * hp.n_embd * embd.nb[0])
-            inpL = g.cb(ops.add(inpL, ds), "deepstack_out", il)
+        inpL = add_deepstack(g, g.cb(ops.add(cur, ffn_inp), "l_out", il), il)
 
     g.build_output(inpL)

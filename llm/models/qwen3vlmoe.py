@@ -2,7 +2,7 @@
 
 Qwen3-VL's attention (RMS-normed query and key heads, interleaved M-RoPE) with Qwen3-MoE's
 softmax-gated SiLU experts, top-k weights renormalized, in every layer. DeepStack is as in
-qwen3vl: the slices an image embedding adds to the first layers are zero for text."""
+qwen3vl: the slices an image embedding adds to the first layers (zero for text)."""
 from __future__ import annotations
 
 import math
@@ -71,6 +71,6 @@ def build_graph(g: GraphBuilder) -> None:
         cur = g.build_moe_ffn(cur, layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps,
                               layer.ffn_down_exps, hp.n_expert, hp.n_expert_used, LLMFfnOpType.SILU, True,
                               ExpertGatingFuncType.SOFTMAX, il)
-        inpL = g.cb(ops.add(cur, ffn_inp), "l_out", il)
+        inpL = qwen3vl.add_deepstack(g, g.cb(ops.add(cur, ffn_inp), "l_out", il), il)
 
     g.build_output(inpL)

@@ -384,7 +384,7 @@ def build_qwen3vl(g: ClipGraph) -> Tensor:
     return ops.reshape_2d(cur, cur.ne[0], gx * gy)
 
 
-QWEN3VL = Projector(name="qwen3vl_merger", text_archs=frozenset({"qwen3vl"}), load=load_qwen3vl,
+QWEN3VL = Projector(name="qwen3vl_merger", text_archs=frozenset({"qwen3vl", "qwen3vlmoe"}), load=load_qwen3vl,
                     build=build_qwen3vl, n_output_tokens=n_tokens_qwen2vl, n_output_grid=grid_qwen2vl,
                     resize_algo=ResizeAlgo.BICUBIC, preprocess=preprocess_dyn_size,
                     img_beg="<|vision_start|>", img_end="<|vision_end|>")
