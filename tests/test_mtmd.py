@@ -398,7 +398,7 @@ def test_a_qwen_mmproj_missing_a_part_is_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match=r"c.gguf: the projector gives 64 values per token; .*qwen3vl.gguf has "
                                              r"n_embd 64 and reads 128 per image token"):
         mtmd.init_from_file(bad, qwen3)
-    with pytest.raises(ModelLoadError, match=r"feeds qwen3vl text models; .*qwen2.5vl.gguf is 'qwen2vl'"):
+    with pytest.raises(ModelLoadError, match=r"feeds qwen3vl, qwen3vlmoe text models; .*qwen2.5vl.gguf is 'qwen2vl'"):
         mtmd.init_from_file(DATA / "qwen3vl.mmproj.gguf", qwen25)
 
 
