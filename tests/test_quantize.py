@@ -315,6 +315,19 @@ def test_native_scale_searches_equal_numpys(monkeypatch, n):
             assert a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32)), fn.__name__
 
 
+@pytest.mark.skipif(search.lib() is None, reason="the native library is not built")
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                       "IQ1_S", "IQ1_M"])
+def test_native_grid_searches_equal_numpys(monkeypatch, type_name):
+    """Whole rows through the C neighbour and IQ4 searches and through numpy's: the same bytes."""
+    x = np.random.default_rng(5).standard_normal((6, 512)).astype(np.float32)
+    x[1, :256] = 0
+    im = row_imatrices()["lognormal"]
+    native = quants.quantize(x, GGMLType[type_name], im)
+    monkeypatch.setattr(search, "lib", lambda: None)
+    assert np.array_equal(native, quants.quantize(x, GGMLType[type_name], im))
+
+
 def test_quantizer_round_trip_error_is_small():
     """A sanity check beside the hashes: each quantizer's bytes dequantize near the input."""
     x = np.random.default_rng(7).standard_normal((8, 512)).astype(np.float32)

@@ -162,21 +162,34 @@ void qkx_group(int64_t n, const float* x, const float* w, int nmax, float rmin, 
   *neg_min_out = -mn;
 }
 
-// best_index_int8 over 16 sorted levels: the nearer of the two around v (the upper one on a tie),
-// 0 at or below the first, 15 at or above the last and for NaN.
-inline int best_index_16(const float* levels, float v) {
-  if (v <= levels[0]) return 0;
-  if (v >= levels[15]) return 15;
-  int lo = 0, hi = 15;
-  while (hi - lo > 1) {
-    int mid = (lo + hi) / 2;
-    if (v < levels[mid]) hi = mid; else lo = mid;
+// best_index_int8 over 16 sorted integer levels in -128..127: the nearer of the two around v (the
+// upper one on a tie), 0 at or below the first, 15 at or above the last and for NaN. The levels
+// are integers, so the upper one is found from floor(v) in a table (no branchy binary search).
+struct Levels16 {
+  float value[16];
+  int8_t upper[256];       // by floor(v) + 128: the index of the first level above floor(v), in 1..15
+
+  explicit Levels16(const float* levels) {
+    for (int i = 0; i < 16; ++i) value[i] = levels[i];
+    for (int c = 0; c < 256; ++c) {
+      int k = 0;
+      while (k < 16 && levels[k] <= static_cast<float>(c - 128)) ++k;
+      upper[c] = static_cast<int8_t>(k < 1 ? 1 : k > 15 ? 15 : k);
+    }
   }
-  return v - levels[hi - 1] < levels[hi] - v ? hi - 1 : hi;
-}
+
+  int best_index(float v) const {
+    if (v != v) return 15;
+    float f = std::floor(v);
+    int cell = f < -128.0f ? 0 : f > 127.0f ? 255 : static_cast<int>(f) + 128;
+    int hi = upper[cell];
+    return v - value[hi - 1] < value[hi] - v ? hi - 1 : hi;
+  }
+};
 
 // quantize_row_iq4_nl_impl's scale search for one group: 2 * ntry + 2 trial scales.
-float iq4_group_scale(int64_t n, const float* x, const float* w, const float* levels, int ntry) {
+float iq4_group_scale(int64_t n, const float* x, const float* w, const Levels16& lv, int ntry) {
+  const float* levels = lv.value;
   float amax = 0.0f, max = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     float ax = std::fabs(x[i]);
@@ -185,7 +198,7 @@ float iq4_group_scale(int64_t n, const float* x, const float* w, const float* le
   auto trial = [&](float iscale, float* sumqx, float* sumq2) {
     float sx = 0.0f, s2 = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
-      float q = levels[best_index_16(levels, iscale * x[i])];
+      float q = levels[lv.best_index(iscale * x[i])];
       float wq = w[i] * q;
       sx += wq * x[i];
       s2 += wq * q;
@@ -211,9 +224,41 @@ float iq4_group_scale(int64_t n, const float* x, const float* w, const float* le
 
 extern "C" {
 
+// iq2_find_best_neighbour / iq1_find_best_neighbour2 / iq3_find_best_neighbour for n off-grid
+// groups of D values: among the count[code] neighbours of each group's code, the first with the
+// least sum over i of (w_i * diff_i) * diff_i, diff_i = scale * (base + v_i) - x_i (base 0 where
+// null), summed from i = 0. values holds the neighbours' values as planes [K, D, n_codes]. The
+// numpy versions run this over all groups a neighbour rank at a time, gathering each rank's values.
+void ggmlx_best_neighbours(int64_t n, int32_t D, int32_t K, int64_t n_codes, const int64_t* codes, const float* xv,
+                           const float* wv, const float* scale, const float* base, const float* values,
+                           const int64_t* count, int64_t* pick) {
+  for (int64_t g = 0; g < n; ++g) {
+    const int64_t code = codes[g];
+    const float* x = xv + g * D;
+    const float* w = wv + g * D;
+    const float s = scale[g], b = base ? base[g] : 0.0f;
+    float best = 3.40282347e+38f;
+    int64_t best_j = 0;
+    for (int64_t j = 0; j < count[code]; ++j) {
+      const float* v = values + j * D * n_codes + code;
+      float d2 = 0.0f;
+      for (int i = 0; i < D; ++i) {
+        float q = base ? b + v[i * n_codes] : v[i * n_codes];
+        float diff = s * q - x[i];
+        float t = (w[i] * diff) * diff;
+        d2 = i == 0 ? t : d2 + t;
+      }
+      if (d2 < best) { best = d2; best_j = j; }
+    }
+    pick[g] = best_j;
+  }
+}
+
+
 void ggmlx_iq4_scales(int64_t m, int64_t n, const float* x, const float* w, const float* levels, int32_t ntry,
                       float* d) {
-  for (int64_t g = 0; g < m; ++g) d[g] = iq4_group_scale(n, x + g * n, w + g * n, levels, ntry);
+  const Levels16 lv(levels);
+  for (int64_t g = 0; g < m; ++g) d[g] = iq4_group_scale(n, x + g * n, w + g * n, lv, ntry);
 }
 
 

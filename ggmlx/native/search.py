@@ -1,8 +1,9 @@
 """The quantizers' scale searches in C (quant_search.cc), for `llm quantize`.
 
 ggmlx/quants/kquants.py runs make_qx_quants, make_qkx2_quants and make_qkx3_quants (nlquants.py
-the IQ4 scale search) over many groups at once in numpy; these run ggml's per-group loops instead, with the same float32
-operations in the same order (the same bytes, tests/test_quants.py), at a few times the speed.
+the IQ4 scale search, iq2.py / iq3.py the grids' neighbour search) over many groups at once in
+numpy; these run ggml's per-group loops instead, with the same float32 operations in the same
+order (the same bytes, tests/test_quantize.py), at a few times the speed.
 Used when the native library is built and GGMLX_NATIVE is on; `lib()` is None otherwise and the
 numpy searches run. Plain ctypes calls: nothing is registered with XLA.
 """
@@ -28,6 +29,7 @@ def _load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(path)
         qx, qkx, iq4 = lib.ggmlx_make_qx_quants, lib.ggmlx_make_qkx_quants, lib.ggmlx_iq4_scales
+        nbr = lib.ggmlx_best_neighbours
     except (OSError, AttributeError):       # an older build without the searches
         return None
     i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -37,6 +39,9 @@ def _load() -> ctypes.CDLL | None:
     qkx.restype = None
     iq4.argtypes = [i64, i64, _F32P, _F32P, _F32P, i32, _F32P]
     iq4.restype = None
+    i64p = np.ctypeslib.ndpointer(np.int64, flags="C_CONTIGUOUS")
+    nbr.argtypes = [i64, i32, i32, i64, i64p, _F32P, _F32P, _F32P, vp, _F32P, i64p, i64p]
+    nbr.restype = None
     return lib
 
 
@@ -82,3 +87,19 @@ def iq4_scales(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, levels: np.ndarray,
     d = np.empty(m, np.float32)
     c.ggmlx_iq4_scales(m, n, _groups(x), _groups(w), np.ascontiguousarray(levels, np.float32), ntry, d)
     return d
+
+
+def best_neighbours(c: ctypes.CDLL, codes: np.ndarray, xv: np.ndarray, wv: np.ndarray, scale: np.ndarray,
+                    base: np.ndarray | None, values: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The IQ grids' neighbour search in C: n off-grid groups (codes [n], values and weights
+    [n, D], scale [n], base [n] or None), the neighbours' values as planes [K, D, n_codes] and
+    their count per code -> each group's pick among its code's neighbours [n] (int64)."""
+    n, d = xv.shape
+    k, _, n_codes = values.shape
+    pick = np.empty(n, np.int64)
+    f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
+    b = None if base is None else f32(base)
+    c.ggmlx_best_neighbours(n, d, k, n_codes, np.ascontiguousarray(codes, np.int64), f32(xv), f32(wv), f32(scale),
+                            None if b is None else b.ctypes.data, f32(values), np.ascontiguousarray(count, np.int64),
+                            pick)
+    return pick

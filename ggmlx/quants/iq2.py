@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..native import search
 from ..types import GGMLType
 from . import iq_tables as tab
 from .kquants import (
@@ -114,6 +115,9 @@ def _best_neighbours(g: Grid, code: np.ndarray, xv: np.ndarray, wv: np.ndarray, 
     neighbour with the least sum(w * (scale * q - x)^2). The groups run sorted by neighbour count:
     rank j is computed for the groups that have one, in a loop over j while many do, then the
     remaining (group, rank) pairs all at once, each group's first minimum by segment."""
+    lib = search.lib()
+    if lib is not None:
+        return g.nb[code, search.best_neighbours(lib, code, xv, wv, scale, base, g.values, g.count)]
     n = code.size
     k = g.values.shape[0]
     order = np.argsort((k - g.count[code]).astype(np.uint16), kind="stable")

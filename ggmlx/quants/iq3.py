@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..native import search
 from ..types import GGMLType
 from . import iq_tables as tab
 from .kquants import F32, ImatrixKernel, elements_first, f16, f16_bytes, nearest_int, round_in_range, select, seq_sum
@@ -73,6 +74,9 @@ def _best_neighbours(grid: Grid, code: np.ndarray, xv: np.ndarray, wa: np.ndarra
     scale [n]) -> the index among each code's neighbours: the first with the least
     sum(w * (scale * q - x)^2). The groups run sorted by neighbour count, so candidate j is
     computed for the groups that have one (IQ3_S: 11 of up to 38 on average)."""
+    lib = search.lib()
+    if lib is not None:
+        return search.best_neighbours(lib, code, xv, wa, scale, None, grid.values, grid.count)
     n = code.size
     k = grid.values.shape[0]
     order = np.argsort((k - grid.count[code]).astype(np.uint8), kind="stable")     # a radix sort
