@@ -151,6 +151,23 @@ def test_eval_chunks_logits_and_n_past_equal_llamacpp(each, sounds, k):
 
 
 @pytest.mark.slow
+def test_a_31_s_sound_is_two_chunks_as_llamacpps(model, mctx, ref):
+    """30 s of padding follow the sound: 31 s make two full spectrogram chunks, two audio chunks
+    of 187 tokens each (the second 1 s of sound, then silence), evaluated one after the other."""
+    text, _ = gen().LONG_PROMPT
+    long = mtmd.Bitmap.from_bytes(gen().long_sound_bytes(), "long.wav")
+    chunks = mctx.tokenize(text, [long])
+    assert [c.type for c in chunks] == ["text", "audio", "audio", "text"]
+    assert [c.n_tokens for c in chunks] == list(ref["2_n_tokens"]) == [10, 187, 187, 4]
+    assert chunks[1].id == chunks[2].id == long.id and chunks[1].key != chunks[2].key
+    for i in (1, 2):
+        assert rel(mctx.encode_chunk(chunks[i]), ref[f"2_embd_{i}"]) < TOL
+    ctx = new_ctx(model)
+    assert mctx.eval_chunks(ctx, chunks) == int(ref["2_n_past"]) == 388
+    assert rel(ctx.get_logits_ith(-1), ref["2_logits"]) < TOL
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROJECTORS)
 def test_an_f16_mmproj_equals_llamacpp(sounds, name):
     model = llm.load_model(DATA / f"{name}.gguf")

@@ -21,6 +21,8 @@ ultravox, qwen2a and voxtral (AUDIO) read sounds instead: SOUND (committed, 0.4 
 16-bit PCM) and a 22.05 kHz stereo twin made in memory (stereo_sound_bytes), for
 AUDIO_PROMPTS; their npz also hold llama.cpp's decoded samples of each (`samples_<j>`, mono
 float32 at 16 kHz). qwen2a's 750 tokens a sound need a context of N_CTX_OF["qwen2a"].
+ultravox also hears LONG_PROMPT, a 31 s sound made in memory (long_sound_bytes): two 30 s
+chunks of the spectrogram, two audio chunks.
 
 `--images` rewrites the two test images and the test sound (seeded; committed, so normally
 never needed).
@@ -45,7 +47,7 @@ OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
-N_CTX_OF = {"qwen2a": 1024}     # projectors whose prompts need a longer context than N_CTX
+N_CTX_OF = {"qwen2a": 1024, "ultravox": 512}     # projectors whose prompts need more than N_CTX
 AUDIO = ("ultravox", "qwen2a", "voxtral")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
@@ -79,6 +81,15 @@ def sound_bytes(rate: int, channels: int, seconds: float, seed: int) -> bytes:
         f.setframerate(rate)
         f.writeframes(np.round(pcm * 32767).astype("<i2").tobytes())
     return buf.getvalue()
+
+
+LONG_PROMPT = ("A long one: <__media__> done", (2,))
+SAMPLES_KEPT = 16000        # the decoded samples stored of sounds up to 1 s (the long one is not)
+
+
+def long_sound_bytes() -> bytes:
+    """A 31 s sound (rebuilt from its seed, not committed): its spectrogram is two chunks."""
+    return sound_bytes(16000, 1, 31.0, 2027)
 
 
 def stereo_sound_bytes() -> bytes:
@@ -565,8 +576,9 @@ def llamacpp_mtmd(model_path: str, mmproj_path: str, image_paths: list[str],
         raise RuntimeError(f"libmtmd could not decode {image_paths}")
     arrays: dict[str, np.ndarray] = {}
     for j, bm in enumerate(bitmaps):
-        if M.mtmd_bitmap_is_audio(bm):      # the decoder's mono float32 samples
-            raw = np.ctypeslib.as_array(M.mtmd_bitmap_get_data(bm), (M.mtmd_bitmap_get_n_bytes(bm),))
+        n_bytes = M.mtmd_bitmap_get_n_bytes(bm)
+        if M.mtmd_bitmap_is_audio(bm) and n_bytes <= 4 * SAMPLES_KEPT:      # the decoder's mono float32 samples
+            raw = np.ctypeslib.as_array(M.mtmd_bitmap_get_data(bm), (n_bytes,))
             arrays[f"samples_{j}"] = raw.view(np.float32).copy()
     for k, (text, which) in enumerate(prompts):
         chunks = M.mtmd_input_chunks_init()
@@ -645,9 +657,12 @@ def make_oracle(name: str, out: Path = OUT) -> list[Path]:
     with tempfile.TemporaryDirectory() as tmp:
         media, all_prompts = [str(p) for p in IMAGES], PROMPTS
         if name in AUDIO:
-            stereo = Path(tmp) / "stereo.wav"
+            stereo, long = Path(tmp) / "stereo.wav", Path(tmp) / "long.wav"
             stereo.write_bytes(stereo_sound_bytes())
-            media, all_prompts = [str(SOUND), str(stereo)], AUDIO_PROMPTS
+            long.write_bytes(long_sound_bytes())
+            media, all_prompts = [str(SOUND), str(stereo), str(long)], AUDIO_PROMPTS
+            if name == "ultravox":
+                all_prompts += (LONG_PROMPT,)
         for proj, prompts, npz in ((mmproj, all_prompts, out / f"{name}.npz"),
                                    (twin, all_prompts[:1], out / f"{name}-f16.npz")):
             arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), media, prompts,
