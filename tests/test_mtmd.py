@@ -28,6 +28,7 @@ from ggmlx.tensor import Op
 from llm import mtmd
 from llm.errors import ModelLoadError
 from llm.mtmd.image import ResizeAlgo, calc_size_preserved_ratio, resize_pillow
+from llm.params import ParamError
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "mtmd"
@@ -484,6 +485,20 @@ def test_generate_at_mrope_positions_starts_with_llamacpps_greedy_token(name):
     n = vlm.mtmd.n_encode
     again = vlm.generate(text, images=[gen().IMAGES[i] for i in which], max_tokens=3, temperature=0)
     assert again.tokens == c.tokens and vlm.mtmd.n_encode == n
+
+
+@pytest.mark.slow
+def test_a_slot_counts_an_mrope_images_cells():
+    """A qwen2.5vl image takes 12 cells at 4 positions: the prompt (38 positions) needs 46 cells,
+    so a 40-cell slot refuses it up front and a 48-cell one ends after 2 tokens with "length"
+    (both used to fail in decode, out of cells)."""
+    text, _ = gen().PROMPTS[0]
+    small = llm.LLM(DATA / "qwen2.5vl.gguf", mmproj=DATA / "qwen2.5vl.mmproj.gguf", n_ctx=40)
+    with pytest.raises(ParamError, match=r"the prompt has 38 tokens \(46 cells with its images\); a slot holds 40"):
+        small.generate(text, images=[gen().IMAGES[0]], max_tokens=20)
+    c = llm.LLM(DATA / "qwen2.5vl.gguf", mmproj=DATA / "qwen2.5vl.mmproj.gguf", n_ctx=48).generate(
+        text, images=[gen().IMAGES[0]], max_tokens=20, temperature=0)
+    assert len(c.tokens) == 2 and c.finish_reason == "length"
 
 
 @pytest.mark.slow

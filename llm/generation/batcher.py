@@ -88,6 +88,12 @@ def media_prompt(chunks: Sequence[InputChunk]) -> tuple[list[int], dict[int, Inp
             tokens += [MEDIA_PLACEHOLDER] * c.n_pos
     return tokens, media
 
+
+def extra_cells(media: Mapping[int, InputChunk]) -> int:
+    """The KV cells a prompt's images take beyond their positions: an M-RoPE image's n_tokens
+    cells sit at max(nx, ny) positions, so a slot (counted in positions) holds that many less."""
+    return sum(c.n_tokens - c.n_pos for c in media.values())
+
 # Steps up to this many tokens take their whole prompt chunk, padded or not (Batcher._prompt_budget).
 FILL_MIN = 32
 
@@ -135,6 +141,7 @@ class Job:
         self.cache_prompt = cache_prompt   # keep the cells when done, to reuse their prefix
         self.tokens = [int(t) for t in tokens]
         self.media = dict(media or {})     # position -> image chunk (media_prompt)
+        self.n_extra_cells = extra_cells(self.media)
         self.params = params
         self.sink = sink
         self.seqs: list[_Seq] = []
@@ -268,8 +275,10 @@ class Batcher:
         bad = [t for t in tokens if not 0 <= t < n_vocab]
         if bad:
             raise ParamError("prompt", f"prompt token {bad[0]} is out of range [0, {n_vocab})")
-        if len(tokens) >= self.n_ctx_slot:
-            raise ParamError("prompt", f"the prompt has {len(tokens)} tokens; a slot holds {self.n_ctx_slot} "
+        n_extra = extra_cells(media) if media else 0
+        if len(tokens) + n_extra >= self.n_ctx_slot:
+            cells = f" ({len(tokens) + n_extra} cells with its images)" if n_extra else ""
+            raise ParamError("prompt", f"the prompt has {len(tokens)} tokens{cells}; a slot holds {self.n_ctx_slot} "
                                        f"(n_ctx {self.ctx.n_ctx} / {self.n_slots} slots)")
         if params.n > self.n_slots:
             raise ParamError("n", f"n = {params.n} is more than the {self.n_slots} slots")
@@ -307,7 +316,7 @@ class Batcher:
     def submit(self, job: Job) -> None:
         """Queue a checked job; its max_tokens is capped by what its slot can hold after the prompt."""
         self.check(job.tokens, job.params, job.media)
-        room = self.n_ctx_slot - len(job.tokens)
+        room = self.n_ctx_slot - len(job.tokens) - job.n_extra_cells
         if job.params.max_tokens is not None and job.params.max_tokens > room and not self._shifts(job):
             job.params = dataclasses.replace(job.params, max_tokens=room)
         self.waiting.append(job)
@@ -726,7 +735,7 @@ class Batcher:
             if again is not None:
                 self._replays.append((s, again))
         for k, token in enumerate(samples):
-            full = s.n_past - kept + k + 1 >= self.n_ctx_slot and not self._shifts(job)
+            full = s.n_past - kept + k + 1 + job.n_extra_cells >= self.n_ctx_slot and not self._shifts(job)
             delta = s.state.push(token, logits_of[k], full=full)
             if s.state.done:
                 self._finish(s, delta)
