@@ -268,11 +268,15 @@ def test_generate_and_chat_with_a_sound_start_with_llamacpps_greedy_token(alm, r
     text, _ = gen().AUDIO_PROMPTS[0]
     c = alm.generate(text, images=[SOUND], max_tokens=1, temperature=0)
     assert c.tokens == [int(ref["0_logits"].argmax())] and c.n_prompt_tokens == int(ref["0_n_past"])
+    n = alm.mtmd.n_encode
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(SOUND.read_bytes()).decode(),
                                                    "format": "wav"}}
     chat = alm.chat([{"role": "user", "content": [{"type": "text", "text": "What is this? "}, part]}],
                     max_tokens=2, temperature=0)
-    assert chat.n_completion_tokens == 2
+    assert chat.n_completion_tokens == 2 and alm.mtmd.n_encode == n      # the same sound: its embeddings cached
+    samples = mtmd.Bitmap.from_file(SOUND).data
+    again = alm.generate(text, images=[samples.astype(np.float64)], max_tokens=1, temperature=0)   # a float array
+    assert again.tokens == c.tokens and alm.mtmd.n_encode == n
     bad = {"type": "input_audio", "input_audio": {"data": "%%", "format": "wav"}}
     with pytest.raises(mtmd.MediaError, match=r"messages\[0\].content\[0\]: the input_audio data is not valid base64"):
         alm.chat([{"role": "user", "content": [bad]}])
