@@ -27,6 +27,7 @@ from ggmlx import gguf
 from ggmlx.tensor import Op
 from llm import mtmd
 from llm.errors import ModelLoadError
+from llm.mtmd import context as mtmd_context
 from llm.mtmd.image import ResizeAlgo, calc_size_preserved_ratio, resize_pillow
 from llm.params import ParamError
 
@@ -330,6 +331,19 @@ def test_qwen3vlmoe_reads_the_deepstack_slices_too():
     plain = embd.copy()
     plain[:, hp.n_embd:] = 0
     assert np.abs(logits(embd) - logits(plain)).max() > 1.0
+
+
+@pytest.mark.slow
+def test_encoder_graphs_of_dynamic_sizes_are_bounded():
+    """A qwen2.5vl encoder builds a graph per image size; the context keeps the last
+    GRAPHS_KEPT sizes (each holds a window mask of n_patches^2 floats), the most recent reused."""
+    model = llm.load_model(DATA / "qwen2.5vl.gguf")
+    mctx = mtmd.init_from_file(DATA / "qwen2.5vl.mmproj.gguf", model)
+    first = mctx.graph(64, 64)
+    for i in range(mtmd_context.GRAPHS_KEPT):
+        mctx.graph(96 + 32 * i, 64)
+    assert len(mctx._graphs) == mtmd_context.GRAPHS_KEPT and mctx.graph(64, 64) is not first
+    assert list(mctx._graphs)[-1] == (64, 64) and (96, 64) not in mctx._graphs        # the oldest went
 
 
 def test_smart_resize_sizes():

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN25VL, QWEN3VL, ULTRAVOX,
                                                               QWEN2A, VOXTRAL)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
+# encoder graphs kept by image size: a dynamic-size projector (qwen2vl) builds one per size, with
+# inputs of n_patches^2 floats (a window mask) that a long-running server must not pile up
+GRAPHS_KEPT = 8
 
 
 class EvalError(RuntimeError):
@@ -141,7 +144,7 @@ class MtmdContext:
         self.tok_ov_img_start = [self.lookup_token(t) for t in proj.tok_ov_img_start]
         self.tok_ov_img_end = [self.lookup_token(t) for t in proj.tok_ov_img_end]
         self.tok_row_end = [self.lookup_token(t) for t in proj.tok_row_end]
-        self._graphs: dict[tuple[int, int], clip.ClipGraph] = {}
+        self._graphs: collections.OrderedDict[tuple[int, int], clip.ClipGraph] = collections.OrderedDict()
         self._embd: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self.n_encode = 0               # encoder runs (a cached image does not count)
         self.t_encode = 0.0
@@ -269,12 +272,17 @@ class MtmdContext:
     # ---- encode -------------------------------------------------------------------------
 
     def graph(self, nx: int, ny: int) -> clip.ClipGraph:
-        """The encoder graph for images of this size (built once; compiled once per shape)."""
+        """The encoder graph for images of this size (built once while among the last
+        GRAPHS_KEPT sizes; compiled once per shape by ggmlx's cache)."""
         g = self._graphs.get((nx, ny))
         if g is None:
             g = clip.ClipGraph(self.clip, nx, ny)
             g.finish(self.projector.build(g))
             self._graphs[(nx, ny)] = g
+            while len(self._graphs) > GRAPHS_KEPT:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end((nx, ny))
         return g
 
     def encode_chunk(self, chunk: InputChunk) -> np.ndarray:
