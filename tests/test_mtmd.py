@@ -1,11 +1,11 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
 tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
-qwen2.5vl_merger with a qwen2vl one), a tiny text model, its mmproj, and llama.cpp's chunks,
-image embeddings and last logits for two prompts over two committed test images
-(benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's fp16
-GELU tables (<= 4.1e-4 relative); everything else is F32 math in both, but the patch
-convolution, which ggml computes in F16.
+qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger), a tiny text model, its
+mmproj, and llama.cpp's chunks, image embeddings and last logits for two prompts over two
+committed test images (benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's
+by ggml-cpu's fp16 GELU tables (<= 4.5e-4 relative); everything else is F32 math in both, but
+the patch convolution, which ggml computes in F16.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2.5vl", "qwen3vl"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl"]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def new_ctx(model) -> llm.Context:
 def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     """gemma3: <start_of_image> image <end_of_image>; idefics3: 2 x 2 slices, each after
     <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview; mlp:
-    the image's 64 patch tokens alone; qwen2.5vl and qwen3vl: <|vision_start|> image
+    the image's 64 patch tokens alone; qwen2vl, qwen2.5vl and qwen3vl: <|vision_start|> image
     <|vision_end|>, a grid of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions, for
     qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's)."""
     model, mctx, ref = each

@@ -374,6 +374,50 @@ def qwen2vl_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
     return kv
 
 
+def qwen2vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """Qwen2-VL's ViT: qwen2.5vl's shape (width 16, 3 layers, two temporal patch kernels of 16 x
+    16, the 2-D rope, the 2 x 2 merger) with layer norms, quick-GELU FFNs and no windows."""
+    n_embd, n_ff, n_layer, patch = 16, 32, 3, 16
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "qwen2vl_merger",
+        "clip.has_vision_encoder": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 2,
+        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.image_size": 512,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(6 * patch * patch)).astype(np.float32)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("v.post_ln.weight", n_embd)
+    w.bias("v.post_ln.bias", n_embd)
+    w.mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
+    w.bias("mm.0.bias", 4 * n_embd)
+    w.mat("mm.2.weight", n_embd_text, 4 * n_embd)
+    w.bias("mm.2.bias", n_embd_text)
+    return kv
+
+
 def qwen25vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """Qwen2.5-VL's ViT at width 16 (2 heads of 8, 2-D RoPE), 3 RMS-norm layers with SiLU-gated
     FFNs, every 2nd attending over the whole image and the others within windows (n_wa_pattern
@@ -526,6 +570,7 @@ SPECS = {
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
     "voxtral": (llama_text, voxtral_mmproj, ["[BEGIN_AUDIO]"], 213),
+    "qwen2vl": (qwen2vl_text, qwen2vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 211),
     "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
 }

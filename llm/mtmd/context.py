@@ -29,7 +29,7 @@ from llm.mtmd import clip
 from llm.mtmd.bitmap import Bitmap, MediaError, default_marker
 from llm.mtmd.image import normalize
 from llm.mtmd.llava import MLP
-from llm.mtmd.qwen2vl import QWEN3VL, QWEN25VL
+from llm.mtmd.qwen2vl import QWEN2VL, QWEN3VL, QWEN25VL
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
 from llm.mtmd.whisper import QWEN2A, ULTRAVOX, VOXTRAL
 
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN25VL, QWEN3VL, ULTRAVOX,
-                                                              QWEN2A, VOXTRAL)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN2VL, QWEN25VL, QWEN3VL,
+                                                              ULTRAVOX, QWEN2A, VOXTRAL)}
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 # encoder graphs kept by image size: a dynamic-size projector (qwen2vl) builds one per size, with
 # inputs of n_patches^2 floats (a window mask) that a long-running server must not pile up

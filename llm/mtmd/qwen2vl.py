@@ -13,6 +13,8 @@ token, returned in raster order. The text model reads the image between <|vision
 and <|vision_end|> at M-RoPE positions: the image's first position for t, the token's row
 and column (from it) for h and w.
 
+qwen2vl_merger (Qwen2-VL) is the same graph with layer norms and no windows.
+
 qwen3vl_merger (Qwen3-VL; models/qwen3vl.cpp): the same patches with a patch bias and learned
 position embeddings (an n x n grid resized bilinearly, corners aligned, to the image's), layer
 norms, fused QKV, plain GELU FFNs and no windows. DeepStack: some layers' outputs also go
@@ -44,22 +46,32 @@ from llm.mtmd.clip import (
 )
 from llm.mtmd.image import ResizeAlgo, calc_size_preserved_ratio, resize
 
-MERGE = 2                   # clip.cpp merges 2 x 2 patches (merge_ratio) whatever spatial_merge_size says
+MERGE = 2                   # clip.cpp's qwen graphs merge 2 x 2 patches (merge_ratio); no other spatial_merge_size
 ATTN_WINDOW_SIZE = 112      # pixels; clip.cpp's default, Qwen2.5-VL's mmproj files carry none
 ROPE_THETA = 10000.0
+QWEN25VL_NAME = "qwen2.5vl_merger"
 
 
-def load_qwen25vl(model: ClipModel) -> int:
+def load_qwen2vl(model: ClipModel) -> int:
+    """qwen2vl_merger and qwen2.5vl_merger: the window pattern is Qwen2.5-VL's (required there);
+    Qwen2-VL attends over the whole image in every layer (clip.cpp gives it no window inputs)."""
     hp = model.hparams
     merge = model.kv.get(ClipKV.SPATIAL_MERGE_SIZE.key(), MERGE)
     if merge != MERGE:
         raise ModelLoadError(f"{model.path}: '{ClipKV.SPATIAL_MERGE_SIZE.key()}' = {merge}; the qwen2vl graph "
                              f"merges {MERGE} x {MERGE} patches")
     hp.n_merge = MERGE
-    pattern = model.kv.get(ClipKV.WIN_ATTN_PATTERN.key())
+    windows = hp.projector == QWEN25VL_NAME
+    pattern = model.kv.get(ClipKV.WIN_ATTN_PATTERN.key(), None if windows else 0)
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
-        raise ModelLoadError(f"{model.path}: qwen2.5vl_merger needs '{ClipKV.WIN_ATTN_PATTERN.key()}' (an integer "
+        raise ModelLoadError(f"{model.path}: {hp.projector} needs '{ClipKV.WIN_ATTN_PATTERN.key()}' (an integer "
                              f">= 0), got {pattern!r}")
+    if pattern and not windows:
+        raise ModelLoadError(f"{model.path}: '{ClipKV.WIN_ATTN_PATTERN.key()}' = {pattern}: {hp.projector} has no "
+                             f"windowed attention")
+    if pattern and ATTN_WINDOW_SIZE // hp.patch_size // MERGE == 0:
+        raise ModelLoadError(f"{model.path}: patches of {hp.patch_size} pixels are too large for windows of "
+                             f"{ATTN_WINDOW_SIZE}")
     hp.n_wa_pattern = pattern
     # set_limit_image_tokens(8, 4096)
     area = hp.patch_size * hp.patch_size * MERGE * MERGE
@@ -169,6 +181,7 @@ def build_qwen2vl(g: ClipGraph) -> Tensor:
         raise ValueError(f"qwen2vl: an image of {g.nx}x{g.ny} is not whole {MERGE}x{MERGE} blocks of patches")
     gx, gy = px // MERGE, py // MERGE
     use_window = hp.n_wa_pattern > 0
+    rms = hp.projector == QWEN25VL_NAME          # Qwen2-VL's are layer norms
 
     inpL = ops.reshape_3d(merge_order(g, build_inp_temporal(g)), n_embd, n_pos, 1)
 
@@ -176,7 +189,7 @@ def build_qwen2vl(g: ClipGraph) -> Tensor:
     idx = np.arange(gx * gy, dtype=np.int32)
     pre_w = m.get(ctn(ClipTensor.LN_PRE), False)
     if pre_w is not None:
-        inpL = g.build_norm(inpL, pre_w, m.get(ctn(ClipTensor.LN_PRE, "bias"), False), True, -1)
+        inpL = g.build_norm(inpL, pre_w, m.get(ctn(ClipTensor.LN_PRE, "bias"), False), rms, -1)
     window_mask: Tensor | None = None
     if use_window:
         idx, inv, mask = window_index(hp, gx, gy)
@@ -189,8 +202,8 @@ def build_qwen2vl(g: ClipGraph) -> Tensor:
 
     for il, layer in enumerate(m.layers):
         full_attn = not use_window or (il + 1) % hp.n_wa_pattern == 0
-        cur = g.cb(g.build_norm(inpL, layer.ln_1_w, layer.ln_1_b, True, il), "ln1", il)
-        assert layer.q_b is not None and layer.k_b is not None and layer.v_b is not None    # load_qwen25vl
+        cur = g.cb(g.build_norm(inpL, layer.ln_1_w, layer.ln_1_b, rms, il), "ln1", il)
+        assert layer.q_b is not None and layer.k_b is not None and layer.v_b is not None    # load_qwen2vl
         q = ops.add(ops.mul_mat(layer.q_w, cur), layer.q_b)
         k = ops.add(ops.mul_mat(layer.k_w, cur), layer.k_b)
         v = ops.add(ops.mul_mat(layer.v_w, cur), layer.v_b)
@@ -203,14 +216,14 @@ def build_qwen2vl(g: ClipGraph) -> Tensor:
         cur = g.cb(cur, "attn_out", il)
         cur = ops.add(cur, inpL)
         inpL = g.cb(cur, "ffn_inp", il)
-        cur = g.cb(g.build_norm(cur, layer.ln_2_w, layer.ln_2_b, True, il), "ffn_inp_normed", il)
+        cur = g.cb(g.build_norm(cur, layer.ln_2_w, layer.ln_2_b, rms, il), "ffn_inp_normed", il)
         cur = g.build_ffn(cur, layer.ff_up_w, layer.ff_up_b, layer.ff_gate_w, layer.ff_gate_b,
                           layer.ff_down_w, layer.ff_down_b, hp.ffn_op, il)
         cur = g.cb(cur, "ffn_out", il)
         inpL = g.cb(ops.add(inpL, cur), "layer_out", il)
     post_w = m.get(ctn(ClipTensor.LN_POST), False)
     if post_w is not None:
-        inpL = g.build_norm(inpL, post_w, m.get(ctn(ClipTensor.LN_POST, "bias"), False), True, hp.n_layer)
+        inpL = g.build_norm(inpL, post_w, m.get(ctn(ClipTensor.LN_POST, "bias"), False), rms, hp.n_layer)
 
     # the merger: each 2 x 2 block one token
     cur = ops.reshape_3d(inpL, n_embd * MERGE * MERGE, gx * gy, 1)
@@ -224,7 +237,11 @@ def build_qwen2vl(g: ClipGraph) -> Tensor:
     return ops.reshape_2d(cur, hp.projection_dim, gx * gy)
 
 
-QWEN25VL = Projector(name="qwen2.5vl_merger", text_archs=frozenset({"qwen2vl"}), load=load_qwen25vl,
+QWEN2VL = Projector(name="qwen2vl_merger", text_archs=frozenset({"qwen2vl"}), load=load_qwen2vl,
+                    build=build_qwen2vl, n_output_tokens=n_tokens_qwen2vl, n_output_grid=grid_qwen2vl,
+                    resize_algo=ResizeAlgo.BICUBIC, preprocess=preprocess_dyn_size,
+                    img_beg="<|vision_start|>", img_end="<|vision_end|>")
+QWEN25VL = Projector(name=QWEN25VL_NAME, text_archs=frozenset({"qwen2vl"}), load=load_qwen2vl,
                      build=build_qwen2vl, n_output_tokens=n_tokens_qwen2vl, n_output_grid=grid_qwen2vl,
                      resize_algo=ResizeAlgo.BICUBIC, preprocess=preprocess_dyn_size,
                      img_beg="<|vision_start|>", img_end="<|vision_end|>")
