@@ -168,6 +168,36 @@ def test_a_31_s_sound_is_two_chunks_as_llamacpps(model, mctx, ref):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("suffix", ["", "-f16"])
+def test_qwen25o_reads_an_image_and_a_sound_in_one_prompt(suffix):
+    """qwen2.5o (Qwen2.5-Omni) holds a qwen2.5vl vision encoder and a qwen2a audio encoder in
+    one file (mtmd's ctx_v and ctx_a): the image between <|vision_start|> and <|vision_end|> at
+    2-D M-RoPE positions (12 tokens in 4 positions), the sound between <|audio_bos|> and
+    <|audio_eos|> at 1-D ones in every section (750)."""
+    model = llm.load_model(DATA / "qwen2.5o.gguf")
+    mctx = mtmd.init_from_file(DATA / f"qwen2.5o{suffix}.mmproj.gguf", model)
+    ref = dict(np.load(DATA / f"qwen2.5o{suffix}.npz"))
+    assert mctx.support_vision() and mctx.support_audio()
+    assert (mctx.projector.name, mctx.projector_a.name) == ("qwen2.5vl_merger", "qwen2a")
+    media = [mtmd.Bitmap.from_file(p) for p in gen().IMAGES] + [mtmd.Bitmap.from_file(SOUND)]
+    text, which = gen().OMNI_PROMPTS[0]
+    chunks = mctx.tokenize(text, [media[i] for i in which])
+    types = {"text": 0, "image": 1, "audio": 2}
+    assert [types[c.type] for c in chunks] == list(ref["0_types"]) == [0, 1, 0, 2, 0]
+    assert [c.n_tokens for c in chunks] == list(ref["0_n_tokens"])
+    assert [c.n_pos for c in chunks] == list(ref["0_n_pos"]) == [9, 4, 12, 750, 3]
+    for i, c in enumerate(chunks):
+        if c.type == "text":
+            assert c.tokens == list(ref[f"0_text_{i}"])
+        elif c.type == "audio" or not suffix:          # the F16 image is qwen2.5vl's test (9.4e-4 here)
+            assert rel(mctx.encode_chunk(c), ref[f"0_embd_{i}"]) < TOL        # image 2.9e-4, sound 2.9e-6
+    assert chunks[3].image.decoder_pos(21).tolist() == [list(range(21, 771))] * 4
+    ctx = new_ctx(model, "qwen2.5o")
+    assert mctx.eval_chunks(ctx, chunks) == int(ref["0_n_past"]) == 778
+    assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL                  # 3.1e-6 (F16: 2.5e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROJECTORS)
 def test_an_f16_mmproj_equals_llamacpp(sounds, name):
     model = llm.load_model(DATA / f"{name}.gguf")

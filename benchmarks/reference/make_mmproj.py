@@ -47,7 +47,7 @@ OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
-N_CTX_OF = {"qwen2a": 1024, "ultravox": 512}     # projectors whose prompts need more than N_CTX
+N_CTX_OF = {"qwen2a": 1024, "ultravox": 512, "qwen2.5o": 1024}     # prompts that need more than N_CTX
 AUDIO = ("ultravox", "qwen2a", "voxtral")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
@@ -84,6 +84,8 @@ def sound_bytes(rate: int, channels: int, seconds: float, seed: int) -> bytes:
 
 
 LONG_PROMPT = ("A long one: <__media__> done", (2,))
+# qwen2.5o's prompt over [*IMAGES, SOUND]: an image and a sound in one prompt
+OMNI_PROMPTS = (("Look at <__media__> and listen to <__media__> now", (0, 2)),)
 SAMPLES_KEPT = 16000        # the decoded samples stored of sounds up to 1 s (the long one is not)
 
 
@@ -561,6 +563,18 @@ def voxtral_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def qwen25o_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """Qwen2.5-Omni's mmproj: qwen2.5vl's vision encoder and qwen2a's audio encoder (drawn from a
+    second seed) in one file, projector type qwen2.5o, both encoders' keys."""
+    kv = qwen25vl_mmproj(w, n_embd_text)
+    wa = mf.Weights(int(w.rng.integers(1 << 30)))
+    kv_a = qwen2a_mmproj(wa, n_embd_text)
+    w.t.update(wa.t)
+    kv.update({k: v for k, v in kv_a.items() if k.startswith("clip.audio.") or k == "clip.has_audio_encoder"})
+    kv["clip.projector_type"] = "qwen2.5o"
+    return kv
+
+
 SPECS = {
     # name: (text kv/weights, mmproj kv/weights, extra tokens, seed)
     "gemma3": (gemma3_text, gemma3_mmproj, ["<start_of_image>", "<end_of_image>"], 201),
@@ -570,6 +584,8 @@ SPECS = {
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
     "voxtral": (llama_text, voxtral_mmproj, ["[BEGIN_AUDIO]"], 213),
+    "qwen2.5o": (qwen2vl_text, qwen25o_mmproj,
+                 ["<|vision_start|>", "<|vision_end|>", "<|audio_bos|>", "<|audio_eos|>"], 215),
     "qwen2vl": (qwen2vl_text, qwen2vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 211),
     "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
@@ -708,6 +724,8 @@ def make_oracle(name: str, out: Path = OUT) -> list[Path]:
             media, all_prompts = [str(SOUND), str(stereo), str(long)], AUDIO_PROMPTS
             if name == "ultravox":
                 all_prompts += (LONG_PROMPT,)
+        if name == "qwen2.5o":
+            media, all_prompts = [*media, str(SOUND)], OMNI_PROMPTS
         for proj, prompts, npz in ((mmproj, all_prompts, out / f"{name}.npz"),
                                    (twin, all_prompts[:1], out / f"{name}-f16.npz")):
             arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), media, prompts,

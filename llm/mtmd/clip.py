@@ -280,12 +280,24 @@ def load_model(path: str | os.PathLike, device: jax.Device | None = None) -> tup
         model = ClipModel(path, load_hparams_audio(path, kv, projector_type(path, kv, audio=True)), kv,
                           PREFIX_AUDIO)
     else:
-        model = ClipModel(path, load_hparams(path, kv, projector_type(path, kv)), kv)
+        proj = projector_type(path, kv)
+        # qwen2.5o (Qwen2.5-Omni) holds both encoders: its vision half is qwen2.5vl's
+        model = ClipModel(path, load_hparams(path, kv, "qwen2.5vl_merger" if proj == "qwen2.5o" else proj), kv)
     for name, ti in reader.tensors.items():
         t = new_weight(GGMLType(ti.type), ti.ne, name)
         t.data = weights.to_device(ti.data, GGMLType(ti.type), ti.ne, device, "native")
         model.tensors[name] = t
     return model, reader
+
+
+def audio_beside(model: ClipModel) -> ClipModel | None:
+    """The audio encoder of an mmproj that holds one beside its vision encoder (qwen2.5o: mtmd's
+    ctx_a beside ctx_v), on the same tensors; None for a file of one modality."""
+    kv = model.kv
+    if model.hparams.is_audio or not kv.get(ClipKV.HAS_AUDIO_ENC.value, False):
+        return None
+    hp = load_hparams_audio(model.path, kv, projector_type(model.path, kv, audio=True))
+    return ClipModel(model.path, hp, kv, PREFIX_AUDIO, tensors=model.tensors)
 
 
 def check_shape(model: ClipModel, t: Tensor | None, ne: tuple[int, ...]) -> None:

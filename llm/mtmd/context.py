@@ -67,6 +67,7 @@ class ImageTokens:
     pixels: np.ndarray = field(repr=False)
     key: str = ""
     mrope: bool = False     # the text model reads the grid at 2-D positions (M-RoPE)
+    audio: bool = False     # a sound's chunk: at M-RoPE positions every section reads n_past + i
 
     @property
     def n_tokens(self) -> int:
@@ -78,6 +79,8 @@ class ImageTokens:
         i = np.arange(self.n_tokens)
         if not self.mrope:
             return n_past + i
+        if self.audio:          # set_position_mrope_1d
+            return np.tile(n_past + i, (4, 1))
         return np.stack([np.full_like(i, n_past), n_past + i // self.nx, n_past + i % self.nx, np.zeros_like(i)])
 
 
@@ -119,7 +122,33 @@ class MtmdContext:
         device = model.place.dev_output
         self.clip, reader = clip.load_model(self.path, device)
         reader.close()
-        name = self.clip.hparams.projector
+        self.projector = proj = self._bind(self.clip)
+        self.n_mmproj_embd = model.hparams.n_embd_inp()
+        # the audio encoder: the file's only one, or one beside its vision encoder (qwen2.5o)
+        self.clip_a: clip.ClipModel | None = self.clip if self.clip.hparams.is_audio else clip.audio_beside(self.clip)
+        self.projector_a = self.projector if self.clip_a is self.clip else \
+            self._bind(self.clip_a) if self.clip_a is not None else None
+        self.marker = default_marker()
+        self.mrope = model.hparams.n_pos_per_embd() > 1         # mtmd_decode_use_mrope
+        vocab = model.vocab
+        self.tok_beg = vocab.tokenize(proj.img_beg, False, True) if proj.img_beg else []
+        self.tok_end = vocab.tokenize(proj.img_end, False, True) if proj.img_end else []
+        proj_a = self.projector_a
+        self.tok_beg_a = vocab.tokenize(proj_a.img_beg, False, True) if proj_a is not None and proj_a.img_beg else []
+        self.tok_end_a = vocab.tokenize(proj_a.img_end, False, True) if proj_a is not None and proj_a.img_end else []
+        self.tok_ov_img_start = [self.lookup_token(t) for t in proj.tok_ov_img_start]
+        self.tok_ov_img_end = [self.lookup_token(t) for t in proj.tok_ov_img_end]
+        self.tok_row_end = [self.lookup_token(t) for t in proj.tok_row_end]
+        self._graphs: collections.OrderedDict[tuple[int, int], clip.ClipGraph] = collections.OrderedDict()
+        # the second encoder's (the audio one of a file with both), by spectrogram size
+        self._graphs_a: collections.OrderedDict[tuple[int, int], clip.ClipGraph] = collections.OrderedDict()
+        self._embd: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.n_encode = 0               # encoder runs (a cached image does not count)
+        self.t_encode = 0.0
+
+    def _bind(self, c: clip.ClipModel) -> clip.Projector:
+        """The projector of one encoder: supported, fed to this text model, giving its width."""
+        model, name = self.text_model, c.hparams.projector
         proj = PROJECTORS.get(name)
         if proj is None:
             raise ModelLoadError(f"{self.path}: projector type '{name}' is not supported "
@@ -128,34 +157,22 @@ class MtmdContext:
         if arch not in proj.text_archs:
             raise ModelLoadError(f"{self.path}: a '{name}' projector feeds {', '.join(sorted(proj.text_archs))} "
                                  f"text models; {model.path} is '{arch}'")
-        self.projector = proj
-        self.n_mmproj_embd = proj.load(self.clip)
+        n_mmproj_embd = proj.load(c)
         n_embd_inp = model.hparams.n_embd_inp()         # llama_model_n_embd_inp: with DeepStack's slices
-        if self.n_mmproj_embd != n_embd_inp:
-            raise ModelLoadError(f"{self.path}: the projector gives {self.n_mmproj_embd} values per token; "
+        if n_mmproj_embd != n_embd_inp:
+            raise ModelLoadError(f"{self.path}: the projector gives {n_mmproj_embd} values per token; "
                                  f"{model.path} has n_embd {model.hparams.n_embd}"
                                  + (f" and reads {n_embd_inp} per image token" if n_embd_inp != model.hparams.n_embd
                                     else ""))
-        self.marker = default_marker()
-        self.mrope = model.hparams.n_pos_per_embd() > 1         # mtmd_decode_use_mrope
-        vocab = model.vocab
-        self.tok_beg = vocab.tokenize(proj.img_beg, False, True) if proj.img_beg else []
-        self.tok_end = vocab.tokenize(proj.img_end, False, True) if proj.img_end else []
-        self.tok_ov_img_start = [self.lookup_token(t) for t in proj.tok_ov_img_start]
-        self.tok_ov_img_end = [self.lookup_token(t) for t in proj.tok_ov_img_end]
-        self.tok_row_end = [self.lookup_token(t) for t in proj.tok_row_end]
-        self._graphs: collections.OrderedDict[tuple[int, int], clip.ClipGraph] = collections.OrderedDict()
-        self._embd: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
-        self.n_encode = 0               # encoder runs (a cached image does not count)
-        self.t_encode = 0.0
+        return proj
 
     def support_vision(self) -> bool:
         """mtmd_support_vision: the projector reads images."""
         return not self.clip.hparams.is_audio
 
     def support_audio(self) -> bool:
-        """mtmd_support_audio: the projector reads sounds."""
-        return self.clip.hparams.is_audio
+        """mtmd_support_audio: the projector (or the second encoder) reads sounds."""
+        return self.clip_a is not None
 
     # ---- tokenize -----------------------------------------------------------------------
 
@@ -171,12 +188,12 @@ class MtmdContext:
 
     def _audio(self, bm: Bitmap, what: str) -> list[ImageTokens]:
         """A sound's chunks: one per 30 s of its log-mel spectrogram."""
-        if not self.clip.hparams.is_audio:
+        c, proj = self.clip_a, self.projector_a
+        if c is None or proj is None:
             raise MediaError(f"{what} is a sound; the '{self.projector.name}' projector reads images")
-        pre = self.projector.preprocess(self.clip, self.projector, bm.data)
-        hp = self.clip.hparams
-        return [ImageTokens(self.projector.n_output_tokens(hp, mel.shape[1], mel.shape[0]), 1, bm.id, mel[None],
-                            f"{bm.id}#{k}") for k, mel in enumerate(pre.entries)]
+        pre = proj.preprocess(c, proj, bm.data)
+        return [ImageTokens(proj.n_output_tokens(c.hparams, mel.shape[1], mel.shape[0]), 1, bm.id, mel[None],
+                            f"{bm.id}#{k}", mrope=self.mrope, audio=True) for k, mel in enumerate(pre.entries)]
 
     def _image(self, img: np.ndarray, bm: Bitmap, k: int) -> ImageTokens:
         hp = self.clip.hparams
@@ -228,9 +245,9 @@ class MtmdContext:
             if i == len(bitmaps):
                 break
             if bitmaps[i].is_audio:
-                add_text(self.tok_beg)
+                add_text(self.tok_beg_a)
                 chunks += [InputChunk("audio", image=a) for a in self._audio(bitmaps[i], f"bitmaps[{i}]")]
-                add_text(self.tok_end)
+                add_text(self.tok_end_a)
                 continue
             if self.clip.hparams.is_audio:
                 raise MediaError(f"bitmaps[{i}] is an image; the '{proj.name}' projector reads sounds")
@@ -271,18 +288,23 @@ class MtmdContext:
 
     # ---- encode -------------------------------------------------------------------------
 
-    def graph(self, nx: int, ny: int) -> clip.ClipGraph:
+    def graph(self, nx: int, ny: int, audio: bool | None = None) -> clip.ClipGraph:
         """The encoder graph for images of this size (built once while among the last
-        GRAPHS_KEPT sizes; compiled once per shape by ggmlx's cache)."""
-        g = self._graphs.get((nx, ny))
+        GRAPHS_KEPT sizes; compiled once per shape by ggmlx's cache); audio: the audio
+        encoder's for a spectrogram of nx frames (the file's own modality by default)."""
+        audio = self.clip.hparams.is_audio if audio is None else audio
+        c, proj = (self.clip_a, self.projector_a) if audio else (self.clip, self.projector)
+        assert c is not None and proj is not None, "this mmproj has no audio encoder"
+        graphs = self._graphs if c is self.clip else self._graphs_a
+        g = graphs.get((nx, ny))
         if g is None:
-            g = clip.ClipGraph(self.clip, nx, ny)
-            g.finish(self.projector.build(g))
-            self._graphs[(nx, ny)] = g
-            while len(self._graphs) > GRAPHS_KEPT:
-                self._graphs.popitem(last=False)
+            g = clip.ClipGraph(c, nx, ny)
+            g.finish(proj.build(g))
+            graphs[(nx, ny)] = g
+            while len(graphs) > GRAPHS_KEPT:
+                graphs.popitem(last=False)
         else:
-            self._graphs.move_to_end((nx, ny))
+            graphs.move_to_end((nx, ny))
         return g
 
     def encode_chunk(self, chunk: InputChunk) -> np.ndarray:
@@ -296,7 +318,7 @@ class MtmdContext:
             return hit
         t0 = time.perf_counter()
         ny, nx = img.pixels.shape[1:]
-        g = self.graph(nx, ny)
+        g = self.graph(nx, ny, audio=chunk.type == "audio")
         assert g.out is not None
         outs, _ = compute(g.gf, {g.inp_raw: img.pixels, **g.inputs}, device=self.text_model.place.dev_output)
         embd = np.asarray(outs[g.out], np.float32).reshape(-1, self.n_mmproj_embd)
@@ -339,7 +361,7 @@ class MtmdContext:
             embd = self.encode_chunk(chunk)
             assert chunk.image is not None      # encode_chunk refuses a text chunk
             pos = chunk.image.decoder_pos(n_past)
-            non_causal = self.projector.non_causal
+            non_causal = self.projector.non_causal and chunk.type == "image"      # mtmd_decode_use_non_causal
             if non_causal:
                 ctx.set_causal_attn(False)
             try:

@@ -20,7 +20,8 @@ clip_n_output_tokens counts (ceil(3000 / s) / 2). Where the two counts differ (w
 
 qwen2a (Qwen2-Audio): each two encoder positions averaged before the post-LN (750 tokens a
 chunk), then one projection with bias (mm.a.fc); the sound sits between <|audio_bos|> and
-<|audio_eos|>. (qwen2.5o's audio half is the same, but its text model reads M-RoPE positions.)
+<|audio_eos|>; qwen2.5o (Qwen2.5-Omni) is a qwen2.5vl vision encoder and this one in one file,
+for a qwen2vl text model that reads the sound at M-RoPE positions (every section n_past + i).
 
 voxtral (Voxtral Mini): the positions averaged in pairs, stacked stack_factor at a time (4: 187
 tokens a chunk, with the same padding quirk), then a GELU (erf) MLP without biases (mm.a.mlp.1,
@@ -191,7 +192,7 @@ def build_qwen2a(g: ClipGraph) -> Tensor:
     return g.cb(cur, "projected")
 
 
-QWEN2A = Projector(name="qwen2a", text_archs=frozenset({"qwen2"}), load=load_qwen2a, build=build_qwen2a,
+QWEN2A = Projector(name="qwen2a", text_archs=frozenset({"qwen2", "qwen2vl"}), load=load_qwen2a, build=build_qwen2a,
                    n_output_tokens=n_tokens_qwen2a, preprocess=preprocess_whisper, img_beg="<|audio_bos|>",
                    img_end="<|audio_eos|>")
 
