@@ -53,11 +53,13 @@ RMS_EPS = 1e-6                           # the ultravox projector's norms (not t
 
 def conv_1d_ph(kernel: Tensor, x: Tensor, s: int, d: int) -> Tensor:
     """ggml_conv_1d_ph(kernel [K, IC, OC], x [L, IC]): stride s, dilation d, padding K / 2
-    -> [OL, OC]. The columns are F16 (ggml_conv_1d's im2col), and the mul_mat converts the
-    kernel to F16 to multiply them, so it is rounded here too; sums stay F32."""
+    -> [OL, OC]. The columns are F16 (ggml_conv_1d's im2col; F32 for a BF16 kernel), and the
+    mul_mat converts an F32 kernel to F16 to multiply them, so it is rounded here too; sums
+    stay F32."""
     k = kernel.ne[0]
-    cols = ops.im2col(kernel, x, s, 0, k // 2, 0, d, 0, False, GGMLType.F16)    # [IC K, OL]
-    w = kernel if kernel.type == GGMLType.F16 else ops.cast(ops.cast(kernel, GGMLType.F16), GGMLType.F32)
+    bf16 = kernel.type == GGMLType.BF16
+    cols = ops.im2col(kernel, x, s, 0, k // 2, 0, d, 0, False, GGMLType.F32 if bf16 else GGMLType.F16)  # [IC K, OL]
+    w = ops.cast(ops.cast(kernel, GGMLType.F16), GGMLType.F32) if kernel.type == GGMLType.F32 else kernel
     out = ops.mul_mat(ops.reshape_2d(cols, cols.ne[0], cols.ne[1] * cols.ne[2]),
                       ops.reshape_2d(w, k * kernel.ne[1], kernel.ne[2]))
     return ops.reshape_2d(out, cols.ne[1], kernel.ne[2])
