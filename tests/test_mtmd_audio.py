@@ -198,6 +198,29 @@ def test_qwen25o_reads_an_image_and_a_sound_in_one_prompt(suffix):
 
 
 @pytest.mark.slow
+def test_a_mixed_mmproj_with_an_unsupported_audio_encoder_reads_images(tmp_path, caplog):
+    """Vision and audio encoders named apart (clip.vision / clip.audio.projector_type), the audio
+    one not supported here (qwen3a): the images are still read, with a warning."""
+    from ggmlx import gguf
+    mixed = tmp_path / "mixed.mmproj.gguf"
+    with gguf.GGUFReader(DATA / "qwen2.5o.mmproj.gguf") as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            if k != "clip.projector_type":
+                w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+        for k, v in (("clip.vision.projector_type", "qwen2.5vl_merger"), ("clip.audio.projector_type", "qwen3a")):
+            w.add_kv(k, v, f.kv_types["clip.projector_type"], None)
+        for name, ti in f.tensors.items():
+            w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))
+        w.write(mixed)
+    mctx = mtmd.init_from_file(mixed, llm.load_model(DATA / "qwen2.5o.gguf"))
+    assert mctx.support_vision() and not mctx.support_audio()
+    assert "its audio encoder ('qwen3a') is not supported; it reads images only" in caplog.text
+    with pytest.raises(mtmd.MediaError, match=r"is a sound; the 'qwen2.5vl_merger' projector reads images"):
+        mctx.tokenize(mtmd.default_marker(), [mtmd.Bitmap.from_file(SOUND)])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROJECTORS)
 def test_an_f16_mmproj_equals_llamacpp(sounds, name):
     model = llm.load_model(DATA / f"{name}.gguf")

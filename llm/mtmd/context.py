@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN2VL, QWEN25VL, QWEN3VL,
                                                               ULTRAVOX, QWEN2A, VOXTRAL)}
+AUDIO_PROJECTORS = frozenset(p.name for p in (ULTRAVOX, QWEN2A, VOXTRAL))     # those that read sounds
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 # encoder graphs kept by image size: a dynamic-size projector (qwen2vl) builds one per size, with
 # inputs of n_patches^2 floats (a window mask) that a long-running server must not pile up
@@ -126,6 +127,10 @@ class MtmdContext:
         self.n_mmproj_embd = model.hparams.n_embd_inp()
         # the audio encoder: the file's only one, or one beside its vision encoder (qwen2.5o)
         self.clip_a: clip.ClipModel | None = self.clip if self.clip.hparams.is_audio else clip.audio_beside(self.clip)
+        if self.clip_a is not None and self.clip_a.hparams.projector not in AUDIO_PROJECTORS:
+            logger.warning("%s: its audio encoder ('%s') is not supported; it reads images only", self.path,
+                           self.clip_a.hparams.projector)
+            self.clip_a = None
         self.projector_a = self.projector if self.clip_a is self.clip else \
             self._bind(self.clip_a) if self.clip_a is not None else None
         self.marker = default_marker()
