@@ -887,11 +887,18 @@ class LLM:
 
     def trace(self, prompt: str | list[int], capture: str | Sequence[str] = ("l_out-*",),
               interventions: trace_mod.Interventions | None = None,
-              flash_attn: bool | None = None) -> trace_mod.Trace:
+              flash_attn: bool | None = None, *, images: Sequence | None = None,
+              capture_encoder: str | Sequence[str] = ()) -> trace_mod.Trace:
         """Run `prompt` from an empty cache and return the nodes matched by the fnmatch
         patterns in `capture` (an `llm.Trace`), under `interventions` ({pattern: fn(x) or
         fn(x, il)}, inserted after each matched node). flash_attn None: the unfused
-        attention path when a pattern asks for kq / kq_soft_max / kqv nodes."""
+        attention path when a pattern asks for kq / kq_soft_max / kqv nodes.
+        `images` (with an mmproj): what the prompt's media markers stand for, as generate
+        takes them; `capture_encoder`: patterns of the encoder's nodes (clip.cpp's names,
+        `kq_soft_max-*`, `layer_out-*`) to keep per image, in `Trace.media`."""
+        if images is not None or capture_encoder:
+            return trace_mod.run_media_trace(self, prompt, images or [], capture, capture_encoder, interventions,
+                                             flash_attn)
         return trace_mod.run_trace(self, prompt, capture, interventions, flash_attn)
 
     def gradient(self, prompt: str | list[int], target, wrt: str | Sequence[str] = ("inp_embd",),

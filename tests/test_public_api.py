@@ -60,7 +60,7 @@ MODULE_NAMES = {
     "llm.perplexity": [],
     "llm.profiler": ["profile", "StepProfile"],
     "llm.diff_llamacpp": [],
-    "llm.plot": ["logit_lens", "attention", "attention_grid", "saliency", "token_labels"],
+    "llm.plot": ["logit_lens", "attention", "attention_grid", "saliency", "token_labels", "image_attention"],
     "llm.tools": ["parse_reply"],
     # issue 31: LoRA adapters
     "llm.adapter": ["LoraAdapter", "LoraWeight", "LoraScales", "adapter_lora_init", "write_lora", "fuse"],
@@ -93,6 +93,7 @@ MODULE_NAMES = {
     "llm.mtmd.image": ["resize_pillow", "resize", "normalize", "ResizeAlgo", "PadStyle"],
     "llm.mtmd.siglip": ["GEMMA3", "IDEFICS3", "pool_2d_avg", "patch_merge_permute", "preprocess_idefics3"],
     "llm.mtmd.llava": ["MLP", "build_mlp"],
+    "llm.research.trace": ["MediaTrace", "Trace", "LogitLens"],
     "llm.serving.media": ["load_images", "media_job", "fetch", "REMOTE_MAX_BYTES", "REMOTE_TIMEOUT_S"],
     "llm.serving.requests": ["MediaPart", "media_parts"],
     # issue 28: recurrent and hybrid memories
@@ -119,6 +120,7 @@ METHODS = {
     # issue 30: images in
     "llm.mtmd:MtmdContext": ["tokenize", "encode_chunk", "eval_chunks", "preprocess", "graph", "lookup_token"],
     "llm.mtmd:Bitmap": ["from_file", "from_bytes", "from_array", "from_url"],
+    "llm.research.trace:Trace": ["image_attention", "logit_lens"],
     # issue 29: per-layer head sizes (gemma4)
     "llm.hparams:HParams": ["n_embd_head_k_l", "n_embd_head_v_l", "n_rot_l", "has_kv", "kv_layer"],
 }
@@ -170,6 +172,7 @@ def test_media_keywords():
     assert "mmproj" in inspect.signature(llm.LLM.__init__).parameters
     for method in (llm.LLM.generate, llm.LLM.stream):
         assert "images" in inspect.signature(method).parameters
+    assert {"images", "capture_encoder"} <= set(inspect.signature(llm.LLM.trace).parameters)
 
 
 @pytest.mark.parametrize("owner, names", METHODS.items())

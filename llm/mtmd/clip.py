@@ -436,11 +436,12 @@ class ClipGraph:
                    il: int, kq_mask: Tensor | None = None) -> Tensor:
         """Attention over the patches, unfused (kq -> softmax -> kqv), as clip.cpp computes it
         with flash attention off: full (non-causal), or within kq_mask [n_pos, n_pos] (0 or
-        -inf); -> [n_embd, n_pos]."""
+        -inf); -> [n_embd, n_pos]. The probabilities are named `kq_soft_max-il`, as the text
+        graph names its own, so a trace can capture them (LLM.trace's capture_encoder)."""
         q = ops.permute(q_cur, 0, 2, 1, 3)
         k = ops.permute(k_cur, 0, 2, 1, 3)
         v = ops.cont(ops.permute(v_cur, 1, 2, 0, 3))
-        kq = ops.soft_max_ext(ops.mul_mat(k, q), kq_mask, self.kq_scale, 0.0)
+        kq = self.cb(ops.soft_max_ext(ops.mul_mat(k, q), kq_mask, self.kq_scale, 0.0), "kq_soft_max", il)
         kqv = ops.mul_mat(v, kq)
         cur = ops.permute(kqv, 0, 2, 1, 3)
         cur = self.cb(ops.cont_2d(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]), "kqv_out", il)

@@ -1,4 +1,5 @@
-"""matplotlib figures for traces: logit lens, attention maps, saliency, per-node diffs.
+"""matplotlib figures for traces: logit lens, attention maps, image attention overlays, saliency,
+per-node diffs.
 matplotlib is imported when a figure is drawn, not with llm."""
 from __future__ import annotations
 
@@ -75,6 +76,31 @@ def attention_grid(trace, layer: int, heads: list[int] | None = None):
         ax.set_xticks([])
         ax.set_yticks([])
     return fig
+
+
+def image_attention(trace, token: int, *, layer: int | None = None, head: int | None = None, image: int = 0,
+                    ax=None, alpha: float = 0.6):
+    """The attention the query at position `token` puts on an image's tokens
+    (Trace.image_attention), laid over the picture the encoder read (the preprocessed
+    image, normalization undone), one cell per image token."""
+    grid = trace.image_attention(token, layer=layer, head=head, image=image)
+    m = trace.media[image]
+    img = m.chunk.image
+    hp = trace._llm.mtmd.clip.hparams
+    picture = img.pixels * np.asarray(hp.image_std, np.float32)[:, None, None] \
+        + np.asarray(hp.image_mean, np.float32)[:, None, None]
+    h, w = picture.shape[1:]
+    ax = _axes(ax, (4, 4 * h / w))
+    ax.imshow(np.clip(picture.transpose(1, 2, 0), 0.0, 1.0))
+    im = ax.imshow(grid, extent=(0, w, h, 0), cmap="magma", alpha=alpha, interpolation="nearest")
+    piece = token_labels(trace._llm, [trace.tokens[token]])[0]
+    where = ("all layers" if layer is None else f"layer {layer}") + (", mean of heads" if head is None
+                                                                     else f", head {head}")
+    ax.set_title(f"attention of {piece!r} (position {token % len(trace.tokens)}) on the image\n{where}", fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.figure.colorbar(im, ax=ax)
+    return ax
 
 
 def saliency(scores: np.ndarray, tokens_text: list[str], ax=None, title: str = "saliency (gradient x input)"):

@@ -19,14 +19,23 @@ length are found once per model by building (not running) the graph at two sizes
   it closes over are compiled in as constants.
 - Gradients run `jax.value_and_grad` through the same lowered program (quantized weights
   dequantized where they are read), with a zero "delta" input added after each `wrt` node.
+- A prompt with images (LLM.trace(..., images=)) is evaluated chunk by chunk as
+  mtmd_helper_eval_chunks does; `capture_encoder` patterns pick nodes of the vision (or
+  audio) encoder's graph by clip.cpp's names (`layer_out-1`, `kq_soft_max-0`), extra outputs
+  of that image shape's cached graph, so a capture runs the encoder even for an image whose
+  embeddings are cached (and leaves that cache as it was). Each image chunk's trace is a
+  MediaTrace in `Trace.media`; `Trace.image_attention` reads a text token's attention on an
+  image's tokens as the image's grid.
 """
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import inspect
+import math
 import re
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -40,7 +49,9 @@ from ggmlx.tensor import Tensor, new_input
 from ggmlx.types import GGMLType
 from llm.batch import Batch
 from llm.context import bucket
+from llm.generation.batcher import MEDIA_PLACEHOLDER
 from llm.graph import GraphBuilder, GraphParams
+from llm.mtmd.context import InputChunk, MtmdContext
 
 Interventions = dict[str, Callable]
 
@@ -185,7 +196,7 @@ class GraphEdits:
         self.capture = resolve(list(capture), table) if capture else []
         self.deltas = resolve(list(deltas), table) if deltas else []
         self.captured = {label: Captured(table[label]) for label in self.capture}
-        self._nodes: dict[int, dict[str, Tensor]] = {}     # id(builder) -> label -> captured tensor
+        self._nodes: dict[int, dict[str, Tensor | None]] = {}     # id(builder) -> label -> captured tensor
         self.delta_inputs: dict[str, Tensor] = {}    # label -> the zero input added after it
         self.delta_taps: dict[str, Tensor] = {}      # label -> the value the delta is added to
 
@@ -229,9 +240,14 @@ class GraphEdits:
             if cur is not n:
                 inserted[n.id] = cur
         g.splice(inserted)
-        nodes = {}
+        nodes: dict[str, Tensor | None] = {}
         for label in self.capture:
-            t = by_label[label]
+            t = by_label.get(label)
+            if t is None:       # inp_embd of an embeddings batch is its input leaf: collect reads the rows
+                if label != "inp_embd" or not g.params.embd_input:
+                    raise ValueError(f"node {label!r} is not in this graph")
+                nodes[label] = None
+                continue
             t = inserted.get(t.id, t)
             t.set_output()
             nodes[label] = t
@@ -241,7 +257,10 @@ class GraphEdits:
         """Keep this ubatch's rows of every captured node."""
         for label, t in self._nodes.get(id(g), {}).items():
             info = self.table[label]
-            v = np.asarray(outs[t]).reshape(info.view_shape(t.ne))
+            if t is None:       # an embeddings batch's inp_embd: the model's own columns of its rows
+                v = np.asarray(ub.embd, np.float32)[:, :info.ne[0]]
+            else:
+                v = np.asarray(outs[t]).reshape(info.view_shape(t.ne))
             self.captured[label].parts.append((v, ub.n_tokens))
 
 
@@ -284,6 +303,7 @@ class LogitLens:
     token: int | None = None     # the chosen token, when given
     token_rank: np.ndarray | None = None     # [n_layers, n_tokens]: 0 = top-1
     token_prob: np.ndarray | None = None     # [n_layers, n_tokens]
+    positions: list[int] | None = None       # the trace positions of the columns, when chosen
 
     def __repr__(self) -> str:
         k = self.top_ids.shape[2]
@@ -296,18 +316,67 @@ class LogitLens:
         return "\n".join(lines)
 
 
+@dataclass(eq=False)
+class MediaTrace:
+    """One image (or sound) chunk of a traced prompt: its tokens are the trace's positions
+    [start, start + n_tokens); `embd` is what the encoder gave the text model [n_tokens,
+    n_embd]; `values` the encoder nodes captured (clip.cpp's names, numpy order over each
+    node's ggml rank: `kq_soft_max-0` is [n_head, n_patches, n_patches], `layer_out-1`
+    [n_patches, n_embd])."""
+    chunk: InputChunk
+    start: int
+    embd: np.ndarray = field(repr=False)
+    values: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.chunk.n_tokens
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.values)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.values:
+            near = difflib.get_close_matches(name, self.names, n=5, cutoff=0.4)
+            raise KeyError(f"encoder node {name!r} was not captured (capture_encoder=[...]); captured close "
+                           f"names: {near or self.names[:8]}")
+        return self.values[name]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows, columns) of the image's tokens, which come row by row: the ImageTokens' ny x nx
+        where the text model reads 2-D positions; else (mtmd gives 1-d positions, nx = n_tokens,
+        ny = 1) the grid of the preprocessed image's aspect that holds n_tokens (gemma3's 256
+        tokens of a square image: 16 x 16)."""
+        img = self.chunk.image
+        assert img is not None      # a MediaTrace is made for media chunks only
+        if self.chunk.type != "image":
+            raise ValueError(f"a {self.chunk.type} chunk has no image grid")
+        if img.ny > 1:
+            return img.ny, img.nx
+        h, w = img.pixels.shape[1:]
+        rows = max(1, round(math.sqrt(img.n_tokens * h / w)))
+        if img.n_tokens % rows:
+            raise ValueError(f"the image's {img.n_tokens} tokens form no grid of its {w} x {h} pixels")
+        return rows, img.n_tokens // rows
+
+
 class Trace:
     """Captured activations of one prompt (see the module docstring for shapes and names).
-    `flash_attn` tells which attention path ran: only the unfused one has `kq_soft_max-*`."""
+    `flash_attn` tells which attention path ran: only the unfused one has `kq_soft_max-*`.
+    A prompt with images: `tokens` holds MEDIA_PLACEHOLDER at each image token, and
+    `media` a MediaTrace per image (or sound) chunk, in prompt order."""
 
     def __init__(self, llm, tokens: list[int], values: dict[str, np.ndarray], logits: np.ndarray,
-                 flash_attn: bool):
+                 flash_attn: bool, media: Sequence[MediaTrace] = ()):
         self._llm = llm
         self.tokens = list(tokens)
         self.names = list(values)
         self._values = values
         self.logits = logits
         self.flash_attn = flash_attn
+        self.media = list(media)
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._values:
@@ -331,19 +400,30 @@ class Trace:
         for name in show:
             lines.append("  ..." if name == "..." else f"  {name:24} {_summary(self._values[name])}")
         lines.append(f"  {'logits':24} {_summary(self.logits)}")
+        for k, m in enumerate(self.media):
+            lines.append(f"  media {k}: {m.chunk.type} tokens [{m.start}, {m.start + m.n_tokens}), "
+                         f"{len(m.values)} encoder nodes")
         return "\n".join(lines)
 
     def layers(self, prefix: str = "l_out") -> list[int]:
         """Layer indices captured for names `prefix-<il>`, ascending."""
         return sorted(layer_of(n) for n in self.names if n.startswith(prefix + "-") and "#" not in n)
 
-    def logit_lens(self, top_k: int = 5, token: int | str | None = None) -> LogitLens:
+    def logit_lens(self, top_k: int = 5, token: int | str | None = None,
+                   positions: Iterable[int] | None = None) -> LogitLens:
         """Apply result_norm + the output matrix (+ the final soft-cap) to every captured
         l_out-*: top tokens and probabilities per layer and position, and the rank of
-        `token` (an id or a text that is one token) when given."""
+        `token` (an id or a text that is one token) when given. `positions`: only these
+        (e.g. an image's, `range(m.start, m.start + m.n_tokens)`), the columns in that order."""
         layers = self.layers("l_out")
         if not layers:
             raise ValueError("logit_lens needs captured l_out-* nodes: trace with capture=['l_out-*']")
+        pos = None if positions is None else [int(p) for p in positions]
+        if pos is not None:
+            n = len(self.tokens)
+            bad = [p for p in pos if not 0 <= p < n]
+            if bad or not pos:
+                raise ValueError(f"positions {bad[:5] or '(none)'} are outside the trace's {n} positions")
         vocab = self._llm.vocab
         tok: int | None = None
         if isinstance(token, str):
@@ -357,7 +437,8 @@ class Trace:
                 raise ValueError(f"token {tok} is outside the vocabulary [0, {vocab.n_tokens})")
         top_ids, top_probs, ranks, probs = [], [], [], []
         for il in layers:
-            logits = lens_logits(self._llm.model, self[f"l_out-{il}"])
+            hidden = self[f"l_out-{il}"]
+            logits = lens_logits(self._llm.model, hidden if pos is None else hidden[pos])
             p = jax.nn.softmax(jnp.asarray(logits), axis=-1)
             v, i = jax.lax.top_k(p, top_k)
             top_ids.append(np.asarray(i))
@@ -370,7 +451,38 @@ class Trace:
         pieces = [[[vocab.token_to_piece(int(t), 0, False).decode("utf-8", "replace") for t in row]
                    for row in layer] for layer in top_ids_a]
         return LogitLens(layers, top_ids_a, np.stack(top_probs), pieces, tok,
-                         np.stack(ranks) if ranks else None, np.stack(probs) if probs else None)
+                         np.stack(ranks) if ranks else None, np.stack(probs) if probs else None, pos)
+
+    def image_attention(self, token: int, *, layer: int | None = None, head: int | None = None,
+                        image: int = 0) -> np.ndarray:
+        """The attention probabilities the query at position `token` (negative: from the
+        end) puts on the tokens of `media[image]`, as that image's grid [rows, columns]
+        (MediaTrace.grid), ready to lay over its picture. `layer` / `head`: one, or the mean
+        over the captured kq_soft_max-* layers / over heads when None. Needs a trace with
+        images=[...] and capture=['kq_soft_max-*']."""
+        n = len(self.tokens)
+        if not isinstance(token, (int, np.integer)) or not -n <= token < n:
+            raise ValueError(f"token {token!r} is outside the trace's {n} positions")
+        if not self.media:
+            raise ValueError("image: the trace holds no image; trace(prompt, images=[...], "
+                             "capture=['kq_soft_max-*'])")
+        if not 0 <= image < len(self.media):
+            raise ValueError(f"image {image} is outside the trace's {len(self.media)} media chunks")
+        m = self.media[image]
+        layers = self.layers("kq_soft_max")
+        if not layers:
+            raise ValueError("image_attention needs captured kq_soft_max-* nodes: trace with "
+                             "capture=['kq_soft_max-*'] (the unfused attention path)")
+        if layer is not None and layer not in layers:
+            raise ValueError(f"layer {layer} was not captured; kq_soft_max layers: {layers}")
+        rows = []
+        for il in layers if layer is None else [layer]:
+            p = self[f"kq_soft_max-{il}"]           # [n_head, n_tokens, n_kv]
+            if head is not None and not 0 <= head < p.shape[0]:
+                raise ValueError(f"head {head} is outside [0, {p.shape[0]}) for kq_soft_max-{il}")
+            q = p[:, token % n, m.start:m.start + m.n_tokens]
+            rows.append(q.mean(axis=0) if head is None else q[head])
+        return np.mean(rows, axis=0).reshape(m.grid)
 
 
 def lens_logits(model, x: np.ndarray) -> np.ndarray:
@@ -446,6 +558,120 @@ def run_trace(llm, prompt, capture: Iterable[str], interventions: Interventions 
     for cap in edits.captured.values():     # the context may keep this graph (and its edits) a while
         cap.parts.clear()
     return Trace(llm, tokens, values, np.concatenate(rows), fa)
+
+
+def _encoder_nodes(mctx: MtmdContext, chunk: InputChunk, patterns: list[str]) -> dict[str, Tensor]:
+    """The nodes of this chunk's encoder graph the patterns match (label -> tensor); a
+    ValueError naming capture_encoder for a pattern that matches nothing."""
+    assert chunk.image is not None
+    ny, nx = chunk.image.pixels.shape[1:]
+    g = mctx.graph(nx, ny, audio=chunk.type == "audio")
+    labels = node_labels(g.gf.nodes)
+    by_label = {labels[n.id]: n for n in g.gf.nodes if n.id in labels}
+    table = {lb: NodeInfo(lb, t.ne, t.n_dims, None, None) for lb, t in by_label.items()}
+    try:
+        return {lb: by_label[lb] for lb in resolve(patterns, table)}
+    except ValueError as e:
+        raise ValueError(f"capture_encoder: {e}") from None
+
+
+def _encode(mctx: MtmdContext, chunk: InputChunk, nodes: dict[str, Tensor]) -> MediaTrace:
+    """The chunk's embeddings, from the embedding cache when no node is captured; else one
+    run of its cached graph with the nodes as extra outputs (an encoder run, counted as
+    one; its embeddings are not cached, so the cache keeps what plain runs gave)."""
+    if not nodes:
+        return MediaTrace(chunk, 0, mctx.encode_chunk(chunk))
+    img = chunk.image
+    assert img is not None
+    t0 = time.perf_counter()
+    ny, nx = img.pixels.shape[1:]
+    g = mctx.graph(nx, ny, audio=chunk.type == "audio")
+    assert g.out is not None
+    outs, _ = compute(g.gf, {g.inp_raw: img.pixels, **g.inputs}, device=mctx.text_model.place.dev_output,
+                      extra_outputs=list(nodes.values()))
+    embd = np.asarray(outs[g.out], np.float32).reshape(-1, mctx.n_mmproj_embd)
+    values = {lb: np.asarray(outs[t], np.float32).reshape(tuple(reversed(t.ne[:t.n_dims])))
+              for lb, t in nodes.items()}
+    mctx.n_encode += 1
+    mctx.t_encode += time.perf_counter() - t0
+    return MediaTrace(chunk, 0, embd, values)
+
+
+def run_media_trace(llm, prompt: str | list[int], images: Sequence, capture: Iterable[str],
+                    capture_encoder: Iterable[str], interventions: Interventions | None,
+                    flash_attn: bool | None) -> Trace:
+    """A trace of a prompt whose media markers stand for `images`, evaluated chunk by chunk
+    as mtmd_helper_eval_chunks does (non-causal attention over an image where the model
+    wants it, M-RoPE positions), every position's logits kept."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str holding a media marker per image, got {type(prompt).__name__}")
+    chunks = llm.media_prompt(prompt, images)       # ValueError without an mmproj, MediaError for bad media
+    mctx: MtmdContext = llm.mtmd
+    capture = [capture] if isinstance(capture, str) else list(capture)
+    enc = [capture_encoder] if isinstance(capture_encoder, str) else list(capture_encoder)
+    media = [c for c in chunks if c.image is not None]
+    if enc and not media:
+        raise ValueError("capture_encoder: the prompt holds no image (a media marker per image, images=[...])")
+    enc_nodes = [_encoder_nodes(mctx, c, enc) if enc else {} for c in media]
+    tokens: list[int] = []
+    for c in chunks:
+        tokens += c.tokens if c.image is None else [MEDIA_PLACEHOLDER] * c.n_tokens
+    ctx = llm.trace_context(len(tokens))
+    fa = pick_flash_attn(llm, capture + list(interventions or {}), flash_attn)
+    edits = GraphEdits(llm.node_table(fa), interventions, capture)
+    if media and "inp_embd" in edits.fns:
+        raise ValueError("interventions: an image's tokens are an embeddings batch, whose graph has no inp_embd "
+                         "node to edit; edit a later node (l_out-0, ...)")
+    sizes: set[int] = set()       # the padded ubatch sizes the graphs will have
+    for c in chunks:
+        for s in range(0, c.n_tokens, ctx.n_batch):
+            n = min(ctx.n_batch, c.n_tokens - s)
+            sizes.update(bucket(min(ctx.n_ubatch, n - u), ctx.n_ubatch) for u in range(0, n, ctx.n_ubatch))
+    edits.check(sorted(sizes))
+    ctx.flash_attn = fa
+    ctx.memory_clear()
+    ctx.edits = edits
+    rows: list[np.ndarray] = []
+    traced: list[MediaTrace] = []
+    n_past = 0
+
+    def decode(batch: Batch, what: str) -> None:
+        ret = ctx.decode(batch)
+        if ret != 0:
+            raise RuntimeError(f"trace: decoding {what} returned {ret}: {ctx.last_error}")
+        rows.append(ctx.get_logits().copy())
+
+    try:
+        for c in chunks:
+            if c.image is None:
+                for s in range(0, len(c.tokens), ctx.n_batch):
+                    part = c.tokens[s:s + ctx.n_batch]
+                    decode(Batch(part, pos=np.arange(n_past, n_past + len(part)), logits=np.ones(len(part), bool)),
+                           "text")
+                    n_past += len(part)
+                continue
+            mt = _encode(mctx, c, enc_nodes[len(traced)])
+            mt.start = sum(r.shape[0] for r in rows)
+            traced.append(mt)
+            pos = c.image.decoder_pos(n_past)
+            non_causal = mctx.projector.non_causal and c.type == "image"      # mtmd_decode_use_non_causal
+            if non_causal:
+                ctx.set_causal_attn(False)
+            try:
+                for s in range(0, c.n_tokens, ctx.n_batch):
+                    e = mt.embd[s:s + ctx.n_batch]
+                    decode(Batch(embd=e, pos=pos[..., s:s + len(e)], logits=np.ones(len(e), bool)), c.type)
+            finally:
+                if non_causal:
+                    ctx.set_causal_attn(True)
+            n_past += c.n_pos
+    finally:
+        ctx.edits = None
+        ctx.memory_clear()
+    values = {label: assemble(edits.captured[label], len(tokens)) for label in edits.capture}
+    for cap in edits.captured.values():
+        cap.parts.clear()
+    return Trace(llm, tokens, values, np.concatenate(rows), fa, traced)
 
 
 @dataclass
