@@ -156,3 +156,18 @@ def test_the_overlay_figure(tr):
     ax = llm.plot.image_attention(tr, -1, layer=0)
     assert len(ax.images) == 2 and ax.images[1].get_array().shape == (4, 4)
     assert ax.images[0].get_array().shape == (64, 64, 3)
+
+
+@pytest.mark.parametrize("name, grids", [("qwen2.5vl", [(3, 4)]), ("idefics3", [(4, 4)] * 5)])
+def test_mrope_and_sliced_images(name, grids):
+    """qwen2.5vl: 12 tokens at 2-D positions, the grid its ImageTokens' ny x nx; idefics3: four
+    slices and the overview, one MediaTrace each. Last logits are llama.cpp's either way."""
+    vlm = llm.LLM(DATA / f"{name}.gguf", mmproj=DATA / f"{name}.mmproj.gguf", n_ctx=256)
+    ref = dict(np.load(DATA / f"{name}.npz"))
+    tr = vlm.trace(PROMPT, images=[IMAGE], capture=["kq_soft_max-*"], capture_encoder=["kq_soft_max-0"])
+    assert np.abs(tr.logits[-1] - ref["0_logits"]).max() / np.abs(ref["0_logits"]).max() < 1e-3
+    assert [m.grid for m in tr.media] == grids
+    for k, m in enumerate(tr.media):
+        assert tr.image_attention(-1, image=k).shape == m.grid
+        assert tr.tokens[m.start:m.start + m.n_tokens] == [MEDIA_PLACEHOLDER] * m.n_tokens
+        assert np.allclose(m["kq_soft_max-0"].sum(axis=-1), 1.0, atol=1e-5)
