@@ -1,8 +1,8 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
 tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
-qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger), a tiny text model, its
-mmproj, and llama.cpp's chunks, image embeddings and last logits for two prompts over two
+qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one), a
+tiny text model, its mmproj, and llama.cpp's chunks, image embeddings and last logits for two prompts over two
 committed test images (benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's
 by ggml-cpu's fp16 GELU tables (<= 4.5e-4 relative); everything else is F32 math in both, but
 the patch convolution, which ggml computes in F16.
@@ -49,7 +49,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,9 @@ def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     <fake_token_around_image><row_R_col_C>, a "\\n" after each row, then the overview; mlp:
     the image's 64 patch tokens alone; qwen2vl, qwen2.5vl and qwen3vl: <|vision_start|> image
     <|vision_end|>, a grid of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions, for
-    qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's)."""
+    qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's); pixtral: a grid
+    of merged tokens (6 x 5, 3 x 3) with an [IMG_BREAK] embedding after each row but the last,
+    then [IMG_END]."""
     model, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
@@ -415,6 +417,35 @@ def test_a_qwen_mmproj_missing_a_part_is_refused_by_name(tmp_path):
         mtmd.init_from_file(bad, qwen3)
     with pytest.raises(ModelLoadError, match=r"feeds qwen3vl, qwen3vlmoe text models; .*qwen2.5vl.gguf is 'qwen2vl'"):
         mtmd.init_from_file(DATA / "qwen3vl.mmproj.gguf", qwen25)
+
+
+@pytest.mark.slow
+def test_a_pixtral_mmproj_missing_a_part_is_refused_by_name(tmp_path):
+    model = llm.load_model(DATA / "pixtral.gguf")
+    src = DATA / "pixtral.mmproj.gguf"
+    bad = rewrite_mmproj(src, tmp_path / "a.gguf", drop_tensor="v.token_embd.img_break")
+    with pytest.raises(ModelLoadError, match="a.gguf: missing tensor 'v.token_embd.img_break'"):
+        mtmd.init_from_file(bad, model)
+    bad = rewrite_mmproj(src, tmp_path / "b.gguf", drop_tensor="mm.input_norm.weight")
+    with pytest.raises(ModelLoadError, match="b.gguf: 'mm.patch_merger.weight' and 'mm.input_norm.weight' come"):
+        mtmd.init_from_file(bad, model)
+    bad = rewrite_mmproj(src, tmp_path / "c.gguf", drop_key="clip.vision.spatial_merge_size")
+    with pytest.raises(ModelLoadError, match="c.gguf: tensor 'mm.patch_merger.weight' has wrong shape"):
+        mtmd.init_from_file(bad, model)
+
+
+@pytest.mark.slow
+def test_pixtral_encoder_nodes_carry_clip_cpps_names():
+    model = llm.load_model(DATA / "pixtral.gguf")
+    g = mtmd.init_from_file(DATA / "pixtral.mmproj.gguf", model).graph(96, 80)
+    names = {n.name for n in g.gf.nodes}
+    for il in (0, 1):
+        assert {f"{n}-{il}" for n in ("layer_inp_normed", "Qcur", "Kcur", "Vcur", "Qcur_pos", "Kcur_pos", "kq_soft_max",
+                                      "kqv_out", "attn_out", "ffn_inp", "ffn_inp_normed", "ffn_up", "ffn_gate",
+                                      "ffn_swiglu", "ffn_out", "layer_out")} <= names
+    assert {"pre_ln", "ffn_up", "ffn_gelu"} <= names
+    assert {t.name for t in g.inputs} == {"pos_h", "pos_w"}
+    assert g.out is not None and g.out.ne[:2] == (64, 6 * 5 + 4)
 
 
 @pytest.mark.slow

@@ -563,6 +563,52 @@ def voxtral_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def pixtral_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """Mistral Small 3.1's ViT at width 32 (2 heads of 16, the 2-D rope) in 8 x 8 patches: a
+    pre-LN, 2 RMS-norm layers with SiLU-gated FFNs and no biases, the patch merger (input norm,
+    2 x 2 blocks unfolded and projected), the GELU MLP (mm.1 with a bias, mm.2 without) and
+    the [IMG_BREAK] embedding. The 96 x 72 test image becomes 96 x 80 (6 x 5 merged tokens
+    and 4 breaks), the 40 x 40 one 48 x 48 (3 x 3 and 2)."""
+    n_embd, n_ff, n_layer, patch = 32, 64, 2, 8
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "pixtral",
+        "clip.has_vision_encoder": True,
+        "clip.use_silu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 2,
+        "clip.vision.attention.layer_norm_epsilon": 1e-5,
+        "clip.vision.image_size": 1024,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
+        "clip.vision.spatial_merge_size": 2,
+    }
+    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
+                                  ).astype(np.float32)
+    w.norm("v.pre_ln.weight", n_embd)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+    w.norm("mm.input_norm.weight", n_embd)
+    w.mat("mm.patch_merger.weight", n_embd, 4 * n_embd)
+    w.mat("mm.1.weight", n_embd_text, n_embd)
+    w.bias("mm.1.bias", n_embd_text)
+    w.mat("mm.2.weight", n_embd_text, n_embd_text)
+    w.bias("v.token_embd.img_break", n_embd_text, scale=0.5)
+    return kv
+
+
 def qwen25o_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """Qwen2.5-Omni's mmproj: qwen2.5vl's vision encoder and qwen2a's audio encoder (drawn from a
     second seed) in one file, projector type qwen2.5o, both encoders' keys."""
@@ -589,6 +635,7 @@ SPECS = {
     "qwen2vl": (qwen2vl_text, qwen2vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 211),
     "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
+    "pixtral": (llama_text, pixtral_mmproj, ["[IMG_END]"], 217),
 }
 
 

@@ -88,6 +88,9 @@ class ClipTensor(enum.Enum):
     MM_PROJECTOR = "mm.model.fc.{s}"                # idefics3
     LLAVA_PROJ = "mm.{il}.{s}"                      # mlp (LLaVA): mm.0, mm.2
     MM_SOFT_EMB_N = "mm.soft_emb_norm.weight"       # gemma3
+    MM_INP_NORM = "mm.input_norm.weight"            # pixtral (Mistral Small 3.1): before the patch merger
+    MM_PATCH_MERGER = "mm.patch_merger.{s}"         # pixtral (Mistral Small 3.1)
+    TOK_IMG_BREAK = "v.token_embd.img_break"        # pixtral: the [IMG_BREAK] embedding after each row
     CONV1D = "a.conv1d.{il}.{s}"                    # whisper encoder: a.conv1d.1, a.conv1d.2
     MM_AUDIO_MLP = "mm.a.mlp.{il}.{s}"              # ultravox: mm.a.mlp.1, mm.a.mlp.2
     MM_AUDIO_FC = "mm.a.fc.{s}"                     # qwen2a
