@@ -15,6 +15,8 @@ def test_notebook_executes(path, gemma3_path):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("nodes" in "".join(o.get("text", "")) for o in outputs)
+    if path.name == "05_vision.ipynb":      # the attention overlays and the logit lens are drawn
+        assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
 
 
 def test_there_is_a_quickstart():

@@ -14,7 +14,8 @@ def _axes(ax, figsize):
 
 
 def _short(piece: str, n: int = 8) -> str:
-    piece = piece.replace("\n", "\\n")
+    """The piece with control characters escaped (no font has glyphs for them), cut to n."""
+    piece = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in piece)
     return piece if len(piece) <= n else piece[:n - 1] + "…"
 
 
