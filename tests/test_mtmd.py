@@ -1,11 +1,12 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
 tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
-qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one), a
-tiny text model, its mmproj, and llama.cpp's chunks, image embeddings and last logits for two prompts over two
-committed test images (benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's
-by ggml-cpu's fp16 GELU tables (<= 4.5e-4 relative); everything else is F32 math in both, but
-the patch convolution, which ggml computes in F16.
+qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one;
+internvl with a qwen2 one), a tiny text model, its mmproj, and llama.cpp's chunks, image
+embeddings and last logits for two prompts over two committed test images
+(benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's fp16
+GELU tables (<= 4.5e-4 relative); everything else is F32 math in both, but the patch
+convolution, which ggml computes in F16.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     <|vision_end|>, a grid of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions, for
     qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's); pixtral: a grid
     of merged tokens (6 x 5, 3 x 3) with an [IMG_BREAK] embedding after each row but the last,
-    then [IMG_END]."""
+    then [IMG_END]; internvl: <img>, 2 x 2 tiles and the overview (16 tokens each), </img>."""
     model, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
@@ -446,6 +447,36 @@ def test_pixtral_encoder_nodes_carry_clip_cpps_names():
     assert {"pre_ln", "ffn_up", "ffn_gelu"} <= names
     assert {t.name for t in g.inputs} == {"pos_h", "pos_w"}
     assert g.out is not None and g.out.ne[:2] == (64, 6 * 5 + 4)
+
+
+def test_internvl_tile_grids():
+    """set_internvl_dhr_res_candidates and llava-uhd's select_best_resolution: the grid keeping
+    most of the image, then wasting least."""
+    from llm.mtmd.clip import ClipHParams, FfnOp
+    from llm.mtmd.internvl import res_candidates, select_best_resolution
+    hp = ClipHParams(projector="internvl", n_embd=32, n_ff=64, n_layer=2, n_head=4, n_head_kv=4, d_head=8,
+                     projection_dim=64, eps=1e-6, image_size=32, patch_size=4, image_mean=(0.5,) * 3,
+                     image_std=(0.5,) * 3, ffn_op=FfnOp.GELU, preproc_min_tiles=1, preproc_max_tiles=4)
+    cands = res_candidates(hp)
+    assert cands == [(32, 32), (32, 64), (32, 96), (32, 128), (64, 32), (64, 64), (96, 32), (128, 32)]
+    assert select_best_resolution(96, 72, cands) == (64, 64)
+    assert select_best_resolution(200, 40, cands) == (128, 32)
+    assert select_best_resolution(33, 20, cands) == (64, 32)
+
+
+@pytest.mark.slow
+def test_an_internvl_mmproj_missing_a_part_is_refused_by_name(tmp_path):
+    model = llm.load_model(DATA / "internvl.gguf")
+    src = DATA / "internvl.mmproj.gguf"
+    bad = rewrite_mmproj(src, tmp_path / "a.gguf", drop_tensor="mm.model.mlp.0.bias")
+    with pytest.raises(ModelLoadError, match="a.gguf: missing tensor 'mm.model.mlp.0.bias'"):
+        mtmd.init_from_file(bad, model)
+    bad = rewrite_mmproj(src, tmp_path / "b.gguf", drop_tensor="v.class_embd")
+    with pytest.raises(ModelLoadError, match="b.gguf: missing tensor 'v.class_embd'"):
+        mtmd.init_from_file(bad, model)
+    g = mtmd.init_from_file(src, model).graph(32, 32)
+    names = {n.name for n in g.gf.nodes}
+    assert {f"{n}-{il}" for n in ("attn_out_scaled", "ffn_out_scaled") for il in (0, 1)} <= names
 
 
 @pytest.mark.slow

@@ -609,6 +609,63 @@ def pixtral_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def internvl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """InternVL's shape: a ViT (2 GELU layers of 32, 4 heads, layer norms and layer scales, a
+    patch bias, a class embedding, learned positions) over 32 x 32 tiles in 4 x 4 patches,
+    pixel-shuffled 2 x 2 (16 tokens a tile of 128), then the MLP projector (layer norm,
+    mm.model.mlp.1, GELU, mm.model.mlp.3). Up to 4 tiles: both test images become 2 x 2 tiles
+    and the overview (80 tokens)."""
+    n_embd, n_ff, n_layer, image_size, patch = 32, 64, 2, 32, 4
+    n_patches = (image_size // patch) ** 2
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "internvl",
+        "clip.has_vision_encoder": True,
+        "clip.use_gelu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 4,
+        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.image_size": image_size,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.485, 0.456, 0.406],
+        "clip.vision.image_std": [0.229, 0.224, 0.225],
+        "clip.vision.projector.scale_factor": 2,
+        "clip.vision.preproc_min_tiles": 1,
+        "clip.vision.preproc_max_tiles": 4,
+    }
+    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
+                                  ).astype(np.float32)
+    w.bias("v.patch_embd.bias", n_embd)
+    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
+    w.embd("v.position_embd.weight", n_patches + 1, n_embd, scale=0.5)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+        w.norm(p + "ls1.weight", n_embd, center=0.5)
+        w.norm(p + "ls2.weight", n_embd, center=0.5)
+    w.norm("mm.model.mlp.0.weight", 4 * n_embd)
+    w.bias("mm.model.mlp.0.bias", 4 * n_embd)
+    w.mat("mm.model.mlp.1.weight", n_embd_text, 4 * n_embd)
+    w.bias("mm.model.mlp.1.bias", n_embd_text)
+    w.mat("mm.model.mlp.3.weight", n_embd_text, n_embd_text)
+    w.bias("mm.model.mlp.3.bias", n_embd_text)
+    return kv
+
+
 def qwen25o_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """Qwen2.5-Omni's mmproj: qwen2.5vl's vision encoder and qwen2a's audio encoder (drawn from a
     second seed) in one file, projector type qwen2.5o, both encoders' keys."""
@@ -636,6 +693,7 @@ SPECS = {
     "qwen2.5vl": (qwen2vl_text, qwen25vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 207),
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
     "pixtral": (llama_text, pixtral_mmproj, ["[IMG_END]"], 217),
+    "internvl": (qwen2_text, internvl_mmproj, ["<img>", "</img>"], 219),
 }
 
 

@@ -57,6 +57,8 @@ class ClipKV(enum.Enum):
     A_PROJ_STACK_FACTOR = "clip.audio.projector.stack_factor"
     SPATIAL_MERGE_SIZE = "clip.vision.spatial_merge_size"
     WIN_ATTN_PATTERN = "clip.vision.n_wa_pattern"
+    PREPROC_MIN_TILES = "clip.vision.preproc_min_tiles"
+    PREPROC_MAX_TILES = "clip.vision.preproc_max_tiles"
 
     def key(self, prefix: str = "vision") -> str:
         return self.value % prefix if "%s" in self.value else self.value
@@ -83,9 +85,12 @@ class ClipTensor(enum.Enum):
     LN_1 = "{p}.blk.{il}.ln1.{s}"
     LN_2 = "{p}.blk.{il}.ln2.{s}"
     LN_PRE = "{p}.pre_ln.{s}"
+    LS_1 = "{p}.blk.{il}.ls1.{s}"                   # layer scales (internvl)
+    LS_2 = "{p}.blk.{il}.ls2.{s}"
     LN_POST = "{p}.post_ln.{s}"
     MM_INP_PROJ = "mm.input_projection.weight"      # gemma3
     MM_PROJECTOR = "mm.model.fc.{s}"                # idefics3
+    MVLM_PROJ_MLP = "mm.model.mlp.{il}.{s}"         # internvl: mm.model.mlp.0 (norm), .1, .3
     LLAVA_PROJ = "mm.{il}.{s}"                      # mlp (LLaVA): mm.0, mm.2
     MM_SOFT_EMB_N = "mm.soft_emb_norm.weight"       # gemma3
     MM_INP_NORM = "mm.input_norm.weight"            # pixtral (Mistral Small 3.1): before the patch merger
@@ -135,6 +140,8 @@ class ClipHParams:
     image_min_pixels: int = 0    # dynamic-size images (qwen2vl): the pixel range they are resized into
     image_max_pixels: int = 0
     n_wa_pattern: int = 0        # qwen2.5vl: every n-th layer attends over the whole image, the rest in windows
+    preproc_min_tiles: int = 0   # internvl: the tile grids (a x b tiles) an image may be cut into
+    preproc_max_tiles: int = 0
 
     @property
     def is_audio(self) -> bool:
@@ -165,6 +172,8 @@ class ClipLayer:
     ff_gate_w: Tensor | None = None
     ff_gate_b: Tensor | None = None
     ff_down_b: Tensor | None = None
+    ls_1_w: Tensor | None = None     # layer scales of the attention and FFN outputs (internvl)
+    ls_2_w: Tensor | None = None
 
 
 @dataclass
@@ -333,13 +342,14 @@ def load_vit_layers(model: ClipModel) -> None:
             o_b=get(ClipTensor.ATTN_OUTPUT, "bias"), ln_1_w=get(ClipTensor.LN_1), ln_1_b=get(ClipTensor.LN_1, "bias"),
             ln_2_w=get(ClipTensor.LN_2), ln_2_b=get(ClipTensor.LN_2, "bias"), ff_up_b=get(ClipTensor.FFN_UP, "bias"),
             ff_gate_w=get(ClipTensor.FFN_GATE), ff_gate_b=get(ClipTensor.FFN_GATE, "bias"),
-            ff_down_b=get(ClipTensor.FFN_DOWN, "bias"))
+            ff_down_b=get(ClipTensor.FFN_DOWN, "bias"), ls_1_w=get(ClipTensor.LS_1), ls_2_w=get(ClipTensor.LS_2))
         for t, ne in ((layer.q_w, (n_embd, n_q)), (layer.k_w, (n_embd, n_kv)), (layer.v_w, (n_embd, n_kv)),
                       (layer.o_w, (n_q, n_embd)), (layer.ff_up_w, (n_embd, n_ff)), (layer.ff_down_w, (n_ff, n_embd)),
                       (layer.ff_gate_w, (n_embd, n_ff)), (layer.q_b, (n_q,)), (layer.k_b, (n_kv,)),
                       (layer.v_b, (n_kv,)), (layer.o_b, (n_embd,)), (layer.ln_1_w, (n_embd,)),
                       (layer.ln_1_b, (n_embd,)), (layer.ln_2_w, (n_embd,)), (layer.ln_2_b, (n_embd,)),
-                      (layer.ff_up_b, (n_ff,)), (layer.ff_gate_b, (n_ff,)), (layer.ff_down_b, (n_embd,))):
+                      (layer.ff_up_b, (n_ff,)), (layer.ff_gate_b, (n_ff,)), (layer.ff_down_b, (n_embd,)),
+                      (layer.ls_1_w, (n_embd,)), (layer.ls_2_w, (n_embd,))):
             check_shape(model, t, ne)
         model.layers.append(layer)
 
@@ -454,8 +464,9 @@ class ClipGraph:
         return cur
 
     def build_vit(self, inp: Tensor, n_pos: int, learned_pos_embd: Tensor | None,
-                  n_layer: int | None = None, avgpool: bool = False) -> Tensor:
-        """clip_graph::build_vit with layer norms (NORM_TYPE_NORMAL) -> [n_embd, n_pos, 1];
+                  n_layer: int | None = None, avgpool: bool = False, rms: bool = False) -> Tensor:
+        """clip_graph::build_vit with layer norms (NORM_TYPE_NORMAL; rms: NORM_TYPE_RMS) and the
+        layers' scales where they have them -> [n_embd, n_pos, 1];
         n_layer: run only the first n_layer layers (LLaVA reads the one before the last);
         avgpool: each two positions averaged before the post-LN (qwen2a's nn.AvgPool1d(2, 2),
         ggml_pool_1d on the transposed rows) -> [n_embd, n_pos / 2, 1]."""
@@ -467,9 +478,9 @@ class ClipGraph:
         pre_w = m.get(ctn(ClipTensor.LN_PRE, prefix=p), False)
         pre_b = m.get(ctn(ClipTensor.LN_PRE, "bias", prefix=p), False)
         if pre_w is not None:
-            inpL = self.cb(self.build_norm(inpL, pre_w, pre_b, False, -1), "pre_ln")
+            inpL = self.cb(self.build_norm(inpL, pre_w, pre_b, rms, -1), "pre_ln")
         for il, layer in enumerate(m.layers[:n_layer]):
-            cur = self.cb(self.build_norm(inpL, layer.ln_1_w, layer.ln_1_b, False, il), "layer_inp_normed", il)
+            cur = self.cb(self.build_norm(inpL, layer.ln_1_w, layer.ln_1_b, rms, il), "layer_inp_normed", il)
             q = ops.mul_mat(layer.q_w, cur)
             if layer.q_b is not None:
                 q = ops.add(q, layer.q_b)
@@ -483,12 +494,16 @@ class ClipGraph:
             k = self.cb(ops.reshape_4d(k, self.d_head, self.n_head_kv, n_pos, 1), "Kcur", il)
             v = self.cb(ops.reshape_4d(v, self.d_head, self.n_head_kv, n_pos, 1), "Vcur", il)
             cur = self.cb(self.build_attn(layer.o_w, layer.o_b, q, k, v, il), "attn_out", il)
+            if layer.ls_1_w is not None:
+                cur = self.cb(ops.mul(cur, layer.ls_1_w), "attn_out_scaled", il)
             cur = ops.add(cur, inpL)
             inpL = self.cb(cur, "ffn_inp", il)
-            cur = self.cb(self.build_norm(cur, layer.ln_2_w, layer.ln_2_b, False, il), "ffn_inp_normed", il)
+            cur = self.cb(self.build_norm(cur, layer.ln_2_w, layer.ln_2_b, rms, il), "ffn_inp_normed", il)
             cur = self.build_ffn(cur, layer.ff_up_w, layer.ff_up_b, layer.ff_gate_w, layer.ff_gate_b,
                                  layer.ff_down_w, layer.ff_down_b, hp.ffn_op, il)
             cur = self.cb(cur, "ffn_out", il)
+            if layer.ls_2_w is not None:
+                cur = self.cb(ops.mul(cur, layer.ls_2_w), "ffn_out_scaled", il)
             inpL = self.cb(ops.add(inpL, cur), "layer_out", il)
         if avgpool:
             n_pos //= 2
@@ -498,7 +513,7 @@ class ClipGraph:
         post_w = m.get(ctn(ClipTensor.LN_POST, prefix=p), False)
         post_b = m.get(ctn(ClipTensor.LN_POST, "bias", prefix=p), False)
         if post_w is not None:
-            inpL = self.build_norm(inpL, post_w, post_b, False, -1)
+            inpL = self.build_norm(inpL, post_w, post_b, rms, -1)
         return ops.reshape_3d(inpL, self.n_embd, n_pos, 1)
 
 
