@@ -171,3 +171,17 @@ def test_mrope_and_sliced_images(name, grids):
         assert tr.image_attention(-1, image=k).shape == m.grid
         assert tr.tokens[m.start:m.start + m.n_tokens] == [MEDIA_PLACEHOLDER] * m.n_tokens
         assert np.allclose(m["kq_soft_max-0"].sum(axis=-1), 1.0, atol=1e-5)
+
+
+def test_a_sounds_encoder_is_traced_too():
+    """An audio mmproj (ultravox): the Whisper encoder's nodes are captured per audio chunk;
+    the sound has no image grid, named as such."""
+    alm = llm.LLM(DATA / "ultravox.gguf", mmproj=DATA / "ultravox.mmproj.gguf", n_ctx=512)
+    tr = alm.trace(f"Listen: {mtmd.default_marker()} What is it?", images=[DATA / "test-sound.wav"],
+                   capture=["kq_soft_max-*"], capture_encoder=["kq_soft_max-0", "layer_out-1"])
+    (m,) = tr.media
+    assert m.chunk.type == "audio" and m["kq_soft_max-0"].shape[1:] == (1500, 1500)
+    assert np.allclose(m["kq_soft_max-0"].sum(axis=-1), 1.0, atol=1e-5)
+    assert np.allclose(m.embd, alm.mtmd.encode_chunk(m.chunk), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"image 0 is a sound's chunk \(audio\): it has no image grid"):
+        tr.image_attention(-1)

@@ -352,7 +352,7 @@ class MediaTrace:
         img = self.chunk.image
         assert img is not None      # a MediaTrace is made for media chunks only
         if self.chunk.type != "image":
-            raise ValueError(f"a {self.chunk.type} chunk has no image grid")
+            raise ValueError(f"a sound's chunk ({self.chunk.type}) has no image grid")
         if img.ny > 1:
             return img.ny, img.nx
         h, w = img.pixels.shape[1:]
@@ -469,6 +469,8 @@ class Trace:
         if not 0 <= image < len(self.media):
             raise ValueError(f"image {image} is outside the trace's {len(self.media)} media chunks")
         m = self.media[image]
+        if m.chunk.type != "image":
+            raise ValueError(f"image {image} is a sound's chunk ({m.chunk.type}): it has no image grid")
         layers = self.layers("kq_soft_max")
         if not layers:
             raise ValueError("image_attention needs captured kq_soft_max-* nodes: trace with "
