@@ -2,7 +2,7 @@
 
 tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
 qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one;
-internvl with a qwen2 one), a tiny text model, its mmproj, and llama.cpp's chunks, image
+internvl with a qwen2 one; lfm2 with an lfm2 one), a tiny text model, its mmproj, and llama.cpp's chunks, image
 embeddings and last logits for two prompts over two committed test images
 (benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's fp16
 GELU tables (<= 4.5e-4 relative); everything else is F32 math in both, but the patch
@@ -50,7 +50,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl", "lfm2"]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,8 @@ def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     <|vision_end|>, a grid of merged tokens (4 x 3, 3 x 3) taking max(nx, ny) positions, for
     qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's); pixtral: a grid
     of merged tokens (6 x 5, 3 x 3) with an [IMG_BREAK] embedding after each row but the last,
-    then [IMG_END]; internvl: <img>, 2 x 2 tiles and the overview (16 tokens each), </img>."""
+    then [IMG_END]; internvl: <img>, 2 x 2 tiles and the overview (16 tokens each), </img>; lfm2:
+    <|image_start|> image (10 x 7, 8 x 8 tokens) <|image_end|>."""
     model, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
@@ -477,6 +478,59 @@ def test_an_internvl_mmproj_missing_a_part_is_refused_by_name(tmp_path):
     g = mtmd.init_from_file(src, model).graph(32, 32)
     names = {n.name for n in g.gf.nodes}
     assert {f"{n}-{il}" for n in ("attn_out_scaled", "ffn_out_scaled") for il in (0, 1)} <= names
+
+
+@pytest.mark.slow
+def test_lfm2_tiles_a_big_image_as_llamacpp():
+    """A 1700 x 1300 picture: 3 x 2 tiles of 512 x 512, each after <|img_row_R_col_C|>, then
+    <|img_thumbnail|> and the whole resized to 1152 x 832 (the 8 x 8 position grid resized,
+    antialiased, to 72 x 52 patches)."""
+    g = gen()
+    model = llm.load_model(DATA / "lfm2.gguf")
+    mctx = mtmd.init_from_file(DATA / "lfm2.mmproj.gguf", model)
+    ref = dict(np.load(DATA / "lfm2.npz"))
+    text, _ = g.TILED_PROMPT
+    chunks = mctx.tokenize(text, [mtmd.Bitmap.from_bytes(g.big_image_bytes())])
+    assert [c.type == "image" for c in chunks] == list(ref["2_types"] == 1)
+    assert [c.n_tokens for c in chunks] == list(ref["2_n_tokens"]) == [11] + [64, 1] * 6 + [234, 5]
+    for i, c in enumerate(chunks):
+        if c.type == "text":
+            assert c.tokens == list(ref[f"2_text_{i}"])
+        else:
+            assert rel(mctx.encode_chunk(c), ref[f"2_embd_{i}"]) < TOL
+    n = g.N_CTX_OF["lfm2"]
+    ctx = llm.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, flash_attn=False)
+    assert mctx.eval_chunks(ctx, chunks) == int(ref["2_n_past"])
+    assert rel(ctx.get_logits_ith(-1), ref["2_logits"]) < TOL
+
+
+@pytest.mark.slow
+def test_an_lfm2_mmproj_missing_a_part_is_refused_by_name(tmp_path):
+    model = llm.load_model(DATA / "lfm2.gguf")
+    src = DATA / "lfm2.mmproj.gguf"
+    bad = rewrite_mmproj(src, tmp_path / "a.gguf", drop_key="clip.vision.projector.scale_factor")
+    with pytest.raises(ModelLoadError, match="a.gguf: lfm2 needs 'clip.vision.projector.scale_factor'"):
+        mtmd.init_from_file(bad, model)
+    bad = rewrite_mmproj(src, tmp_path / "b.gguf", drop_tensor="mm.1.bias")
+    with pytest.raises(ModelLoadError, match="b.gguf: missing tensor 'mm.1.bias'"):
+        mtmd.init_from_file(bad, model)
+
+
+def test_lfm2_tile_grids():
+    """mtmd_image_preprocessor_lfm2: tiles past twice max_pixels (rounded half to even to whole
+    blocks), the grid of 2..10 tiles nearest the aspect ratio, on a tie the larger one if the
+    image covers more than half of it."""
+    from llm.mtmd.clip import ClipHParams, FfnOp
+    from llm.mtmd.lfm2 import grid_layout, should_tile
+    hp = ClipHParams(projector="lfm2", n_embd=16, n_ff=32, n_layer=2, n_head=2, n_head_kv=2, d_head=8,
+                     projection_dim=64, eps=1e-6, image_size=256, patch_size=16, image_mean=(0.5,) * 3,
+                     image_std=(0.5,) * 3, ffn_op=FfnOp.GELU, n_merge=4, image_max_pixels=256 * 64 * 64)
+    assert should_tile(hp, 1700, 1300) and not should_tile(hp, 1600, 1300) and not should_tile(hp, 96, 72)
+    assert grid_layout(1700, 1300) == (3, 2)
+    assert grid_layout(1000, 1000) == (2, 2)       # a tie with 3 x 3, whose half the image does not cover
+    assert grid_layout(1300, 1300) == (3, 3)
+    assert grid_layout(3000, 500) == (6, 1)
+    assert grid_layout(500, 1000) == (1, 2)
 
 
 @pytest.mark.slow

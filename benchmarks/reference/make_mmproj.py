@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
-N_CTX_OF = {"qwen2a": 1024, "ultravox": 512, "qwen2.5o": 1024}     # prompts that need more than N_CTX
+N_CTX_OF = {"qwen2a": 1024, "ultravox": 512, "qwen2.5o": 1024, "lfm2": 1024}     # prompts that need more than N_CTX
 AUDIO = ("ultravox", "qwen2a", "voxtral")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
@@ -87,6 +88,26 @@ LONG_PROMPT = ("A long one: <__media__> done", (2,))
 # qwen2.5o's prompt over [*IMAGES, SOUND]: an image and a sound in one prompt
 OMNI_PROMPTS = (("Look at <__media__> and listen to <__media__> now", (0, 2)),)
 SAMPLES_KEPT = 16000        # the decoded samples stored of sounds up to 1 s (the long one is not)
+
+
+# lfm2's third prompt: a 1700 x 1300 picture (made in memory, big_image_bytes), cut into tiles
+TILED_PROMPT = ("Tiles: <__media__> done", (2,))
+
+
+def big_image_bytes() -> bytes:
+    """A seeded 1700 x 1300 PNG (not committed: rebuilt identically), large enough that lfm2
+    cuts it into 512 x 512 tiles."""
+    import io
+
+    from PIL import Image
+    rng = np.random.default_rng(2028)
+    y, x = np.mgrid[0:1300, 0:1700]
+    a = np.stack([x * 255 // 1699, y * 255 // 1299, (x * y) % 251], axis=2).astype(np.int32)
+    a[300:900, 500:1200] = [40, 200, 90]
+    a = np.clip(a + rng.integers(-20, 21, a.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def long_sound_bytes() -> bytes:
@@ -666,6 +687,68 @@ def internvl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def lfm2_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """LFM2-VL's text model: make_fixture's lfm2 (short convolutions and attention) with FFNs of
+    64 (the fixture set stays near 1 MB), its tied embeddings holding the projector's tokens too."""
+    kv = mf.spec_lfm2(dataclasses.replace(d, n_ff=64), w)
+    w.embd("token_embd.weight", n_vocab, d.n_embd, scale=0.4)
+    return kv
+
+
+def lfm2_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """LFM2-VL's SigLIP2 at width 16 (2 layers, 2 heads, GELU, post-LN) in 16 x 16 patches, its
+    positions an 8 x 8 grid resized to the image's, pixel unshuffle 4 x 4 (so 64 x 64 pixels a
+    token and 8 x 8 tokens a 512 x 512 tile), the projector's layer norm, mm.1, GELU, mm.2. The
+    test images grow into 640 x 448 and 512 x 512 (the minimum is 64 tokens); the big one is
+    3 x 2 tiles and a 1152 x 832 thumbnail."""
+    n_embd, n_ff, n_layer, patch, side, merge = 16, 32, 2, 16, 8, 4
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "lfm2",
+        "clip.has_vision_encoder": True,
+        "clip.use_gelu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 2,
+        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.image_size": 256,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.5, 0.5, 0.5],
+        "clip.vision.image_std": [0.5, 0.5, 0.5],
+        "clip.vision.projector.scale_factor": merge,
+    }
+    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
+                                  ).astype(np.float32)
+    w.bias("v.patch_embd.bias", n_embd)
+    w.embd("v.position_embd.weight", side * side, n_embd, scale=0.5)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("v.post_ln.weight", n_embd)
+    w.bias("v.post_ln.bias", n_embd)
+    n_in = n_embd * merge * merge
+    w.norm("mm.input_norm.weight", n_in)
+    w.bias("mm.input_norm.bias", n_in)
+    w.mat("mm.1.weight", n_embd_text, n_in)
+    w.bias("mm.1.bias", n_embd_text)
+    w.mat("mm.2.weight", n_embd_text, n_embd_text)
+    w.bias("mm.2.bias", n_embd_text)
+    return kv
+
+
 def qwen25o_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """Qwen2.5-Omni's mmproj: qwen2.5vl's vision encoder and qwen2a's audio encoder (drawn from a
     second seed) in one file, projector type qwen2.5o, both encoders' keys."""
@@ -694,6 +777,8 @@ SPECS = {
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
     "pixtral": (llama_text, pixtral_mmproj, ["[IMG_END]"], 217),
     "internvl": (qwen2_text, internvl_mmproj, ["<img>", "</img>"], 219),
+    "lfm2": (lfm2_text, lfm2_mmproj, ["<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"]
+             + [f"<|img_row_{r}_col_{c}|>" for r in (1, 2) for c in (1, 2, 3)], 221),
 }
 
 
@@ -831,6 +916,10 @@ def make_oracle(name: str, out: Path = OUT) -> list[Path]:
                 all_prompts += (LONG_PROMPT,)
         if name == "qwen2.5o":
             media, all_prompts = [*media, str(SOUND)], OMNI_PROMPTS
+        if name == "lfm2":
+            big = Path(tmp) / "big.png"
+            big.write_bytes(big_image_bytes())
+            media, all_prompts = [*media, str(big)], PROMPTS + (TILED_PROMPT,)
         for proj, prompts, npz in ((mmproj, all_prompts, out / f"{name}.npz"),
                                    (twin, all_prompts[:1], out / f"{name}-f16.npz")):
             arrays = llamacpp_child.call(llamacpp_mtmd, str(model), str(proj), media, prompts,

@@ -93,7 +93,8 @@ class ClipTensor(enum.Enum):
     MVLM_PROJ_MLP = "mm.model.mlp.{il}.{s}"         # internvl: mm.model.mlp.0 (norm), .1, .3
     LLAVA_PROJ = "mm.{il}.{s}"                      # mlp (LLaVA): mm.0, mm.2
     MM_SOFT_EMB_N = "mm.soft_emb_norm.weight"       # gemma3
-    MM_INP_NORM = "mm.input_norm.weight"            # pixtral (Mistral Small 3.1): before the patch merger
+    MM_INP_NORM = "mm.input_norm.weight"            # pixtral (Mistral Small 3.1): before the patch merger; lfm2
+    MM_INP_NORM_B = "mm.input_norm.bias"            # lfm2
     MM_PATCH_MERGER = "mm.patch_merger.{s}"         # pixtral (Mistral Small 3.1)
     TOK_IMG_BREAK = "v.token_embd.img_break"        # pixtral: the [IMG_BREAK] embedding after each row
     CONV1D = "a.conv1d.{il}.{s}"                    # whisper encoder: a.conv1d.1, a.conv1d.2
