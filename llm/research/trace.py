@@ -577,12 +577,12 @@ def _encoder_nodes(mctx: MtmdContext, chunk: InputChunk, patterns: list[str]) ->
         raise ValueError(f"capture_encoder: {e}") from None
 
 
-def _encode(mctx: MtmdContext, chunk: InputChunk, nodes: dict[str, Tensor]) -> MediaTrace:
+def _encode(mctx: MtmdContext, chunk: InputChunk, nodes: dict[str, Tensor], start: int) -> MediaTrace:
     """The chunk's embeddings, from the embedding cache when no node is captured; else one
     run of its cached graph with the nodes as extra outputs (an encoder run, counted as
     one; its embeddings are not cached, so the cache keeps what plain runs gave)."""
     if not nodes:
-        return MediaTrace(chunk, 0, mctx.encode_chunk(chunk))
+        return MediaTrace(chunk, start, mctx.encode_chunk(chunk))
     img = chunk.image
     assert img is not None
     t0 = time.perf_counter()
@@ -596,7 +596,7 @@ def _encode(mctx: MtmdContext, chunk: InputChunk, nodes: dict[str, Tensor]) -> M
               for lb, t in nodes.items()}
     mctx.n_encode += 1
     mctx.t_encode += time.perf_counter() - t0
-    return MediaTrace(chunk, 0, embd, values)
+    return MediaTrace(chunk, start, embd, values)
 
 
 def run_media_trace(llm, prompt: str | list[int], images: Sequence, capture: Iterable[str],
@@ -636,6 +636,7 @@ def run_media_trace(llm, prompt: str | list[int], images: Sequence, capture: Ite
     rows: list[np.ndarray] = []
     traced: list[MediaTrace] = []
     n_past = 0
+    at = 0          # the chunk's first token among the trace's tokens (n_past counts positions)
 
     def decode(batch: Batch, what: str) -> None:
         ret = ctx.decode(batch)
@@ -651,9 +652,9 @@ def run_media_trace(llm, prompt: str | list[int], images: Sequence, capture: Ite
                     decode(Batch(part, pos=np.arange(n_past, n_past + len(part)), logits=np.ones(len(part), bool)),
                            "text")
                     n_past += len(part)
+                at += c.n_tokens
                 continue
-            mt = _encode(mctx, c, enc_nodes[len(traced)])
-            mt.start = sum(r.shape[0] for r in rows)
+            mt = _encode(mctx, c, enc_nodes[len(traced)], at)
             traced.append(mt)
             pos = c.image.decoder_pos(n_past)
             non_causal = mctx.projector.non_causal and c.type == "image"      # mtmd_decode_use_non_causal
@@ -667,6 +668,7 @@ def run_media_trace(llm, prompt: str | list[int], images: Sequence, capture: Ite
                 if non_causal:
                     ctx.set_causal_attn(True)
             n_past += c.n_pos
+            at += c.n_tokens
     finally:
         ctx.edits = None
         ctx.memory_clear()
