@@ -22,7 +22,8 @@ ultravox, qwen2a and voxtral (AUDIO) read sounds instead: SOUND (committed, 0.4 
 AUDIO_PROMPTS; their npz also hold llama.cpp's decoded samples of each (`samples_<j>`, mono
 float32 at 16 kHz). qwen2a's 750 tokens a sound need a context of N_CTX_OF["qwen2a"].
 ultravox also hears LONG_PROMPT, a 31 s sound made in memory (long_sound_bytes): two 30 s
-chunks of the spectrogram, two audio chunks.
+chunks of the spectrogram, two audio chunks. lfm2 also sees TILED_PROMPT, a 1700 x 1300
+picture made in memory (big_image_bytes): six 512 x 512 tiles and a thumbnail.
 
 `--images` rewrites the two test images and the test sound (seeded; committed, so normally
 never needed).
