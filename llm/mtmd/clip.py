@@ -464,10 +464,28 @@ class ClipGraph:
             cur = ops.add(cur, wo_b)
         return cur
 
+    def build_rope_2d(self, cur: Tensor, pos_a: Tensor, pos_b: Tensor, freq_base: float,
+                      interleave_freq: bool) -> Tensor:
+        """clip_graph::build_rope_2d on [d_head, n_head, n_pos]: the first half of each head
+        rotated (adjacent pairs) at pos_a, the second at pos_b; interleave_freq scales the
+        second half's frequencies by freq_base^(-2 / d_head), making them the odd ones of the
+        whole head. Two ropes of half a head each, joined (ggml_rope_set_offset's effect)."""
+        half = cur.ne[0] // 2
+        odd = float(np.float32(freq_base) ** np.float32(-2.0 / cur.ne[0])) if interleave_freq else 1.0
+        parts = []
+        for j, (pos, scale) in enumerate(((pos_a, 1.0), (pos_b, odd))):
+            x = ops.cont(ops.view_3d(cur, half, cur.ne[1], cur.ne[2], cur.nb[1], cur.nb[2], j * half * cur.nb[0]))
+            parts.append(ops.rope_ext(x, pos, None, n_dims=half, mode=ops.ROPE_TYPE_NORMAL, n_ctx_orig=0,
+                                      freq_base=freq_base, freq_scale=scale, ext_factor=0.0, attn_factor=1.0,
+                                      beta_fast=0.0, beta_slow=0.0))
+        return ops.concat(parts[0], parts[1], 0)
+
     def build_vit(self, inp: Tensor, n_pos: int, learned_pos_embd: Tensor | None,
-                  n_layer: int | None = None, avgpool: bool = False, rms: bool = False) -> Tensor:
+                  n_layer: int | None = None, avgpool: bool = False, rms: bool = False,
+                  add_pos: Callable[[Tensor, ClipLayer], Tensor] | None = None) -> Tensor:
         """clip_graph::build_vit with layer norms (NORM_TYPE_NORMAL; rms: NORM_TYPE_RMS) and the
-        layers' scales where they have them -> [n_embd, n_pos, 1];
+        layers' scales where they have them, add_pos applied to each layer's Q and K (a rope)
+        -> [n_embd, n_pos, 1];
         n_layer: run only the first n_layer layers (LLaVA reads the one before the last);
         avgpool: each two positions averaged before the post-LN (qwen2a's nn.AvgPool1d(2, 2),
         ggml_pool_1d on the transposed rows) -> [n_embd, n_pos / 2, 1]."""
@@ -494,6 +512,9 @@ class ClipGraph:
             q = self.cb(ops.reshape_4d(q, self.d_head, self.n_head, n_pos, 1), "Qcur", il)
             k = self.cb(ops.reshape_4d(k, self.d_head, self.n_head_kv, n_pos, 1), "Kcur", il)
             v = self.cb(ops.reshape_4d(v, self.d_head, self.n_head_kv, n_pos, 1), "Vcur", il)
+            if add_pos is not None:
+                q = self.cb(add_pos(q, layer), "Qcur_pos", il)
+                k = self.cb(add_pos(k, layer), "Kcur_pos", il)
             cur = self.cb(self.build_attn(layer.o_w, layer.o_b, q, k, v, il), "attn_out", il)
             if layer.ls_1_w is not None:
                 cur = self.cb(ops.mul(cur, layer.ls_1_w), "attn_out_scaled", il)

@@ -85,21 +85,6 @@ def n_tokens_pixtral(hp: ClipHParams, nx: int, ny: int) -> int:
     return gx * gy + gy - 1
 
 
-def rope_2d(g: ClipGraph, cur: Tensor, pos_h: Tensor, pos_w: Tensor) -> Tensor:
-    """clip_graph::build_rope_2d with interleaved frequencies on [d_head, n_head, n_pos]: the
-    first half of each head rotated (adjacent pairs) at pos_h, the second at pos_w with the
-    frequencies scaled by theta^(-2 / d_head), i.e. the odd ones of the whole head."""
-    half = g.d_head // 2
-    odd = float(np.float32(ROPE_THETA) ** np.float32(-2.0 / g.d_head))
-    parts = []
-    for j, (pos, scale) in enumerate(((pos_h, 1.0), (pos_w, odd))):
-        x = ops.cont(ops.view_3d(cur, half, cur.ne[1], cur.ne[2], cur.nb[1], cur.nb[2], j * half * cur.nb[0]))
-        parts.append(ops.rope_ext(x, pos, None, n_dims=half, mode=ops.ROPE_TYPE_NORMAL, n_ctx_orig=0,
-                                  freq_base=ROPE_THETA, freq_scale=scale, ext_factor=0.0, attn_factor=1.0,
-                                  beta_fast=0.0, beta_slow=0.0))
-    return ops.concat(parts[0], parts[1], 0)
-
-
 def patch_merger(g: ClipGraph, cur: Tensor) -> Tensor:
     """Mistral Small 3.1's merger: RMS norm, each n x n block of patches unfolded (ggml_im2col
     with a dummy kernel: a row of n_embd x n x n, the block's x fastest, then its y, then the
@@ -124,32 +109,9 @@ def build_pixtral(g: ClipGraph) -> Tensor:
     g.inputs[pos_h] = (np.arange(n_pos) // px).astype(np.int32)
     g.inputs[pos_w] = (np.arange(n_pos) % px).astype(np.int32)
 
-    inpL = g.build_inp()
-    pre_w = m.get(ctn(ClipTensor.LN_PRE), False)
-    if pre_w is not None:
-        inpL = g.cb(g.build_norm(inpL, pre_w, m.get(ctn(ClipTensor.LN_PRE, "bias"), False), True, -1), "pre_ln")
-    for il, layer in enumerate(m.layers):
-        cur = g.cb(g.build_norm(inpL, layer.ln_1_w, layer.ln_1_b, True, il), "layer_inp_normed", il)
-        q, k, v = (ops.mul_mat(w, cur) for w in (layer.q_w, layer.k_w, layer.v_w))
-        q, k, v = (x if b is None else ops.add(x, b) for x, b in ((q, layer.q_b), (k, layer.k_b), (v, layer.v_b)))
-        q = g.cb(ops.reshape_3d(q, g.d_head, g.n_head, n_pos), "Qcur", il)
-        k = g.cb(ops.reshape_3d(k, g.d_head, g.n_head_kv, n_pos), "Kcur", il)
-        v = g.cb(ops.reshape_3d(v, g.d_head, g.n_head_kv, n_pos), "Vcur", il)
-        q = g.cb(rope_2d(g, q, pos_h, pos_w), "Qcur_pos", il)
-        k = g.cb(rope_2d(g, k, pos_h, pos_w), "Kcur_pos", il)
-        cur = g.cb(g.build_attn(layer.o_w, layer.o_b, q, k, v, il), "attn_out", il)
-        cur = ops.add(cur, inpL)
-        inpL = g.cb(cur, "ffn_inp", il)
-        cur = g.cb(g.build_norm(cur, layer.ln_2_w, layer.ln_2_b, True, il), "ffn_inp_normed", il)
-        cur = g.build_ffn(cur, layer.ff_up_w, layer.ff_up_b, layer.ff_gate_w, layer.ff_gate_b,
-                          layer.ff_down_w, layer.ff_down_b, hp.ffn_op, il)
-        cur = g.cb(cur, "ffn_out", il)
-        inpL = g.cb(ops.add(inpL, cur), "layer_out", il)
-    post_w = m.get(ctn(ClipTensor.LN_POST), False)
-    if post_w is not None:
-        inpL = g.build_norm(inpL, post_w, m.get(ctn(ClipTensor.LN_POST, "bias"), False), True, -1)
-
-    cur = inpL
+    cur = g.build_vit(g.build_inp(), n_pos, None, rms=True,
+                      add_pos=lambda x, _: g.build_rope_2d(x, pos_h, pos_w, ROPE_THETA, interleave_freq=True))
+    cur = ops.reshape_2d(cur, g.n_embd, n_pos)
     if m.get(ctn(ClipTensor.MM_PATCH_MERGER), False) is not None:
         cur = patch_merger(g, cur)
     cur = g.build_ffn(cur, m.need(ctn(ClipTensor.LLAVA_PROJ, "weight", 1)),
