@@ -2,7 +2,7 @@
 
 tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
 qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one;
-internvl with a qwen2 one; lfm2 with an lfm2 one), a tiny text model, its mmproj, and llama.cpp's chunks, image
+internvl with a qwen2 one; lfm2 and llama4 with their own), a tiny text model, its mmproj, and llama.cpp's chunks, image
 embeddings and last logits for two prompts over two committed test images
 (benchmarks/reference/make_mmproj.py). Embeddings differ from llama.cpp's by ggml-cpu's fp16
 GELU tables (<= 4.5e-4 relative); everything else is F32 math in both, but the patch
@@ -50,7 +50,8 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl", "lfm2"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl", "lfm2",
+              "llama4"]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,8 @@ def test_chunks_and_embeddings_equal_llamacpp(each, images, k):
     qwen3vl each token 2 x 64 wide (its DeepStack slice after the main merger's); pixtral: a grid
     of merged tokens (6 x 5, 3 x 3) with an [IMG_BREAK] embedding after each row but the last,
     then [IMG_END]; internvl: <img>, 2 x 2 tiles and the overview (16 tokens each), </img>; lfm2:
-    <|image_start|> image (10 x 7, 8 x 8 tokens) <|image_end|>."""
+    <|image_start|> image (10 x 7, 8 x 8 tokens) <|image_end|>; llama4: <|image_start|>, 3 x 3
+    or 2 x 2 tiles and the overview (16 tokens each), <|image_end|>."""
     model, mctx, ref = each
     chunks = prompt_chunks(mctx, images, k)
     types = {"text": 0, "image": 1}
@@ -514,6 +516,33 @@ def test_an_lfm2_mmproj_missing_a_part_is_refused_by_name(tmp_path):
     bad = rewrite_mmproj(src, tmp_path / "b.gguf", drop_tensor="mm.1.bias")
     with pytest.raises(ModelLoadError, match="b.gguf: missing tensor 'mm.1.bias'"):
         mtmd.init_from_file(bad, model)
+
+
+def test_llama4_tile_candidates():
+    """set_llava_uhd_res_candidates(3): every x by y grid of 1..3 tiles but 1 x 1; the best keeps
+    the whole 96 x 72 image (3 x 3) and wastes least on the 40 x 40 one (2 x 2)."""
+    from llm.mtmd.clip import ClipHParams, FfnOp
+    from llm.mtmd.internvl import select_best_resolution
+    from llm.mtmd.llama4 import res_candidates
+    hp = ClipHParams(projector="llama4", n_embd=32, n_ff=64, n_layer=2, n_head=4, n_head_kv=4, d_head=8,
+                     projection_dim=64, eps=1e-5, image_size=32, patch_size=4, image_mean=(0.5,) * 3,
+                     image_std=(0.5,) * 3, ffn_op=FfnOp.GELU, n_merge=2)
+    cands = res_candidates(hp)
+    assert cands == [(32, 64), (32, 96), (64, 32), (64, 64), (64, 96), (96, 32), (96, 64), (96, 96)]
+    assert select_best_resolution(96, 72, cands) == (96, 96)
+    assert select_best_resolution(40, 40, cands) == (64, 64)
+
+
+@pytest.mark.slow
+def test_llama4_encoder_nodes_and_positions():
+    model = llm.load_model(DATA / "llama4.gguf")
+    g = mtmd.init_from_file(DATA / "llama4.mmproj.gguf", model).graph(32, 32)
+    names = {n.name for n in g.gf.nodes}
+    assert {"patch_conv", "pos_embed", "pre_ln", "pixel_shuffle", "adapter_mlp", "projected"} <= names
+    assert {f"{n}-{il}" for n in ("Qcur_pos", "Kcur_pos", "kq_soft_max", "ffn_gelu") for il in (0, 1)} <= names
+    pos = {t.name: v for t, v in g.inputs.items()}
+    assert list(pos["pos_h"][:10]) == [1] * 8 + [2, 2] and pos["pos_h"][-1] == 0 and pos["pos_h"][-2] == 8
+    assert list(pos["pos_w"][:10]) == [1, 2, 3, 4, 5, 6, 7, 8, 1, 2] and pos["pos_w"][-1] == 0
 
 
 def test_lfm2_tile_grids():

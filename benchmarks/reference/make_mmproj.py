@@ -49,7 +49,8 @@ OUT = ROOT / "tests" / "data" / "mtmd"
 IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
-N_CTX_OF = {"qwen2a": 1024, "ultravox": 512, "qwen2.5o": 1024, "lfm2": 1024}     # prompts that need more than N_CTX
+N_CTX_OF = {"qwen2a": 1024, "ultravox": 512, "qwen2.5o": 1024, "lfm2": 1024,      # prompts that need more than N_CTX
+            "llama4": 512}
 AUDIO = ("ultravox", "qwen2a", "voxtral")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
@@ -750,6 +751,92 @@ def lfm2_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
+def llama4_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
+    """Llama 4's text model, make_fixture's llama4 made smaller (the fixture set stays near 1 MB):
+    4 layers (chunked attention but in layer 3, NoPE), dense FFNs of 64 and mixtures of 2 experts
+    of 32 with the shared one in turn; both experts are used, so no near tie of the router flips
+    a token's expert between the engines (a top-1 fixture's logits moved by 3e-3)."""
+    a = "llama4"
+    d = dataclasses.replace(d, n_layer=4, n_ff=64, n_expert=2, n_expert_used=2)
+    kv = mf.base_kv(a, d)
+    kv[f"{a}.rope.freq_base"] = 500000.0
+    kv[f"{a}.expert_count"] = d.n_expert
+    kv[f"{a}.expert_used_count"] = d.n_expert_used
+    kv[f"{a}.expert_feed_forward_length"] = 32
+    kv[f"{a}.interleave_moe_layer_step"] = 2
+    w.embd("token_embd.weight", n_vocab, d.n_embd)
+    w.norm("output_norm.weight", d.n_embd)
+    w.mat("output.weight", n_vocab, d.n_embd, gain=3.0)
+    for il in range(d.n_layer):
+        p = f"blk.{il}."
+        w.norm(p + "attn_norm.weight", d.n_embd)
+        mf.attn_qkv(w, p, d)
+        w.mat(p + "attn_output.weight", d.n_embd, d.n_embd)
+        w.norm(p + "ffn_norm.weight", d.n_embd)
+        if il % 2:
+            mf.moe(w, p, d, 32)
+            w.mat(p + "ffn_gate_shexp.weight", 32, d.n_embd)
+            w.mat(p + "ffn_down_shexp.weight", d.n_embd, 32)
+            w.mat(p + "ffn_up_shexp.weight", 32, d.n_embd)
+        else:
+            w.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+            w.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+            w.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    return kv
+
+
+def llama4_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """Llama 4's ViT at width 32 (2 layers, 4 heads of 8, the 2-D rope, layer norms with a pre-
+    and post-LN, GELU) over 32 x 32 tiles in 4 x 4 patches (the 2-D patch matrix, a class
+    embedding, learned positions), pixel shuffle 2 x 2 (16 tokens a tile), the adapter
+    (mm.model.mlp.1, mm.model.mlp.2) and mm.model.fc. The 96 x 72 test image is 3 x 3 tiles and
+    the overview, the 40 x 40 one 2 x 2 and the overview."""
+    n_embd, n_ff, n_layer, image_size, patch = 32, 64, 2, 32, 4
+    n_patches = (image_size // patch) ** 2
+    kv: dict[str, object] = {
+        "general.architecture": "clip",
+        "general.name": "fixture mmproj",
+        "clip.projector_type": "llama4",
+        "clip.has_vision_encoder": True,
+        "clip.use_gelu": True,
+        "clip.vision.embedding_length": n_embd,
+        "clip.vision.feed_forward_length": n_ff,
+        "clip.vision.block_count": n_layer,
+        "clip.vision.projection_dim": n_embd_text,
+        "clip.vision.attention.head_count": 4,
+        "clip.vision.attention.layer_norm_epsilon": 1e-5,
+        "clip.vision.image_size": image_size,
+        "clip.vision.patch_size": patch,
+        "clip.vision.image_mean": [0.5, 0.5, 0.5],
+        "clip.vision.image_std": [0.5, 0.5, 0.5],
+        "clip.vision.projector.scale_factor": 2,
+    }
+    w.mat("v.patch_embd.weight", n_embd, 3 * patch * patch)
+    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
+    w.embd("v.position_embd.weight", n_patches + 1, n_embd, scale=0.5)
+    w.norm("v.pre_ln.weight", n_embd)
+    w.bias("v.pre_ln.bias", n_embd)
+    for il in range(n_layer):
+        p = f"v.blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(p + name + ".weight", n_embd, n_embd)
+            w.bias(p + name + ".bias", n_embd)
+        w.norm(p + "ln1.weight", n_embd)
+        w.bias(p + "ln1.bias", n_embd)
+        w.norm(p + "ln2.weight", n_embd)
+        w.bias(p + "ln2.bias", n_embd)
+        w.mat(p + "ffn_up.weight", n_ff, n_embd)
+        w.bias(p + "ffn_up.bias", n_ff)
+        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+        w.bias(p + "ffn_down.bias", n_embd)
+    w.norm("v.post_ln.weight", n_embd)
+    w.bias("v.post_ln.bias", n_embd)
+    w.mat("mm.model.mlp.1.weight", 64, 4 * n_embd)
+    w.mat("mm.model.mlp.2.weight", 64, 64)
+    w.mat("mm.model.fc.weight", n_embd_text, 64)
+    return kv
+
+
 def qwen25o_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """Qwen2.5-Omni's mmproj: qwen2.5vl's vision encoder and qwen2a's audio encoder (drawn from a
     second seed) in one file, projector type qwen2.5o, both encoders' keys."""
@@ -778,6 +865,7 @@ SPECS = {
     "qwen3vl": (qwen3vl_text, qwen3vl_mmproj, ["<|vision_start|>", "<|vision_end|>"], 209),
     "pixtral": (llama_text, pixtral_mmproj, ["[IMG_END]"], 217),
     "internvl": (qwen2_text, internvl_mmproj, ["<img>", "</img>"], 219),
+    "llama4": (llama4_text, llama4_mmproj, ["<|image_start|>", "<|image_end|>"], 223),
     "lfm2": (lfm2_text, lfm2_mmproj, ["<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"]
              + [f"<|img_row_{r}_col_{c}|>" for r in (1, 2) for c in (1, 2, 3)], 221),
 }

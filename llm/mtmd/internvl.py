@@ -103,19 +103,24 @@ def select_best_resolution(nx: int, ny: int, candidates: list[tuple[int, int]]) 
     return best
 
 
-def preprocess_internvl(model: ClipModel, proj: Projector, img: np.ndarray) -> Preprocessed:
-    """mtmd_image_preprocessor_internvl: the tiles of the refined image (row by row) and the
-    overview; an image no larger than one tile is the overview alone."""
-    hp = model.hparams
+def preprocess_pinpoints(hp: ClipHParams, img: np.ndarray, candidates: list[tuple[int, int]]) -> Preprocessed:
+    """mtmd_image_preprocessor_llava_uhd with resolution candidates: the overview (bicubic, not
+    padded, one tile) and the tiles (row by row) of the image resized (bicubic, padded) to the
+    best candidate; an image no larger than one tile is the overview alone."""
     sz = hp.image_size
     ny, nx = img.shape[:2]
     overview = resize(img, sz, sz, ResizeAlgo.BICUBIC, PadStyle.NONE)
     if nx <= sz and ny <= sz:
         return Preprocessed([], overview=overview)
-    rw, rh = select_best_resolution(nx, ny, res_candidates(hp))
+    rw, rh = select_best_resolution(nx, ny, candidates)
     refined = resize(img, rw, rh, ResizeAlgo.BICUBIC, PadStyle.CEIL, (0, 0, 0))
     tiles = [np.ascontiguousarray(refined[y:y + sz, x:x + sz]) for y in range(0, rh, sz) for x in range(0, rw, sz)]
     return Preprocessed(tiles, grid_x=rw // sz, grid_y=rh // sz, overview=overview)
+
+
+def preprocess_internvl(model: ClipModel, proj: Projector, img: np.ndarray) -> Preprocessed:
+    """mtmd_image_preprocessor_internvl: the tiles, then the overview."""
+    return preprocess_pinpoints(model.hparams, img, res_candidates(model.hparams))
 
 
 def build_internvl(g: ClipGraph) -> Tensor:
