@@ -1,6 +1,6 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
-tests/data/mtmd/ holds, per projector (gemma3; idefics3 and mlp with llama text models;
+tests/data/mtmd/ holds, per projector (gemma3; idefics3, mlp and mlp_norm with llama text models;
 qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one;
 internvl with a qwen2 one; lfm2 and llama4 with their own), a tiny text model, its mmproj, and llama.cpp's chunks, image
 embeddings and last logits for two prompts over two committed test images
@@ -50,7 +50,7 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl", "lfm2",
+PROJECTORS = ["gemma3", "idefics3", "mlp", "mlp_norm", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl", "lfm2",
               "llama4"]
 
 
@@ -403,6 +403,19 @@ def rewrite_mmproj(src: Path, dst: Path, *, drop_key: str = "", drop_tensor: str
                 w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))
         w.write(dst)
     return dst
+
+
+@pytest.mark.slow
+def test_an_mlp_file_with_mm3_is_mlp_norm_and_its_norms_are_needed(tmp_path):
+    """Yi-VL's files say "mlp"; clip.cpp reads one holding mm.3 as mlp_norm, as we do."""
+    model = llm.load_model(DATA / "mlp_norm.gguf")
+    src = DATA / "mlp_norm.mmproj.gguf"
+    with gguf.GGUFReader(src) as f:
+        assert f.kv["clip.projector_type"] == "mlp"
+    assert mtmd.init_from_file(src, model).clip.hparams.projector == "mlp_norm"
+    bad = rewrite_mmproj(src, tmp_path / "a.gguf", drop_tensor="mm.4.bias")
+    with pytest.raises(ModelLoadError, match="a.gguf: missing tensor 'mm.4.bias'"):
+        mtmd.init_from_file(bad, model)
 
 
 @pytest.mark.slow

@@ -250,10 +250,11 @@ def idefics3_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return kv
 
 
-def mlp_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+def mlp_mmproj(w: mf.Weights, n_embd_text: int, norm: bool = False) -> dict:
     """LLaVA 1.5's shape: a CLIP ViT (3 quick-GELU layers of 32, class embedding, pre-LN, no
     post-LN; read at layer 2) over a 32 x 32 image in 4 x 4 patches (64 tokens), CLIP's
-    mean and std, then the mm.0 / GELU / mm.2 MLP to the text width."""
+    mean and std, then the mm.0 / GELU / mm.2 MLP to the text width; norm: Yi-VL's
+    mm.0 / LN mm.1 / GELU / mm.3 / LN mm.4 instead (mlp_norm, in a file that says "mlp")."""
     n_embd, n_ff, n_layer, image_size, patch = 32, 64, 3, 32, 4
     n_patches = (image_size // patch) ** 2
     kv: dict[str, object] = {
@@ -293,9 +294,21 @@ def mlp_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
         w.bias(p + "ffn_down.bias", n_embd)
     w.mat("mm.0.weight", n_embd_text, n_embd)
     w.bias("mm.0.bias", n_embd_text)
+    if norm:
+        w.norm("mm.1.weight", n_embd_text)
+        w.bias("mm.1.bias", n_embd_text)
+        w.mat("mm.3.weight", n_embd_text, n_embd_text)
+        w.bias("mm.3.bias", n_embd_text)
+        w.norm("mm.4.weight", n_embd_text)
+        w.bias("mm.4.bias", n_embd_text)
+        return kv
     w.mat("mm.2.weight", n_embd_text, n_embd_text)
     w.bias("mm.2.bias", n_embd_text)
     return kv
+
+
+def mlp_norm_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    return mlp_mmproj(w, n_embd_text, norm=True)
 
 
 def ultravox_mmproj(w: mf.Weights, n_embd_text: int, n_embd: int = 40, stack: int = 8) -> dict:
@@ -855,6 +868,7 @@ SPECS = {
     "idefics3": (llama_text, idefics3_mmproj, ["\n\n", "<fake_token_around_image>", "<global-img>"]
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
     "mlp": (llama_text, mlp_mmproj, [], 205),
+    "mlp_norm": (llama_text, mlp_norm_mmproj, [], 225),
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
     "voxtral": (llama_text, voxtral_mmproj, ["[BEGIN_AUDIO]"], 213),

@@ -294,6 +294,8 @@ def load_model(path: str | os.PathLike, device: jax.Device | None = None) -> tup
                           PREFIX_AUDIO)
     else:
         proj = projector_type(path, kv)
+        if proj == "mlp" and ctn(ClipTensor.LLAVA_PROJ, "weight", 3) in reader.tensors:
+            proj = "mlp_norm"       # clip_model_loader: an "mlp" file with mm.3 is Yi-VL's mlp_norm
         # qwen2.5o (Qwen2.5-Omni) holds both encoders: its vision half is qwen2.5vl's
         model = ClipModel(path, load_hparams(path, kv, "qwen2.5vl_merger" if proj == "qwen2.5o" else proj), kv)
     for name, ti in reader.tensors.items():

@@ -31,7 +31,7 @@ from llm.mtmd.image import normalize
 from llm.mtmd.internvl import INTERNVL
 from llm.mtmd.lfm2 import LFM2
 from llm.mtmd.llama4 import LLAMA4
-from llm.mtmd.llava import MLP
+from llm.mtmd.llava import MLP, MLP_NORM
 from llm.mtmd.pixtral import PIXTRAL
 from llm.mtmd.qwen2vl import QWEN2VL, QWEN3VL, QWEN25VL
 from llm.mtmd.siglip import GEMMA3, IDEFICS3
@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, QWEN2VL, QWEN25VL, QWEN3VL,
-                                                              PIXTRAL, INTERNVL, LFM2, LLAMA4, ULTRAVOX, QWEN2A,
-                                                              VOXTRAL)}
+PROJECTORS: dict[str, clip.Projector] = {p.name: p for p in (GEMMA3, IDEFICS3, MLP, MLP_NORM, QWEN2VL, QWEN25VL,
+                                                              QWEN3VL, PIXTRAL, INTERNVL, LFM2, LLAMA4, ULTRAVOX,
+                                                              QWEN2A, VOXTRAL)}
 AUDIO_PROJECTORS = frozenset(p.name for p in (ULTRAVOX, QWEN2A, VOXTRAL))     # those that read sounds
 EMBD_CACHE_ENTRIES = 32     # images whose embeddings are kept
 # encoder graphs kept by image size: a dynamic-size projector (qwen2vl) builds one per size, with
