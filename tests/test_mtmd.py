@@ -50,8 +50,8 @@ def rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
-PROJECTORS = ["gemma3", "idefics3", "mlp", "mlp_norm", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral", "internvl", "lfm2",
-              "llama4"]
+PROJECTORS = ["gemma3", "idefics3", "mlp", "mlp_norm", "llava16", "qwen2vl", "qwen2.5vl", "qwen3vl", "pixtral",
+              "internvl", "lfm2", "llama4"]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,8 @@ def prompt_chunks(mctx, images, k: int) -> list[mtmd.InputChunk]:
 
 
 def new_ctx(model) -> llm.Context:
-    n = gen().N_CTX
+    """A context as large as the oracle's for this fixture (make_mmproj's N_CTX_OF)."""
+    n = gen().N_CTX_OF.get(Path(model.path).name.removesuffix(".gguf"), gen().N_CTX)
     return llm.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, flash_attn=False)
 
 
@@ -416,6 +417,26 @@ def test_an_mlp_file_with_mm3_is_mlp_norm_and_its_norms_are_needed(tmp_path):
     bad = rewrite_mmproj(src, tmp_path / "a.gguf", drop_tensor="mm.4.bias")
     with pytest.raises(ModelLoadError, match="a.gguf: missing tensor 'mm.4.bias'"):
         mtmd.init_from_file(bad, model)
+
+
+@pytest.mark.slow
+def test_llava16_pinpoints_tile_the_image_and_bad_ones_are_refused(tmp_path, images):
+    """LLaVA 1.6: the 96 x 72 image in the 64 x 64 pinpoint, 2 x 2 tiles then the overview."""
+    model = llm.load_model(DATA / "llava16.gguf")
+    mctx = mtmd.init_from_file(DATA / "llava16.mmproj.gguf", model)
+    chunks = mctx.tokenize("<__media__>", [images[0]])
+    assert [c.type for c in chunks] == ["text"] + ["image"] * 5
+    src = DATA / "llava16.mmproj.gguf"
+    with gguf.GGUFReader(src) as f:
+        w = gguf.GGUFWriter()
+        for k, v in f.kv.items():
+            w.add_kv(k, v[:-1] if k == "clip.vision.image_grid_pinpoints" else v, f.kv_types[k],
+                     f.kv_array_types.get(k))
+        for name, ti in f.tensors.items():
+            w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))
+        w.write(tmp_path / "a.gguf")
+    with pytest.raises(ModelLoadError, match="a.gguf: key .clip.vision.image_grid_pinpoints. must be an even number"):
+        mtmd.init_from_file(tmp_path / "a.gguf", model)
 
 
 @pytest.mark.slow

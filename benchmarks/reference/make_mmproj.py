@@ -50,7 +50,7 @@ IMAGES = (OUT / "test-image.png", OUT / "test-image-2.png")
 SOUND = OUT / "test-sound.wav"
 N_CTX = 256
 N_CTX_OF = {"qwen2a": 1024, "ultravox": 512, "qwen2.5o": 1024, "lfm2": 1024,      # prompts that need more than N_CTX
-            "llama4": 512}
+            "llama4": 512, "llava16": 1024}
 AUDIO = ("ultravox", "qwen2a", "voxtral")
 _MTMD_LOG = None
 CONTROL = 3                 # llama_token_type LLAMA_TOKEN_TYPE_CONTROL
@@ -309,6 +309,14 @@ def mlp_mmproj(w: mf.Weights, n_embd_text: int, norm: bool = False) -> dict:
 
 def mlp_norm_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     return mlp_mmproj(w, n_embd_text, norm=True)
+
+
+def llava16_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
+    """LLaVA 1.6: mlp with LLaVA 1.6's pinpoints in 32-pixel tiles (1 x 2, 2 x 1, 2 x 2, 3 x 1,
+    1 x 3); both test images become 2 x 2 tiles and the overview (5 chunks of 64 tokens)."""
+    kv = mlp_mmproj(w, n_embd_text)
+    kv["clip.vision.image_grid_pinpoints"] = np.array([32, 64, 64, 32, 64, 64, 96, 32, 32, 96], np.int32)
+    return kv
 
 
 def ultravox_mmproj(w: mf.Weights, n_embd_text: int, n_embd: int = 40, stack: int = 8) -> dict:
@@ -869,6 +877,7 @@ SPECS = {
                  + [f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], 203),
     "mlp": (llama_text, mlp_mmproj, [], 205),
     "mlp_norm": (llama_text, mlp_norm_mmproj, [], 225),
+    "llava16": (llama_text, llava16_mmproj, [], 227),
     "ultravox": (llama_text, ultravox_mmproj, [], 209),
     "qwen2a": (qwen2_text, qwen2a_mmproj, ["<|audio_bos|>", "<|audio_eos|>"], 211),
     "voxtral": (llama_text, voxtral_mmproj, ["[BEGIN_AUDIO]"], 213),

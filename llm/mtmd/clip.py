@@ -59,6 +59,7 @@ class ClipKV(enum.Enum):
     WIN_ATTN_PATTERN = "clip.vision.n_wa_pattern"
     PREPROC_MIN_TILES = "clip.vision.preproc_min_tiles"
     PREPROC_MAX_TILES = "clip.vision.preproc_max_tiles"
+    IMAGE_GRID_PINPOINTS = "clip.vision.image_grid_pinpoints"
 
     def key(self, prefix: str = "vision") -> str:
         return self.value % prefix if "%s" in self.value else self.value

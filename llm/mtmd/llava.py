@@ -6,11 +6,17 @@ before the last; its patch rows (from index 1, clip.cpp's "patches" input) go th
 two-layer GELU MLP (mm.0, mm.2). The image is padded to a square on grey (122, 116, 104)
 and resized bicubically to image_size; no text marks it in the prompt.
 
+With clip.vision.image_grid_pinpoints (LLaVA 1.6) either is llava-uhd: the image resized
+into the best pinpoint, cut into image_size tiles (row by row), then the overview, each its
+own chunk with no text between, as mtmd.cpp 0.3.36 lays it out (v.image_newline is unused).
+
 mlp_norm (Yi-VL's LLaVA): the same ViT and image; the MLP is mm.0, a layer norm (mm.1), GELU,
 mm.3 and a second layer norm (mm.4), both at the ViT's epsilon. Its files say "mlp": clip.cpp
 reads an "mlp" file holding mm.3 as mlp_norm (clip.load_model does the same).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from ggmlx import ops
 from ggmlx.tensor import Tensor
@@ -18,14 +24,18 @@ from llm.errors import ModelLoadError
 from llm.mtmd.clip import (
     ClipGraph,
     ClipHParams,
+    ClipKV,
     ClipModel,
     ClipTensor,
+    Preprocessed,
     Projector,
     check_shape,
     ctn,
     load_vit_layers,
+    preprocess_fixed_size,
 )
 from llm.mtmd.image import ResizeAlgo
+from llm.mtmd.internvl import preprocess_pinpoints
 
 
 def load_vit_mlp(model: ClipModel) -> None:
@@ -39,6 +49,27 @@ def load_vit_mlp(model: ClipModel) -> None:
     check_shape(model, model.need(ctn(ClipTensor.POS_EMBD)), (hp.n_embd, n_patches + (cls is not None)))
     if hp.n_layer < 2:
         raise ModelLoadError(f"{model.path}: LLaVA reads the layer before the last; the ViT has {hp.n_layer}")
+    res_candidates(model)
+
+
+def preprocess_llava(model: ClipModel, proj: Projector, img: np.ndarray) -> Preprocessed:
+    """mtmd's fixed-size preprocessor, or llava-uhd where the file has pinpoints (LLaVA 1.6)."""
+    candidates = res_candidates(model)
+    if not candidates:
+        return preprocess_fixed_size(model, proj, img)
+    return preprocess_pinpoints(model.hparams, img, candidates)
+
+
+def res_candidates(model: ClipModel) -> list[tuple[int, int]]:
+    """clip.vision.image_grid_pinpoints as (width, height) pairs; none without the key. Each
+    must be whole tiles: clip.cpp's LLaVA graph asserts square tiles."""
+    key, sz = ClipKV.IMAGE_GRID_PINPOINTS.key(), model.hparams.image_size
+    v = model.kv.get(key, [])
+    if not isinstance(v, (list, tuple, np.ndarray)) or len(v) % 2 \
+            or not all(isinstance(x, (int, np.integer)) and x > 0 and x % sz == 0 for x in v):
+        raise ModelLoadError(f"{model.path}: key '{key}' must be an even number of positive multiples of "
+                             f"image_size {sz}, got {v!r}")
+    return [(int(v[i]), int(v[i + 1])) for i in range(0, len(v), 2)]
 
 
 def load_mlp(model: ClipModel) -> int:
@@ -109,6 +140,8 @@ def build_mlp_norm(g: ClipGraph) -> Tensor:
 
 
 MLP = Projector(name="mlp", text_archs=frozenset({"llama"}), load=load_mlp, build=build_mlp,
-                n_output_tokens=n_tokens_mlp, resize_algo=ResizeAlgo.BICUBIC, pad_color=(122, 116, 104))
+                n_output_tokens=n_tokens_mlp, resize_algo=ResizeAlgo.BICUBIC, pad_color=(122, 116, 104),
+                preprocess=preprocess_llava)
 MLP_NORM = Projector(name="mlp_norm", text_archs=frozenset({"llama"}), load=load_mlp_norm, build=build_mlp_norm,
-                     n_output_tokens=n_tokens_mlp, resize_algo=ResizeAlgo.BICUBIC, pad_color=(122, 116, 104))
+                     n_output_tokens=n_tokens_mlp, resize_algo=ResizeAlgo.BICUBIC, pad_color=(122, 116, 104),
+                     preprocess=preprocess_llava)
