@@ -1,6 +1,6 @@
 """llm.mtmd (libmtmd on ggmlx graphs) against llama.cpp's stored output.
 
-tests/data/mtmd/ holds, per projector (gemma3; idefics3, mlp and mlp_norm with llama text models;
+tests/data/mtmd/ holds, per projector (gemma3; idefics3, mlp, mlp_norm and llava16 with llama text models;
 qwen2vl_merger and qwen2.5vl_merger with qwen2vl ones; qwen3vl_merger; pixtral with a llama one;
 internvl with a qwen2 one; lfm2 and llama4 with their own), a tiny text model, its mmproj, and llama.cpp's chunks, image
 embeddings and last logits for two prompts over two committed test images
@@ -692,6 +692,53 @@ def test_a_slot_counts_an_mrope_images_cells():
     c = llm.LLM(DATA / "qwen2.5vl.gguf", mmproj=DATA / "qwen2.5vl.mmproj.gguf", n_ctx=48).generate(
         text, images=[gen().IMAGES[0]], max_tokens=20, temperature=0)
     assert len(c.tokens) == 2 and c.finish_reason == "length"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3", "qwen2vl"])
+def test_a_saved_sequence_holding_an_image_restores_its_logits(images, name, tmp_path):
+    """llm.state of a context holding an image's cells (gemma3: attended non-causally; qwen2vl:
+    at M-RoPE positions): a state file restores the last logits, and the whole state or the
+    sequence's put in a fresh context give the next token the logits the original gives it."""
+    model = llm.load_model(DATA / f"{name}.gguf")
+    mctx = mtmd.init_from_file(DATA / f"{name}.mmproj.gguf", model)
+    ctx = new_ctx(model)
+    n_past = mctx.eval_chunks(ctx, prompt_chunks(mctx, images, 0))
+    logits = ctx.get_logits_ith(-1).copy()
+    ctx.state_save_file(tmp_path / "all.state", [])
+    seq = ctx.state_seq_get_data(0)
+    after = [mtmd.InputChunk("text", [int(np.argmax(logits))])]
+    mctx.eval_chunks(ctx, after, n_past)
+    want = ctx.get_logits_ith(-1).copy()
+    full, one = new_ctx(model), new_ctx(model)
+    full.state_load_file(tmp_path / "all.state")
+    assert np.array_equal(full.get_logits_ith(-1), logits)
+    one.state_seq_set_data(seq, 0)
+    for c in (full, one):
+        mctx.eval_chunks(c, after, n_past)
+        assert np.array_equal(c.get_logits_ith(-1), want)
+
+
+@pytest.mark.slow
+def test_the_prompt_cache_keeps_no_prompt_holding_an_image(tmp_path):
+    """Prompt-cache entries are keyed by tokens, and an image's placeholders are no tokens: a
+    prompt with an image is neither stored nor restored (so another image there cannot match),
+    while the same text alone is stored."""
+    text = " and then" * 40
+
+    def top3(m: llm.LLM, image: Path) -> np.ndarray:
+        c = m.generate(f"hi {mtmd.default_marker()}{text}", images=[image], max_tokens=1, temperature=0,
+                       logprobs=True, top_logprobs=3)
+        return np.array(c.logprobs[0].top)
+
+    m = llm.LLM(MODEL, mmproj=MMPROJ, n_ctx=256, prompt_cache=tmp_path / "pc")
+    top3(m, gen().IMAGES[1])
+    assert not list((tmp_path / "pc").glob("*/*.state"))
+    other = top3(m, gen().IMAGES[0])        # the same text about another image: nothing of the first
+    assert m.prompt_cache.hits == 0 and not list((tmp_path / "pc").glob("*/*.state"))
+    assert np.allclose(other, top3(llm.LLM(MODEL, mmproj=MMPROJ, n_ctx=256), gen().IMAGES[0]), atol=1e-4)
+    m.generate(f"hi{text}", max_tokens=2, temperature=0)
+    assert len(list((tmp_path / "pc").glob("*/*.state"))) == 1
 
 
 @pytest.mark.slow
