@@ -188,48 +188,101 @@ def gemma3_text(w: mf.Weights, d: mf.Dims, n_vocab: int) -> dict:
     return kv
 
 
-def siglip_vit(w: mf.Weights, projector: str, n_embd_text: int, image_size: int, merge: int) -> dict:
-    """A SigLIP ViT (2 layers, width 32, 4 heads, FFN 64) over image_size x image_size
-    images in 4 x 4 patches, its keys for `projector`; the projector's own tensors follow."""
-    n_embd, n_ff, n_layer, patch = 32, 64, 2, 4
-    n_patches = (image_size // patch) ** 2
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+
+
+def vision_kv(projector: str, n_embd_text: int, *, n_embd: int, n_ff: int, n_layer: int, n_head: int,
+              eps: float, image_size: int, patch: int, act: str | None = "gelu",
+              mean: tuple[float, ...] = HALF, std: tuple[float, ...] = HALF,
+              scale_factor: int | None = None, **extra: object) -> dict[str, object]:
+    """The keys of a vision mmproj, in the order every projector here writes them: clip.use_<act>
+    (None: quick GELU, no key), the ViT's shape, its preprocessing, then
+    clip.vision.projector.scale_factor and each of `extra` as clip.vision.<name>."""
     kv: dict[str, object] = {
         "general.architecture": "clip",
         "general.name": "fixture mmproj",
         "clip.projector_type": projector,
         "clip.has_vision_encoder": True,
-        "clip.use_gelu": True,
+    }
+    if act:
+        kv[f"clip.use_{act}"] = True
+    kv.update({
         "clip.vision.embedding_length": n_embd,
         "clip.vision.feed_forward_length": n_ff,
         "clip.vision.block_count": n_layer,
         "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 4,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
+        "clip.vision.attention.head_count": n_head,
+        "clip.vision.attention.layer_norm_epsilon": eps,
         "clip.vision.image_size": image_size,
         "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.5, 0.5, 0.5],
-        "clip.vision.image_std": [0.5, 0.5, 0.5],
-        "clip.vision.projector.scale_factor": merge,
-    }
-    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
-                                  ).astype(np.float32)
-    w.bias("v.patch_embd.bias", n_embd)
-    w.embd("v.position_embd.weight", n_patches, n_embd, scale=0.5)
+        "clip.vision.image_mean": list(mean),
+        "clip.vision.image_std": list(std),
+    })
+    if scale_factor is not None:
+        kv["clip.vision.projector.scale_factor"] = scale_factor
+    kv.update({f"clip.vision.{k}": v for k, v in extra.items()})
+    return kv
+
+
+def linear(w: mf.Weights, name: str, n_out: int, n_in: int, bias: bool = True) -> None:
+    """name.weight [n_out, n_in] and (bias) name.bias."""
+    w.mat(name + ".weight", n_out, n_in)
+    if bias:
+        w.bias(name + ".bias", n_out)
+
+
+def layer_norm(w: mf.Weights, name: str, n: int, bias: bool = True) -> None:
+    """name.weight and (bias; none: an RMS norm) name.bias of a norm over n."""
+    w.norm(name + ".weight", n)
+    if bias:
+        w.bias(name + ".bias", n)
+
+
+def patch_embd(w: mf.Weights, n_embd: int, patch: int, kernels: int = 1) -> None:
+    """v.patch_embd.weight [n_embd, 3, patch, patch] (and with kernels=2 the second temporal
+    kernel v.patch_embd.weight.1), scaled to unit variance over all kernels' inputs."""
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1")[:kernels]:
+        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * kernels * patch * patch)
+                     ).astype(np.float32)
+
+
+def class_embd(w: mf.Weights, n_embd: int) -> None:
+    """v.class_embd, the class token prepended to the patches."""
+    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
+
+
+def vit_layers(w: mf.Weights, n_layer: int, n_embd: int, n_ff: int, *, prefix: str = "v", bias: bool = True,
+               ln_bias: bool = True, gated: bool = False, k_bias: bool = True, layer_scale: bool = False) -> None:
+    """A standard ViT's blocks {prefix}.blk.<i>.: attn_q/k/v/out, ln1, ln2, [ffn_gate,] ffn_up,
+    ffn_down[, the layer scales ls1 / ls2]. bias: the linear layers' biases (k_bias: attn_k's
+    too, Whisper's has none); ln_bias: the norms' (none: RMS norms)."""
     for il in range(n_layer):
-        p = f"v.blk.{il}."
+        p = f"{prefix}.blk.{il}."
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.norm("v.post_ln.weight", n_embd)
-    w.bias("v.post_ln.bias", n_embd)
+            linear(w, p + name, n_embd, n_embd, bias=bias and (k_bias or name != "attn_k"))
+        layer_norm(w, p + "ln1", n_embd, bias=ln_bias)
+        layer_norm(w, p + "ln2", n_embd, bias=ln_bias)
+        if gated:
+            linear(w, p + "ffn_gate", n_ff, n_embd, bias=bias)
+        linear(w, p + "ffn_up", n_ff, n_embd, bias=bias)
+        linear(w, p + "ffn_down", n_embd, n_ff, bias=bias)
+        if layer_scale:
+            w.norm(p + "ls1.weight", n_embd, center=0.5)
+            w.norm(p + "ls2.weight", n_embd, center=0.5)
+
+
+def siglip_vit(w: mf.Weights, projector: str, n_embd_text: int, image_size: int, merge: int) -> dict:
+    """A SigLIP ViT (2 layers, width 32, 4 heads, FFN 64) over image_size x image_size
+    images in 4 x 4 patches, its keys for `projector`; the projector's own tensors follow."""
+    n_embd, n_ff, n_layer, patch = 32, 64, 2, 4
+    kv = vision_kv(projector, n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=4, eps=1e-6,
+                   image_size=image_size, patch=patch, scale_factor=merge)
+    patch_embd(w, n_embd, patch)
+    w.bias("v.patch_embd.bias", n_embd)
+    w.embd("v.position_embd.weight", (image_size // patch) ** 2, n_embd, scale=0.5)
+    vit_layers(w, n_layer, n_embd, n_ff)
+    layer_norm(w, "v.post_ln", n_embd)
     return kv
 
 
@@ -256,54 +309,20 @@ def mlp_mmproj(w: mf.Weights, n_embd_text: int, norm: bool = False) -> dict:
     mean and std, then the mm.0 / GELU / mm.2 MLP to the text width; norm: Yi-VL's
     mm.0 / LN mm.1 / GELU / mm.3 / LN mm.4 instead (mlp_norm, in a file that says "mlp")."""
     n_embd, n_ff, n_layer, image_size, patch = 32, 64, 3, 32, 4
-    n_patches = (image_size // patch) ** 2
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "mlp",
-        "clip.has_vision_encoder": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 4,
-        "clip.vision.attention.layer_norm_epsilon": 1e-5,
-        "clip.vision.image_size": image_size,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
-    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
-                                  ).astype(np.float32)
-    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
-    w.embd("v.position_embd.weight", n_patches + 1, n_embd, scale=0.5)
-    w.norm("v.pre_ln.weight", n_embd)
-    w.bias("v.pre_ln.bias", n_embd)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.mat("mm.0.weight", n_embd_text, n_embd)
-    w.bias("mm.0.bias", n_embd_text)
+    kv = vision_kv("mlp", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=4, eps=1e-5,
+                   image_size=image_size, patch=patch, act=None, mean=CLIP_MEAN, std=CLIP_STD)
+    patch_embd(w, n_embd, patch)
+    class_embd(w, n_embd)
+    w.embd("v.position_embd.weight", (image_size // patch) ** 2 + 1, n_embd, scale=0.5)
+    layer_norm(w, "v.pre_ln", n_embd)
+    vit_layers(w, n_layer, n_embd, n_ff)
+    linear(w, "mm.0", n_embd_text, n_embd)
     if norm:
-        w.norm("mm.1.weight", n_embd_text)
-        w.bias("mm.1.bias", n_embd_text)
-        w.mat("mm.3.weight", n_embd_text, n_embd_text)
-        w.bias("mm.3.bias", n_embd_text)
-        w.norm("mm.4.weight", n_embd_text)
-        w.bias("mm.4.bias", n_embd_text)
-        return kv
-    w.mat("mm.2.weight", n_embd_text, n_embd_text)
-    w.bias("mm.2.bias", n_embd_text)
+        layer_norm(w, "mm.1", n_embd_text)
+        linear(w, "mm.3", n_embd_text, n_embd_text)
+        layer_norm(w, "mm.4", n_embd_text)
+    else:
+        linear(w, "mm.2", n_embd_text, n_embd_text)
     return kv
 
 
@@ -344,22 +363,8 @@ def ultravox_mmproj(w: mf.Weights, n_embd_text: int, n_embd: int = 40, stack: in
         w.t[f"a.conv1d.{il}.weight"] = (w.rng.standard_normal((n_embd, n_in, 3)) / np.sqrt(3 * n_in)).astype(np.float32)
         w.bias(f"a.conv1d.{il}.bias", n_embd, 1)
     w.embd("a.position_embd.weight", 1500, n_embd, scale=0.5)
-    for il in range(n_layer):
-        p = f"a.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            if name != "attn_k":
-                w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.norm("a.post_ln.weight", n_embd)
-    w.bias("a.post_ln.bias", n_embd)
+    vit_layers(w, n_layer, n_embd, n_ff, prefix="a", k_bias=False)
+    layer_norm(w, "a.post_ln", n_embd)
     w.norm("mm.a.norm_pre.weight", n_embd * stack)
     w.mat("mm.a.mlp.1.weight", 2 * n_mid, n_embd * stack)
     w.norm("mm.a.norm_mid.weight", n_mid)
@@ -424,43 +429,13 @@ def qwen2vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     """Qwen2-VL's ViT: qwen2.5vl's shape (width 16, 3 layers, two temporal patch kernels of 16 x
     16, the 2-D rope, the 2 x 2 merger) with layer norms, quick-GELU FFNs and no windows."""
     n_embd, n_ff, n_layer, patch = 16, 32, 3, 16
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "qwen2vl_merger",
-        "clip.has_vision_encoder": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 2,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
-        "clip.vision.image_size": 512,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
-    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
-        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(6 * patch * patch)).astype(np.float32)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.norm("v.post_ln.weight", n_embd)
-    w.bias("v.post_ln.bias", n_embd)
-    w.mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
-    w.bias("mm.0.bias", 4 * n_embd)
-    w.mat("mm.2.weight", n_embd_text, 4 * n_embd)
-    w.bias("mm.2.bias", n_embd_text)
+    kv = vision_kv("qwen2vl_merger", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=2, eps=1e-6,
+                   image_size=512, patch=patch, act=None, mean=CLIP_MEAN, std=CLIP_STD)
+    patch_embd(w, n_embd, patch, kernels=2)
+    vit_layers(w, n_layer, n_embd, n_ff)
+    layer_norm(w, "v.post_ln", n_embd)
+    linear(w, "mm.0", 4 * n_embd, 4 * n_embd)
+    linear(w, "mm.2", n_embd_text, 4 * n_embd)
     return kv
 
 
@@ -471,44 +446,13 @@ def qwen25vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     llama.cpp fixes a window at 112 pixels (3 merged tokens of 32 pixels here), so the 96 x 72
     test image, resized to 128 x 96 (4 x 3 merged tokens: the minimum is 8), spans two windows."""
     n_embd, n_ff, n_layer, patch = 16, 32, 3, 16
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "qwen2.5vl_merger",
-        "clip.has_vision_encoder": True,
-        "clip.use_silu": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 2,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
-        "clip.vision.image_size": 512,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
-        "clip.vision.n_wa_pattern": 2,
-    }
-    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
-        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(6 * patch * patch)).astype(np.float32)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        w.bias(p + "ffn_gate.bias", n_ff)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
+    kv = vision_kv("qwen2.5vl_merger", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=2, eps=1e-6,
+                   image_size=512, patch=patch, act="silu", mean=CLIP_MEAN, std=CLIP_STD, n_wa_pattern=2)
+    patch_embd(w, n_embd, patch, kernels=2)
+    vit_layers(w, n_layer, n_embd, n_ff, ln_bias=False, gated=True)
     w.norm("v.post_ln.weight", n_embd)
-    w.mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
-    w.bias("mm.0.bias", 4 * n_embd)
-    w.mat("mm.2.weight", n_embd_text, 4 * n_embd)
-    w.bias("mm.2.bias", n_embd_text)
+    linear(w, "mm.0", 4 * n_embd, 4 * n_embd)
+    linear(w, "mm.2", n_embd_text, 4 * n_embd)
     return kv
 
 
@@ -543,54 +487,25 @@ def qwen3vl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     whole image; layer 1 also feeds a DeepStack merger (norm, fc1, GELU, fc2) whose tokens are
     appended to the main merger's (post-LN, mm.0, GELU, mm.2): 2 x n_embd_text per token."""
     n_embd, n_ff, n_layer, patch, side = 16, 32, 3, 16, 8
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "qwen3vl_merger",
-        "clip.has_vision_encoder": True,
-        "clip.use_gelu": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 2,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
-        "clip.vision.image_size": side * patch,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.5, 0.5, 0.5],
-        "clip.vision.image_std": [0.5, 0.5, 0.5],
-        "clip.vision.spatial_merge_size": 2,
-    }
-    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
-        w.t[name] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(6 * patch * patch)).astype(np.float32)
+    kv = vision_kv("qwen3vl_merger", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=2, eps=1e-6,
+                   image_size=side * patch, patch=patch, spatial_merge_size=2)
+    patch_embd(w, n_embd, patch, kernels=2)
     w.bias("v.patch_embd.bias", n_embd)
     w.embd("v.position_embd.weight", side * side, n_embd, scale=0.5)
     for il in range(n_layer):
         p = f"v.blk.{il}."
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.mat(p + "attn_qkv.weight", 3 * n_embd, n_embd)
-        w.bias(p + "attn_qkv.bias", 3 * n_embd)
-        w.mat(p + "attn_out.weight", n_embd, n_embd)
-        w.bias(p + "attn_out.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.norm("v.deepstack.1.norm.weight", 4 * n_embd)
-    w.bias("v.deepstack.1.norm.bias", 4 * n_embd)
-    w.mat("v.deepstack.1.fc1.weight", 4 * n_embd, 4 * n_embd)
-    w.bias("v.deepstack.1.fc1.bias", 4 * n_embd)
-    w.mat("v.deepstack.1.fc2.weight", n_embd_text, 4 * n_embd)
-    w.bias("v.deepstack.1.fc2.bias", n_embd_text)
-    w.norm("v.post_ln.weight", n_embd)
-    w.bias("v.post_ln.bias", n_embd)
-    w.mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
-    w.bias("mm.0.bias", 4 * n_embd)
-    w.mat("mm.2.weight", n_embd_text, 4 * n_embd)
-    w.bias("mm.2.bias", n_embd_text)
+        layer_norm(w, p + "ln1", n_embd)
+        linear(w, p + "attn_qkv", 3 * n_embd, n_embd)
+        linear(w, p + "attn_out", n_embd, n_embd)
+        layer_norm(w, p + "ln2", n_embd)
+        linear(w, p + "ffn_up", n_ff, n_embd)
+        linear(w, p + "ffn_down", n_embd, n_ff)
+    layer_norm(w, "v.deepstack.1.norm", 4 * n_embd)
+    linear(w, "v.deepstack.1.fc1", 4 * n_embd, 4 * n_embd)
+    linear(w, "v.deepstack.1.fc2", n_embd_text, 4 * n_embd)
+    layer_norm(w, "v.post_ln", n_embd)
+    linear(w, "mm.0", 4 * n_embd, 4 * n_embd)
+    linear(w, "mm.2", n_embd_text, 4 * n_embd)
     return kv
 
 
@@ -614,40 +529,14 @@ def pixtral_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     the [IMG_BREAK] embedding. The 96 x 72 test image becomes 96 x 80 (6 x 5 merged tokens
     and 4 breaks), the 40 x 40 one 48 x 48 (3 x 3 and 2)."""
     n_embd, n_ff, n_layer, patch = 32, 64, 2, 8
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "pixtral",
-        "clip.has_vision_encoder": True,
-        "clip.use_silu": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 2,
-        "clip.vision.attention.layer_norm_epsilon": 1e-5,
-        "clip.vision.image_size": 1024,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "clip.vision.image_std": [0.26862954, 0.26130258, 0.27577711],
-        "clip.vision.spatial_merge_size": 2,
-    }
-    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
-                                  ).astype(np.float32)
+    kv = vision_kv("pixtral", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=2, eps=1e-5,
+                   image_size=1024, patch=patch, act="silu", mean=CLIP_MEAN, std=CLIP_STD, spatial_merge_size=2)
+    patch_embd(w, n_embd, patch)
     w.norm("v.pre_ln.weight", n_embd)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
+    vit_layers(w, n_layer, n_embd, n_ff, bias=False, ln_bias=False, gated=True)
     w.norm("mm.input_norm.weight", n_embd)
     w.mat("mm.patch_merger.weight", n_embd, 4 * n_embd)
-    w.mat("mm.1.weight", n_embd_text, n_embd)
-    w.bias("mm.1.bias", n_embd_text)
+    linear(w, "mm.1", n_embd_text, n_embd)
     w.mat("mm.2.weight", n_embd_text, n_embd_text)
     w.bias("v.token_embd.img_break", n_embd_text, scale=0.5)
     return kv
@@ -660,53 +549,17 @@ def internvl_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     mm.model.mlp.1, GELU, mm.model.mlp.3). Up to 4 tiles: both test images become 2 x 2 tiles
     and the overview (80 tokens)."""
     n_embd, n_ff, n_layer, image_size, patch = 32, 64, 2, 32, 4
-    n_patches = (image_size // patch) ** 2
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "internvl",
-        "clip.has_vision_encoder": True,
-        "clip.use_gelu": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 4,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
-        "clip.vision.image_size": image_size,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.485, 0.456, 0.406],
-        "clip.vision.image_std": [0.229, 0.224, 0.225],
-        "clip.vision.projector.scale_factor": 2,
-        "clip.vision.preproc_min_tiles": 1,
-        "clip.vision.preproc_max_tiles": 4,
-    }
-    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
-                                  ).astype(np.float32)
+    kv = vision_kv("internvl", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=4, eps=1e-6,
+                   image_size=image_size, patch=patch, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+                   scale_factor=2, preproc_min_tiles=1, preproc_max_tiles=4)
+    patch_embd(w, n_embd, patch)
     w.bias("v.patch_embd.bias", n_embd)
-    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
-    w.embd("v.position_embd.weight", n_patches + 1, n_embd, scale=0.5)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-        w.norm(p + "ls1.weight", n_embd, center=0.5)
-        w.norm(p + "ls2.weight", n_embd, center=0.5)
-    w.norm("mm.model.mlp.0.weight", 4 * n_embd)
-    w.bias("mm.model.mlp.0.bias", 4 * n_embd)
-    w.mat("mm.model.mlp.1.weight", n_embd_text, 4 * n_embd)
-    w.bias("mm.model.mlp.1.bias", n_embd_text)
-    w.mat("mm.model.mlp.3.weight", n_embd_text, n_embd_text)
-    w.bias("mm.model.mlp.3.bias", n_embd_text)
+    class_embd(w, n_embd)
+    w.embd("v.position_embd.weight", (image_size // patch) ** 2 + 1, n_embd, scale=0.5)
+    vit_layers(w, n_layer, n_embd, n_ff, layer_scale=True)
+    layer_norm(w, "mm.model.mlp.0", 4 * n_embd)
+    linear(w, "mm.model.mlp.1", n_embd_text, 4 * n_embd)
+    linear(w, "mm.model.mlp.3", n_embd_text, n_embd_text)
     return kv
 
 
@@ -725,50 +578,17 @@ def lfm2_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     test images grow into 640 x 448 and 512 x 512 (the minimum is 64 tokens); the big one is
     3 x 2 tiles and a 1152 x 832 thumbnail."""
     n_embd, n_ff, n_layer, patch, side, merge = 16, 32, 2, 16, 8, 4
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "lfm2",
-        "clip.has_vision_encoder": True,
-        "clip.use_gelu": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 2,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
-        "clip.vision.image_size": 256,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.5, 0.5, 0.5],
-        "clip.vision.image_std": [0.5, 0.5, 0.5],
-        "clip.vision.projector.scale_factor": merge,
-    }
-    w.t["v.patch_embd.weight"] = (w.rng.standard_normal((n_embd, 3, patch, patch)) / np.sqrt(3 * patch * patch)
-                                  ).astype(np.float32)
+    kv = vision_kv("lfm2", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=2, eps=1e-6,
+                   image_size=256, patch=patch, scale_factor=merge)
+    patch_embd(w, n_embd, patch)
     w.bias("v.patch_embd.bias", n_embd)
     w.embd("v.position_embd.weight", side * side, n_embd, scale=0.5)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.norm("v.post_ln.weight", n_embd)
-    w.bias("v.post_ln.bias", n_embd)
+    vit_layers(w, n_layer, n_embd, n_ff)
+    layer_norm(w, "v.post_ln", n_embd)
     n_in = n_embd * merge * merge
-    w.norm("mm.input_norm.weight", n_in)
-    w.bias("mm.input_norm.bias", n_in)
-    w.mat("mm.1.weight", n_embd_text, n_in)
-    w.bias("mm.1.bias", n_embd_text)
-    w.mat("mm.2.weight", n_embd_text, n_embd_text)
-    w.bias("mm.2.bias", n_embd_text)
+    layer_norm(w, "mm.input_norm", n_in)
+    linear(w, "mm.1", n_embd_text, n_in)
+    linear(w, "mm.2", n_embd_text, n_embd_text)
     return kv
 
 
@@ -813,45 +633,14 @@ def llama4_mmproj(w: mf.Weights, n_embd_text: int) -> dict:
     (mm.model.mlp.1, mm.model.mlp.2) and mm.model.fc. The 96 x 72 test image is 3 x 3 tiles and
     the overview, the 40 x 40 one 2 x 2 and the overview."""
     n_embd, n_ff, n_layer, image_size, patch = 32, 64, 2, 32, 4
-    n_patches = (image_size // patch) ** 2
-    kv: dict[str, object] = {
-        "general.architecture": "clip",
-        "general.name": "fixture mmproj",
-        "clip.projector_type": "llama4",
-        "clip.has_vision_encoder": True,
-        "clip.use_gelu": True,
-        "clip.vision.embedding_length": n_embd,
-        "clip.vision.feed_forward_length": n_ff,
-        "clip.vision.block_count": n_layer,
-        "clip.vision.projection_dim": n_embd_text,
-        "clip.vision.attention.head_count": 4,
-        "clip.vision.attention.layer_norm_epsilon": 1e-5,
-        "clip.vision.image_size": image_size,
-        "clip.vision.patch_size": patch,
-        "clip.vision.image_mean": [0.5, 0.5, 0.5],
-        "clip.vision.image_std": [0.5, 0.5, 0.5],
-        "clip.vision.projector.scale_factor": 2,
-    }
+    kv = vision_kv("llama4", n_embd_text, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, n_head=4, eps=1e-5,
+                   image_size=image_size, patch=patch, scale_factor=2)
     w.mat("v.patch_embd.weight", n_embd, 3 * patch * patch)
-    w.t["v.class_embd"] = (0.5 * w.rng.standard_normal(n_embd)).astype(np.float32)
-    w.embd("v.position_embd.weight", n_patches + 1, n_embd, scale=0.5)
-    w.norm("v.pre_ln.weight", n_embd)
-    w.bias("v.pre_ln.bias", n_embd)
-    for il in range(n_layer):
-        p = f"v.blk.{il}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.mat(p + name + ".weight", n_embd, n_embd)
-            w.bias(p + name + ".bias", n_embd)
-        w.norm(p + "ln1.weight", n_embd)
-        w.bias(p + "ln1.bias", n_embd)
-        w.norm(p + "ln2.weight", n_embd)
-        w.bias(p + "ln2.bias", n_embd)
-        w.mat(p + "ffn_up.weight", n_ff, n_embd)
-        w.bias(p + "ffn_up.bias", n_ff)
-        w.mat(p + "ffn_down.weight", n_embd, n_ff)
-        w.bias(p + "ffn_down.bias", n_embd)
-    w.norm("v.post_ln.weight", n_embd)
-    w.bias("v.post_ln.bias", n_embd)
+    class_embd(w, n_embd)
+    w.embd("v.position_embd.weight", (image_size // patch) ** 2 + 1, n_embd, scale=0.5)
+    layer_norm(w, "v.pre_ln", n_embd)
+    vit_layers(w, n_layer, n_embd, n_ff)
+    layer_norm(w, "v.post_ln", n_embd)
     w.mat("mm.model.mlp.1.weight", 64, 4 * n_embd)
     w.mat("mm.model.mlp.2.weight", 64, 64)
     w.mat("mm.model.fc.weight", n_embd_text, 64)
