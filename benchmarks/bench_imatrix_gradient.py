@@ -32,8 +32,16 @@ EVALUATION = ROOT / "tests" / "data" / "text" / "declaration.txt"
 N_CTX = 512
 
 
+def summarize(st) -> dict:
+    """{ppl, kld, kld_tokens, kld_unc, same_top} of a KLStats."""
+    nll, kld = np.concatenate(st.nll), np.concatenate(st.kld)
+    return {"ppl": math.exp(nll.mean()), "kld": float(kld.mean()), "kld_tokens": kld,
+            "kld_unc": float(kld.std() / math.sqrt(len(kld) - 1)), "same_top": st.same_top / st.count}
+
+
 def scores(path: Path, base: bytes | None) -> tuple[bytes, dict]:
-    """(the KL base file of path's model, {ppl, kld, same_top}) over the evaluation text."""
+    """(the KL base file of path's model, {ppl, kld, same_top}) over the evaluation text, by this
+    engine; base None computes the base file (and the PPL) instead of the KLD against it."""
     from llm.context import Context
     from llm.model import load_model
     from llm.research import perplexity as ppl
@@ -45,10 +53,7 @@ def scores(path: Path, base: bytes | None) -> tuple[bytes, dict]:
         out = io.BytesIO()
         res = ppl.perplexity(ctx, chunks, bos, N_CTX, base_out=out)
         return out.getvalue(), {"ppl": res.ppl}
-    st = ppl.kl_divergence(ctx, io.BytesIO(base), bos, N_CTX)
-    nll, kld = np.concatenate(st.nll), np.concatenate(st.kld)
-    return base, {"ppl": math.exp(nll.mean()), "kld": float(kld.mean()), "kld_tokens": kld,
-                  "kld_unc": float(kld.std() / math.sqrt(len(kld) - 1)), "same_top": st.same_top / st.count}
+    return base, summarize(ppl.kl_divergence(ctx, io.BytesIO(base), bos, N_CTX))
 
 
 def main() -> int:

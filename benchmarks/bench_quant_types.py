@@ -35,38 +35,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CALIBRATION = ROOT / "tests" / "data" / "text" / "coriolanus.txt"
-EVALUATION = ROOT / "tests" / "data" / "text" / "declaration.txt"
-N_CTX = 512
+from bench_imatrix_gradient import CALIBRATION, EVALUATION, N_CTX, summarize  # noqa: E402
+from bench_imatrix_gradient import scores as ours  # noqa: E402
+
 TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0",
          "IQ4_XS", "IQ4_NL", "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "Q2_K",
          "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 # llama-quantize refuses these without an importance matrix (tensor_requires_imatrix)
 IMATRIX_TYPES = frozenset({"Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"})
-
-
-def summarize(st) -> dict:
-    """{ppl, kld, kld_unc, same_top} of a KLStats."""
-    nll, kld = np.concatenate(st.nll), np.concatenate(st.kld)
-    return {"ppl": math.exp(nll.mean()), "kld": float(kld.mean()),
-            "kld_unc": float(kld.std() / math.sqrt(len(kld) - 1)), "same_top": st.same_top / st.count}
-
-
-def ours(path: Path, base: bytes | None) -> tuple[bytes, dict]:
-    """This engine on path: (the KL base file when base is None, else base; its scores)."""
-    from llm.context import Context
-    from llm.model import load_model
-    from llm.research import perplexity as ppl
-    model = load_model(path)
-    ctx = Context(model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, kv_bucket=N_CTX)
-    bos = model.vocab.bos if model.vocab.add_bos else None
-    if base is None:
-        chunks = ppl.chunk_tokens(model.vocab.tokenize(EVALUATION.read_text(), True, False), N_CTX)
-        out = io.BytesIO()
-        res = ppl.perplexity(ctx, chunks, bos, N_CTX, base_out=out)
-        return out.getvalue(), {"ppl": res.ppl}
-    return base, summarize(ppl.kl_divergence(ctx, io.BytesIO(base), bos, N_CTX))
 
 
 def _llamacpp_scores(base_path: str, paths: list[str], chunks: np.ndarray, bos: int | None,
