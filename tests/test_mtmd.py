@@ -392,13 +392,19 @@ def test_an_image_split_over_batches_is_read_as_one(images, n_batch, n_ubatch):
     assert rel(ctx.get_logits_ith(-1), ref["0_logits"]) < TOL
 
 
-def rewrite_mmproj(src: Path, dst: Path, *, drop_key: str = "", drop_tensor: str = "") -> Path:
-    """A copy of an mmproj without one key or tensor."""
+def rewrite_mmproj(src: Path, dst: Path, *, drop_key: str = "", drop_tensor: str = "",
+                   set_kv: dict[str, object] | None = None) -> Path:
+    """A copy of an mmproj without one key or tensor; set_kv: keys given another value (of the
+    same type) or added (the type inferred)."""
+    set_kv = set_kv or {}
     with gguf.GGUFReader(src) as f:
         w = gguf.GGUFWriter()
         for k, v in f.kv.items():
             if k != drop_key:
-                w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
+                w.add_kv(k, set_kv.get(k, v), f.kv_types[k], f.kv_array_types.get(k))
+        for k, v in set_kv.items():
+            if k not in f.kv:
+                w.add_kv(k, v)
         for name, ti in f.tensors.items():
             if name != drop_tensor:
                 w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))

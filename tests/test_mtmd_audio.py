@@ -10,12 +10,11 @@ committed 0.4 s 16 kHz mono test sound, and a 22.05 kHz stereo sound rebuilt fro
 from __future__ import annotations
 
 import base64
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_mtmd import gen, rel, rewrite_mmproj
 
 import llm
 from llm import mtmd
@@ -27,18 +26,6 @@ DATA = ROOT / "tests" / "data" / "mtmd"
 MODEL, MMPROJ = DATA / "ultravox.gguf", DATA / "ultravox.mmproj.gguf"
 SOUND = DATA / "test-sound.wav"
 TOL = 1e-3          # relative: max |ours - llama.cpp| / max |llama.cpp|
-
-
-def gen():
-    spec = importlib.util.spec_from_file_location("make_mmproj", ROOT / "benchmarks" / "reference" / "make_mmproj.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_mmproj", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def rel(a: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
 PROJECTORS = ["ultravox", "qwen2a", "voxtral"]
@@ -201,18 +188,9 @@ def test_qwen25o_reads_an_image_and_a_sound_in_one_prompt(suffix):
 def test_a_mixed_mmproj_with_an_unsupported_audio_encoder_reads_images(tmp_path, caplog):
     """Vision and audio encoders named apart (clip.vision / clip.audio.projector_type), the audio
     one not supported here (qwen3a): the images are still read, with a warning."""
-    from ggmlx import gguf
-    mixed = tmp_path / "mixed.mmproj.gguf"
-    with gguf.GGUFReader(DATA / "qwen2.5o.mmproj.gguf") as f:
-        w = gguf.GGUFWriter()
-        for k, v in f.kv.items():
-            if k != "clip.projector_type":
-                w.add_kv(k, v, f.kv_types[k], f.kv_array_types.get(k))
-        for k, v in (("clip.vision.projector_type", "qwen2.5vl_merger"), ("clip.audio.projector_type", "qwen3a")):
-            w.add_kv(k, v, f.kv_types["clip.projector_type"], None)
-        for name, ti in f.tensors.items():
-            w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))
-        w.write(mixed)
+    mixed = rewrite_mmproj(DATA / "qwen2.5o.mmproj.gguf", tmp_path / "mixed.mmproj.gguf",
+                           drop_key="clip.projector_type", set_kv={"clip.vision.projector_type": "qwen2.5vl_merger",
+                                                                   "clip.audio.projector_type": "qwen3a"})
     mctx = mtmd.init_from_file(mixed, llm.load_model(DATA / "qwen2.5o.gguf"))
     assert mctx.support_vision() and not mctx.support_audio()
     assert "its audio encoder ('qwen3a') is not supported; it reads images only" in caplog.text
@@ -251,15 +229,7 @@ def test_encoder_nodes_carry_clip_cpps_names(mctx):
 def test_a_stack_llamacpp_would_miscount_is_refused(model, tmp_path):
     """Stacking 1500 positions of 40 by 9 gives 166 rows (GGML_PAD's mask), clip_n_output_tokens
     counts 167 and llama.cpp aborts: refused at load."""
-    from ggmlx import gguf
-    bad = tmp_path / "stack9.mmproj.gguf"
-    with gguf.GGUFReader(MMPROJ) as f:
-        w = gguf.GGUFWriter()
-        for k, v in f.kv.items():
-            w.add_kv(k, 9 if k == "clip.audio.projector.stack_factor" else v, f.kv_types[k], f.kv_array_types.get(k))
-        for name, ti in f.tensors.items():
-            w.add_tensor(name, np.array(ti.data.view(np.float32).reshape(tuple(reversed(ti.ne)))))
-        w.write(bad)
+    bad = rewrite_mmproj(MMPROJ, tmp_path / "stack9.mmproj.gguf", set_kv={"clip.audio.projector.stack_factor": 9})
     with pytest.raises(ModelLoadError, match="of 40 by 9 gives 166 tokens, llama.cpp counts 167"):
         mtmd.init_from_file(bad, model)
 

@@ -215,6 +215,14 @@ def _key(path: str, kv: dict, k: ClipKV, kind: type, default=None, prefix: str =
     return kind(v)
 
 
+def positive_int(model: ClipModel, k: ClipKV, default: int) -> int:
+    """The vision key k, an integer >= 1 (default where the file has none)."""
+    v = model.kv.get(k.key(), default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ModelLoadError(f"{model.path}: '{k.key()}' must be an integer >= 1, got {v!r}")
+    return v
+
+
 def _floats(path: str, kv: dict, k: ClipKV) -> tuple[float, float, float]:
     v = kv.get(k.key())
     if not isinstance(v, (list, tuple, np.ndarray)) or len(v) < 3:

@@ -29,6 +29,7 @@ from llm.mtmd.clip import (
     check_shape,
     ctn,
     load_vit_layers,
+    positive_int,
 )
 from llm.mtmd.image import PadStyle, ResizeAlgo, resize
 
@@ -36,18 +37,11 @@ MIN_TILES, MAX_TILES = 1, 12        # clip.cpp's defaults for files without the 
 PROJ_NORM_EPS = 1e-5                # the projector's layer norm: PyTorch's default
 
 
-def _int_key(model: ClipModel, k: ClipKV, default: int) -> int:
-    v = model.kv.get(k.key(), default)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ModelLoadError(f"{model.path}: '{k.key()}' must be an integer >= 1, got {v!r}")
-    return v
-
-
 def load_internvl(model: ClipModel) -> int:
     hp = model.hparams
-    hp.n_merge = _int_key(model, ClipKV.PROJ_SCALE_FACTOR, 1)
-    hp.preproc_min_tiles = _int_key(model, ClipKV.PREPROC_MIN_TILES, MIN_TILES)
-    hp.preproc_max_tiles = _int_key(model, ClipKV.PREPROC_MAX_TILES, MAX_TILES)
+    hp.n_merge = positive_int(model, ClipKV.PROJ_SCALE_FACTOR, 1)
+    hp.preproc_min_tiles = positive_int(model, ClipKV.PREPROC_MIN_TILES, MIN_TILES)
+    hp.preproc_max_tiles = positive_int(model, ClipKV.PREPROC_MAX_TILES, MAX_TILES)
     if hp.preproc_min_tiles > hp.preproc_max_tiles:
         raise ModelLoadError(f"{model.path}: preproc_min_tiles {hp.preproc_min_tiles} > preproc_max_tiles "
                              f"{hp.preproc_max_tiles}")

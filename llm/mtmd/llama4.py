@@ -30,6 +30,7 @@ from llm.mtmd.clip import (
     check_shape,
     ctn,
     load_vit_layers,
+    positive_int,
 )
 from llm.mtmd.image import ResizeAlgo
 from llm.mtmd.internvl import preprocess_pinpoints
@@ -40,11 +41,7 @@ MAX_TILES_PER_SIDE = 3          # set_llava_uhd_res_candidates(model, 3)
 
 def load_llama4(model: ClipModel) -> int:
     hp = model.hparams
-    merge = model.kv.get(ClipKV.PROJ_SCALE_FACTOR.key(), 1)
-    if not isinstance(merge, int) or isinstance(merge, bool) or merge < 1:
-        raise ModelLoadError(f"{model.path}: '{ClipKV.PROJ_SCALE_FACTOR.key()}' must be an integer >= 1, "
-                             f"got {merge!r}")
-    hp.n_merge = merge
+    hp.n_merge = merge = positive_int(model, ClipKV.PROJ_SCALE_FACTOR, 1)
     side = hp.n_patches_side
     if side % merge:
         raise ModelLoadError(f"{model.path}: {side} patches per side do not shuffle by {merge}")

@@ -30,6 +30,7 @@ from llm.mtmd.clip import (
     check_shape,
     ctn,
     load_vit_layers,
+    positive_int,
 )
 from llm.mtmd.image import ResizeAlgo
 from llm.mtmd.qwen2vl import preprocess_dyn_size
@@ -42,11 +43,7 @@ def load_pixtral(model: ClipModel) -> int:
     """The spatial merge is 1 unless the file says otherwise; the patch merger and its norm
     come together (Mistral Small 3.1) or not at all (Pixtral 12B)."""
     hp = model.hparams
-    merge = model.kv.get(ClipKV.SPATIAL_MERGE_SIZE.key(), 1)
-    if not isinstance(merge, int) or isinstance(merge, bool) or merge < 1:
-        raise ModelLoadError(f"{model.path}: '{ClipKV.SPATIAL_MERGE_SIZE.key()}' must be an integer >= 1, "
-                             f"got {merge!r}")
-    hp.n_merge = merge
+    hp.n_merge = merge = positive_int(model, ClipKV.SPATIAL_MERGE_SIZE, 1)
     area = hp.patch_size * hp.patch_size * merge * merge
     hp.image_min_pixels, hp.image_max_pixels = MIN_TOKENS * area, MAX_TOKENS * area
     if hp.d_head % 4:
