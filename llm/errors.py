@@ -35,3 +35,10 @@ class GrammarError(ValueError):
 class StateError(Exception):
     """A saved state (file or bytes) that cannot be loaded into this context; the message
     names the file and what is wrong, and the context is left unchanged."""
+
+
+class MediaError(ValueError):
+    """An image or sound (or its reference) that cannot be used: unreadable or truncated data, an
+    unknown format, too many pixels or samples, a remote URL, markers and media that do not pair
+    up. The message names the part at fault; nothing was changed. (llm.mtmd.MediaError; here so
+    that the decoders of llm.mtmd.bitmap and llm.mtmd.audio share it without importing each other.)"""

@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from llm.mtmd.bitmap import MediaError
+from llm.errors import MediaError
 
 SAMPLE_RATE = 16000
 # the longest sound decoded (1 hour: 230 MB of float32 samples at 16 kHz), checked from the

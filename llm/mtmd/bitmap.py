@@ -20,17 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llm.errors import MediaError
+
 # the most pixels a decoded image may have (stb_image's own limit is 2^24 per side); a
 # 30000 x 30000 image (900 M pixels, 2.7 GB of RGB) is refused before decoding
 MAX_PIXELS = 1 << 26
 DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)"
                       r"(?P<b64>;base64)?,(?P<data>.*)", re.DOTALL)
-
-
-class MediaError(ValueError):
-    """An image (or its reference) that cannot be used: unreadable or truncated data, an
-    unknown format, too many pixels, a remote URL, markers and media that do not pair up.
-    The message names the part at fault; nothing was changed."""
 
 
 @dataclass(frozen=True, eq=False)
