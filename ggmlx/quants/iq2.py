@@ -53,13 +53,15 @@ class Grid:
     """iq2xs_init_impl's tables by base-3 code: kmap [6561] (grid index, -1 off the grid),
     code_of [G] (the code of each grid point), the neighbours of each off-grid code in ggml's
     order padded to K: their grid indices [6561, K], their values as [K, 8, 6561] planes, and
-    their count [6561]; by_index: each grid point's values as [8, G] planes."""
+    their count [6561]; by_index: each grid point's values as [8, G] planes; levels: each grid
+    point's levels [G, 8] (float32)."""
     kmap: np.ndarray
     code_of: np.ndarray
     nb: np.ndarray
     values: np.ndarray
     count: np.ndarray
     by_index: np.ndarray
+    levels: np.ndarray
 
 
 def _grid(levels: np.ndarray, n_want: int, odd: bool) -> Grid:
@@ -78,7 +80,8 @@ def _grid(levels: np.ndarray, n_want: int, odd: bool) -> Grid:
     nb = np.where(keep, order, 0)[:, :k]
     vals = pts if odd else levels
     values = np.ascontiguousarray(vals[nb].transpose(1, 2, 0)).astype(F32)
-    return Grid(kmap, code_of, nb, values, keep.sum(axis=1), np.ascontiguousarray(vals.T).astype(F32))
+    return Grid(kmap, code_of, nb, values, keep.sum(axis=1), np.ascontiguousarray(vals.T).astype(F32),
+                levels.astype(F32))
 
 
 def _iq2_levels(g: np.ndarray) -> np.ndarray:
@@ -203,8 +206,7 @@ def _iq2_levels_at(g: Grid, xv_g: np.ndarray, wa_g: np.ndarray, xval: np.ndarray
 
 def _grid_levels(g: Grid, gi: np.ndarray) -> np.ndarray:
     """Grid indices [...] -> their levels as float32 [n, 8]."""
-    c = g.code_of[gi.reshape(-1)]
-    return ((c[:, None] // _TERNARY) % 3).astype(F32)
+    return g.levels.take(gi.reshape(-1), axis=0)
 
 
 def _sums(w: np.ndarray, wx: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
