@@ -255,6 +255,28 @@ void ggmlx_best_neighbours(int64_t n, int32_t D, int32_t K, int64_t n_codes, con
 }
 
 
+// IQ1's scale choice over each group's candidates in C's order: the running best of
+// `sumq2 > 0 && sumqx^2 > best * sumq2` from -FLT_MAX, best = scale * sumqx with scale =
+// sumqx / sumq2. pick gets the last candidate taken (-1 for none), scale its scale.
+void ggmlx_running_best(int64_t m, int64_t n, const float* sumqx, const float* sumq2, int64_t* pick,
+                        float* scale) {
+  for (int64_t g = 0; g < m; ++g) {
+    const float* a = sumqx + g * n;
+    const float* b = sumq2 + g * n;
+    float best = -3.40282347e+38f, s = 0.0f;
+    int64_t p = -1;
+    for (int64_t j = 0; j < n; ++j) {
+      if (b[j] > 0.0f && a[j] * a[j] > best * b[j]) {
+        s = a[j] / b[j];
+        best = s * a[j];
+        p = j;
+      }
+    }
+    pick[g] = p;
+    scale[g] = s;
+  }
+}
+
 void ggmlx_iq4_scales(int64_t m, int64_t n, const float* x, const float* w, const float* levels, int32_t ntry,
                       float* d) {
   const Levels16 lv(levels);

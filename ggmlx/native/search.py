@@ -1,9 +1,9 @@
 """The quantizers' scale searches in C (quant_search.cc), for `llm quantize`.
 
 ggmlx/quants/kquants.py runs make_qx_quants, make_qkx2_quants and make_qkx3_quants (nlquants.py
-the IQ4 scale search, iq2.py / iq3.py the grids' neighbour search) over many groups at once in
-numpy; these run ggml's per-group loops instead, with the same float32 operations in the same
-order (the same bytes, tests/test_quantize.py), at a few times the speed.
+the IQ4 scale search, iq2.py / iq3.py the grids' neighbour search and IQ1's scale choice) over
+many groups at once in numpy; these run ggml's per-group loops instead, with the same float32
+operations in the same order (the same bytes, tests/test_quantize.py), at a few times the speed.
 Used when the native library is built and GGMLX_NATIVE is on; `lib()` is None otherwise and the
 numpy searches run. Plain ctypes calls: nothing is registered with XLA.
 """
@@ -29,7 +29,7 @@ def _load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(path)
         qx, qkx, iq4 = lib.ggmlx_make_qx_quants, lib.ggmlx_make_qkx_quants, lib.ggmlx_iq4_scales
-        nbr = lib.ggmlx_best_neighbours
+        nbr, rb = lib.ggmlx_best_neighbours, lib.ggmlx_running_best
     except (OSError, AttributeError):       # an older build without the searches
         return None
     i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -42,6 +42,8 @@ def _load() -> ctypes.CDLL | None:
     i64p = np.ctypeslib.ndpointer(np.int64, flags="C_CONTIGUOUS")
     nbr.argtypes = [i64, i32, i32, i64, i64p, _F32P, _F32P, _F32P, vp, _F32P, i64p, i64p]
     nbr.restype = None
+    rb.argtypes = [i64, i64, _F32P, _F32P, i64p, _F32P]
+    rb.restype = None
     return lib
 
 
@@ -103,3 +105,13 @@ def best_neighbours(c: ctypes.CDLL, codes: np.ndarray, xv: np.ndarray, wv: np.nd
                             None if b is None else b.ctypes.data, f32(values), np.ascontiguousarray(count, np.int64),
                             pick)
     return pick
+
+
+def running_best(c: ctypes.CDLL, sumqx: np.ndarray, sumq2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """iq2._replay in C: each row's candidates [m, n] in order -> (the last taken [m], -1 for
+    none; its scale [m])."""
+    m, n = sumqx.shape
+    pick, scale = np.empty(m, np.int64), np.empty(m, np.float32)
+    c.ggmlx_running_best(m, n, np.ascontiguousarray(sumqx, np.float32), np.ascontiguousarray(sumq2, np.float32),
+                         pick, scale)
+    return pick, scale

@@ -404,7 +404,11 @@ def _replay(sumqx: np.ndarray, sumq2: np.ndarray) -> tuple[np.ndarray, np.ndarra
     A candidate can only be taken when its score sumqx^2 / sumq2 is within the rounding of
     the running best, which is within a few float32 ulps (at most 4.5e-4 over 1224 steps) of the
     highest score so far; the others are never taken and leave the best as it is, so only the
-    candidates within 1e-3 of the running maximum are replayed."""
+    candidates within 1e-3 of the running maximum are replayed. (With the native library, C's
+    loop itself runs.)"""
+    lib = search.lib()
+    if lib is not None:
+        return search.running_best(lib, sumqx, sumq2)
     m, n = sumqx.shape
     with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
         valid = sumq2 > 0
