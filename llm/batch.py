@@ -255,10 +255,7 @@ class BatchAllocator:
 
         seq_pos = {int(s): pos[((seq_set >> np.uint64(s)) & np.uint64(1)) == 1]
                    for s in seq_id_unq}
-        if mrope:
-            self._check_positions_mrope(seq_pos, memory, embd=batch.embd is not None)
-        else:
-            self._check_positions(seq_pos, memory)
+        self._check_positions(seq_pos, memory, mrope=mrope, embd=batch.embd is not None)
         self._check_coupled(seq_id, memory)
 
         self.n_tokens = n
@@ -291,31 +288,25 @@ class BatchAllocator:
         return pos
 
     @staticmethod
-    def _check_positions(seq_pos: dict[int, np.ndarray], memory: SeqPosMemory | None) -> None:
+    def _check_positions(seq_pos: dict[int, np.ndarray], memory: SeqPosMemory | None, mrope: bool = False,
+                         embd: bool = False) -> None:
+        """Each sequence's positions continue its cache, without gaps, never decreasing; with M-RoPE
+        (mrope) they may jump forward and embeddings may start at the cache's last position (an
+        image's tokens share their first position)."""
         for s, p in seq_pos.items():
             p_min, p_max = int(p.min()), int(p.max())
             p0 = memory.seq_pos_max(s) if memory is not None else -1
-            if p0 >= 0 and p_min != p0 + 1:
-                raise BatchError(f"sequence {s}: the cache holds positions up to {p0}, so the "
-                                 f"batch must continue at {p0 + 1}, but it starts at {p_min}")
-            if p_max - p_min + 1 > len(np.unique(p)):
-                raise BatchError(f"sequence {s}: positions are not continuous "
-                                 f"({len(np.unique(p))} distinct values in [{p_min}, {p_max}])")
-            down = np.flatnonzero(np.diff(p) < 0)
-            if down.size:
-                raise BatchError(f"sequence {s}: positions decrease ({int(p[down[0]])} then "
-                                 f"{int(p[down[0] + 1])})")
-
-    @staticmethod
-    def _check_positions_mrope(seq_pos: dict[int, np.ndarray], memory: SeqPosMemory | None, embd: bool) -> None:
-        for s, p in seq_pos.items():
-            p_min = int(p.min())
-            p0 = memory.seq_pos_max(s) if memory is not None else -1
-            if p0 >= 0 and (p_min < p0 if embd else p_min <= p0):
+            if mrope and p0 >= 0 and (p_min < p0 if embd else p_min <= p0):
                 first = p0 if embd else p0 + 1
                 raise BatchError(f"sequence {s}: the cache holds positions up to {p0}, so the batch's "
                                  f"{'embeddings' if embd else 'tokens'} must start at {first} or later "
                                  f"(M-RoPE), but start at {p_min}")
+            if not mrope and p0 >= 0 and p_min != p0 + 1:
+                raise BatchError(f"sequence {s}: the cache holds positions up to {p0}, so the "
+                                 f"batch must continue at {p0 + 1}, but it starts at {p_min}")
+            if not mrope and p_max - p_min + 1 > len(np.unique(p)):
+                raise BatchError(f"sequence {s}: positions are not continuous "
+                                 f"({len(np.unique(p))} distinct values in [{p_min}, {p_max}])")
             down = np.flatnonzero(np.diff(p) < 0)
             if down.size:
                 raise BatchError(f"sequence {s}: positions decrease ({int(p[down[0]])} then "
