@@ -8,8 +8,8 @@
 // Plain C++ called through ctypes (ggmlx/native/search.py), no XLA FFI. Built without -march
 // and without -ffast-math: no FMA contraction, no reassociation of the sequential sums.
 //
-// Layout: x and w hold m groups of n floats, each group contiguous ([m, n] row-major); L gets
-// the levels as float32, scale (and neg_min) one value per group.
+// Layout: the scale searches take x, w and L elements first, as the numpy code holds them ([n, m]:
+// element i of group g at i * m + g), and give scale (and neg_min) one value per group.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -220,6 +220,25 @@ float iq4_group_scale(int64_t n, const float* x, const float* w, const Levels16&
   return amax < kGroupMaxEps ? 0.0f : d;
 }
 
+// One group of the elements-first layout ([n, m]: element i of group g at i * m + g, as the numpy
+// code holds it) copied into contiguous buffers, so no transposes are needed around the calls.
+struct Group {
+  static constexpr int64_t kMax = 256;
+  float x[kMax], w[kMax], L[kMax];
+
+  static bool fits(int64_t n) { return n <= kMax; }
+
+  void load(int64_t n, int64_t m, int64_t g, const float* xs, const float* ws) {
+    for (int64_t i = 0; i < n; ++i) x[i] = xs[i * m + g];
+    if (ws)
+      for (int64_t i = 0; i < n; ++i) w[i] = ws[i * m + g];
+  }
+
+  void store(int64_t n, int64_t m, int64_t g, float* Ls) const {
+    for (int64_t i = 0; i < n; ++i) Ls[i * m + g] = L[i];
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -280,24 +299,37 @@ void ggmlx_running_best(int64_t m, int64_t n, const float* sumqx, const float* s
 void ggmlx_iq4_scales(int64_t m, int64_t n, const float* x, const float* w, const float* levels, int32_t ntry,
                       float* d) {
   const Levels16 lv(levels);
-  for (int64_t g = 0; g < m; ++g) d[g] = iq4_group_scale(n, x + g * n, w + g * n, lv, ntry);
+  Group gr;
+  if (!gr.fits(n)) return;
+  for (int64_t g = 0; g < m; ++g) {
+    gr.load(n, m, g, x, w);
+    d[g] = iq4_group_scale(n, gr.x, gr.w, lv, ntry);
+  }
 }
-
 
 void ggmlx_make_qx_quants(int64_t m, int64_t n, const float* x, const float* w, int32_t nmax, float* L,
                           float* scale) {
-  for (int64_t g = 0; g < m; ++g)
-    qx_group(n, x + g * n, w ? w + g * n : nullptr, nmax, L + g * n, scale + g);
+  Group gr;
+  if (!gr.fits(n)) return;
+  for (int64_t g = 0; g < m; ++g) {
+    gr.load(n, m, g, x, w);
+    qx_group(n, gr.x, w ? gr.w : nullptr, nmax, gr.L, scale + g);
+    gr.store(n, m, g, L);
+  }
 }
 
 void ggmlx_make_qkx_quants(int64_t m, int64_t n, const float* x, const float* w, int32_t nmax, float rmin,
                            float rdelta, int32_t nstep, int32_t use_mad, int32_t qkx3, float* L, float* scale,
                            float* neg_min) {
-  float laux[256];
-  if (n > 256) return;
-  for (int64_t g = 0; g < m; ++g)
-    qkx_group(n, x + g * n, w + g * n, nmax, rmin, rdelta, nstep, use_mad != 0, qkx3 != 0, L + g * n, laux,
-              scale + g, neg_min + g);
+  Group gr;
+  float laux[Group::kMax];
+  if (!gr.fits(n)) return;
+  for (int64_t g = 0; g < m; ++g) {
+    gr.load(n, m, g, x, w);
+    qkx_group(n, gr.x, gr.w, nmax, rmin, rdelta, nstep, use_mad != 0, qkx3 != 0, gr.L, laux, scale + g,
+              neg_min + g);
+    gr.store(n, m, g, L);
+  }
 }
 
 }  // extern "C"

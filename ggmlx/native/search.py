@@ -18,7 +18,7 @@ from ggmlx import flags
 from ggmlx.native import library_path
 
 _F32P = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
-MAX_QKX_GROUP = 256       # quant_search.cc's scratch
+MAX_GROUP = 256       # quant_search.cc's Group buffers
 
 
 @functools.cache
@@ -52,21 +52,25 @@ def lib() -> ctypes.CDLL | None:
     return _load() if flags.NATIVE.get() == "1" else None
 
 
-def _groups(a: np.ndarray) -> np.ndarray:
-    """[n, m] elements first (kquants' layout) -> [m, n], each group contiguous."""
-    return np.ascontiguousarray(a.T, dtype=np.float32)
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _check_group(n: int) -> None:
+    if n > MAX_GROUP:
+        raise ValueError(f"quantizer search: groups of {n} elements (at most {MAX_GROUP})")
 
 
 def make_qx_quants(c: ctypes.CDLL, x: np.ndarray, nmax: int, w: np.ndarray | None
                    ) -> tuple[np.ndarray, np.ndarray]:
     """kquants.make_qx_quants in C: x, w [n, m] -> (L [n, m] float32, scale [m])."""
     n, m = x.shape
-    xg = _groups(x)
-    wg = None if w is None else _groups(w)
-    L = np.empty((m, n), np.float32)
+    _check_group(n)
+    wf = None if w is None else _f32(w)
+    L = np.empty((n, m), np.float32)
     scale = np.empty(m, np.float32)
-    c.ggmlx_make_qx_quants(m, n, xg, None if wg is None else wg.ctypes.data, nmax, L, scale)
-    return np.ascontiguousarray(L.T), scale
+    c.ggmlx_make_qx_quants(m, n, _f32(x), None if wf is None else wf.ctypes.data, nmax, L, scale)
+    return L, scale
 
 
 def make_qkx_quants(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
@@ -74,20 +78,20 @@ def make_qkx_quants(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, nmax: int, rmi
     """kquants.make_qkx2_quants (qkx3 False) or make_qkx3_quants in C: x, w [n, m] ->
     (L [n, m] float32, scale [m], -min [m])."""
     n, m = x.shape
-    if n > MAX_QKX_GROUP:
-        raise ValueError(f"make_qkx_quants: groups of {n} elements (at most {MAX_QKX_GROUP})")
-    L = np.empty((m, n), np.float32)
+    _check_group(n)
+    L = np.empty((n, m), np.float32)
     scale, neg_min = np.empty(m, np.float32), np.empty(m, np.float32)
-    c.ggmlx_make_qkx_quants(m, n, _groups(x), _groups(w), nmax, rmin, rdelta, nstep, int(use_mad), int(qkx3),
+    c.ggmlx_make_qkx_quants(m, n, _f32(x), _f32(w), nmax, rmin, rdelta, nstep, int(use_mad), int(qkx3),
                             L, scale, neg_min)
-    return np.ascontiguousarray(L.T), scale, neg_min
+    return L, scale, neg_min
 
 
 def iq4_scales(c: ctypes.CDLL, x: np.ndarray, w: np.ndarray, levels: np.ndarray, ntry: int) -> np.ndarray:
     """nlquants' IQ4 group scale search in C: x, w [n, m] -> d [m]."""
     n, m = x.shape
+    _check_group(n)
     d = np.empty(m, np.float32)
-    c.ggmlx_iq4_scales(m, n, _groups(x), _groups(w), np.ascontiguousarray(levels, np.float32), ntry, d)
+    c.ggmlx_iq4_scales(m, n, _f32(x), _f32(w), _f32(levels), ntry, d)
     return d
 
 
@@ -99,10 +103,9 @@ def best_neighbours(c: ctypes.CDLL, codes: np.ndarray, xv: np.ndarray, wv: np.nd
     n, d = xv.shape
     k, _, n_codes = values.shape
     pick = np.empty(n, np.int64)
-    f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
-    b = None if base is None else f32(base)
-    c.ggmlx_best_neighbours(n, d, k, n_codes, np.ascontiguousarray(codes, np.int64), f32(xv), f32(wv), f32(scale),
-                            None if b is None else b.ctypes.data, f32(values), np.ascontiguousarray(count, np.int64),
+    b = None if base is None else _f32(base)
+    c.ggmlx_best_neighbours(n, d, k, n_codes, np.ascontiguousarray(codes, np.int64), _f32(xv), _f32(wv), _f32(scale),
+                            None if b is None else b.ctypes.data, _f32(values), np.ascontiguousarray(count, np.int64),
                             pick)
     return pick
 

@@ -163,7 +163,7 @@ def make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
     The quants of the best trial are computed again at the end from its (iscale, min), not
     carried through the search: the same values, one pass instead of one per trial."""
     c = search.lib()
-    if c is not None and x.shape[0] <= search.MAX_QKX_GROUP:
+    if c is not None and x.shape[0] <= search.MAX_GROUP:
         return search.make_qkx_quants(c, x, w, nmax, rmin, rdelta, nstep, use_mad, False)
     lo_x = x.min(axis=0)
     mn = select(lo_x > 0, F32(0), lo_x)
@@ -197,7 +197,7 @@ def make_qx_quants(x: np.ndarray, nmax: int, w: np.ndarray | None = None) -> tup
     |iscale * x| <= nmax + 1 (iscale is about nmax / max|x|), so rounding takes the quick path;
     as in make_qkx2_quants the best trial's quants are computed again at the end."""
     c = search.lib()
-    if c is not None:
+    if c is not None and x.shape[0] <= search.MAX_GROUP:
         return search.make_qx_quants(c, x, nmax, w)
     amax, mx = signed_absmax(x)
     zero = amax < GROUP_MAX_EPS
@@ -439,7 +439,7 @@ def make_qkx3_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelt
     """make_qkx3_quants (squared error): make_qkx2_quants with its trial quants taken as
     `v > 0 ? nearest_int(MIN(v, nmax)) : 0` (in range, so rounded the quick way) -> (L, scale, -min)."""
     c = search.lib()
-    if c is not None and x.shape[0] <= search.MAX_QKX_GROUP:
+    if c is not None and x.shape[0] <= search.MAX_GROUP:
         return search.make_qkx_quants(c, x, w, nmax, rmin, rdelta, nstep, False, True)
     lo_x = x.min(axis=0)
     mn = select(lo_x > 0, F32(0), lo_x)
