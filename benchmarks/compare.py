@@ -2,7 +2,8 @@
 length and thread count, runs alternating in one process tree; prints tok/s and ratios.
 
     .venv/bin/python benchmarks/compare.py [-m MODEL | --shape 1b|3b|8b] [-p 512] [-n 128] [-d 0]
-        [-ctk f32] [-ctv f32] [-r 3] [-t 2] [--hf HF_ID] [--ggmlx-dir DIR] [--no-transformers]
+        [-ctk f32] [-ctv f32] [--numerics exact|ggml] [-r 3] [-t 2] [--hf HF_ID] [--ggmlx-dir DIR]
+        [--no-transformers]
 
 `-d N` measures each test after N cached tokens (llama-bench's -d; the depth is filled
 untimed), `-ctk/-ctv` set both engines' KV cache types (llama.cpp's names), e.g. SmolLM2's
@@ -47,15 +48,17 @@ PEER_INSTALL = {
 }
 
 
-def _ours(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str, type_v: str) -> dict:
+def _ours(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str, type_v: str,
+          numerics: str) -> dict:
     from llm.cli.bench import bench_model
     types = {k: v for k, v in (("type_k", type_k), ("type_v", type_v)) if v != DEFAULT}
     res = {r.test[:2]: r.tok_s_median for r in bench_model(model, n_prompt=n_prompt, n_gen=n_gen, reps=1,
-                                                            n_depth=n_depth, **types)}
+                                                            n_depth=n_depth, numerics=numerics, **types)}
     return {"pp": res.get("pp", 0.0), "tg": res.get("tg", 0.0)}
 
 
-def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str, type_v: str) -> dict:
+def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str, type_v: str,
+               numerics: str) -> dict:
     import llama_cpp
     types = {k: getattr(llama_cpp, f"GGML_TYPE_{v.upper()}") for k, v in (("type_k", type_k), ("type_v", type_v))
              if v != DEFAULT}
@@ -79,7 +82,7 @@ def _llama_cpp(model: str, n_prompt: int, n_gen: int, threads: int, n_depth: int
 
 
 def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str,
-                  type_v: str) -> dict:
+                  type_v: str, numerics: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
@@ -107,8 +110,8 @@ ENGINES = {"ggmlx": _ours, "llama.cpp": _llama_cpp, "transformers": _transformer
 
 
 def _child(engine: str, target: str, n_prompt: int, n_gen: int, threads: int, n_depth: int, type_k: str,
-           type_v: str) -> None:
-    res = ENGINES[engine](target, n_prompt, n_gen, threads, n_depth, type_k, type_v)
+           type_v: str, numerics: str) -> None:
+    res = ENGINES[engine](target, n_prompt, n_gen, threads, n_depth, type_k, type_v, numerics)
     res["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # peak, KiB on Linux
     print(json.dumps(res))
 
@@ -119,7 +122,7 @@ def _run_child(engine: str, target: str, a) -> dict:
         env["PYTHONPATH"] = engine.split("@", 1)[1]
         engine = "ggmlx"
     cmd = [sys.executable, __file__, "--child", engine, target, str(a.n_prompt), str(a.n_gen), str(a.threads),
-           str(a.depth), a.type_k, a.type_v]
+           str(a.depth), a.type_k, a.type_v, a.numerics]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{engine} failed:\n{out.stderr[-2000:]}")
@@ -140,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV cache type of K, both engines (default: each engine's own, ours f32, llama.cpp f16)")
     ap.add_argument("-ctv", "--cache-type-v", dest="type_v", default=DEFAULT, choices=(DEFAULT, *KV_TYPES),
                     help="KV cache type of V, both engines (default: each engine's own)")
+    ap.add_argument("--numerics", choices=("exact", "ggml"), default="exact",
+                    help="ggmlx's numerics (llm.load_model): ggml = llama.cpp's quantized products")
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--ggmlx-dir", action="append", default=[],
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {e: {k: statistics.median(r[k] for r in rs) for k in ("pp", "tg", "rss")} for e, rs in runs.items()}
     at = f" @ d{a.depth}" if a.depth else ""
     print(f"model {a.model}  pp{a.n_prompt} / tg{a.n_gen}{at}  cache K {a.type_k} V {a.type_v}  "
+          f"ggmlx numerics {a.numerics}  "
           f"threads {a.threads}  reps {a.reps}  load average {os.getloadavg()[0]:.1f}")
     for e, rs in runs.items():
         print(f"  {e}: pp {[round(r['pp'], 1) for r in rs]}  tg {[round(r['tg'], 1) for r in rs]}  "
@@ -180,6 +186,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]),
-               sys.argv[8], sys.argv[9])
+               sys.argv[8], sys.argv[9], sys.argv[10])
     else:
         sys.exit(main())

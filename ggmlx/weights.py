@@ -20,6 +20,7 @@ rows at a time, so a large matrix (a 262144-row lm_head) never exists as f32 in 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -39,6 +40,12 @@ FORMAT_INT8 = "int8"
 FORMAT_INT4 = "int4"
 
 WEIGHT_FORMATS = ("auto", "native", "int8", "int4", "f32")
+# How products with quantized weights are computed. "exact": the weight's exact values times the
+# f32 activations (f32 sums), the default for research and gradients. "ggml": as ggml-cpu, the
+# activations quantized to the weight type's vec_dot_type and integer dot products, by
+# native.block_matmul from the GGUF blocks, for the types it reads (native.BLOCK_TYPES) on the
+# CPU; other types, other devices and derivatives keep the exact path.
+NUMERICS = ("exact", "ggml")
 
 
 def matmul_precision() -> jax.lax.Precision:
@@ -104,6 +111,7 @@ class WeightSpec:
     split: WeightSplit | None = None
     mesh: jax.sharding.Mesh | None = None
     rows: tuple[int, int, int] | None = None
+    numerics: str = "exact"
 
 
 @jax.tree_util.register_pytree_node_class
@@ -176,9 +184,16 @@ def resolve_format(weight_format: str, t: GGMLType) -> str:
     return FORMAT_BLOCKS
 
 
-def check_format(weight_format: str) -> None:
+def check_format(weight_format: str, numerics: str = "exact") -> None:
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+
+
+def ggml_numerics(t: GGMLType, numerics: str) -> bool:
+    """Whether a tensor of type t is held as its blocks for native.block_matmul."""
+    return numerics == "ggml" and int(t) in native.BLOCK_TYPES
 
 
 # Types whose int8/int4 scales and offsets are f16 fields of their blocks (d, m): held as f16,
@@ -223,16 +238,22 @@ def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str
     return WeightSpec(FORMAT_BLOCKS, t, ne4), [blocks]
 
 
-def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str = "native") -> DeviceWeight:
+def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str = "native",
+              numerics: str = "exact") -> DeviceWeight:
     """Put a tensor's GGUF bytes (uint8, or typed values) on a device in the format that
-    weight_format selects for its type (see resolve_format)."""
+    weight_format selects for its type (see resolve_format); under numerics "ggml" the types
+    native.block_matmul reads stay as their blocks."""
     t = GGMLType(t)
     ne4 = pad_ne(ne)
     raw = np.ascontiguousarray(data)
     if raw.dtype == np.uint8 and raw.size != types.nbytes(t, ne4):
         raise ValueError(f"to_device: {t.name} tensor of ne={tuple(ne)} needs {types.nbytes(t, ne4)} bytes, "
                          f"got {raw.size}")
-    spec, arrs = _held(raw, t, ne4, resolve_format(weight_format, t))
+    if ggml_numerics(t, numerics) and raw.dtype == np.uint8:
+        spec, arrs = _held(raw, t, ne4, FORMAT_BLOCKS)
+        spec = dataclasses.replace(spec, numerics="ggml")
+    else:
+        spec, arrs = _held(raw, t, ne4, resolve_format(weight_format, t))
     q, scale, offset = (arrs + [None, None])[:3]
     return DeviceWeight(spec, jax.device_put(q, device), None if scale is None else jax.device_put(scale, device),
                         None if offset is None else jax.device_put(offset, device))
@@ -423,6 +444,7 @@ def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
     first = ws[0].spec
     same = all(w.spec.ne[0] == first.ne[0] and w.spec.ne[2] == w.spec.ne[3] == 1 and w.spec.format == first.format
                and w.spec.type == first.type and w.spec.sub_block == first.sub_block
+               and w.spec.numerics == first.numerics
                and w.array.dtype == ws[0].array.dtype and w.array.devices() == ws[0].array.devices()
                and (w.scale is None) == (ws[0].scale is None) and (w.offset is None) == (ws[0].offset is None)
                for w in ws)
@@ -437,8 +459,8 @@ def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
 
     scale = None if ws[0].scale is None else cat([w.scale for w in ws if w.scale is not None])
     offset = None if ws[0].offset is None else cat([w.offset for w in ws if w.offset is not None])
-    return DeviceWeight(WeightSpec(first.format, first.type, ne, first.sub_block), cat([w.array for w in ws]),
-                        scale, offset)
+    return DeviceWeight(WeightSpec(first.format, first.type, ne, first.sub_block, numerics=first.numerics),
+                        cat([w.array for w in ws]), scale, offset)
 
 
 def fuse_rows(ws: list[DeviceWeight], group: int) -> list[DeviceWeight] | None:
@@ -454,7 +476,7 @@ def fuse_rows(ws: list[DeviceWeight], group: int) -> list[DeviceWeight] | None:
     out, start = [], 0
     for w in ws:
         spec = WeightSpec(fused.spec.format, fused.spec.type, w.spec.ne, fused.spec.sub_block,
-                          rows=(group, start, total))
+                          rows=(group, start, total), numerics=fused.spec.numerics)
         out.append(DeviceWeight(spec, fused.array, fused.scale, fused.offset))
         start += w.spec.ne[1]
     return out
@@ -463,7 +485,8 @@ def fuse_rows(ws: list[DeviceWeight], group: int) -> list[DeviceWeight] | None:
 def fused_parent(w: DeviceWeight) -> DeviceWeight:
     """The whole fused weight that member w is a row range of."""
     assert w.spec.rows is not None
-    spec = WeightSpec(w.spec.format, w.spec.type, (w.spec.ne[0], w.spec.rows[2], 1, 1), w.spec.sub_block)
+    spec = WeightSpec(w.spec.format, w.spec.type, (w.spec.ne[0], w.spec.rows[2], 1, 1), w.spec.sub_block,
+                      numerics=w.spec.numerics)
     return DeviceWeight(spec, w.array, w.scale, w.offset)
 
 
@@ -555,6 +578,23 @@ def _mul_mat_native(w: DeviceWeight, xt: jax.Array) -> jax.Array:
     return f(xt)
 
 
+def _mul_mat_ggml(w: DeviceWeight, xt: jax.Array) -> jax.Array:
+    """native.block_matmul (ggml-cpu's numerics) on the CPU, the exact XLA path elsewhere and
+    for derivatives (an FFI call has none)."""
+    def kernel(xt):
+        return native.block_matmul(xt, w.array, int(w.spec.type))
+
+    @jax.custom_jvp
+    def f(xt):
+        return jax.lax.platform_dependent(xt, cpu=kernel, default=lambda xt: mul_mat(w, xt, native_ok=False))
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        return f(primals[0]), mul_mat(w, tangents[0], native_ok=False)
+
+    return f(xt)
+
+
 def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     """ggml mul_mat of a 2-d weight [M, K] (numpy order) by x [..., N, K] -> [..., N, M].
 
@@ -574,6 +614,8 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
+    if native_ok and spec.numerics == "ggml" and xt.dtype == jnp.float32 and native.available():
+        return _mul_mat_ggml(w, xt).reshape(*lead, M)
     if (native_ok and spec.format in (FORMAT_INT8, FORMAT_INT4) and native.MIN_N <= xt.shape[0] <= native.MAX_N
             and xt.dtype == jnp.float32 and native.available()):
         return _mul_mat_native(w, xt).reshape(*lead, M)

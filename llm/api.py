@@ -115,7 +115,7 @@ class LLM:
     @with_parameters(ContextParams)
     def __init__(self, model: str | os.PathLike = hub.DEFAULT_MODEL, *, n_gpu_layers: int = -1, devices=None,
                  split_mode: str = "layer", tensor_split: list[float] | None = None,
-                 row_plan: RowPlan | None = None, weight_format: str = "auto",
+                 row_plan: RowPlan | None = None, weight_format: str = "auto", numerics: str = "exact",
                  progress_callback: Callable[[float], bool] | None = None,
                  prompt_cache: str | os.PathLike | None = None, prompt_cache_bytes: int = 4 << 30,
                  cb_eval: Callable | None = None, abort_callback: Callable[[], bool] | None = None,
@@ -126,13 +126,14 @@ class LLM:
         keyword arguments or `params`; cb_eval and abort_callback go to the Context. `lora`:
         LoRA adapter files and their scales (llama.cpp's --lora-scaled), applied to every call.
         `mmproj`: the vision projector of a multimodal model (llama.cpp's --mmproj), so that
-        generate takes `images` and chat takes image_url content parts (llm.mtmd)."""
+        generate takes `images` and chat takes image_url content parts (llm.mtmd). `numerics`:
+        "exact" or "ggml" (llama.cpp's quantized products; see load_model)."""
         path = hub.resolve(model)
         cparams = params_mod.from_kwargs(ContextParams, kwargs, where="LLM", base=params or ContextParams())
         t0 = time.perf_counter()
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                        progress_callback=progress_callback, weight_format=weight_format,
-                                       split_mode=split_mode, row_plan=row_plan)
+                                       split_mode=split_mode, row_plan=row_plan, numerics=numerics)
         # the vision encoder (libmtmd's context); the batcher decodes prompts' images with it
         self.mtmd = mtmd_mod.init_from_file(mmproj, self.model) if mmproj is not None else None
         self.t_load = time.perf_counter() - t0

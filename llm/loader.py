@@ -222,13 +222,14 @@ class ModelLoader(GGUFMeta):
                                  f"'{self.arch_name}' graph, e.g. '{unused[0]}'")
 
     def load_all_data(self, progress_callback: Callable[[float], bool] | None = None,
-                      weight_format: str = "auto") -> int:
+                      weight_format: str = "auto", numerics: str = "exact") -> int:
         """Copy every created tensor's bytes to its device, held in `weight_format` (see
-        ggmlx.weights.resolve_format). The callback gets the fraction
+        ggmlx.weights.resolve_format; under numerics "ggml" as ggmlx.weights.to_device says).
+        The callback gets the fraction
         done and returns False to cancel: then every buffer made so far is freed and
         LoadCancelled is raised. Returns the bytes read from the file; the concrete format
         used ("auto" resolved) is left in self.weight_format."""
-        weights.check_format(weight_format)
+        weights.check_format(weight_format, numerics)
         if weight_format == "auto":
             weight_format = weights.auto_format(list(self.mesh.devices.flat) if self.mesh is not None
                                                 else [d for _, _, d, _ in self.created])
@@ -246,7 +247,7 @@ class ModelLoader(GGUFMeta):
                                              self.mesh, split, weight_format, t.name)
                 else:
                     t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
-                                               weight_format)
+                                               weight_format, numerics)
                 placed.append(t)
                 done += entry.info.nbytes
             if progress_callback is not None and progress_callback(1.0) is False:

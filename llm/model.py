@@ -271,6 +271,7 @@ class Model:
     n_bytes: int = 0
     meta: dict = field(default_factory=dict)
     weight_format: str = "auto"
+    numerics: str = "exact"
 
     @property
     def place(self) -> Placement:
@@ -341,7 +342,7 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
                tensor_split: list[float] | None = None, vocab_only: bool = False,
                progress_callback: Callable[[float], bool] | None = None,
                weight_format: str = "auto", split_mode: str = "layer", fuse: bool = True,
-               row_plan: RowPlan | None = None) -> Model:
+               row_plan: RowPlan | None = None, numerics: str = "exact") -> Model:
     """Load a GGUF model (see docs/design.md). `devices` hold the repeating layers (default: the
     accelerators; pass CPU devices to split over simulated devices). split_mode "layer"
     (default) gives each device whole layers, "row" divides every layer over all of them
@@ -354,9 +355,16 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
     ffn_gate/ffn_up, of a layer in one array each (fuse_weights; split_mode "layer" only): the
     graph and its node names are unchanged, a decode step reads each group in one pass.
     `row_plan` (split_mode "row"): the measured choices of RowPlan; with uneven_heads="pad"
-    model.hparams holds the padded head counts the graph runs with."""
+    model.hparams holds the padded head counts the graph runs with. `numerics` (ggmlx.weights
+    .NUMERICS): "exact" (default) multiplies by the weights' exact values; "ggml" computes the
+    products as ggml-cpu does (activations quantized to each type's vec_dot_type, integer dots
+    from the GGUF blocks: llama.cpp's own results and speed), see docs/design.md."""
     if split_mode not in SPLIT_MODES:
         raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
+    weights.check_format(weight_format, numerics)
+    if numerics == "ggml" and split_mode == "row":
+        raise ValueError("numerics 'ggml' works with split_mode 'layer' only (a split weight's shards "
+                         "take the exact path)")
     ml = ModelLoader(path)
     try:
         arch = ml.arch_name
@@ -392,8 +400,9 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         ml.check_all_used()
         if split_mode == "row":
             _log_replicated_experts(model)
-        model.n_bytes = ml.load_all_data(progress_callback, weight_format)
+        model.n_bytes = ml.load_all_data(progress_callback, weight_format, numerics)
         model.weight_format = ml.weight_format
+        model.numerics = numerics
         n_mesh = 1 if model.place.mesh is None else model.place.mesh.devices.size
         if model.place.row_plan is not None and uses_padded_heads(hp, n_mesh, model.place.row_plan):
             model.hparams = padded_hparams(hp, n_mesh)

@@ -45,8 +45,13 @@ TARGET = "ggmlx_int8_matvec"
 TARGET_OFFSET = "ggmlx_int8_matvec_offset"
 TARGET_INT4 = "ggmlx_int4_matvec"
 TARGET_ATTN = "ggmlx_attn_decode"
+TARGET_BLOCKS = "ggmlx_block_matmul"
 _SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset", TARGET_INT4: "GgmlxInt4Matvec",
-            TARGET_ATTN: "GgmlxAttnDecode"}
+            TARGET_ATTN: "GgmlxAttnDecode", TARGET_BLOCKS: "GgmlxBlockMatmul"}
+
+# ggml types block_matmul reads (ggml_type ids: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+# IQ4_NL); a weight of another type keeps the exact path under numerics="ggml".
+BLOCK_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14, 20})
 _LIBRARY = "_kernels"
 
 
@@ -95,6 +100,15 @@ def int4_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array)
     offset f32 [M, K // 32]) -> f32 [N, M]. CPU only."""
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_INT4, out)(x, q, scale, offset)
+
+
+def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int) -> jax.Array:
+    """x f32 [N, K] (any N) times a weight held as its GGUF blocks (uint8 [M, row_bytes] of
+    type ggml_type, one of BLOCK_TYPES) -> f32 [N, M], with ggml-cpu's numerics: x quantized
+    to the type's vec_dot_type (Q8_0, Q8_1 or Q8_K) as ggml-cpu does, integer dot products.
+    CPU only."""
+    out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type))
 
 
 def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_type: int, n_kv: int,

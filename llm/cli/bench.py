@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ggmlx.weights import WEIGHT_FORMATS
+from ggmlx.weights import NUMERICS, WEIGHT_FORMATS
 from llm import hub, params
 from llm.batch import Batch
 from llm.context import Context, ContextParams
@@ -111,14 +111,14 @@ def _summary(model: str, fmt: str, test: str, n: int, times: list[float], compil
 def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: int = 5,
                 n_ubatch: int = 512, n_ctx: int = 2048, weight_format: str = "auto",
                 abort_callback: Callable[[], bool] | None = None, n_depth: int = 0, type_k: str = "f32",
-                type_v: str = "f32") -> list[BenchResult]:
+                type_v: str = "f32", numerics: str = "exact") -> list[BenchResult]:
     """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped), each
     after n_depth cached tokens (llama-bench's -d: "tg128 @ d4096"), with the cache types
     type_k / type_v. SizeError when the depth, prompt and generation do not fit the model's
     training context (a pp100000 would run for many minutes); abort_callback stops loading and
     decoding."""
     t0 = time.perf_counter()
-    model = load_model(model_path, weight_format=weight_format,
+    model = load_model(model_path, weight_format=weight_format, numerics=numerics,
                        progress_callback=None if abort_callback is None else lambda f: not abort_callback())
     load_s = time.perf_counter() - t0
     n_train = model.hparams.n_ctx_train
@@ -190,6 +190,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md", help="table format")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact",
+                   help="exact (default) or ggml: llama.cpp's quantized products (activations quantized, integer dots)")
     p.add_argument("--profile", action="store_true",
                    help="instead of throughput: per-op time tables of a prefill ubatch (-p tokens) and "
                         "a decode step, with the host-side split and kernels per step")
@@ -213,6 +215,6 @@ def run(args: argparse.Namespace) -> int:
     results = bench_model(str(hub.model_file(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,
                           reps=args.reps, n_ubatch=args.ubatch, n_ctx=args.ctx_size,
                           weight_format=args.weight_format, abort_callback=args.interrupt.abort,
-                          n_depth=args.n_depth, type_k=args.type_k, type_v=args.type_v)
+                          n_depth=args.n_depth, type_k=args.type_k, type_v=args.type_v, numerics=args.numerics)
     print(format_results(results, args.output))
     return 0

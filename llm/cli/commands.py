@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 
-from ggmlx.weights import WEIGHT_FORMATS
+from ggmlx.weights import NUMERICS, WEIGHT_FORMATS
 from llm import distributed, hub, params
 from llm.arch import llm_arch_is_hybrid, llm_arch_is_recurrent
 from llm.cli import bench, finetune, imatrix, quantize
@@ -94,6 +94,9 @@ def _add_ctx(p: argparse.ArgumentParser) -> None:
     params.add_arguments(p, ContextParams, only=("n_ctx", "n_batch", "n_ubatch", "type_k", "type_v", "flash_attn"))
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
                    help="how quantized weights are held on the device")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact",
+                   help="exact: products with the weights' exact values (default); ggml: as llama.cpp's "
+                        "CPU backend (activations quantized, integer dots from the GGUF blocks)")
     p.add_argument("-sm", "--split-mode", choices=("layer", "row"), default="layer",
                    help="layer: whole layers per device (default); row: every layer divided over all devices")
     p.add_argument("--row-heads", choices=("gather", "pad"), default=None,
@@ -213,7 +216,8 @@ def _open(a, mmproj: str | None = None):
             raise UsageError(f"--tensor-split must be comma-separated numbers, got {a.tensor_split!r}") from None
     a.interrupt.check()
     _status(f"loading {path.name} ({path.stat().st_size / 2**20:.0f} MiB)")
-    llm = LLM(path, params=_ctx_params(a), weight_format=a.weight_format, split_mode=a.split_mode,
+    llm = LLM(path, params=_ctx_params(a), weight_format=a.weight_format, numerics=a.numerics,
+              split_mode=a.split_mode,
               tensor_split=tensor_split, row_plan=_row_plan(a), progress_callback=_progress(a),
               abort_callback=a.interrupt.abort, lora=_lora(a), mmproj=mmproj)
     a.interrupt.check()
@@ -502,7 +506,8 @@ def cmd_serve(a) -> int:
     gen = params.from_namespace(params.ServerGeneration, a)
     llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
                                           kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
-              weight_format=a.weight_format, progress_callback=_progress(a), lora=_lora(a), mmproj=media.mmproj)
+              weight_format=a.weight_format, numerics=a.numerics, progress_callback=_progress(a), lora=_lora(a),
+              mmproj=media.mmproj)
     engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size, mtmd=llm.mtmd,
                     context_shift=gen.context_shift, speculative=_server_drafter(a, gen, llm),
                     n_draft=gen.spec_draft_n_max)
@@ -534,7 +539,8 @@ def _server_drafter(a, gen, target):
     from llm.context import Context
     from llm.generation.speculative import DraftPool
     from llm.model import load_model
-    draft = load_model(hub.resolve(gen.draft_model), weight_format=a.weight_format, progress_callback=_progress(a))
+    draft = load_model(hub.resolve(gen.draft_model), weight_format=a.weight_format, numerics=a.numerics,
+                       progress_callback=_progress(a))
     if draft.n_vocab != target.model.n_vocab:
         raise UsageError(f"--draft-model {gen.draft_model}: {draft.n_vocab} tokens, the model {target.model.n_vocab}; "
                          f"they must share the vocabulary")
@@ -551,7 +557,8 @@ def cmd_perplexity(a) -> int:
     if b >= c and b % c:
         raise ValueError(f"-b {b} must be below -c {c} or a multiple of it (each batch holds b / c chunks)")
     n_seq = max(1, b // c)
-    model = load_model(hub.resolve(a.model), weight_format=a.weight_format, progress_callback=_progress(a))
+    model = load_model(hub.resolve(a.model), weight_format=a.weight_format, numerics=a.numerics,
+                       progress_callback=_progress(a))
     ctx = Context(model, n_ctx=n_seq * c, n_batch=min(b, n_seq * c), n_ubatch=min(a.n_ubatch, b), n_seq_max=n_seq,
                   kv_bucket=n_seq * c)
     vocab = model.vocab

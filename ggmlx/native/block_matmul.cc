@@ -1,0 +1,659 @@
+// y[n, m] = dot(x[n, :], w[m, :]) for a weight held as its GGUF blocks (uint8 [M, row_bytes]),
+// with ggml-cpu's numerics (numerics="ggml"): each activation row is quantized to the weight
+// type's vec_dot_type as ggml-cpu does (Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL; Q8_1 for Q4_1, Q5_1;
+// Q8_K for the k-quants) and the products are integer dot products, scaled per block.
+//
+// Every weight row is first unpacked from its blocks into a small per-thread buffer:
+// unsigned 8-bit values (a type's signed values shifted up: Q4_0's q - 8 is held as q, Q8_0's
+// as q + 128) and, for the k-quants, a 16-bit scale and offset multiplier per 16 elements; the
+// shift comes back as an integer term from the activations' block sums, so every integer dot
+// is exactly ggml's. Then one pass over the activation rows takes ROWS weight rows at a time
+// (each activation vector loaded once for all of them):
+// - 32-element types: per 64 elements one vpdpbusd (u8 x s8 -> s32) and one FMA by the two
+//   blocks' d_x * d_w;
+// - k-quants: per 64 elements vpmaddubsw (u8 x s8 pairs -> s16, as ggml's own AVX2 dots;
+//   no pair reaches the s16 limit: 2 * 63 * 127) and vpdpwssd by the scales (s16 pairs -> s32),
+//   per 256 one FMA by d_x * d and one by d_x * dmin for the offsets.
+// The float combination of the per-block integer sums follows ggml's formulas, not its exact
+// order of additions (ggml's own AVX2 and AVX-512 builds differ there too).
+//
+// Paths: AVX-512 with VNNI, and plain loops (the same integers; any CPU). The weight rows are
+// split into chunks over XLA's intra-op pool (parallel.h); activations are quantized once per
+// call before that.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define GGMLX_X86 1
+#endif
+
+#include "half.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using ggmlx_native::f16_to_f32;
+
+// ggml_type ids (ggml.h)
+enum Type : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20,
+};
+
+constexpr int kQK = 256;      // k-quant super-block
+constexpr int kRows = 4;      // weight rows per tile
+constexpr int kFusedN = 16;   // most activation rows the k-quants' fused kernel takes
+
+// f32 -> IEEE binary16 bits, round to nearest even (ggml's GGML_FP32_TO_FP16), and back.
+inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);   // rounds past 65504
+  if (ax < 0x38800000u) {                                                  // subnormal or zero
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.f)));
+  }
+  const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u) - 0x38000000u;
+  return static_cast<uint16_t>(sign | (r >> 13));
+}
+inline float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
+
+// ---- what each weight type is --------------------------------------------------------------
+
+struct TypeInfo {
+  int64_t block;       // elements per block
+  int64_t bytes;       // bytes per block
+  bool kquant;         // 256-element super-blocks, Q8_K activations
+  bool q8_1;           // Q8_1 activations (a float offset: min * s_x)
+  int shift;           // 32-element types: the unsigned values are the signed ones + shift
+};
+
+bool type_info(int64_t t, TypeInfo* info) {
+  switch (t) {
+    case Q4_0: *info = {32, 18, false, false, 8}; return true;
+    case Q4_1: *info = {32, 20, false, true, 0}; return true;
+    case Q5_0: *info = {32, 22, false, false, 16}; return true;
+    case Q5_1: *info = {32, 24, false, true, 0}; return true;
+    case Q8_0: *info = {32, 34, false, false, 128}; return true;
+    case IQ4_NL: *info = {32, 18, false, false, 128}; return true;
+    case Q4_K: *info = {256, 144, true, false, 0}; return true;
+    case Q5_K: *info = {256, 176, true, false, 0}; return true;
+    case Q6_K: *info = {256, 210, true, false, 0}; return true;
+    default: return false;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+// ---- quantized activations -----------------------------------------------------------------
+
+// One call's activations, quantized: qs int8 [N, Kp] (Kp: K rounded up to 64, zero padded), and
+// per block d (f32; the f16-rounded value ggml multiplies by for Q8_0 / Q8_1), and
+//   Q8_K: bs, the int16 sums of each 16 qs, [N, K / 16];
+//   Q8_0 / Q8_1: off, shift * (sum of the block's qs) as s32 lanes for the 32-element dot
+//   (lanes 0 and 8 of each 64-element chunk's 16, [N, Kp / 64 * 16]), and for Q8_1 s, the
+//   f16-rounded d * sum(qs), [N, K / 32].
+struct XQ {
+  int64_t N, K, Kp, nb;
+  std::vector<int8_t> qs;
+  std::vector<float> d, s, dv;   // dv: d per lane of each 64-element chunk (32-element types)
+  std::vector<int16_t> bs;
+  std::vector<int32_t> off;
+};
+
+// ggml's quantize_row_q8_K_ref: d = max / -127 by the element of largest magnitude.
+void quantize_q8_K(const float* x, int64_t K, int8_t* qs, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < K / kQK; ++b) {
+    const float* xb = x + b * kQK;
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < kQK; ++j) {
+      const float ax = std::fabs(xb[j]);
+      if (ax > amax) { amax = ax; max = xb[j]; }
+    }
+    int8_t* q = qs + b * kQK;
+    if (amax == 0.f) {
+      d[b] = 0.f;
+      std::memset(q, 0, kQK);
+      for (int g = 0; g < kQK / 16; ++g) bs[b * 16 + g] = 0;
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < kQK; ++j) q[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[j]))));
+    for (int g = 0; g < kQK / 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[g * 16 + j];
+      bs[b * 16 + g] = static_cast<int16_t>(sum);
+    }
+    d[b] = 1.f / iscale;
+  }
+}
+
+// ggml-cpu's x86 quantize_row_q8_0 / q8_1: d = amax / 127, values rounded to nearest even by
+// 127 / amax; d kept as f16 (and for Q8_1, s = d * sum(qs) as f16).
+void quantize_q8_0(const float* x, int64_t K, int8_t* qs, float* d, float* s, int32_t* sums) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.f;
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+      qs[b * 32 + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = round_f16(db);
+    if (s) s[b] = round_f16(db * static_cast<float>(sum));
+    sums[b] = sum;
+  }
+}
+
+XQ quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti) {
+  XQ xq;
+  xq.N = N;
+  xq.K = K;
+  xq.Kp = (K + 63) / 64 * 64;
+  xq.nb = K / ti.block;
+  xq.qs.assign(N * xq.Kp, 0);
+  xq.d.assign(N * xq.nb, 0.f);
+  if (ti.kquant) {
+    xq.bs.assign(N * (K / 16), 0);
+    for (int64_t n = 0; n < N; ++n)
+      quantize_q8_K(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, xq.bs.data() + n * (K / 16));
+    return xq;
+  }
+  const int64_t nc = xq.Kp / 64;
+  std::vector<int32_t> sums(xq.nb);
+  if (ti.q8_1) xq.s.assign(N * xq.nb, 0.f);
+  xq.off.assign(N * nc * 16, 0);
+  xq.dv.assign(N * nc * 16, 0.f);
+  for (int64_t n = 0; n < N; ++n) {
+    quantize_q8_0(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb,
+                  ti.q8_1 ? xq.s.data() + n * xq.nb : nullptr, sums.data());
+    for (int64_t b = 0; b < xq.nb; ++b) {
+      xq.off[(n * nc + b / 2) * 16 + (b % 2) * 8] = -ti.shift * sums[b];
+      for (int l = 0; l < 8; ++l) xq.dv[(n * nc + b / 2) * 16 + (b % 2) * 8 + l] = xq.d[n * xq.nb + b];
+    }
+  }
+  return xq;
+}
+
+// ---- weight rows unpacked ------------------------------------------------------------------
+
+// One weight row: q the unsigned values [Kp]; for 32-element types dw the block's d per lane of
+// each 64-element chunk [Kp / 64 * 16] and mf its min (Q4_1, Q5_1) [nb]; for k-quants sc16 the
+// scale of each pair of elements [Kp / 2], mo the offset multiplier per 16 [K / 16], and per
+// super-block dw (d) and dm (the offsets' factor: -dmin, or d where the offset is a shift).
+struct Row {
+  uint8_t* q;
+  float* dw;
+  float* dm;
+  float* mf;
+  int16_t* sc16;
+  int16_t* mo;
+};
+
+// get_scale_min_k4 of ggml: the 6-bit scale and min of sub-block j of a Q4_K / Q5_K block.
+inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+void unpack_row(int64_t t, const TypeInfo& ti, const uint8_t* w, int64_t K, const Row& r) {
+  const int64_t nb = K / ti.block;
+  if (!ti.kquant) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * ti.bytes;
+      uint8_t* q = r.q + b * 32;
+      const float d = half_at(blk);
+      float* dl = r.dw + (b / 2) * 16 + (b % 2) * 8;
+      for (int l = 0; l < 8; ++l) dl[l] = d;
+      r.mf[b] = 0.f;
+      switch (t) {
+        case Q4_0:
+          for (int j = 0; j < 16; ++j) { q[j] = blk[2 + j] & 15; q[j + 16] = blk[2 + j] >> 4; }
+          break;
+        case IQ4_NL:
+          for (int j = 0; j < 16; ++j) {
+            q[j] = static_cast<uint8_t>(kIQ4NL[blk[2 + j] & 15] + 128);
+            q[j + 16] = static_cast<uint8_t>(kIQ4NL[blk[2 + j] >> 4] + 128);
+          }
+          break;
+        case Q4_1:
+          r.mf[b] = half_at(blk + 2);
+          for (int j = 0; j < 16; ++j) { q[j] = blk[4 + j] & 15; q[j + 16] = blk[4 + j] >> 4; }
+          break;
+        case Q5_0:
+        case Q5_1: {
+          const int o = t == Q5_1 ? 4 : 2;
+          if (t == Q5_1) r.mf[b] = half_at(blk + 2);
+          uint32_t qh;
+          std::memcpy(&qh, blk + o, 4);
+          for (int j = 0; j < 16; ++j) {
+            q[j] = static_cast<uint8_t>((blk[o + 4 + j] & 15) | (((qh >> j) << 4) & 0x10));
+            q[j + 16] = static_cast<uint8_t>((blk[o + 4 + j] >> 4) | ((qh >> (j + 12)) & 0x10));
+          }
+          break;
+        }
+        case Q8_0:
+          for (int j = 0; j < 32; ++j) q[j] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
+          break;
+      }
+    }
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * ti.bytes;
+    uint8_t* q = r.q + b * kQK;
+    int16_t* sc = r.sc16 + b * kQK / 2;
+    int16_t* mo = r.mo + b * 16;
+    int scg[16], mog[16];
+    if (t == Q4_K || t == Q5_K) {
+      r.dw[b] = half_at(blk);
+      r.dm[b] = -half_at(blk + 2);
+      const uint8_t* scales = blk + 4;
+      const uint8_t* qh = blk + 16;
+      const uint8_t* ql = blk + (t == Q5_K ? 48 : 16);
+      for (int j = 0; j < 4; ++j) {
+        int s0, m0, s1, m1;
+        scale_min_k4(2 * j, scales, &s0, &m0);
+        scale_min_k4(2 * j + 1, scales, &s1, &m1);
+        scg[4 * j] = scg[4 * j + 1] = s0;
+        scg[4 * j + 2] = scg[4 * j + 3] = s1;
+        mog[4 * j] = mog[4 * j + 1] = m0;
+        mog[4 * j + 2] = mog[4 * j + 3] = m1;
+        for (int l = 0; l < 32; ++l) {
+          int lo = ql[32 * j + l] & 15, hi = ql[32 * j + l] >> 4;
+          if (t == Q5_K) {
+            lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+          }
+          q[64 * j + l] = static_cast<uint8_t>(lo);
+          q[64 * j + 32 + l] = static_cast<uint8_t>(hi);
+        }
+      }
+    } else {   // Q6_K: ql[128], qh[64], scales[16] (int8), d
+      const uint8_t* ql = blk;
+      const uint8_t* qh = blk + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = half_at(blk + 208);
+      r.dw[b] = d;
+      r.dm[b] = d;
+      for (int g = 0; g < 16; ++g) { scg[g] = scales[g]; mog[g] = -32 * scales[g]; }
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* l8 = ql + 64 * h;
+        const uint8_t* h8 = qh + 32 * h;
+        uint8_t* o = q + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          o[l] = static_cast<uint8_t>((l8[l] & 15) | (((h8[l] >> 0) & 3) << 4));
+          o[l + 32] = static_cast<uint8_t>((l8[l + 32] & 15) | (((h8[l] >> 2) & 3) << 4));
+          o[l + 64] = static_cast<uint8_t>((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4));
+          o[l + 96] = static_cast<uint8_t>((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4));
+        }
+      }
+    }
+    for (int g = 0; g < 16; ++g) {
+      mo[g] = static_cast<int16_t>(mog[g]);
+      for (int i = 0; i < 8; ++i) sc[g * 8 + i] = static_cast<int16_t>(scg[g]);
+    }
+  }
+}
+
+// ---- dots ----------------------------------------------------------------------------------
+
+struct Problem {
+  int64_t type, M, K, Kp, nb, row_bytes;
+  TypeInfo ti;
+  const uint8_t* w;
+  const XQ* xq;
+  float* y;   // [N, M]
+};
+
+// Per-thread buffers for kRows unpacked weight rows.
+struct Buffers {
+  std::vector<uint8_t> q;
+  std::vector<float> dw, dm, mf;
+  std::vector<int16_t> sc16, mo;
+  Row rows[kRows];
+
+  explicit Buffers(const Problem& p) {
+    const int64_t Kp = p.Kp, nc = Kp / 64;
+    q.assign(kRows * Kp, 0);
+    dw.assign(kRows * std::max<int64_t>(nc * 16, p.nb), 0.f);
+    dm.assign(kRows * p.nb, 0.f);
+    mf.assign(kRows * p.nb, 0.f);
+    sc16.assign(kRows * Kp / 2, 0);
+    mo.assign(kRows * (p.K / 16 + 1), 0);
+    const int64_t ndw = std::max<int64_t>(nc * 16, p.nb);
+    for (int r = 0; r < kRows; ++r)
+      rows[r] = Row{q.data() + r * Kp, dw.data() + r * ndw, dm.data() + r * p.nb, mf.data() + r * p.nb,
+                    sc16.data() + r * Kp / 2, mo.data() + r * (p.K / 16 + 1)};
+  }
+};
+
+// The plain-loop dot of one unpacked row and activation row n.
+float dot_generic(const Problem& p, const Row& r, int64_t n) {
+  const XQ& x = *p.xq;
+  const int8_t* xs = x.qs.data() + n * x.Kp;
+  float sum = 0.f;
+  if (!p.ti.kquant) {
+    for (int64_t b = 0; b < p.nb; ++b) {
+      int32_t acc = 0;
+      for (int j = 0; j < 32; ++j) acc += static_cast<int32_t>(r.q[b * 32 + j]) * xs[b * 32 + j];
+      acc += x.off[(n * (x.Kp / 64) + b / 2) * 16 + (b % 2) * 8];
+      sum += static_cast<float>(acc) * (x.d[n * p.nb + b] * r.dw[(b / 2) * 16 + (b % 2) * 8]);
+      if (p.ti.q8_1) sum += r.mf[b] * x.s[n * p.nb + b];
+    }
+    return sum;
+  }
+  for (int64_t b = 0; b < p.nb; ++b) {
+    int32_t main = 0, off = 0;
+    for (int g = 0; g < 16; ++g) {
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) s += static_cast<int32_t>(r.q[b * kQK + g * 16 + j]) * xs[b * kQK + g * 16 + j];
+      main += s * r.sc16[b * kQK / 2 + g * 8];
+      off += static_cast<int32_t>(r.mo[b * 16 + g]) * x.bs[n * (p.K / 16) + b * 16 + g];
+    }
+    const float dx = x.d[n * p.nb + b];
+    sum += dx * r.dw[b] * static_cast<float>(main) + dx * r.dm[b] * static_cast<float>(off);
+  }
+  return sum;
+}
+
+void rows_generic(const Problem& p, const Buffers& buf, int nrows, int64_t m) {
+  for (int64_t n = 0; n < p.xq->N; ++n)
+    for (int r = 0; r < nrows; ++r) p.y[n * p.M + m + r] = dot_generic(p, buf.rows[r], n);
+}
+
+#ifdef GGMLX_X86
+#define GGMLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+// 32-element types: per 64 elements one vpdpbusd started from the activation's shift term,
+// then * (d_x * d_w) per lane into a float accumulator.
+template <int R>
+GGMLX_VNNI void tile_unit_vnni(const Problem& p, const Buffers& buf, int64_t m) {
+  const XQ& x = *p.xq;
+  const int64_t nc = x.Kp / 64;
+  for (int64_t n = 0; n < x.N; ++n) {
+    const int8_t* xs = x.qs.data() + n * x.Kp;
+    const int32_t* xo = x.off.data() + n * nc * 16;
+    const float* xd = x.dv.data() + n * nc * 16;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512i xv = _mm512_loadu_si512(xs + c * 64);
+      const __m512i ov = _mm512_loadu_si512(xo + c * 16);
+      const __m512 dv = _mm512_loadu_ps(xd + c * 16);
+      for (int r = 0; r < R; ++r) {
+        const Row& row = buf.rows[r];
+        const __m512i s = _mm512_dpbusd_epi32(ov, _mm512_loadu_si512(row.q + c * 64), xv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(row.dw + c * 16)), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[r]);
+      if (p.ti.q8_1)
+        for (int64_t b = 0; b < p.nb; ++b) sum += buf.rows[r].mf[b] * x.s[n * p.nb + b];
+      p.y[n * p.M + m + r] = sum;
+    }
+  }
+}
+
+// k-quants: per 64 elements vpmaddubsw then vpdpwssd by the pair scales; per super-block the
+// offsets sum(mo * bsums) in 16-bit pairs, and two FMAs.
+template <int R>
+GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
+  const XQ& x = *p.xq;
+  const int64_t K16 = p.K / 16;
+  for (int64_t n = 0; n < x.N; ++n) {
+    const int8_t* xs = x.qs.data() + n * x.Kp;
+    const int16_t* bs = x.bs.data() + n * K16;
+    __m512 acc[R];
+    __m256 accm[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < p.nb; ++b) {
+      __m512i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xv = _mm512_loadu_si512(xs + b * kQK + c * 64);
+        for (int r = 0; r < R; ++r) {
+          const Row& row = buf.rows[r];
+          const __m512i prod = _mm512_maddubs_epi16(_mm512_loadu_si512(row.q + b * kQK + c * 64), xv);
+          s[r] = _mm512_dpwssd_epi32(s[r], prod, _mm512_loadu_si512(row.sc16 + b * kQK / 2 + c * 32));
+        }
+      }
+      const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + b * 16));
+      const float dx = x.d[n * p.nb + b];
+      for (int r = 0; r < R; ++r) {
+        const Row& row = buf.rows[r];
+        const __m256i o = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.mo + b * 16)), bv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(dx * row.dw[b]), acc[r]);
+        accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dx * row.dm[b]), accm[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+      h = _mm256_add_ps(h, accm[r]);
+      __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+      q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
+      p.y[n * p.M + m + r] = _mm_cvtss_f32(q4);
+    }
+  }
+}
+
+template <int R>
+void tile_vnni(const Problem& p, const Buffers& buf, int64_t m) {
+  if (p.ti.kquant) tile_k_vnni<R>(p, buf, m);
+  else tile_unit_vnni<R>(p, buf, m);
+}
+
+// ---- k-quants for a few activation rows: straight from the blocks -------------------------
+
+// One super-block of a k-quant row as the fused kernel needs it: the four 64-element chunks'
+// unsigned values, the 16 group scales and offset multipliers (s16), and d, dm.
+struct KBlock {
+  __m512i q[4];
+  __m256i sc, mo;
+  float dw, dm;
+};
+
+GGMLX_VNNI inline void kblock_q4_k(const uint8_t* blk, bool q5, KBlock* kb) {
+  // The 12 scale bytes as three words: sub-blocks 0-3 take the low 6 bits of bytes 0-3 (scales)
+  // and 4-7 (mins); 4-7 take a nibble of bytes 8-11 and the top 2 bits of bytes 0-3 / 4-7.
+  uint32_t a[3];
+  std::memcpy(a, blk + 4, 12);
+  const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, two = 0x03030303u;
+  const uint32_t sc_lo = a[0] & six, sc_hi = (a[2] & nib) | (((a[0] >> 6) & two) << 4);
+  const uint32_t m_lo = a[1] & six, m_hi = ((a[2] >> 4) & nib) | (((a[1] >> 6) & two) << 4);
+  const __m128i v = _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                                   static_cast<int>(m_hi));
+  // each sub-block's value twice (its two groups of 16), widened to s16
+  kb->sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+  kb->mo = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+  kb->dw = half_at(blk);
+  kb->dm = -half_at(blk + 2);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const uint8_t* ql = blk + (q5 ? 48 : 16);
+  __m256i qh = q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+  const __m256i one = _mm256_set1_epi8(1);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * j));
+    __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    if (q5) {   // bit 2j of qh[l] over the low nibbles, bit 2j + 1 over the high ones
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+      qh = _mm256_srli_epi16(qh, 2);
+    }
+    kb->q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+GGMLX_VNNI inline void kblock_q6_k(const uint8_t* blk, KBlock* kb) {
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  kb->sc = _mm256_cvtepi8_epi16(s8);
+  kb->mo = _mm256_mullo_epi16(kb->sc, _mm256_set1_epi16(-32));
+  kb->dw = kb->dm = half_at(blk + 208);
+  const __m512i low4 = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(hb), _mm256_srli_epi16(hb, 2), 1);
+    kb->q[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low4), _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
+    kb->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hz, 4), three), 4));
+  }
+}
+
+// Weight rows [m0, m1) times NR activation rows, one weight row at a time, each super-block
+// unpacked in registers once for all NR rows.
+template <int NR>
+GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t m0, int64_t m1) {
+  const int64_t K16 = p.K / 16;
+  // s16 lane i of chunk c's scales is group 4c + i / 8
+  __m512i idx[4];
+  for (int c = 0; c < 4; ++c) {
+    alignas(64) int16_t v[32];
+    for (int i = 0; i < 32; ++i) v[i] = static_cast<int16_t>(4 * c + i / 8);
+    idx[c] = _mm512_load_si512(v);
+  }
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint8_t* row = p.w + m * p.row_bytes;
+    if (m + 4 < m1)
+      for (int64_t o = 0; o < p.row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + 4 * p.row_bytes + o), _MM_HINT_T0);
+    __m512 acc[NR];
+    __m256 accm[NR];
+    for (int n = 0; n < NR; ++n) { acc[n] = _mm512_setzero_ps(); accm[n] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < p.nb; ++b) {
+      KBlock kb;
+      const uint8_t* blk = row + b * p.ti.bytes;
+      if (p.type == Q6_K) kblock_q6_k(blk, &kb);
+      else kblock_q4_k(blk, p.type == Q5_K, &kb);
+      const __m512i sc = _mm512_castsi256_si512(kb.sc);
+      __m512i s[NR];
+      for (int n = 0; n < NR; ++n) s[n] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i scv = _mm512_permutexvar_epi16(idx[c], sc);
+        for (int n = 0; n < NR; ++n) {
+          const __m512i xv = _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + b * kQK + c * 64);
+          s[n] = _mm512_dpwssd_epi32(s[n], _mm512_maddubs_epi16(kb.q[c], xv), scv);
+        }
+      }
+      for (int n = 0; n < NR; ++n) {
+        const float dx = x.d[(n0 + n) * p.nb + b];
+        const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + (n0 + n) * K16 + b * 16));
+        acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[n]), _mm512_set1_ps(dx * kb.dw), acc[n]);
+        accm[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb.mo, bv)), _mm256_set1_ps(dx * kb.dm), accm[n]);
+      }
+    }
+    for (int n = 0; n < NR; ++n) {
+      __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[n]),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[n]), 1)));
+      h = _mm256_add_ps(h, accm[n]);
+      __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+      q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
+      p.y[(n0 + n) * p.M + m] = _mm_cvtss_f32(q4);
+    }
+  }
+}
+
+void rows_k_fused_any(const Problem& p, int64_t m0, int64_t m1) {
+  const XQ& x = *p.xq;
+  for (int64_t n0 = 0; n0 < x.N; n0 += 4) {
+    switch (std::min<int64_t>(4, x.N - n0)) {
+      case 4: rows_k_fused<4>(p, x, n0, m0, m1); break;
+      case 3: rows_k_fused<3>(p, x, n0, m0, m1); break;
+      case 2: rows_k_fused<2>(p, x, n0, m0, m1); break;
+      default: rows_k_fused<1>(p, x, n0, m0, m1); break;
+    }
+  }
+}
+
+bool has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+#endif
+
+// Weight rows [m0, m1): unpacked kRows at a time, each tile dotted with every activation row.
+void run_rows(const Problem& p, int64_t m0, int64_t m1) {
+#ifdef GGMLX_X86
+  if (p.ti.kquant && p.xq->N <= kFusedN && has_vnni()) return rows_k_fused_any(p, m0, m1);
+#endif
+  Buffers buf(p);
+  for (int64_t m = m0; m < m1; m += kRows) {
+    const int nrows = static_cast<int>(std::min<int64_t>(kRows, m1 - m));
+    for (int r = 0; r < nrows; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
+#ifdef GGMLX_X86
+    if (has_vnni()) {
+      switch (nrows) {
+        case 4: tile_vnni<4>(p, buf, m); break;
+        case 3: tile_vnni<3>(p, buf, m); break;
+        case 2: tile_vnni<2>(p, buf, m); break;
+        default: tile_vnni<1>(p, buf, m); break;
+      }
+      continue;
+    }
+#endif
+    rows_generic(p, buf, nrows, m);
+  }
+}
+
+ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t type) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("block_matmul: x, w and y must be 2-d");
+  TypeInfo ti;
+  if (!type_info(type, &ti)) return ffi::Error::InvalidArgument("block_matmul: unsupported type " + std::to_string(type));
+  const int64_t N = xd[0], K = xd[1], M = wd[0];
+  if (K % ti.block || wd[1] != K / ti.block * ti.bytes || yd[0] != N || yd[1] != M)
+    return ffi::Error::InvalidArgument("block_matmul: shapes of x [N, K], w [M, K / block * bytes], y [N, M] disagree");
+  const XQ xq = quantize_x(x.typed_data(), N, K, ti);
+  Problem p{type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t chunk = std::max<int64_t>(16, (M + 4 * threads - 1) / (4 * threads));
+  chunk = (chunk + kRows - 1) / kRows * kRows;
+  const int64_t n_chunks = (M + chunk - 1) / chunk;
+  ggmlx_native::parallel_for(pool, threads, n_chunks, [&p, chunk, M](int64_t c) {
+    run_rows(p, c * chunk, std::min(M, (c + 1) * chunk));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxBlockMatmul, BlockMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type"));

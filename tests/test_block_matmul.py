@@ -1,0 +1,134 @@
+"""native.block_matmul, the numerics="ggml" product: activations quantized to the weight
+type's vec_dot_type as ggml-cpu does (Q8_0, Q8_1, Q8_K, written again here in numpy from
+ggml's definitions), integer dots, against that quantized product in float64; the weights'
+dispatch under numerics "ggml"; and a model loaded with it against the exact one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ggmlx import native, quants, weights
+from ggmlx.types import GGMLType as T
+
+needs_native = pytest.mark.skipif(native.load_error() is not None,
+                                  reason=f"the native kernels cannot be used: {native.load_error()}")
+
+KQUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) + KQUANTS
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    monkeypatch.setenv("GGMLX_NATIVE", "1")
+
+
+def _f16(v):
+    return np.asarray(v, np.float32).astype(np.float16).astype(np.float64)
+
+
+def q8_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q8_K_ref then dequantized: d = max / -127 by the element of largest
+    magnitude, values rounded to nearest (even), capped at 127."""
+    x = x.astype(np.float32).reshape(-1, 256)
+    mx = x[np.arange(len(x)), np.argmax(np.abs(x), axis=1)]
+    safe = np.where(mx != 0, mx, np.float32(1))
+    iscale = (np.float32(-127.0) / safe).astype(np.float32)
+    q = np.minimum(127, np.rint((iscale[:, None] * x).astype(np.float32)))
+    d = np.where(mx != 0, (np.float32(1) / iscale).astype(np.float32), 0)
+    return (q * d[:, None].astype(np.float64)).reshape(-1)
+
+
+def q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml-cpu's x86 quantize_row_q8_0 / q8_1: per 32, d = amax / 127 (kept as f16), values
+    rounded to nearest even by 127 / amax. Returns qs [nb, 32], f16 d [nb] and f16 s = d * sum(qs)."""
+    x = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(x).max(1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    q = np.rint((x * inv[:, None]).astype(np.float32)).astype(np.float64)
+    return q, _f16(d), _f16(d * q.sum(1).astype(np.float32))
+
+
+def reference(t: T, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """ggml's quantized product in float64: the exact weight values times the quantized x; for
+    Q4_1 / Q5_1 the min's term is min * s, s the f16 field of Q8_1 (ggml's vec_dot)."""
+    M, K = blocks.shape[0], x.shape[1]
+    w = quants.dequantize(blocks.reshape(-1), t, (K, M)).reshape(M, K).astype(np.float64)
+    out = np.zeros((x.shape[0], M))
+    for n in range(x.shape[0]):
+        if t in KQUANTS:
+            out[n] = w @ q8_k(x[n])
+            continue
+        q, d, s = q8_0(x[n])
+        if t in (T.Q4_1, T.Q5_1):
+            mins = _f16(blocks.reshape(M, -1, 20 if t == T.Q4_1 else 24)[:, :, 2:4].copy().view(np.float16)[..., 0])
+            w_no_min = w.reshape(M, -1, 32) - mins[..., None]
+            out[n] = np.einsum("mbj,bj->m", w_no_min, q * d[:, None]) + mins @ s
+        else:
+            out[n] = w @ (q * d[:, None]).reshape(-1)
+    return out
+
+
+def _blocks(t: T, M: int, K: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.asarray(quants.quantize(rng.standard_normal((M, K)).astype(np.float32), t)).reshape(M, -1)
+
+
+@needs_native
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("N,M,K", [(1, 37, 256), (3, 61, 512), (16, 64, 768), (40, 70, 1024)])
+def test_block_matmul_is_ggmls_quantized_product(t, N, M, K):
+    """Every row count (the few-row kernels and the tiled one for prefill), M not a multiple of
+    the tiles; the error is the f32 rounding of the per-block float sums only."""
+    if t not in KQUANTS and K == 768:
+        K = 576      # a 32-element type whose rows end in half a 64-element chunk
+    blocks = _blocks(t, M, K, seed=K + N)
+    x = (np.random.default_rng(N).standard_normal((N, K)) * 3).astype(np.float32)
+    y = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(blocks), int(t)))
+    ref = reference(t, blocks, x)
+    assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+@needs_native
+def test_zero_activations_give_zero():
+    blocks = _blocks(T.Q4_K, 8, 256, 0)
+    y = native.block_matmul(jnp.zeros((2, 256), jnp.float32), jnp.asarray(blocks), int(T.Q4_K))
+    assert np.all(np.asarray(y) == 0)
+
+
+@needs_native
+def test_mul_mat_dispatch_under_ggml_numerics():
+    """numerics "ggml" holds the type as its blocks and mul_mat runs the kernel for any row
+    count (a prefill too); "exact" keeps the int4 format; types the kernel does not read keep
+    the exact path."""
+    K, M = 512, 48
+    blocks = _blocks(T.Q4_K, M, K, 1)
+    wg = weights.to_device(blocks.reshape(-1), T.Q4_K, (K, M), weight_format="int4", numerics="ggml")
+    we = weights.to_device(blocks.reshape(-1), T.Q4_K, (K, M), weight_format="int4")
+    assert (wg.spec.format, wg.spec.numerics) == (weights.FORMAT_BLOCKS, "ggml")
+    assert (we.spec.format, we.spec.numerics) == (weights.FORMAT_INT4, "exact")
+    for n in (1, 7, 100):
+        x = np.random.default_rng(n).standard_normal((n, K)).astype(np.float32)
+        y = np.asarray(jax.jit(weights.mul_mat)(wg, jnp.asarray(x)))
+        np.testing.assert_allclose(y, reference(T.Q4_K, blocks, x), rtol=0, atol=2e-6 * np.abs(y).max())
+        exact = np.asarray(jax.jit(weights.mul_mat)(we, jnp.asarray(x)))
+        assert 0 < np.abs(y - exact).max() < 0.05 * np.abs(exact).max()   # quantized x: close, not equal
+    iq = _blocks(T.IQ4_XS, M, K, 2)
+    wx = weights.to_device(iq.reshape(-1), T.IQ4_XS, (K, M), weight_format="int4", numerics="ggml")
+    assert wx.spec.numerics == "exact"
+
+
+@needs_native
+def test_gradient_takes_the_exact_path():
+    K, M = 256, 16
+    blocks = _blocks(T.Q6_K, M, K, 3)
+    w = weights.to_device(blocks.reshape(-1), T.Q6_K, (K, M), numerics="ggml")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, K)).astype(np.float32))
+    g = jax.grad(lambda x: weights.mul_mat(w, x).sum())(x)
+    dense = quants.dequantize(blocks.reshape(-1), T.Q6_K, (K, M)).reshape(M, K)
+    np.testing.assert_allclose(np.asarray(g), np.broadcast_to(dense.sum(0), (2, K)), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_numerics_is_a_value_error():
+    with pytest.raises(ValueError, match="numerics must be one of exact, ggml"):
+        weights.check_format("auto", "fast")
