@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         from llm.research.profiler import profile
         steps = profile(str(hub.model_file(args.model)), n_ctx=args.ctx_size, n_prompt=args.n_prompt,
-                        n_decode=max(args.n_gen, 1), n_ubatch=args.ubatch, weight_format=args.weight_format)
+                        n_decode=max(args.n_gen, 1), n_ubatch=args.ubatch, weight_format=args.weight_format,
+                        numerics=args.numerics)
         print("\n\n".join(s.format(args.top) for s in steps))
         return 0
     results = bench_model(str(hub.model_file(args.model)), n_prompt=args.n_prompt, n_gen=args.n_gen,

@@ -225,11 +225,11 @@ def _measure(ctx: Context, steps, label: str, n_steps: int, n_tokens: int) -> St
 
 def profile(model: Model | str, n_ctx: int = 2048, n_prompt: int = 512, n_decode: int = 32,
             n_prefill: int = 3, n_ubatch: int = 512, weight_format: str = "auto", type_k: str = "f32",
-            type_v: str = "f32") -> list[StepProfile]:
+            type_v: str = "f32", numerics: str = "exact") -> list[StepProfile]:
     """Profiles of a prefill ubatch of n_prompt tokens (0 skips it) and of a decode step after
     it (averaged over n_prefill ubatches and n_decode steps). Everything is compiled by a warm-up first."""
     if isinstance(model, str):
-        model = load_model(model, weight_format=weight_format)
+        model = load_model(model, weight_format=weight_format, numerics=numerics)
     n_prompt = min(n_prompt, n_ubatch)
     ctx = Context(model, n_ctx=n_ctx, n_batch=max(n_ubatch, 1), n_ubatch=n_ubatch, type_k=type_k, type_v=type_v)
     n_vocab = model.n_vocab
