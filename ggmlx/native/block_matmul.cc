@@ -168,8 +168,12 @@ void quantize_q8_0(const float* x, int64_t K, int8_t* qs, float* d, float* s, in
   }
 }
 
-// Into xq, whose vectors keep their capacity from call to call (one per calling thread).
-void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq) {
+using QuantK = void (*)(const float*, int64_t, int8_t*, float*, int16_t*);
+using Quant0 = void (*)(const float*, int64_t, int8_t*, float*, float*, int32_t*);
+
+// Into xq, whose vectors keep their capacity from call to call (one per calling thread), by
+// qk / q0 (the plain quantizers or the AVX-512 ones: the same values).
+void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq, QuantK qk, Quant0 q0) {
   xq.N = N;
   xq.K = K;
   xq.Kp = (K + 63) / 64 * 64;
@@ -179,7 +183,7 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
   if (ti.kquant) {
     xq.bs.assign(N * (K / 16), 0);
     for (int64_t n = 0; n < N; ++n)
-      quantize_q8_K(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, xq.bs.data() + n * (K / 16));
+      qk(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, xq.bs.data() + n * (K / 16));
     return;
   }
   const int64_t nc = xq.Kp / 64;
@@ -189,8 +193,8 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
   xq.off.assign(N * nc * 16, 0);
   xq.dv.assign(N * nc * 16, 0.f);
   for (int64_t n = 0; n < N; ++n) {
-    quantize_q8_0(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb,
-                  ti.q8_1 ? xq.s.data() + n * xq.nb : nullptr, sums.data());
+    q0(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, ti.q8_1 ? xq.s.data() + n * xq.nb : nullptr,
+       sums.data());
     for (int64_t b = 0; b < xq.nb; ++b) {
       xq.off[(n * nc + b / 2) * 16 + (b % 2) * 8] = -ti.shift * sums[b];
       for (int l = 0; l < 8; ++l) xq.dv[(n * nc + b / 2) * 16 + (b % 2) * 8 + l] = xq.d[n * xq.nb + b];
@@ -706,6 +710,54 @@ void rows_k_fused_any(const Problem& p, int64_t m0, int64_t m1) {
   }
 }
 
+// quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
+// magnitude found by a compare and a bit scan, products rounded to nearest even by vcvtps2dq.
+GGMLX_VNNI void quantize_q8_K_avx512(const float* x, int64_t K, int8_t* qs, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < K / kQK; ++b) {
+    const float* xb = x + b * kQK;
+    __m512 vmax = _mm512_setzero_ps();
+    for (int j = 0; j < kQK; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
+    const float amax = _mm512_reduce_max_ps(vmax);
+    int8_t* q = qs + b * kQK;
+    if (amax == 0.f) {
+      d[b] = 0.f;
+      std::memset(q, 0, kQK);
+      for (int g = 0; g < kQK / 16; ++g) bs[b * 16 + g] = 0;
+      continue;
+    }
+    float max = 0.f;
+    for (int j = 0; j < kQK; j += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + j)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+      if (hit) { max = xb[j + __builtin_ctz(hit)]; break; }
+    }
+    const float iscale = -127.f / max;
+    const __m512 is = _mm512_set1_ps(iscale);
+    for (int g = 0; g < kQK / 16; ++g) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(is, _mm512_loadu_ps(xb + g * 16)));
+      v = _mm512_min_epi32(v, _mm512_set1_epi32(127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * 16), _mm512_cvtepi32_epi8(v));
+      bs[b * 16 + g] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
+    }
+    d[b] = 1.f / iscale;
+  }
+}
+
+GGMLX_VNNI void quantize_q8_0_avx512(const float* x, int64_t K, int8_t* qs, float* d, float* s, int32_t* sums) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float db = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + b * 32), _mm512_cvtepi32_epi8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + b * 32 + 16), _mm512_cvtepi32_epi8(v1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+    d[b] = _cvtsh_ss(_cvtss_sh(db, _MM_FROUND_TO_NEAREST_INT));
+    if (s) s[b] = _cvtsh_ss(_cvtss_sh(db * static_cast<float>(sum), _MM_FROUND_TO_NEAREST_INT));
+    sums[b] = sum;
+  }
+}
+
 bool has_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -749,7 +801,11 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (K % ti.block || wd[1] != K / ti.block * ti.bytes || yd[0] != N || yd[1] != M)
     return ffi::Error::InvalidArgument("block_matmul: shapes of x [N, K], w [M, K / block * bytes], y [N, M] disagree");
   thread_local XQ xq;
-  quantize_x(x.typed_data(), N, K, ti, xq);
+#ifdef GGMLX_X86
+  if (has_vnni()) quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K_avx512, quantize_q8_0_avx512);
+  else
+#endif
+    quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K, quantize_q8_0);
   Problem p{type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t chunk = std::max<int64_t>(16, (M + 4 * threads - 1) / (4 * threads));
