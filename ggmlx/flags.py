@@ -62,8 +62,14 @@ NATIVE = EnvFlag(
     "pure-XLA dequantize-then-dot path; benchmarks/bench_native.py: 1.3-2.2x faster per product; part of "
     "compiled-graph cache keys")
 
+AMX = EnvFlag(
+    "GGMLX_AMX", "1",
+    "0: never use AMX tiles in native.block_matmul (numerics=\"ggml\" products of more than 16 rows, "
+    "prefill) where the CPU has AMX-INT8 and Linux grants its tile state; the AVX-512 VNNI loops "
+    "run instead; part of compiled-graph cache keys")
+
 ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION,
-                            NATIVE)
+                            NATIVE, AMX)
 
 _PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "default": "DEFAULT"}
 

@@ -105,10 +105,10 @@ def int4_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array)
 def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int) -> jax.Array:
     """x f32 [N, K] (any N) times a weight held as its GGUF blocks (uint8 [M, row_bytes] of
     type ggml_type, one of BLOCK_TYPES) -> f32 [N, M], with ggml-cpu's numerics: x quantized
-    to the type's vec_dot_type (Q8_0, Q8_1 or Q8_K) as ggml-cpu does, integer dot products.
-    CPU only."""
+    to the type's vec_dot_type (Q8_0, Q8_1 or Q8_K) as ggml-cpu does, integer dot products
+    (AMX tiles for more than 16 rows where the CPU has them, unless GGMLX_AMX=0). CPU only."""
     out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type))
+    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type), amx=flags.AMX.get() == "1")
 
 
 def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_type: int, n_kv: int,

@@ -32,6 +32,9 @@
 #define GGMLX_X86 1
 #endif
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "half.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -114,7 +117,8 @@ inline float half_at(const uint8_t* p) {
 //   f16-rounded d * sum(qs), [N, K / 32].
 struct XQ {
   int64_t N, K, Kp, nb;
-  std::vector<int8_t> qs;
+  int64_t pad_rows = 1;   // qs and the per-block arrays hold N rounded up to this, zero past N
+  std::vector<int8_t> qs, qt;    // qt: qs in AMX order, [N / 32][K / G][32][G] (run_rows_amx)
   std::vector<float> d, s, dv;   // dv: d per lane of each 64-element chunk (32-element types)
   std::vector<int16_t> bs;
   std::vector<int32_t> off;
@@ -178,10 +182,11 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
   xq.K = K;
   xq.Kp = (K + 63) / 64 * 64;
   xq.nb = K / ti.block;
-  xq.qs.assign(N * xq.Kp, 0);
-  xq.d.assign(N * xq.nb, 0.f);
+  const int64_t Np = (N + xq.pad_rows - 1) / xq.pad_rows * xq.pad_rows;
+  xq.qs.assign(Np * xq.Kp, 0);
+  xq.d.assign(Np * xq.nb, 0.f);
   if (ti.kquant) {
-    xq.bs.assign(N * (K / 16), 0);
+    xq.bs.assign(Np * (K / 16), 0);
     for (int64_t n = 0; n < N; ++n)
       qk(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, xq.bs.data() + n * (K / 16));
     return;
@@ -189,9 +194,9 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
   const int64_t nc = xq.Kp / 64;
   thread_local std::vector<int32_t> sums;
   sums.assign(xq.nb, 0);
-  if (ti.q8_1) xq.s.assign(N * xq.nb, 0.f);
-  xq.off.assign(N * nc * 16, 0);
-  xq.dv.assign(N * nc * 16, 0.f);
+  if (ti.q8_1) xq.s.assign(Np * xq.nb, 0.f);
+  xq.off.assign(Np * nc * 16, 0);
+  xq.dv.assign(Np * nc * 16, 0.f);
   for (int64_t n = 0; n < N; ++n) {
     q0(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, ti.q8_1 ? xq.s.data() + n * xq.nb : nullptr,
        sums.data());
@@ -340,23 +345,23 @@ struct Problem {
   float* y;   // [N, M]
 };
 
-// Per-thread buffers for kRows unpacked weight rows.
+// Buffers for n (at most 32) unpacked weight rows.
 struct Buffers {
   std::vector<uint8_t> q;
   std::vector<float> dw, dm, mf;
   std::vector<int16_t> sc16, mo;
-  Row rows[kRows];
+  Row rows[32];
 
-  explicit Buffers(const Problem& p) {
+  Buffers(const Problem& p, int n) {
     const int64_t Kp = p.Kp, nc = Kp / 64;
-    q.assign(kRows * Kp, 0);
-    dw.assign(kRows * std::max<int64_t>(nc * 16, p.nb), 0.f);
-    dm.assign(kRows * p.nb, 0.f);
-    mf.assign(kRows * p.nb, 0.f);
-    sc16.assign(kRows * Kp / 2, 0);
-    mo.assign(kRows * (p.K / 16 + 1), 0);
+    q.assign(n * Kp, 0);
+    dw.assign(n * std::max<int64_t>(nc * 16, p.nb), 0.f);
+    dm.assign(n * p.nb, 0.f);
+    mf.assign(n * p.nb, 0.f);
+    sc16.assign(n * Kp / 2, 0);
+    mo.assign(n * (p.K / 16 + 1), 0);
     const int64_t ndw = std::max<int64_t>(nc * 16, p.nb);
-    for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < n; ++r)
       rows[r] = Row{q.data() + r * Kp, dw.data() + r * ndw, dm.data() + r * p.nb, mf.data() + r * p.nb,
                     sc16.data() + r * Kp / 2, mo.data() + r * (p.K / 16 + 1)};
   }
@@ -765,13 +770,187 @@ bool has_vnni() {
 }
 #endif
 
+
+// ---- prefill with AMX: 16 x 16 tiles of int8 products ---------------------------------------
+//
+// Where the CPU has AMX-INT8 and Linux grants its tile state (arch_prctl), products of more
+// rows than the few-row kernels take run as tiles: 16 activation rows (A: their quantized
+// bytes, read in place) by 16 weight rows (B: unpacked, then laid out as AMX's 4-byte column
+// groups), one TDPBSUD per scale group of G elements (32, or 16 for Q6_K) gives the 256 integer
+// dots of that group, and an AVX-512 pass scales them into 16 float accumulators (one vector
+// per activation row, the lanes the 16 weight rows). The k-quants' offsets sum(mo * bsums) are
+// VPDPWSSD over pairs of groups; the 32-element types' shift and Q8_1 terms are per block.
+
+#define GGMLX_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_granted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("avx512vnni")) return false;
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;     // AMX-TILE, AMX-INT8
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// 32 weight rows (two B tiles), ready for the tiles: B [n_groups][2][G / 4][64], each group's
+// float scale per row [n_groups][32], and per block: the offsets' factor dm [nb][32] and
+// multipliers mo as pairs of groups [nb][2][8][16 rows][2] (k-quants), or the mins (Q4_1,
+// Q5_1) [nb][32].
+struct WTile {
+  int G = 32;
+  std::vector<uint8_t> B;
+  std::vector<float> ws, dm, mf;
+  std::vector<int16_t> mo;
+};
+
+void make_wtile(const Problem& p, const Buffers& buf, int nrows, WTile& wt) {
+  const int G = p.type == Q6_K ? 16 : 32;
+  const int64_t ng = p.K / G;
+  wt.G = G;
+  wt.B.assign(ng * 2 * G * 16, 0);
+  wt.ws.assign(ng * 32, 0.f);
+  wt.dm.assign(p.nb * 32, 0.f);
+  wt.mf.assign(p.nb * 32, 0.f);
+  wt.mo.assign(p.ti.kquant ? p.nb * 512 : 0, 0);
+  for (int r = 0; r < nrows; ++r) {
+    const Row& row = buf.rows[r];
+    const int half = r / 16, col = r % 16;
+    for (int64_t g = 0; g < ng; ++g) {
+      uint8_t* B = wt.B.data() + (g * 2 + half) * G * 16;
+      for (int kk = 0; kk < G / 4; ++kk) std::memcpy(B + kk * 64 + col * 4, row.q + g * G + kk * 4, 4);
+      wt.ws[g * 32 + r] = p.ti.kquant ? row.dw[g * G / kQK] * row.sc16[g * G / 2] : row.dw[(g / 2) * 16 + (g % 2) * 8];
+    }
+    for (int64_t b = 0; b < p.nb; ++b) {
+      if (p.ti.kquant) {
+        wt.dm[b * 32 + r] = row.dm[b];
+        for (int g = 0; g < 16; ++g) wt.mo[b * 512 + half * 256 + (g / 2) * 32 + col * 2 + g % 2] = row.mo[b * 16 + g];
+      } else {
+        wt.mf[b * 32 + r] = row.mf[b];
+      }
+    }
+  }
+}
+
+// Group g's integer sums Cg (the four tiles) scaled into acc: d_x * (d_w * scale) per row and lane.
+GGMLX_AMX inline void amx_scale(const Problem& p, const WTile& wt, const int32_t (*Cg)[16][16], float (*acc)[32],
+                                int64_t n0, int64_t g) {
+  const XQ& x = *p.xq;
+  const int G = wt.G;
+  const int64_t nc = x.Kp / 64;
+  const int64_t b = g * G / p.ti.block;
+  const __m512 ws0 = _mm512_loadu_ps(wt.ws.data() + g * 32), ws1 = _mm512_loadu_ps(wt.ws.data() + g * 32 + 16);
+  for (int r = 0; r < 32; ++r) {
+    const int64_t xr = n0 + r;
+    const __m512 dx = _mm512_set1_ps(x.d[xr * p.nb + b]);
+    __m512i c0 = _mm512_load_si512(Cg[(r / 16) * 2][r % 16]), c1 = _mm512_load_si512(Cg[(r / 16) * 2 + 1][r % 16]);
+    if (!p.ti.kquant) {
+      const __m512i o = _mm512_set1_epi32(x.off[(xr * nc + b / 2) * 16 + (b % 2) * 8]);
+      c0 = _mm512_add_epi32(c0, o);
+      c1 = _mm512_add_epi32(c1, o);
+    }
+    _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_mul_ps(ws0, dx), _mm512_load_ps(acc[r])));
+    _mm512_store_ps(acc[r] + 16,
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_mul_ps(ws1, dx), _mm512_load_ps(acc[r] + 16)));
+  }
+}
+
+// The 32 x 32 outputs of activation rows n0.. and weight rows m0.. (nn, nm of them real; the
+// activations' padding rows are zero): four C tiles (tmm0-3) from two A (tmm4-5) and two B
+// (tmm6-7) per group, so four TDPBSUDs run independently; their sums are scaled into acc.
+GGMLX_AMX void amx_block(const Problem& p, const WTile& wt, int64_t n0, int nn, int64_t m0, int nm) {
+  const XQ& x = *p.xq;
+  const int G = wt.G;
+  const int64_t ng = p.K / G, K16 = p.K / 16;
+  alignas(64) int32_t C[2][4][16][16];
+  alignas(64) float acc[32][32] = {};
+  const int8_t* A = x.qt.data() + n0 * p.K;
+  // the tiles of group g run while group g - 1 is scaled
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* B = wt.B.data() + g * 2 * G * 16;
+    _tile_loadd(4, A + g * 32 * G, G);
+    _tile_loadd(5, A + g * 32 * G + 16 * G, G);
+    _tile_loadd(6, B, 64);
+    _tile_loadd(7, B + G * 16, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    _tile_dpbsud(2, 5, 6);
+    _tile_dpbsud(3, 5, 7);
+    auto& Cg = C[g & 1];
+    _tile_stored(0, Cg[0], 64);
+    _tile_stored(1, Cg[1], 64);
+    _tile_stored(2, Cg[2], 64);
+    _tile_stored(3, Cg[3], 64);
+    if (g > 0) amx_scale(p, wt, C[(g - 1) & 1], acc, n0, g - 1);
+  }
+  amx_scale(p, wt, C[(ng - 1) & 1], acc, n0, ng - 1);
+  for (int64_t b = 0; b < p.nb; ++b) {
+    for (int h = 0; h < 2; ++h) {
+      if (p.ti.kquant) {
+        const __m512 dm = _mm512_loadu_ps(wt.dm.data() + b * 32 + h * 16);
+        const int16_t* mo = wt.mo.data() + b * 512 + h * 256;
+        for (int r = 0; r < 32; ++r) {
+          const int32_t* bs = reinterpret_cast<const int32_t*>(x.bs.data() + (n0 + r) * K16 + b * 16);
+          __m512i o = _mm512_setzero_si512();
+          for (int g2 = 0; g2 < 8; ++g2) o = _mm512_dpwssd_epi32(o, _mm512_loadu_si512(mo + g2 * 32), _mm512_set1_epi32(bs[g2]));
+          _mm512_store_ps(acc[r] + h * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(o),
+                                                           _mm512_mul_ps(dm, _mm512_set1_ps(x.d[(n0 + r) * p.nb + b])),
+                                                           _mm512_load_ps(acc[r] + h * 16)));
+        }
+      } else if (p.ti.q8_1) {
+        const __m512 mf = _mm512_loadu_ps(wt.mf.data() + b * 32 + h * 16);
+        for (int r = 0; r < 32; ++r)
+          _mm512_store_ps(acc[r] + h * 16, _mm512_fmadd_ps(mf, _mm512_set1_ps(x.s[(n0 + r) * p.nb + b]),
+                                                           _mm512_load_ps(acc[r] + h * 16)));
+      }
+    }
+  }
+  const uint32_t bits = nm >= 32 ? 0xFFFFFFFFu : ((1u << nm) - 1);
+  for (int r = 0; r < nn; ++r) {
+    _mm512_mask_storeu_ps(p.y + (n0 + r) * p.M + m0, static_cast<__mmask16>(bits & 0xFFFF), _mm512_load_ps(acc[r]));
+    _mm512_mask_storeu_ps(p.y + (n0 + r) * p.M + m0 + 16, static_cast<__mmask16>(bits >> 16), _mm512_load_ps(acc[r] + 16));
+  }
+}
+
+// Weight rows [m0, m1) (whole blocks of 32 but the last) by every activation row.
+GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
+  const int G = p.type == Q6_K ? 16 : 32;
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  for (int t : {4, 5}) { cfg.rows[t] = 16; cfg.colsb[t] = static_cast<uint16_t>(G); }
+  for (int t : {6, 7}) { cfg.rows[t] = static_cast<uint8_t>(G / 4); cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  Buffers buf(p, 32);
+  WTile wt;
+  const int64_t N = p.xq->N;
+  for (int64_t m = m0; m < m1; m += 32) {
+    const int nm = static_cast<int>(std::min<int64_t>(32, m1 - m));
+    for (int r = 0; r < nm; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
+    make_wtile(p, buf, nm, wt);
+    for (int64_t n0 = 0; n0 < N; n0 += 32) amx_block(p, wt, n0, static_cast<int>(std::min<int64_t>(32, N - n0)), m, nm);
+  }
+  _tile_release();
+}
+
 // Weight rows [m0, m1): unpacked kRows at a time, each tile dotted with every activation row.
 void run_rows(const Problem& p, int64_t m0, int64_t m1) {
 #ifdef GGMLX_X86
   if (p.xq->N <= kFusedN && has_vnni())
     return p.ti.kquant ? rows_k_fused_any(p, m0, m1) : rows_unit_fused_any(p, m0, m1);
 #endif
-  Buffers buf(p);
+  Buffers buf(p, kRows);
   for (int64_t m = m0; m < m1; m += kRows) {
     const int nrows = static_cast<int>(std::min<int64_t>(kRows, m1 - m));
     for (int r = 0; r < nrows; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
@@ -791,7 +970,7 @@ void run_rows(const Problem& p, int64_t m0, int64_t m1) {
 }
 
 ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                       ffi::ResultBuffer<ffi::F32> y, int64_t type) {
+                       ffi::ResultBuffer<ffi::F32> y, int64_t type, bool use_amx) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("block_matmul: x, w and y must be 2-d");
@@ -802,6 +981,8 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("block_matmul: shapes of x [N, K], w [M, K / block * bytes], y [N, M] disagree");
   thread_local XQ xq;
 #ifdef GGMLX_X86
+  const bool amx = use_amx && N > kFusedN && amx_granted();
+  xq.pad_rows = amx ? 32 : 1;
   if (has_vnni()) quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K_avx512, quantize_q8_0_avx512);
   else
 #endif
@@ -811,6 +992,21 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   int64_t chunk = std::max<int64_t>(16, (M + 4 * threads - 1) / (4 * threads));
   chunk = (chunk + kRows - 1) / kRows * kRows;
   const int64_t n_chunks = (M + chunk - 1) / chunk;
+#ifdef GGMLX_X86
+  if (amx) {   // the activations in tile order: each A tile 512 contiguous bytes
+    const int64_t G = type == Q6_K ? 16 : 32, ng = K / G, nblk = (N + 31) / 32;
+    xq.qt.resize(nblk * 32 * K);
+    for (int64_t xb = 0; xb < nblk; ++xb)
+      for (int r = 0; r < 32; ++r)
+        for (int64_t g = 0; g < ng; ++g)
+          std::memcpy(xq.qt.data() + ((xb * ng + g) * 32 + r) * G, xq.qs.data() + (xb * 32 + r) * xq.Kp + g * G, G);
+    const int64_t tiles = (M + 31) / 32, per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
+    ggmlx_native::parallel_for(pool, threads, (tiles + per - 1) / per, [&p, per, M](int64_t c) {
+      run_rows_amx(p, c * per * 32, std::min(M, (c + 1) * per * 32));
+    });
+    return ffi::Error::Success();
+  }
+#endif
   ggmlx_native::parallel_for(pool, threads, n_chunks, [&p, chunk, M](int64_t c) {
     run_rows(p, c * chunk, std::min(M, (c + 1) * chunk));
   });
@@ -825,4 +1021,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxBlockMatmul, BlockMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("type"));
+                                  .Attr<int64_t>("type")
+                                  .Attr<bool>("amx"));
