@@ -99,6 +99,9 @@ MODULE_NAMES = {
     # issue 28: recurrent and hybrid memories
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
+    # issue 33: ggml numerics
+    "ggmlx.native": ["block_matmul", "BLOCK_TYPES"],
+    "ggmlx.weights": ["NUMERICS"],
 }
 
 METHODS = {
@@ -173,6 +176,13 @@ def test_media_keywords():
     for method in (llm.LLM.generate, llm.LLM.stream):
         assert "images" in inspect.signature(method).parameters
     assert {"images", "capture_encoder"} <= set(inspect.signature(llm.LLM.trace).parameters)
+
+
+def test_numerics_keywords():
+    """Issue 33: load_model(..., numerics="ggml"), LLM(..., numerics=...), bench_model(numerics=)."""
+    from llm.cli.bench import bench_model
+    for fn in (llm.load_model, llm.LLM.__init__, bench_model):
+        assert "numerics" in inspect.signature(fn).parameters
 
 
 @pytest.mark.parametrize("owner, names", METHODS.items())
