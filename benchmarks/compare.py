@@ -4,6 +4,7 @@ length and thread count, runs alternating in one process tree; prints tok/s and 
     .venv/bin/python benchmarks/compare.py [-m MODEL | --shape 1b|3b|8b] [-p 512] [-n 128] [-d 0]
         [-ctk f32] [-ctv f32] [--numerics exact|ggml] [-r 3] [-t 2] [--hf HF_ID] [--ggmlx-dir DIR]
         [--no-transformers]
+    .venv/bin/python benchmarks/compare.py --cli [-m MODEL] [-n 32] [--prompt TEXT] [--numerics exact|ggml] [-r 3]
 
 `-d N` measures each test after N cached tokens (llama-bench's -d; the depth is filled
 untimed), `-ctk/-ctv` set both engines' KV cache types (llama.cpp's names), e.g. SmolLM2's
@@ -16,6 +17,17 @@ Llama-3.1-8B's shape (benchmarks/shapes.py: written in F16 tensor by tensor, qua
 llama.cpp, cached under ~/.cache/ggmlx/shapes/; the first run builds it, the 8B's 16 GB F16
 file needs that much free disk for a while). Each engine's peak RSS (its child process's
 VmHWM: load, run and all) is printed beside its tok/s, with ggmlx's ratio to it.
+
+`--cli` times whole processes instead: our command line, `python -m llm generate -m MODEL -p
+PROMPT -n N --temp 0 --numerics X` (run from the checkout), against a fresh interpreter that imports
+llama_cpp, loads the model (`Llama(n_ctx=2048, n_threads=T, flash_attn=True)`, the sizes our CLI
+uses) and completes the prompt greedily to N tokens: start, imports, load, executable and compile
+caches, the first run of each graph, generation and exit. Each engine runs once untimed first
+(warm page cache, XLA and executable caches, Python bytecode), then reps alternate; wall seconds
+and each child's peak RSS (ru_maxrss from wait4) are printed with ggmlx's ratios. The children
+write bytecode to cache_root()/pycache (PYTHONPYCACHEPREFIX, PYTHONDONTWRITEBYTECODE dropped), as
+an installed package has its .pyc files; the checkout stays clean. `-p` is ignored here (the
+prompt is `--prompt`).
 
 Peers are optional: `pip install llama-cpp-python` (builds from source, ~10 min on 2 cores);
 `pip install torch transformers accelerate` for the transformers column (it loads the same
@@ -33,10 +45,12 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import shapes  # benchmarks/shapes.py, beside this script
 
+from ggmlx import flags
 from llm import hub
 from llm.kv_cache import KV_TYPES
 
@@ -106,6 +120,65 @@ def _transformers(hf_id: str, n_prompt: int, n_gen: int, threads: int, n_depth: 
     return {"pp": pp, "tg": tg}
 
 
+# --cli: llama.cpp's side of the whole-process run, in a fresh interpreter (argv: model prompt n_gen threads)
+_LLAMA_CPP_CLI = """import sys
+import llama_cpp
+model, prompt, n_gen, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_threads=threads, flash_attn=True, verbose=False)
+print(llm(prompt, max_tokens=n_gen, temperature=0.0)["choices"][0]["text"])
+"""
+
+
+def _cli_command(engine: str, a) -> tuple[list[str], str]:
+    """The command line of one engine's whole-process run and the folder it runs in."""
+    if engine == "llama.cpp":
+        return [sys.executable, "-c", _LLAMA_CPP_CLI, a.model, a.prompt, str(a.n_gen), str(a.threads)], os.getcwd()
+    root = engine.split("@", 1)[1] if engine.startswith("ggmlx@") else os.path.dirname(os.path.dirname(__file__))
+    return ([sys.executable, "-m", "llm", "generate", "-m", a.model, "-p", a.prompt, "-n", str(a.n_gen),
+             "--temp", "0", "--numerics", a.numerics], os.path.abspath(root))
+
+
+def _run_cli(engine: str, a) -> dict:
+    """One whole process: wall seconds from start to exit, peak RSS in bytes, the text printed."""
+    cmd, cwd = _cli_command(engine, a)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPYCACHEPREFIX=os.path.join(flags.cache_root(),
+                                                                                           "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)        # reaped by wait4, not by Popen
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{engine} failed ({proc.returncode}):\n{err.read().decode()[-2000:]}")
+        return {"wall": wall, "rss": usage.ru_maxrss * 1024, "text": out.read().decode().strip()}
+
+
+def cli_main(a, engines: list[str]) -> int:
+    """--cli: whole-process runs, each engine warmed once, then reps alternating."""
+    for engine in engines:
+        _run_cli(engine, a)
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for _ in range(a.reps):
+        for engine in engines:
+            runs[engine].append(_run_cli(engine, a))
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("wall", "rss")} for e, rs in runs.items()}
+    print(f"model {a.model}  CLI -n {a.n_gen} prompt {a.prompt!r}  ggmlx numerics {a.numerics}  "
+          f"threads {a.threads}  reps {a.reps}  load average {os.getloadavg()[0]:.1f}")
+    for e, rs in runs.items():
+        print(f"  {e}: wall s {[round(r['wall'], 2) for r in rs]}  peak RSS MB {[round(r['rss'] / 1e6) for r in rs]}"
+              f"  text {rs[-1]['text'][:60]!r}")
+    print("| engine | wall s | peak RSS MB | ggmlx wall ratio | ggmlx RSS ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for e, m in med.items():
+        print(f"| {e} | {m['wall']:.2f} | {m['rss'] / 1e6:.0f} | {med['ggmlx']['wall'] / m['wall']:.2f} "
+              f"| {med['ggmlx']['rss'] / m['rss']:.2f} |")
+    return 0
+
+
 ENGINES = {"ggmlx": _ours, "llama.cpp": _llama_cpp, "transformers": _transformers}
 
 
@@ -150,10 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ggmlx-dir", action="append", default=[],
                     help="also run the ggmlx of this checkout (e.g. an export of main), as engine ggmlx@DIR")
     ap.add_argument("--no-transformers", action="store_true", help="leave transformers out even if installed")
+    ap.add_argument("--cli", action="store_true",
+                    help="time whole processes: our CLI generate against a llama-cpp-python script (wall, peak RSS)")
+    ap.add_argument("--prompt", default="The capital of France is", help="--cli: the prompt text")
     a = ap.parse_args(argv)
     a.model = str(shapes.build(a.shape, a.threads) if a.shape else hub.resolve(a.model))
     engines = {"ggmlx": a.model}
     engines.update({f"ggmlx@{os.path.abspath(d)}": a.model for d in a.ggmlx_dir})
+    if a.cli:
+        if importlib.util.find_spec("llama_cpp") is None:
+            print(f"llama.cpp: not installed ({PEER_INSTALL['llama_cpp']})")
+        else:
+            engines["llama.cpp"] = a.model
+        return cli_main(a, list(engines))
     for mod, engine, target in (("llama_cpp", "llama.cpp", a.model), ("transformers", "transformers", a.hf or a.model)):
         if engine == "transformers" and (a.no_transformers or a.depth or (a.type_k, a.type_v) != (DEFAULT, DEFAULT)):
             continue        # its column has no depth and no cache types
