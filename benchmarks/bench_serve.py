@@ -52,7 +52,7 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     port = free_port()
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "llm", "serve", "-m", a.model, "--port", str(port), "-np", str(a.parallel),
-           "-c", str(a.ctx_size), "-b", str(a.batch_size), "--queue-size", str(a.queue_size)]
+           "-c", str(a.ctx_size), "-b", str(a.batch_size), "--queue-size", str(a.queue_size), "--numerics", a.numerics]
     log = open(a.server_log, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)})
@@ -222,6 +222,8 @@ def main() -> int:
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
     ap.add_argument("-b", "--batch-size", type=int, default=512)
     ap.add_argument("--queue-size", type=int, default=32)
+    ap.add_argument("--numerics", choices=("exact", "ggml"), default="exact",
+                    help="the server's numerics (llm.load_model): ggml = llama.cpp's quantized products")
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=15.0)
