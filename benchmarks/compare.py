@@ -24,7 +24,8 @@ llama_cpp, loads the model (`Llama(n_ctx=2048, n_threads=T, flash_attn=True)`, t
 uses) and completes the prompt greedily to N tokens: start, imports, load, executable and compile
 caches, the first run of each graph, generation and exit. Each engine runs once untimed first
 (warm page cache, XLA and executable caches, Python bytecode), then reps alternate; wall seconds
-and each child's peak RSS (ru_maxrss from wait4) are printed with ggmlx's ratios. The children
+and each child's peak RSS (ru_maxrss from wait4) are printed with ggmlx's ratios, and its CPU
+seconds (user + system), which other load on the machine disturbs less than the wall time. The children
 write bytecode to cache_root()/pycache (PYTHONPYCACHEPREFIX, PYTHONDONTWRITEBYTECODE dropped), as
 an installed package has its .pyc files; the checkout stays clean. `-p` is ignored here (the
 prompt is `--prompt`).
@@ -139,7 +140,7 @@ def _cli_command(engine: str, a) -> tuple[list[str], str]:
 
 
 def _run_cli(engine: str, a) -> dict:
-    """One whole process: wall seconds from start to exit, peak RSS in bytes, the text printed."""
+    """One whole process: wall and CPU seconds from start to exit, peak RSS in bytes, the text printed."""
     cmd, cwd = _cli_command(engine, a)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPYCACHEPREFIX=os.path.join(flags.cache_root(),
                                                                                            "pycache"))
@@ -154,7 +155,8 @@ def _run_cli(engine: str, a) -> dict:
         err.seek(0)
         if proc.returncode != 0:
             raise RuntimeError(f"{engine} failed ({proc.returncode}):\n{err.read().decode()[-2000:]}")
-        return {"wall": wall, "rss": usage.ru_maxrss * 1024, "text": out.read().decode().strip()}
+        return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024,
+                "text": out.read().decode().strip()}
 
 
 def cli_main(a, engines: list[str]) -> int:
@@ -165,17 +167,18 @@ def cli_main(a, engines: list[str]) -> int:
     for _ in range(a.reps):
         for engine in engines:
             runs[engine].append(_run_cli(engine, a))
-    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("wall", "rss")} for e, rs in runs.items()}
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "rss")} for e, rs in runs.items()}
     print(f"model {a.model}  CLI -n {a.n_gen} prompt {a.prompt!r}  ggmlx numerics {a.numerics}  "
           f"threads {a.threads}  reps {a.reps}  load average {os.getloadavg()[0]:.1f}")
     for e, rs in runs.items():
-        print(f"  {e}: wall s {[round(r['wall'], 2) for r in rs]}  peak RSS MB {[round(r['rss'] / 1e6) for r in rs]}"
-              f"  text {rs[-1]['text'][:60]!r}")
-    print("| engine | wall s | peak RSS MB | ggmlx wall ratio | ggmlx RSS ratio |")
-    print("|---|---:|---:|---:|---:|")
+        print(f"  {e}: wall s {[round(r['wall'], 2) for r in rs]}  CPU s {[round(r['cpu'], 2) for r in rs]}  "
+              f"peak RSS MB {[round(r['rss'] / 1e6) for r in rs]}  text {rs[-1]['text'][:60]!r}")
+    print("| engine | wall s | CPU s | peak RSS MB | ggmlx wall ratio | ggmlx CPU ratio | ggmlx RSS ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    ours = med["ggmlx"]
     for e, m in med.items():
-        print(f"| {e} | {m['wall']:.2f} | {m['rss'] / 1e6:.0f} | {med['ggmlx']['wall'] / m['wall']:.2f} "
-              f"| {med['ggmlx']['rss'] / m['rss']:.2f} |")
+        print(f"| {e} | {m['wall']:.2f} | {m['cpu']:.2f} | {m['rss'] / 1e6:.0f} | {ours['wall'] / m['wall']:.2f} "
+              f"| {ours['cpu'] / m['cpu']:.2f} | {ours['rss'] / m['rss']:.2f} |")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import gc
 import logging
 import math
 import os
@@ -220,6 +221,9 @@ def _open(a, mmproj: str | None = None):
               split_mode=a.split_mode,
               tensor_split=tensor_split, row_plan=_row_plan(a), progress_callback=_progress(a),
               abort_callback=a.interrupt.abort, lora=_lora(a), mmproj=mmproj)
+    # the model's objects (the vocabulary's strings and tuples) live as long as the process: frozen,
+    # the collections while generating (a full one took 48 ms of SmolLM2's -n 32) and at exit skip them
+    gc.freeze()
     a.interrupt.check()
     n_train = llm.model.hparams.n_ctx_train
     if n_train and a.n_ctx > n_train:
