@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ggmlx import lower, ops, weights
 from ggmlx.compile import Program
@@ -50,6 +49,8 @@ from llm.model import Model
 from llm.params import param
 
 if TYPE_CHECKING:
+    import optax
+
     from llm.api import LLM
 
 log = logging.getLogger(__name__)
@@ -532,6 +533,9 @@ def _schedule(config: LoraConfig) -> optax.Schedule:
     `warmup` (peak * step / warmup), then a cosine decay to 0 at step `iters`. A warm-up of
     at most one step is the decay alone: optax logs an empty warm-up through absl, whose first
     message configures the process's root logger."""
+    # optax is imported here, not at the top: `python -m llm` imports this module for LoraConfig's
+    # flags, and optax takes 50 ms that only training needs
+    import optax
     lr, w = config.learning_rate, config.warmup
     if w <= 1:
         return optax.cosine_decay_schedule(lr, config.iters)
@@ -546,6 +550,7 @@ class _Trainer:
         self.shapes = {name: (a.shape, b.shape) for name, (a, b) in pairs.items()}
         self.graph = g = _TrainGraph(model, _adapter(model, pairs, alpha), config.batch_size, seq_len,
                                      dropout=config.dropout, remat=config.grad_checkpoint)
+        import optax
         self.schedule = _schedule(config)
         self.opt = optax.adamw(self.schedule, weight_decay=config.weight_decay)
         self.params = g.params()
