@@ -111,7 +111,7 @@ class Program:
         """Everything that decides the compiled code, one readable entry per item."""
         ref: dict[int, str] = {}
         sig: list[tuple] = [("device", str(self.device)), ("matmul_precision", flags.matmul_precision()),
-                              ("native", native.available()), ("amx", flags.AMX.get())]
+                              ("native", native.available()), ("block_isa", flags.BLOCK_ISA.get())]
         if self.mesh is not None:
             sig.append(("mesh", tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         for role, ts in (("weight", self.weights), ("input", self.inputs), ("state", self.states)):

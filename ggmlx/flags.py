@@ -62,14 +62,15 @@ NATIVE = EnvFlag(
     "pure-XLA dequantize-then-dot path; benchmarks/bench_native.py: 1.3-2.2x faster per product; part of "
     "compiled-graph cache keys")
 
-AMX = EnvFlag(
-    "GGMLX_AMX", "1",
-    "0: never use AMX tiles in native.block_matmul (numerics=\"ggml\" products of more than 16 rows, "
-    "prefill) where the CPU has AMX-INT8 and Linux grants its tile state; the AVX-512 VNNI loops "
-    "run instead; part of compiled-graph cache keys")
+BLOCK_ISA = EnvFlag(
+    "GGMLX_BLOCK_ISA", "amx",
+    "the widest instruction set native.block_matmul (numerics=\"ggml\") may use: amx (AMX-INT8 tiles for "
+    "products of more than 16 rows, where the CPU has them and Linux grants the tile state; else as avx512), "
+    "avx512 (AVX-512 VNNI), avx2 or plain (loops any CPU runs); the CPU's own widest caps it; part of "
+    "compiled-graph cache keys")
 
 ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION,
-                            NATIVE, AMX)
+                            NATIVE, BLOCK_ISA)
 
 _PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "default": "DEFAULT"}
 

@@ -75,11 +75,14 @@ def _blocks(t: T, M: int, K: int, seed: int) -> np.ndarray:
 
 
 @needs_native
+@pytest.mark.parametrize("isa", native.BLOCK_ISAS)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("N,M,K", [(1, 37, 256), (3, 61, 512), (16, 64, 768), (40, 70, 1024)])
-def test_block_matmul_is_ggmls_quantized_product(t, N, M, K):
-    """Every row count (the few-row kernels and the tiled one for prefill), M not a multiple of
-    the tiles; the error is the f32 rounding of the per-block float sums only."""
+def test_block_matmul_is_ggmls_quantized_product(t, N, M, K, isa, monkeypatch):
+    """Every row count (the few-row kernels and the tiled ones for prefill), M not a multiple of
+    the tiles, every instruction set GGMLX_BLOCK_ISA allows (capped by this CPU's); the error
+    is the f32 rounding of the per-block float sums only."""
+    monkeypatch.setenv("GGMLX_BLOCK_ISA", isa)
     if t not in KQUANTS and K == 768:
         K = 576      # a 32-element type whose rows end in half a 64-element chunk
     blocks = _blocks(t, M, K, seed=K + N)
@@ -127,6 +130,12 @@ def test_gradient_takes_the_exact_path():
     g = jax.grad(lambda x: weights.mul_mat(w, x).sum())(x)
     dense = quants.dequantize(blocks.reshape(-1), T.Q6_K, (K, M)).reshape(M, K)
     np.testing.assert_allclose(np.asarray(g), np.broadcast_to(dense.sum(0), (2, K)), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_block_isa_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("GGMLX_BLOCK_ISA", "sse2")
+    with pytest.raises(ValueError, match="GGMLX_BLOCK_ISA must be one of plain, avx2, avx512, amx, got 'sse2'"):
+        native.block_isa()
 
 
 def test_bad_numerics_is_a_value_error():

@@ -106,9 +106,22 @@ def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int) -> jax.Array:
     """x f32 [N, K] (any N) times a weight held as its GGUF blocks (uint8 [M, row_bytes] of
     type ggml_type, one of BLOCK_TYPES) -> f32 [N, M], with ggml-cpu's numerics: x quantized
     to the type's vec_dot_type (Q8_0, Q8_1 or Q8_K) as ggml-cpu does, integer dot products
-    (AMX tiles for more than 16 rows where the CPU has them, unless GGMLX_AMX=0). CPU only."""
+    (AMX tiles for more than 16 rows where the CPU has them; GGMLX_BLOCK_ISA caps the instruction set).
+    CPU only."""
     out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type), amx=flags.AMX.get() == "1")
+    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type), isa=np.int64(block_isa()))
+
+
+# GGMLX_BLOCK_ISA's values, in block_matmul.cc's order (each includes the ones before it)
+BLOCK_ISAS = ("plain", "avx2", "avx512", "amx")
+
+
+def block_isa() -> int:
+    """GGMLX_BLOCK_ISA as block_matmul's level; ValueError naming the variable for another value."""
+    v = flags.BLOCK_ISA.get().lower()
+    if v not in BLOCK_ISAS:
+        raise ValueError(f"GGMLX_BLOCK_ISA must be one of {', '.join(BLOCK_ISAS)}, got {v!r}")
+    return BLOCK_ISAS.index(v)
 
 
 def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_type: int, n_kv: int,

@@ -337,7 +337,12 @@ void unpack_row(int64_t t, const TypeInfo& ti, const uint8_t* w, int64_t K, cons
 
 // ---- dots ----------------------------------------------------------------------------------
 
+// Instruction sets, each including the ones below it: the widest a call may use is the
+// smaller of what the caller allows (GGMLX_BLOCK_ISA) and what the CPU has.
+enum Isa : int64_t { kPlain = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
 struct Problem {
+  int64_t isa;
   int64_t type, M, K, Kp, nb, row_bytes;
   TypeInfo ti;
   const uint8_t* w;
@@ -763,12 +768,103 @@ GGMLX_VNNI void quantize_q8_0_avx512(const float* x, int64_t K, int8_t* qs, floa
   }
 }
 
+
+// ---- AVX2: the unpacked rows, 32 elements per vector ---------------------------------------
+
+#define GGMLX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+GGMLX_AVX2 inline float hsum8(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+// 32-element types, one block per vector: vpmaddubsw and vpmaddwd by ones, as ggml's AVX2
+// dots. Q8_0 and IQ4_NL (values + 128, up to 255) would overflow vpmaddubsw's 16-bit pairs, so
+// their values go back to signed and take ggml's sign trick; that dot already is the signed one
+// (the shift term is not added again).
+template <int R>
+GGMLX_AVX2 void tile_unit_avx2(const Problem& p, const Buffers& buf, int64_t m) {
+  const XQ& x = *p.xq;
+  const int64_t nc = x.Kp / 64;
+  const bool wide = p.ti.shift == 128;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t n = 0; n < x.N; ++n) {
+    const int8_t* xs = x.qs.data() + n * x.Kp;
+    __m256 acc[R];
+    float accm[R] = {};
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + b * 32));
+      const float dx = x.d[n * p.nb + b];
+      const int32_t off = wide ? 0 : x.off[(n * nc + b / 2) * 16 + (b % 2) * 8];
+      for (int r = 0; r < R; ++r) {
+        const Row& row = buf.rows[r];
+        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.q + b * 32));
+        __m256i pairs;
+        if (wide) {
+          q = _mm256_xor_si256(q, flip);
+          pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+        } else {
+          pairs = _mm256_maddubs_epi16(q, xv);
+        }
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_setr_epi32(off, 0, 0, 0, 0, 0, 0, 0));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dx * row.dw[(b / 2) * 16 + (b % 2) * 8]), acc[r]);
+        if (p.ti.q8_1) accm[r] += row.mf[b] * x.s[n * p.nb + b];
+      }
+    }
+    for (int r = 0; r < R; ++r) p.y[n * p.M + m + r] = hsum8(acc[r]) + accm[r];
+  }
+}
+
+// k-quants: per 32 elements vpmaddubsw and vpmaddwd by the pair scales, summed over the
+// super-block in 32 bits, then the two FMAs as the AVX-512 kernel.
+template <int R>
+GGMLX_AVX2 void tile_k_avx2(const Problem& p, const Buffers& buf, int64_t m) {
+  const XQ& x = *p.xq;
+  const int64_t K16 = p.K / 16;
+  for (int64_t n = 0; n < x.N; ++n) {
+    const int8_t* xs = x.qs.data() + n * x.Kp;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + b * kQK + c * 32));
+        for (int r = 0; r < R; ++r) {
+          const Row& row = buf.rows[r];
+          const __m256i prod = _mm256_maddubs_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.q + b * kQK + c * 32)), xv);
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
+              prod, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.sc16 + b * kQK / 2 + c * 16))));
+        }
+      }
+      const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + n * K16 + b * 16));
+      const float dx = x.d[n * p.nb + b];
+      for (int r = 0; r < R; ++r) {
+        const Row& row = buf.rows[r];
+        const __m256i o = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.mo + b * 16)), bv);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_set1_ps(dx * row.dw[b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dx * row.dm[b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) p.y[n * p.M + m + r] = hsum8(acc[r]);
+  }
+}
+
+template <int R>
+void tile_avx2(const Problem& p, const Buffers& buf, int64_t m) {
+  if (p.ti.kquant) tile_k_avx2<R>(p, buf, m);
+  else tile_unit_avx2<R>(p, buf, m);
+}
+
 bool has_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return ok;
 }
-#endif
 
 
 // ---- prefill with AMX: 16 x 16 tiles of int8 products ---------------------------------------
@@ -799,6 +895,15 @@ bool amx_granted() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
   return ok;
+}
+
+// The widest instruction set this CPU (and kernel) gives block_matmul.
+int64_t cpu_isa() {
+  static const int64_t isa = amx_granted() ? kAmx
+                             : has_vnni() ? kAvx512
+                             : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c")) ? kAvx2 : kPlain;
+  return isa;
 }
 
 // 32 weight rows (two B tiles), ready for the tiles: B [n_groups][2][G / 4][64], each group's
@@ -943,11 +1048,14 @@ GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
   }
   _tile_release();
 }
+#else
+int64_t cpu_isa() { return kPlain; }
+#endif  // GGMLX_X86
 
 // Weight rows [m0, m1): unpacked kRows at a time, each tile dotted with every activation row.
 void run_rows(const Problem& p, int64_t m0, int64_t m1) {
 #ifdef GGMLX_X86
-  if (p.xq->N <= kFusedN && has_vnni())
+  if (p.xq->N <= kFusedN && p.isa >= kAvx512)
     return p.ti.kquant ? rows_k_fused_any(p, m0, m1) : rows_unit_fused_any(p, m0, m1);
 #endif
   Buffers buf(p, kRows);
@@ -955,12 +1063,21 @@ void run_rows(const Problem& p, int64_t m0, int64_t m1) {
     const int nrows = static_cast<int>(std::min<int64_t>(kRows, m1 - m));
     for (int r = 0; r < nrows; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
 #ifdef GGMLX_X86
-    if (has_vnni()) {
+    if (p.isa >= kAvx512) {
       switch (nrows) {
         case 4: tile_vnni<4>(p, buf, m); break;
         case 3: tile_vnni<3>(p, buf, m); break;
         case 2: tile_vnni<2>(p, buf, m); break;
         default: tile_vnni<1>(p, buf, m); break;
+      }
+      continue;
+    }
+    if (p.isa == kAvx2) {
+      switch (nrows) {
+        case 4: tile_avx2<4>(p, buf, m); break;
+        case 3: tile_avx2<3>(p, buf, m); break;
+        case 2: tile_avx2<2>(p, buf, m); break;
+        default: tile_avx2<1>(p, buf, m); break;
       }
       continue;
     }
@@ -970,7 +1087,7 @@ void run_rows(const Problem& p, int64_t m0, int64_t m1) {
 }
 
 ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                       ffi::ResultBuffer<ffi::F32> y, int64_t type, bool use_amx) {
+                       ffi::ResultBuffer<ffi::F32> y, int64_t type, int64_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("block_matmul: x, w and y must be 2-d");
@@ -979,15 +1096,16 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t N = xd[0], K = xd[1], M = wd[0];
   if (K % ti.block || wd[1] != K / ti.block * ti.bytes || yd[0] != N || yd[1] != M)
     return ffi::Error::InvalidArgument("block_matmul: shapes of x [N, K], w [M, K / block * bytes], y [N, M] disagree");
+  isa = std::min(isa, cpu_isa());
   thread_local XQ xq;
 #ifdef GGMLX_X86
-  const bool amx = use_amx && N > kFusedN && amx_granted();
+  const bool amx = isa == kAmx && N > kFusedN;
   xq.pad_rows = amx ? 32 : 1;
-  if (has_vnni()) quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K_avx512, quantize_q8_0_avx512);
+  if (isa >= kAvx512) quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K_avx512, quantize_q8_0_avx512);
   else
 #endif
     quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K, quantize_q8_0);
-  Problem p{type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
+  Problem p{isa, type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t chunk = std::max<int64_t>(16, (M + 4 * threads - 1) / (4 * threads));
   chunk = (chunk + kRows - 1) / kRows * kRows;
@@ -1022,4 +1140,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxBlockMatmul, BlockMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("type")
-                                  .Attr<bool>("amx"));
+                                  .Attr<int64_t>("isa"));
