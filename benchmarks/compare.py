@@ -25,7 +25,9 @@ uses) and completes the prompt greedily to N tokens: start, imports, load, execu
 caches, the first run of each graph, generation and exit. Each engine runs once untimed first
 (warm page cache, XLA and executable caches, Python bytecode), then reps alternate; wall seconds
 and each child's peak RSS (ru_maxrss from wait4) are printed with ggmlx's ratios, and its CPU
-seconds (user + system), which other load on the machine disturbs less than the wall time. The children
+seconds (user + system), which other load on the machine disturbs less than the wall time. Run
+it on a quiet machine: with another busy process on 2 cores, llama.cpp's threads (spinning at
+their barriers) took 5-65 s instead of 0.6 s for SmolLM2, and a median of 3 does not hide that. The children
 write bytecode to cache_root()/pycache (PYTHONPYCACHEPREFIX, PYTHONDONTWRITEBYTECODE dropped), as
 an installed package has its .pyc files; the checkout stays clean. `-p` is ignored here (the
 prompt is `--prompt`).
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", default=None, help="Hugging Face id of the same model for transformers "
                                                  "(default: transformers loads the GGUF itself)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
-    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-n", "--n-gen", type=int, default=None, help="tokens generated (default 128; --cli: 32)")
     ap.add_argument("-d", "--depth", type=int, default=0, help="cached tokens before each test (llama-bench's -d)")
     ap.add_argument("-ctk", "--cache-type-k", dest="type_k", default=DEFAULT, choices=(DEFAULT, *KV_TYPES),
                     help="KV cache type of K, both engines (default: each engine's own, ours f32, llama.cpp f16)")
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time whole processes: our CLI generate against a llama-cpp-python script (wall, peak RSS)")
     ap.add_argument("--prompt", default="The capital of France is", help="--cli: the prompt text")
     a = ap.parse_args(argv)
+    if a.n_gen is None:
+        a.n_gen = 32 if a.cli else 128
     a.model = str(shapes.build(a.shape, a.threads) if a.shape else hub.resolve(a.model))
     engines = {"ggmlx": a.model}
     engines.update({f"ggmlx@{os.path.abspath(d)}": a.model for d in a.ggmlx_dir})
