@@ -633,7 +633,7 @@ def load_vocab(ml: GGUFMeta) -> Vocab:
         if special.bos == LLAMA_TOKEN_NULL:
             raise ml.error(f"Gemma 4 always adds BOS, but '{LLMKV.TOKENIZER_BOS_ID.value}' is not set")
         flags.add_bos = True
-    eog_ids = _recognize_special_texts(texts, attrs, special)
+    eog_ids = _recognize_special_texts(texts, token_to_id, attrs, special)
     _apply_model_attrs(ml, texts, attrs, token_to_id, pre)
     tokenizer, nl = _make_tokenizer(ml, vtype, texts, token_to_id, scores, attrs, special.unk, flags, merges, spec)
     special.nl = pad_default if nl is None else nl
@@ -772,12 +772,13 @@ def _spm_byte_token(token_to_id: dict[bytes, int], b: int) -> int:
     return tid
 
 
-def _recognize_special_texts(texts: list[bytes], attrs: list[int], special: SpecialTokens) -> frozenset[int]:
+def _recognize_special_texts(texts: list[bytes], by_text: dict[bytes, int], attrs: list[int],
+                              special: SpecialTokens) -> frozenset[int]:
     """llama.cpp's load-time fixes by token text: EOT/EOM/FIM ids, UNUSED marks, the EOG set.
+    by_text: the text -> id map of _read_tokens.
 
     A recognized token that is not a control token becomes one ("control-looking token").
     """
-    by_text = {t: i for i, t in enumerate(texts)}
 
     def mark_control(tid: int) -> None:
         attrs[tid] |= _CONTROL
