@@ -131,6 +131,7 @@ def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: in
                   abort_callback=abort_callback, type_k=type_k, type_v=type_v)
     n_vocab = model.n_vocab
     name = str(model_path)
+    fmt = model.weight_format if numerics == "exact" else f"{model.weight_format}, ggml numerics"
     at = f" @ d{n_depth}" if n_depth else ""
     results = []
     t_first = time.perf_counter()
@@ -143,7 +144,7 @@ def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: in
     if n_prompt:
         comp = _compile_seconds(ctx)
         times = [_run_pp(ctx, _prompt(n_prompt, n_vocab), n_depth) for _ in range(reps)]
-        results.append(_summary(name, model.weight_format, f"pp{n_prompt}{at}", n_prompt, times, comp, load_s,
+        results.append(_summary(name, fmt, f"pp{n_prompt}{at}", n_prompt, times, comp, load_s,
                                 ttft_s))
     if n_gen:
         c0 = _compile_seconds(ctx)
@@ -151,7 +152,7 @@ def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: in
         _run_tg(ctx, n_gen if n_depth else min(n_gen, 8), n_vocab, n_depth)
         comp = _compile_seconds(ctx) - c0
         times = [_run_tg(ctx, n_gen, n_vocab, n_depth) for _ in range(reps)]
-        results.append(_summary(name, model.weight_format, f"tg{n_gen}{at}", n_gen, times, comp, load_s, ttft_s))
+        results.append(_summary(name, fmt, f"tg{n_gen}{at}", n_gen, times, comp, load_s, ttft_s))
     return results
 
 
