@@ -3,23 +3,24 @@
 // type's vec_dot_type as ggml-cpu does (Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL; Q8_1 for Q4_1, Q5_1;
 // Q8_K for the k-quants) and the products are integer dot products, scaled per block.
 //
-// Every weight row is first unpacked from its blocks into a small per-thread buffer:
-// unsigned 8-bit values (a type's signed values shifted up: Q4_0's q - 8 is held as q, Q8_0's
-// as q + 128) and, for the k-quants, a 16-bit scale and offset multiplier per 16 elements; the
-// shift comes back as an integer term from the activations' block sums, so every integer dot
-// is exactly ggml's. Then one pass over the activation rows takes ROWS weight rows at a time
-// (each activation vector loaded once for all of them):
-// - 32-element types: per 64 elements one vpdpbusd (u8 x s8 -> s32) and one FMA by the two
-//   blocks' d_x * d_w;
-// - k-quants: per 64 elements vpmaddubsw (u8 x s8 pairs -> s16, as ggml's own AVX2 dots;
-//   no pair reaches the s16 limit: 2 * 63 * 127) and vpdpwssd by the scales (s16 pairs -> s32),
-//   per 256 one FMA by d_x * d and one by d_x * dmin for the offsets.
-// The float combination of the per-block integer sums follows ggml's formulas, not its exact
-// order of additions (ggml's own AVX2 and AVX-512 builds differ there too).
+// The weights' values are taken as unsigned 8-bit integers (a type's signed values shifted up:
+// Q4_0's q - 8 is used as q, Q8_0's as q + 128) with, for the k-quants, a 16-bit scale and
+// offset multiplier per 16 elements; the shift comes back as an integer term from the
+// activations' block sums, so every integer dot is exactly ggml's. The float combination of
+// the per-block integer sums follows ggml's formulas, not its exact order of additions.
 //
-// Paths: AVX-512 with VNNI, and plain loops (the same integers; any CPU). The weight rows are
-// split into chunks over XLA's intra-op pool (parallel.h); activations are quantized once per
-// call before that.
+// Paths, the widest the CPU has and GGMLX_BLOCK_ISA allows (the Python side passes `isa`):
+// - AVX-512 VNNI, 1-16 activation rows (decode, batched decode, speculative verification):
+//   straight from the blocks, each weight row unpacked in registers once for all rows; per 64
+//   elements one vpdpbusd (32-element types) or vpmaddubsw + vpdpwssd by the scales (k-quants;
+//   no pair reaches the s16 limit: 2 * 63 * 127), one FMA per block;
+// - AMX-INT8, more rows (prefill), where Linux grants the tile state: 32 x 32 tiles, one TDPBSUD
+//   per scale group, the integer sums scaled by AVX-512;
+// - otherwise each weight row is unpacked into a small buffer and dotted with every activation
+//   row, kRows weight rows at a time: AVX-512 VNNI, AVX2 (vpmaddubsw + vpmaddwd, ggml's AVX2
+//   forms) or plain loops (any CPU; the same integers).
+// The weight rows are split into chunks over XLA's intra-op pool (parallel.h); activations are
+// quantized once per call before that.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
