@@ -148,7 +148,7 @@ void axpy_generic(float* acc, float a, const uint8_t* v, int64_t n) {
 #ifdef GGMLX_X86
 // elements i .. i + 15 of the row at p (i a multiple of 16)
 template <typename T>
-__attribute__((target("avx512f"))) inline __m512 load16_avx512(const uint8_t* p, int64_t i) {
+__attribute__((target("avx512f,f16c"))) inline __m512 load16_avx512(const uint8_t* p, int64_t i) {
   if constexpr (is_nibbles<T>) {
     const uint8_t* b = p + (i / 32) * T::block;
     const int64_t half = (i % 32) / 16;
@@ -160,16 +160,16 @@ __attribute__((target("avx512f"))) inline __m512 load16_avx512(const uint8_t* p,
       std::memcpy(&qh, b + T::qh, sizeof qh);
       q = _mm512_mask_add_epi32(q, static_cast<__mmask16>(qh >> (16 * half)), q, _mm512_set1_epi32(16));
     }
-    const __m512 d = _mm512_set1_ps(f16_to_f32(u16_at(b)));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(u16_at(b)));
     if constexpr (T::nl) return _mm512_mul_ps(_mm512_permutexvar_ps(q, _mm512_load_ps(kvalues_iq4nl)), d);
     else if constexpr (T::min)
-      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, _mm512_set1_ps(f16_to_f32(u16_at(b + 2))));
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, _mm512_set1_ps(_cvtsh_ss(u16_at(b + 2))));
     else return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(T::bias)), d);
   } else if constexpr (std::is_same_v<T, Q8_0>) {
     const uint8_t* b = p + (i / 32) * Q8_0::block;
     const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i % 32));
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
-    return _mm512_mul_ps(q, _mm512_set1_ps(f16_to_f32(u16_at(b))));
+    return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(u16_at(b))));
   } else if constexpr (std::is_same_v<T, F16>) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i)));
   } else {
@@ -178,7 +178,7 @@ __attribute__((target("avx512f"))) inline __m512 load16_avx512(const uint8_t* p,
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) float dot_avx512(const float* q, const uint8_t* k, int64_t n) {
+__attribute__((target("avx512f,f16c"))) float dot_avx512(const float* q, const uint8_t* k, int64_t n) {
   __m512 a = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_avx512<T>(k, i), a);
   return _mm512_reduce_add_ps(a);
@@ -187,7 +187,7 @@ __attribute__((target("avx512f"))) float dot_avx512(const float* q, const uint8_
 // The 16 partial-sum vectors a[0..15] reduced to one vector whose lane j is the sum of a[j]:
 // pairs of vectors are interleaved and added level by level (45 instructions for 16 sums,
 // against about 8 per _mm512_reduce_add_ps).
-__attribute__((target("avx512f"))) inline __m512 hsum16_avx512(const __m512* a) {
+__attribute__((target("avx512f,f16c"))) inline __m512 hsum16_avx512(const __m512* a) {
   __m512 b[8], c[4];
   for (int j = 0; j < 8; ++j)   // per 128-bit lane: a[2j] x, a[2j+1] x, a[2j] y, a[2j+1] y
     b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
@@ -206,7 +206,7 @@ __attribute__((target("avx512f"))) inline __m512 hsum16_avx512(const __m512* a) 
 
 // q . k[j * cell] for the 16 cells j < 16 at once, into out[0..15]
 template <typename T>
-__attribute__((target("avx512f"))) void dot16_avx512(const float* q, const uint8_t* k, int64_t cell, int64_t n,
+__attribute__((target("avx512f,f16c"))) void dot16_avx512(const float* q, const uint8_t* k, int64_t cell, int64_t n,
                                                      float* out) {
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
@@ -220,7 +220,7 @@ __attribute__((target("avx512f"))) void dot16_avx512(const float* q, const uint8
 // o[0 .. 16 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
 // accumulators kept in registers across the cells
 template <typename T, int NV>
-__attribute__((target("avx512f"))) void weigh_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
+__attribute__((target("avx512f,f16c"))) void weigh_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
                                                      float* o) {
   __m512 acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
@@ -234,7 +234,7 @@ __attribute__((target("avx512f"))) void weigh_avx512(const float* e, const uint8
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) void weigh_rows_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
+__attribute__((target("avx512f,f16c"))) void weigh_rows_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
                                                           int64_t dv, float* o) {
   using Fn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
   static constexpr Fn fns[16] = {weigh_avx512<T, 1>,  weigh_avx512<T, 2>,  weigh_avx512<T, 3>,  weigh_avx512<T, 4>,
@@ -266,14 +266,14 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const uint8_t*
       const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(hb), lanes);
       q = _mm256_add_epi32(q, _mm256_and_si256(_mm256_cmpeq_epi32(bits, lanes), _mm256_set1_epi32(16)));
     }
-    const __m256 d = _mm256_set1_ps(f16_to_f32(u16_at(b)));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(u16_at(b)));
     if constexpr (T::nl) {
       const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kvalues_iq4nl), q);
       const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kvalues_iq4nl + 8), q);
       const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(q, _mm256_set1_epi32(7)));
       return _mm256_mul_ps(_mm256_blendv_ps(lo, hi, upper), d);
     } else if constexpr (T::min) {
-      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, _mm256_set1_ps(f16_to_f32(u16_at(b + 2))));
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, _mm256_set1_ps(_cvtsh_ss(u16_at(b + 2))));
     } else {
       return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(T::bias)), d);
     }
@@ -282,7 +282,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8_avx2(const uint8_t*
     int64_t q8;
     std::memcpy(&q8, b + 2 + i % 32, sizeof q8);
     const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(q8)));
-    return _mm256_mul_ps(q, _mm256_set1_ps(f16_to_f32(u16_at(b))));
+    return _mm256_mul_ps(q, _mm256_set1_ps(_cvtsh_ss(u16_at(b))));
   } else if constexpr (std::is_same_v<T, F16>) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i)));
   } else {
@@ -352,7 +352,7 @@ constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -
 constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
                 kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
 
-__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
+__attribute__((target("avx512f,f16c"))) inline __m512 exp_avx512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -387,7 +387,7 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
 }
 
 // s[c] = exp(s[c] - mx), and exactly 0 where s[c] is -inf (a masked cell)
-__attribute__((target("avx512f"))) void exp_shift_avx512(float* s, int64_t n, float mx) {
+__attribute__((target("avx512f,f16c"))) void exp_shift_avx512(float* s, int64_t n, float mx) {
   const __m512 m = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
