@@ -359,14 +359,13 @@ struct Buffers {
   Row rows[32];
 
   Buffers(const Problem& p, int n) {
-    const int64_t Kp = p.Kp, nc = Kp / 64;
+    const int64_t Kp = p.Kp, ndw = std::max<int64_t>(Kp / 64 * 16, p.nb);
     q.assign(n * Kp, 0);
-    dw.assign(n * std::max<int64_t>(nc * 16, p.nb), 0.f);
+    dw.assign(n * ndw, 0.f);
     dm.assign(n * p.nb, 0.f);
     mf.assign(n * p.nb, 0.f);
     sc16.assign(n * Kp / 2, 0);
     mo.assign(n * (p.K / 16 + 1), 0);
-    const int64_t ndw = std::max<int64_t>(nc * 16, p.nb);
     for (int r = 0; r < n; ++r)
       rows[r] = Row{q.data() + r * Kp, dw.data() + r * ndw, dm.data() + r * p.nb, mf.data() + r * p.nb,
                     sc16.data() + r * Kp / 2, mo.data() + r * (p.K / 16 + 1)};
@@ -555,10 +554,10 @@ GGMLX_VNNI inline void kblock_q6_k(const uint8_t* blk, KBlock* kb) {
   }
 }
 
-// Weight rows [m0, m1) times NR activation rows, R weight rows at a time, each super-block
-// unpacked in registers once for all NR (R = 2 for one or two activation rows measured slower:
-// a 1B-shaped Q4_K_M decoded 15.9 against 17.5 tok/s).
-template <int NR, int R>
+// Weight rows [m0, m1) times NR activation rows, one weight row at a time, each super-block
+// unpacked in registers once for all NR (two weight rows per pass for one or two activation
+// rows measured slower: a 1B-shaped Q4_K_M decoded 15.9 against 17.5 tok/s).
+template <int NR>
 GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t m0, int64_t m1) {
   const int64_t K16 = p.K / 16;
   // s16 lane i of chunk c's scales is group 4c + i / 8
@@ -568,54 +567,44 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
     for (int i = 0; i < 32; ++i) v[i] = static_cast<int16_t>(4 * c + i / 8);
     idx[c] = _mm512_load_si512(v);
   }
-  for (int64_t m = m0; m < m1; m += R) {
-    const uint8_t* rows[R];
-    for (int r = 0; r < R; ++r) rows[r] = p.w + (m + r) * p.row_bytes;
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint8_t* row = p.w + m * p.row_bytes;
     if (m + kAhead < m1)
-      for (int64_t o = 0; o < R * p.row_bytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[0] + kAhead * p.row_bytes + o), _MM_HINT_T0);
-    __m512 acc[R][NR];
-    __m256 accm[R][NR];
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < NR; ++n) { acc[r][n] = _mm512_setzero_ps(); accm[r][n] = _mm256_setzero_ps(); }
+      for (int64_t o = 0; o < p.row_bytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * p.row_bytes + o), _MM_HINT_T0);
+    __m512 acc[NR];
+    __m256 accm[NR];
+    for (int n = 0; n < NR; ++n) { acc[n] = _mm512_setzero_ps(); accm[n] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < p.nb; ++b) {
-      KBlock kb[R];
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* blk = rows[r] + b * p.ti.bytes;
-        if (p.type == Q6_K) kblock_q6_k(blk, &kb[r]);
-        else kblock_q4_k(blk, p.type == Q5_K, &kb[r]);
-      }
-      __m512i s[R][NR];
-      for (int r = 0; r < R; ++r)
-        for (int n = 0; n < NR; ++n) s[r][n] = _mm512_setzero_si512();
+      KBlock kb;
+      const uint8_t* blk = row + b * p.ti.bytes;
+      if (p.type == Q6_K) kblock_q6_k(blk, &kb);
+      else kblock_q4_k(blk, p.type == Q5_K, &kb);
+      __m512i s[NR];
+      for (int n = 0; n < NR; ++n) s[n] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        __m512i xv[NR];
-        for (int n = 0; n < NR; ++n) xv[n] = _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + b * kQK + c * 64);
-        for (int r = 0; r < R; ++r) {
-          const __m512i scv = _mm512_permutexvar_epi16(idx[c], _mm512_castsi256_si512(kb[r].sc));
-          for (int n = 0; n < NR; ++n) s[r][n] = _mm512_dpwssd_epi32(s[r][n], _mm512_maddubs_epi16(kb[r].q[c], xv[n]), scv);
+        const __m512i scv = _mm512_permutexvar_epi16(idx[c], _mm512_castsi256_si512(kb.sc));
+        for (int n = 0; n < NR; ++n) {
+          const __m512i xv = _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + b * kQK + c * 64);
+          s[n] = _mm512_dpwssd_epi32(s[n], _mm512_maddubs_epi16(kb.q[c], xv), scv);
         }
       }
       for (int n = 0; n < NR; ++n) {
         const float dx = x.d[(n0 + n) * p.nb + b];
         const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + (n0 + n) * K16 + b * 16));
-        for (int r = 0; r < R; ++r) {
-          acc[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][n]), _mm512_set1_ps(dx * kb[r].dw), acc[r][n]);
-          accm[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb[r].mo, bv)), _mm256_set1_ps(dx * kb[r].dm),
-                                       accm[r][n]);
-        }
+        acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[n]), _mm512_set1_ps(dx * kb.dw), acc[n]);
+        accm[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb.mo, bv)), _mm256_set1_ps(dx * kb.dm), accm[n]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < NR; ++n) {
-        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r][n]),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][n]), 1)));
-        h = _mm256_add_ps(h, accm[r][n]);
-        __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
-        q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
-        p.y[(n0 + n) * p.M + m + r] = _mm_cvtss_f32(q4);
-      }
+    for (int n = 0; n < NR; ++n) {
+      __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[n]),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[n]), 1)));
+      h = _mm256_add_ps(h, accm[n]);
+      __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+      q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
+      p.y[(n0 + n) * p.M + m] = _mm_cvtss_f32(q4);
+    }
   }
 }
 
@@ -623,7 +612,7 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
 
 // Blocks 2c and 2c + 1 of a row as 64 unsigned bytes (the type's values + its shift), and the
 // two blocks' d in lanes 0-7 and 8-15; *m0, *m1 their mins (Q4_1, Q5_1).
-GGMLX_VNNI inline __m512i unit_chunk(int64_t t, const uint8_t* b0, const uint8_t* b1, int64_t bytes, __m512* dw,
+GGMLX_VNNI inline __m512i unit_chunk(int64_t t, const uint8_t* b0, const uint8_t* b1, __m512* dw,
                                      float* m0, float* m1) {
   *dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f(b0)), _mm512_set1_ps(h2f(b1)));
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -677,7 +666,7 @@ GGMLX_VNNI void rows_unit_fused(const Problem& p, const XQ& x, int64_t n0, int64
       const bool odd = b + 1 >= p.nb;       // K % 64 == 32: the last chunk holds one block
       __m512 dw;
       float mn0 = 0.f, mn1 = 0.f;
-      __m512i wv = unit_chunk(p.type, row + b * bytes, row + (odd ? b : b + 1) * bytes, bytes, &dw, &mn0, &mn1);
+      __m512i wv = unit_chunk(p.type, row + b * bytes, row + (odd ? b : b + 1) * bytes, &dw, &mn0, &mn1);
       if (odd) {
         wv = _mm512_maskz_mov_epi8(0xFFFFFFFFull, wv);
         dw = _mm512_maskz_mov_ps(0x00FF, dw);
@@ -697,28 +686,15 @@ GGMLX_VNNI void rows_unit_fused(const Problem& p, const XQ& x, int64_t n0, int64
   }
 }
 
-void rows_unit_fused_any(const Problem& p, int64_t m0, int64_t m1) {
-  const XQ& x = *p.xq;
-  for (int64_t n0 = 0; n0 < x.N; n0 += 4) {
-    switch (std::min<int64_t>(4, x.N - n0)) {
-      case 4: rows_unit_fused<4>(p, x, n0, m0, m1); break;
-      case 3: rows_unit_fused<3>(p, x, n0, m0, m1); break;
-      case 2: rows_unit_fused<2>(p, x, n0, m0, m1); break;
-      default: rows_unit_fused<1>(p, x, n0, m0, m1); break;
-    }
-  }
-}
+// The few-row kernels by activation-row count (1-4): an activation group of up to 4 rows per pass.
+using FusedFn = void (*)(const Problem&, const XQ&, int64_t, int64_t, int64_t);
+constexpr FusedFn kFusedUnit[4] = {rows_unit_fused<1>, rows_unit_fused<2>, rows_unit_fused<3>, rows_unit_fused<4>};
+constexpr FusedFn kFusedK[4] = {rows_k_fused<1>, rows_k_fused<2>, rows_k_fused<3>, rows_k_fused<4>};
 
-void rows_k_fused_any(const Problem& p, int64_t m0, int64_t m1) {
+void rows_fused(const Problem& p, int64_t m0, int64_t m1) {
   const XQ& x = *p.xq;
-  for (int64_t n0 = 0; n0 < x.N; n0 += 4) {
-    switch (std::min<int64_t>(4, x.N - n0)) {
-      case 4: rows_k_fused<4, 1>(p, x, n0, m0, m1); break;
-      case 3: rows_k_fused<3, 1>(p, x, n0, m0, m1); break;
-      case 2: rows_k_fused<2, 1>(p, x, n0, m0, m1); break;
-      default: rows_k_fused<1, 1>(p, x, n0, m0, m1); break;
-    }
-  }
+  const FusedFn* fns = p.ti.kquant ? kFusedK : kFusedUnit;
+  for (int64_t n0 = 0; n0 < x.N; n0 += 4) fns[std::min<int64_t>(4, x.N - n0) - 1](p, x, n0, m0, m1);
 }
 
 // quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
@@ -860,6 +836,11 @@ void tile_avx2(const Problem& p, const Buffers& buf, int64_t m) {
   if (p.ti.kquant) tile_k_avx2<R>(p, buf, m);
   else tile_unit_avx2<R>(p, buf, m);
 }
+
+// The unpacked-row kernels by weight-row count (1..kRows).
+using TileFn = void (*)(const Problem&, const Buffers&, int64_t);
+constexpr TileFn kTileVnni[kRows] = {tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
+constexpr TileFn kTileAvx2[kRows] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 
 bool has_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -1056,30 +1037,15 @@ int64_t cpu_isa() { return kPlain; }
 // Weight rows [m0, m1): unpacked kRows at a time, each tile dotted with every activation row.
 void run_rows(const Problem& p, int64_t m0, int64_t m1) {
 #ifdef GGMLX_X86
-  if (p.xq->N <= kFusedN && p.isa >= kAvx512)
-    return p.ti.kquant ? rows_k_fused_any(p, m0, m1) : rows_unit_fused_any(p, m0, m1);
+  if (p.xq->N <= kFusedN && p.isa >= kAvx512) return rows_fused(p, m0, m1);
 #endif
   Buffers buf(p, kRows);
   for (int64_t m = m0; m < m1; m += kRows) {
     const int nrows = static_cast<int>(std::min<int64_t>(kRows, m1 - m));
     for (int r = 0; r < nrows; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
 #ifdef GGMLX_X86
-    if (p.isa >= kAvx512) {
-      switch (nrows) {
-        case 4: tile_vnni<4>(p, buf, m); break;
-        case 3: tile_vnni<3>(p, buf, m); break;
-        case 2: tile_vnni<2>(p, buf, m); break;
-        default: tile_vnni<1>(p, buf, m); break;
-      }
-      continue;
-    }
-    if (p.isa == kAvx2) {
-      switch (nrows) {
-        case 4: tile_avx2<4>(p, buf, m); break;
-        case 3: tile_avx2<3>(p, buf, m); break;
-        case 2: tile_avx2<2>(p, buf, m); break;
-        default: tile_avx2<1>(p, buf, m); break;
-      }
+    if (p.isa >= kAvx2) {
+      (p.isa >= kAvx512 ? kTileVnni : kTileAvx2)[nrows - 1](p, buf, m);
       continue;
     }
 #endif
