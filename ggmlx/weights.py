@@ -556,33 +556,19 @@ def _chunk_rows(n_rows: int, ne0: int) -> int:
 
 
 def _mul_mat_native(w: DeviceWeight, xt: jax.Array) -> jax.Array:
-    """The native kernel on the CPU (the XLA path elsewhere). An FFI call has no derivative,
+    """The native kernel of w's format on the CPU (the XLA path elsewhere): block_matmul for a
+    weight under numerics "ggml", else the int4 or int8 matvec. An FFI call has no derivative,
     so the tangent (linear in xt: saliency, gradients of llm.trace) takes the XLA path."""
     q, scale, offset = _row_arrays(w)
-    assert scale is not None   # the int8 and int4 formats always have scales
 
     def kernel(xt):
+        if w.spec.numerics == "ggml":
+            return native.block_matmul(xt, q, int(w.spec.type))
+        assert scale is not None   # the int8 and int4 formats always have scales
         if w.spec.format == FORMAT_INT4:
             assert offset is not None
             return native.int4_matvec(xt, q, scale, offset)
         return native.int8_matvec(xt, q, scale, offset)
-
-    @jax.custom_jvp
-    def f(xt):
-        return jax.lax.platform_dependent(xt, cpu=kernel, default=lambda xt: mul_mat(w, xt, native_ok=False))
-
-    @f.defjvp
-    def f_jvp(primals, tangents):
-        return f(primals[0]), mul_mat(w, tangents[0], native_ok=False)
-
-    return f(xt)
-
-
-def _mul_mat_ggml(w: DeviceWeight, xt: jax.Array) -> jax.Array:
-    """native.block_matmul (ggml-cpu's numerics) on the CPU, the exact XLA path elsewhere and
-    for derivatives (an FFI call has none)."""
-    def kernel(xt):
-        return native.block_matmul(xt, w.array, int(w.spec.type))
 
     @jax.custom_jvp
     def f(xt):
@@ -602,8 +588,9 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     each chunk feeding its own dot: XLA:CPU does not fuse dequantization into a dot, and one
     whole-matrix f32 temporary is several times slower (fresh pages every call). The last
     chunk starts early enough to end at row M (it recomputes a few rows: same values).
-    An int8 or int4 weight times native.MIN_N..MAX_N rows runs the native kernel instead on
-    the CPU, when it is built (ggmlx/native); native_ok is False for the shards of a split
+    An int8 or int4 weight times native.MIN_N..MAX_N rows, and a weight under numerics "ggml"
+    times any rows, runs a native kernel instead on the CPU, when it is built (ggmlx/native);
+    native_ok is False for the shards of a split
     weight."""
     spec = w.spec
     if spec.split is not None:
@@ -614,10 +601,10 @@ def mul_mat(w: DeviceWeight, x: jax.Array, native_ok: bool = True) -> jax.Array:
     lead = x.shape[:-1]
     xt = x.reshape(-1, K)
     arrs = _row_arrays(w)
-    if native_ok and spec.numerics == "ggml" and xt.dtype == jnp.float32 and native.available():
-        return _mul_mat_ggml(w, xt).reshape(*lead, M)
-    if (native_ok and spec.format in (FORMAT_INT8, FORMAT_INT4) and native.MIN_N <= xt.shape[0] <= native.MAX_N
-            and xt.dtype == jnp.float32 and native.available()):
+    # ggml numerics: any row count; the int8/int4 matvecs: MIN_N..MAX_N rows
+    kernel_rows = spec.numerics == "ggml" or (spec.format in (FORMAT_INT8, FORMAT_INT4)
+                                              and native.MIN_N <= xt.shape[0] <= native.MAX_N)
+    if native_ok and kernel_rows and xt.dtype == jnp.float32 and native.available():
         return _mul_mat_native(w, xt).reshape(*lead, M)
     if spec.format == FORMAT_PLAIN and w.array.dtype == jnp.float32:
         out = jnp.einsum("nk,mk->nm", xt, w.array.reshape(M, K), precision=matmul_precision())
