@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ggmlx import flags
+from ggmlx.types import GGMLType
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ TARGET_BLOCKS = "ggmlx_block_matmul"
 _SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset", TARGET_INT4: "GgmlxInt4Matvec",
             TARGET_ATTN: "GgmlxAttnDecode", TARGET_BLOCKS: "GgmlxBlockMatmul"}
 
-# ggml types block_matmul reads (ggml_type ids: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
-# IQ4_NL); a weight of another type keeps the exact path under numerics="ggml".
-BLOCK_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14, 20})
+# ggml types block_matmul reads (their ggml_type ids); a weight of another type keeps the exact
+# path under numerics="ggml".
+BLOCK_TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+                                         GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL))
 _LIBRARY = "_kernels"
 
 
