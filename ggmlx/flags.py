@@ -58,7 +58,8 @@ MATMUL_PRECISION = EnvFlag(
 NATIVE = EnvFlag(
     "GGMLX_NATIVE", "1",
     "0: never use the native int8/int4 matvecs (ggmlx/native, XLA FFI custom calls built at install) for "
-    "int8 and int4 weights times 1-16 rows (decode, batched decode, speculative verification) on the CPU, keeping the "
+    "int8 and int4 weights times 1-64 rows (decode, batched decode, speculative verification, small prompt chunks) "
+    "or the native attention on the CPU, keeping the "
     "pure-XLA dequantize-then-dot path; benchmarks/bench_native.py: 1.3-2.2x faster per product; part of "
     "compiled-graph cache keys")
 

@@ -606,8 +606,8 @@ def _cache_window(buf, t: Tensor, offs: int):
 
 
 def _flash_attn_native(n: Tensor, env) -> jax.Array | None:
-    """flash_attn_ext through native.attn_decode on the CPU for up to native.MAX_N query rows
-    (decode steps), K and V read in place from the cache tensors their views start from; None
+    """flash_attn_ext through native.attn_decode on the CPU for up to native.ATTN_MAX_N query
+    rows (decode steps, prompt chunks), K and V read in place from the cache tensors their views start from; None
     when it does not apply (ALiBi, sinks, no mask, a quantized or non-contiguous cache, more
     rows, the kernel off). Gradients (llm.trace) take the XLA path (custom_jvp), over the n_kv
     cells' window (dequantized, for a block type)."""
@@ -615,7 +615,7 @@ def _flash_attn_native(n: Tensor, env) -> jax.Array | None:
     q_t, k_t, v_t = n.src[:3]
     scale, max_bias, softcap = n.op_params
     n_q, n_kv = q_t.ne[1], k_t.ne[1]
-    if (len(n.src) != 4 or max_bias != 0.0 or not 1 <= n_q <= native.MAX_N or q_t.ne[3] != 1
+    if (len(n.src) != 4 or max_bias != 0.0 or not 1 <= n_q <= native.ATTN_MAX_N or q_t.ne[3] != 1
             or n.src[3].type != GGMLType.F32 or n.src[3].ne[0] != n_kv or n.src[3].ne[2] * n.src[3].ne[3] != 1
             or not native.available()):
         return None

@@ -77,6 +77,42 @@ def test_attn_decode_matches_float64(cache, softcap, n_q, H, Hkv, D):
 
 
 @needs_native
+@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_prompt", [0, 9, 40])
+def test_attn_decode_interleaved_sequences(cache, n_prompt):
+    """A batched step as the server makes it: 5 sequences whose cells interleave in the cache (each
+    decoded its tokens in the same steps), a decode row per sequence and a prompt chunk of a sixth
+    with a causal mask; each row lets through its own scattered cells only."""
+    rng = np.random.default_rng(n_prompt)
+    H, Hkv, D, n_seq, n_each = 6, 2, 64, 5, 37
+    n_kv = n_seq * n_each + n_prompt + 3
+    owner = np.full(n_kv, -1)
+    owner[:n_seq * n_each] = np.arange(n_seq * n_each) % n_seq       # cells 0, 5, 10, ... are sequence 0's
+    owner[n_seq * n_each:n_seq * n_each + n_prompt] = n_seq
+    rows = [owner == s for s in range(n_seq)]
+    first_prompt = n_seq * n_each
+    rows += [(owner == n_seq) & (np.arange(n_kv) <= first_prompt + j) for j in range(n_prompt)]
+    mask = np.where(np.stack(rows), 0.0, -np.inf).astype(np.float32)
+    kc, vc = (rng.standard_normal((n_kv, Hkv * D)).astype(np.float32) for _ in range(2))
+    if cache == GGMLType.Q8_0:
+        kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
+        kv = [quants.dequantize(c, cache, (Hkv * D, n_kv)).astype(np.float64) for c in (kc, vc)]
+    else:
+        dtype = np.float16 if cache == GGMLType.F16 else np.float32
+        kc, vc = kc.astype(dtype), vc.astype(dtype)
+        kv = [c.astype(np.float64) for c in (kc, vc)]
+    row = kc.shape[1] * kc.dtype.itemsize
+    q = rng.standard_normal((len(rows), H, D)).astype(np.float32)
+    out = np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask),
+                                        kv_type=int(cache), n_kv=n_kv, n_head_kv=Hkv, k_off=0, k_cell=row,
+                                        k_head=row // Hkv, v_off=0, v_cell=row, v_head=row // Hkv, dv=D,
+                                        scale=0.125, softcap=0.0))
+    ref = _reference(q.astype(np.float64), kv[0].reshape(n_kv, Hkv, D), kv[1].reshape(n_kv, Hkv, D),
+                     mask.astype(np.float64), 0.125, 0.0)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
+
+
+@needs_native
 def test_attn_decode_fully_masked_row_is_zero():
     q = np.ones((2, 2, 16), np.float32)
     kc = np.ones((8, 32), np.float32)
@@ -104,7 +140,7 @@ def test_attn_decode_rejects_strides_outside_the_cache():
 
 def _decode_logits(path, type_k: str, swa_full: bool = True) -> np.ndarray:
     """Logits of a 12-token prompt's last position, then of 6 one-token steps and one
-    3-token step (the dispatch's range: 1..native.MAX_N query rows), compiled afresh."""
+    3-token step (the dispatch's range: 1..native.ATTN_MAX_N query rows), compiled afresh."""
     compile.get_default_cache().clear()
     model = llm.load_model(path)
     ctx = llm.Context(model, n_ctx=64, n_ubatch=16, kv_bucket=32, type_k=type_k, type_v=type_k, swa_full=swa_full)

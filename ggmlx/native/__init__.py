@@ -1,6 +1,6 @@
 """Optional native CPU kernels, called from compiled graphs as XLA FFI custom calls.
 
-`attn_decode` is ggml's flash_attn_ext for up to MAX_N query rows, reading K and V in place
+`attn_decode` is ggml's flash_attn_ext for up to ATTN_MAX_N query rows, reading K and V in place
 from the whole cache buffers through ggml's strides (f32, f16 or block rows), where XLA:CPU
 copies the n_kv cells it attends to (heads moved in front) before its dots.
 
@@ -33,14 +33,23 @@ from ggmlx.types import GGMLType
 log = logging.getLogger(__name__)
 
 # Most activation rows one call takes (the kernel passes over them in groups of 8, keeping one
-# accumulator per row and weight row in registers): a speculative verification of 16 tokens
-# still reads each weight once from memory. benchmarks/bench_native.py measures it per N.
-MAX_N = 16
+# accumulator per row and weight row in registers, a chunk of weight rows in cache across the
+# groups): decode, batched decode, speculative verification, and the small prompt chunks a
+# server step mixes with its decodes, where the XLA path's dequantized copy of every weight
+# costs more than the rows do (SmolLM2 int4, 7 decodes + a 25-token chunk: 94 -> 56 ms;
+# pp64 626 -> 664 tok/s, llm bench). benchmarks/bench_native.py measures it per N.
+MAX_N = 64
 # Fewest rows it takes: every step. In a decode step each weight is read once, cold from memory;
 # there the kernel (both cores, prefetch) reads int8 weights at 20-28 GB/s against XLA's fused
 # matvec at 15-18 GB/s (bench_native.py, which rotates distinct copies of each weight), and a
 # SmolLM2 decode step went from 14.8 to 11.9 ms (python -m llm bench --profile).
 MIN_N = 1
+# Most query rows attn_decode takes. It visits only the cells each row's mask lets through, so
+# besides decode steps it wins on prompt chunks, most where a chunk shares its step with other
+# sequences' decodes (the XLA path scores every cell of n_kv and copies the K and V windows):
+# SmolLM2, 7 decodes + a 57-token chunk at n_kv 1024 168 -> 121 ms; pp64 500 -> 537 tok/s,
+# pp128 723 -> 839; pp256 948 -> 915 (hence the bound; llm bench, 2 threads).
+ATTN_MAX_N = 128
 
 TARGET = "ggmlx_int8_matvec"
 TARGET_OFFSET = "ggmlx_int8_matvec_offset"
@@ -129,7 +138,7 @@ def block_isa() -> int:
 def attn_decode(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_type: int, n_kv: int,
                 n_head_kv: int, k_off: int, k_cell: int, k_head: int, v_off: int, v_cell: int, v_head: int,
                 dv: int, scale: float, softcap: float) -> jax.Array:
-    """Attention of q f32 [n_q, H, D] (n_q <= MAX_N) over n_kv cells of the K and V caches
+    """Attention of q f32 [n_q, H, D] (n_q <= ATTN_MAX_N) over n_kv cells of the K and V caches
     (both of ggml type kv_type: F32, F16, or Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL as uint8 block
     bytes; any shape: read as flat memory), with mask f32 [n_q, n_kv] -> f32 [n_q, H, dv]. The
     row of (cell c, KV head g) of K starts at byte k_off + c * k_cell + g * k_head, likewise for

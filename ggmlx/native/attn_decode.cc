@@ -87,7 +87,8 @@ struct Attn {
   const uint8_t* k;     // the K cache's memory
   const uint8_t* v;     // the V cache's memory
   const float* mask;    // [n_q, n_kv]
-  const int64_t* live;  // [n_q, 2]: the cells [lo, hi) of each row outside which the mask is -inf
+  const int32_t* cells;    // [n_q, n_kv]: row i's cells whose mask is not -inf, the first n_cells[i] of its row
+  const int64_t* n_cells;  // [n_q]
   float* out;           // [n_q, H, Dv]
   int64_t n_q, H, Hkv, D, Dv, n_kv;
   int64_t k_off, k_cell, k_head;  // byte offset and strides of K (cell, KV head)
@@ -204,46 +205,50 @@ __attribute__((target("avx512f,f16c"))) inline __m512 hsum16_avx512(const __m512
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// q . k[j * cell] for the 16 cells j < 16 at once, into out[0..15]
+// q . k[idx[j] * cell] for the 16 cells idx[0..15] at once, into out[0..15]
 template <typename T>
-__attribute__((target("avx512f,f16c"))) void dot16_avx512(const float* q, const uint8_t* k, int64_t cell, int64_t n,
-                                                     float* out) {
+__attribute__((target("avx512f,f16c"))) void dot16_avx512(const float* q, const uint8_t* k, int64_t cell,
+                                                     const int32_t* idx, int64_t n, float* out) {
   __m512 a[16];
-  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  const uint8_t* row[16];
+  for (int j = 0; j < 16; ++j) {
+    a[j] = _mm512_setzero_ps();
+    row[j] = k + idx[j] * cell;
+  }
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16_avx512<T>(k + j * cell, i), a[j]);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load16_avx512<T>(row[j], i), a[j]);
   }
   _mm512_storeu_ps(out, hsum16_avx512(a));
 }
 
-// o[0 .. 16 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
+// o[0 .. 16 NV) = sum over j < n with e[j] != 0 of e[j] * v[idx[j] * cell + ...], the NV
 // accumulators kept in registers across the cells
 template <typename T, int NV>
-__attribute__((target("avx512f,f16c"))) void weigh_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
-                                                     float* o) {
+__attribute__((target("avx512f,f16c"))) void weigh_avx512(const float* e, const uint8_t* v, int64_t cell,
+                                                     const int32_t* idx, int64_t n, float* o) {
   __m512 acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n_kv; ++c) {
+  for (int64_t c = 0; c < n; ++c) {
     if (e[c] == 0.f) continue;
     const __m512 ev = _mm512_set1_ps(e[c]);
-    const uint8_t* row = v + c * cell;
+    const uint8_t* row = v + idx[c] * cell;
     for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(ev, load16_avx512<T>(row, 16 * j), acc[j]);
   }
   for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, acc[j]);
 }
 
 template <typename T>
-__attribute__((target("avx512f,f16c"))) void weigh_rows_avx512(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
-                                                          int64_t dv, float* o) {
-  using Fn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
+__attribute__((target("avx512f,f16c"))) void weigh_rows_avx512(const float* e, const uint8_t* v, int64_t cell,
+                                                          const int32_t* idx, int64_t n, int64_t dv, float* o) {
+  using Fn = void (*)(const float*, const uint8_t*, int64_t, const int32_t*, int64_t, float*);
   static constexpr Fn fns[16] = {weigh_avx512<T, 1>,  weigh_avx512<T, 2>,  weigh_avx512<T, 3>,  weigh_avx512<T, 4>,
                                  weigh_avx512<T, 5>,  weigh_avx512<T, 6>,  weigh_avx512<T, 7>,  weigh_avx512<T, 8>,
                                  weigh_avx512<T, 9>,  weigh_avx512<T, 10>, weigh_avx512<T, 11>, weigh_avx512<T, 12>,
                                  weigh_avx512<T, 13>, weigh_avx512<T, 14>, weigh_avx512<T, 15>, weigh_avx512<T, 16>};
   for (int64_t d0 = 0; d0 < dv; d0 += 256) {   // 16 vectors of 16 at most per pass over the cells
     const int64_t nv = std::min<int64_t>(16, (dv - d0) / 16);
-    fns[nv - 1](e, v + row_bytes<T>(d0), cell, n_kv, o + d0);
+    fns[nv - 1](e, v + row_bytes<T>(d0), cell, idx, n, o + d0);
   }
 }
 
@@ -300,34 +305,38 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const ui
   return _mm_cvtss_f32(s);
 }
 
-// q . k[j * cell] for the 8 cells j < 8 at once, into out[0..7]: 8 independent FMA chains (one
-// cell's dot alone waits on its own chain of D / 8 FMAs), then one transposing reduction (lane j
-// of the result is the sum of a[j]).
+// q . k[idx[j] * cell] for the 8 cells idx[0..7] at once, into out[0..7]: 8 independent FMA
+// chains (one cell's dot alone waits on its own chain of D / 8 FMAs), then one transposing
+// reduction (lane j of the result is the sum of a[j]).
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) void dot8_avx2(const float* q, const uint8_t* k, int64_t cell, int64_t n,
-                                                        float* out) {
+__attribute__((target("avx2,fma,f16c"))) void dot8_avx2(const float* q, const uint8_t* k, int64_t cell,
+                                                        const int32_t* idx, int64_t n, float* out) {
   __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  const uint8_t* row[8];
+  for (int j = 0; j < 8; ++j) {
+    a[j] = _mm256_setzero_ps();
+    row[j] = k + idx[j] * cell;
+  }
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8_avx2<T>(k + j * cell, i), a[j]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8_avx2<T>(row[j], i), a[j]);
   }
   const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31)));
 }
 
-// o[0 .. 8 NV) = sum over cells c with e[c] != 0 of e[c] * v[c * cell + ...], the NV
+// o[0 .. 8 NV) = sum over j < n with e[j] != 0 of e[j] * v[idx[j] * cell + ...], the NV
 // accumulators kept in registers across the cells (an axpy per cell stored and reloaded them)
 template <typename T, int NV>
-__attribute__((target("avx2,fma,f16c"))) void weigh_avx2(const float* e, const uint8_t* v, int64_t cell, int64_t n_kv,
-                                                         float* o) {
+__attribute__((target("avx2,fma,f16c"))) void weigh_avx2(const float* e, const uint8_t* v, int64_t cell,
+                                                         const int32_t* idx, int64_t n, float* o) {
   __m256 acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n_kv; ++c) {
+  for (int64_t c = 0; c < n; ++c) {
     if (e[c] == 0.f) continue;
     const __m256 ev = _mm256_set1_ps(e[c]);
-    const uint8_t* row = v + c * cell;
+    const uint8_t* row = v + idx[c] * cell;
     for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(ev, load8_avx2<T>(row, 8 * j), acc[j]);
   }
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
@@ -335,13 +344,13 @@ __attribute__((target("avx2,fma,f16c"))) void weigh_avx2(const float* e, const u
 
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) void weigh_rows_avx2(const float* e, const uint8_t* v, int64_t cell,
-                                                              int64_t n_kv, int64_t dv, float* o) {
-  using Fn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*);
+                                                              const int32_t* idx, int64_t n, int64_t dv, float* o) {
+  using Fn = void (*)(const float*, const uint8_t*, int64_t, const int32_t*, int64_t, float*);
   static constexpr Fn fns[8] = {weigh_avx2<T, 1>, weigh_avx2<T, 2>, weigh_avx2<T, 3>, weigh_avx2<T, 4>,
                                 weigh_avx2<T, 5>, weigh_avx2<T, 6>, weigh_avx2<T, 7>, weigh_avx2<T, 8>};
   for (int64_t d0 = 0; d0 < dv; d0 += 64) {   // 8 vectors of 8 at most per pass over the cells
     const int64_t nv = std::min<int64_t>(8, (dv - d0) / 8);
-    fns[nv - 1](e, v + row_bytes<T>(d0), cell, n_kv, o + d0);
+    fns[nv - 1](e, v + row_bytes<T>(d0), cell, idx, n, o + d0);
   }
 }
 
@@ -431,78 +440,95 @@ int simd_level(int64_t D, int64_t Dv) {
 template <typename T, int LEVEL>
 void attend(const Attn& p, int64_t unit, float* s) {
   const int64_t i = unit / p.H, h = unit % p.H, g = h / (p.H / p.Hkv);
-  const int64_t lo = p.live[2 * i], n_kv = p.live[2 * i + 1] - lo;   // only the cells [lo, hi) count
+  const int32_t* idx = p.cells + i * p.n_kv;   // the row's cells the mask lets through
+  const int64_t n = p.n_cells[i];
   const float* q = p.q + (i * p.H + h) * p.D;
-  const uint8_t* k = p.k + p.k_off + g * p.k_head + lo * p.k_cell;
-  const uint8_t* v = p.v + p.v_off + g * p.v_head + lo * p.v_cell;
-  const float* m = p.mask + i * p.n_kv + lo;
+  const uint8_t* k = p.k + p.k_off + g * p.k_head;
+  const uint8_t* v = p.v + p.v_off + g * p.v_head;
+  const float* m = p.mask + i * p.n_kv;
   float* o = p.out + (i * p.H + h) * p.Dv;
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx = ninf;
-  int64_t c16 = 0;   // cells before c16 have their dot product in s already
+  int64_t j16 = 0;   // cells before j16 have their dot product in s already
 #ifdef GGMLX_X86
-  if constexpr (LEVEL == 2) {
-    for (; c16 + 16 <= n_kv; c16 += 16) {
-      bool live = false;
-      for (int j = 0; j < 16 && !live; ++j) live = m[c16 + j] != ninf;
-      if (live) dot16_avx512<T>(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
-    }
-  }
-  if constexpr (LEVEL == 1) {
-    for (; c16 + 8 <= n_kv; c16 += 8) {
-      bool live = false;
-      for (int j = 0; j < 8 && !live; ++j) live = m[c16 + j] != ninf;
-      if (live) dot8_avx2<T>(q, k + c16 * p.k_cell, p.k_cell, p.D, s + c16);
-    }
-  }
+  if constexpr (LEVEL == 2)
+    for (; j16 + 16 <= n; j16 += 16) dot16_avx512<T>(q, k, p.k_cell, idx + j16, p.D, s + j16);
+  if constexpr (LEVEL == 1)
+    for (; j16 + 8 <= n; j16 += 8) dot8_avx2<T>(q, k, p.k_cell, idx + j16, p.D, s + j16);
 #endif
-  for (int64_t c = 0; c < n_kv; ++c) {
-    if (m[c] == ninf) {
-      s[c] = ninf;
-      continue;
-    }
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* kc = k + idx[j] * p.k_cell;
     float d;
 #ifdef GGMLX_X86
-    if constexpr (LEVEL == 2) d = c < c16 ? s[c] : dot_avx512<T>(q, k + c * p.k_cell, p.D);
-    else if constexpr (LEVEL == 1) d = c < c16 ? s[c] : dot_avx2<T>(q, k + c * p.k_cell, p.D);
-    else d = dot_generic<T>(q, k + c * p.k_cell, p.D);
+    if constexpr (LEVEL == 2) d = j < j16 ? s[j] : dot_avx512<T>(q, kc, p.D);
+    else if constexpr (LEVEL == 1) d = j < j16 ? s[j] : dot_avx2<T>(q, kc, p.D);
+    else d = dot_generic<T>(q, kc, p.D);
 #else
-    d = dot_generic<T>(q, k + c * p.k_cell, p.D);
+    d = dot_generic<T>(q, kc, p.D);
 #endif
     float x = d * p.scale;
     if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
-    x += m[c];
-    s[c] = x;
+    x += m[idx[j]];
+    s[j] = x;
     mx = std::max(mx, x);
   }
   std::fill(o, o + p.Dv, 0.f);
   if (mx == ninf) return;
 #ifdef GGMLX_X86
-  if constexpr (LEVEL == 2) exp_shift_avx512(s, n_kv, mx);
-  else if constexpr (LEVEL == 1) exp_shift_avx2(s, n_kv, mx);
-  else exp_shift_generic(s, n_kv, mx);
+  if constexpr (LEVEL == 2) exp_shift_avx512(s, n, mx);
+  else if constexpr (LEVEL == 1) exp_shift_avx2(s, n, mx);
+  else exp_shift_generic(s, n, mx);
 #else
-  exp_shift_generic(s, n_kv, mx);
+  exp_shift_generic(s, n, mx);
 #endif
   float sum = 0.f;
 #ifdef GGMLX_X86
   if constexpr (LEVEL >= 1) {
-    for (int64_t c = 0; c < n_kv; ++c) sum += s[c];
-    if constexpr (LEVEL == 2) weigh_rows_avx512<T>(s, v, p.v_cell, n_kv, p.Dv, o);
-    else weigh_rows_avx2<T>(s, v, p.v_cell, n_kv, p.Dv, o);
+    for (int64_t j = 0; j < n; ++j) sum += s[j];
+    if constexpr (LEVEL == 2) weigh_rows_avx512<T>(s, v, p.v_cell, idx, n, p.Dv, o);
+    else weigh_rows_avx2<T>(s, v, p.v_cell, idx, n, p.Dv, o);
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
     return;
   }
 #endif
-  for (int64_t c = 0; c < n_kv; ++c) {
-    const float e = s[c];
-    if (e == 0.f) continue;   // a masked cell (or one too far below the max to count)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = s[j];
+    if (e == 0.f) continue;   // too far below the max to count
     sum += e;
-    axpy_generic<T>(o, e, v + c * p.v_cell, p.Dv);
+    axpy_generic<T>(o, e, v + idx[j] * p.v_cell, p.Dv);
   }
   const float inv = 1.f / sum;
   for (int64_t d = 0; d < p.Dv; ++d) o[d] *= inv;
+}
+
+// The positions c < n of m[c] != -inf, written to out; returns how many.
+#ifdef GGMLX_X86
+__attribute__((target("avx512f"))) int64_t live_cells_avx512(const float* m, int64_t n, int32_t* out) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i c = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t k = 0, i = 0;
+  for (; i + 16 <= n; i += 16, c = _mm512_add_epi32(c, step)) {
+    const __mmask16 live = _mm512_cmp_ps_mask(_mm512_loadu_ps(m + i), ninf, _CMP_NEQ_OQ);
+    _mm512_mask_compressstoreu_epi32(out + k, live, c);
+    k += __builtin_popcount(live);
+  }
+  for (; i < n; ++i)
+    if (m[i] != -std::numeric_limits<float>::infinity()) out[k++] = static_cast<int32_t>(i);
+  return k;
+}
+#endif
+
+int64_t live_cells(const float* m, int64_t n, int32_t* out) {
+#ifdef GGMLX_X86
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) return live_cells_avx512(m, n, out);
+#endif
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (m[i] != -std::numeric_limits<float>::infinity()) out[k++] = static_cast<int32_t>(i);
+  return k;
 }
 
 using UnitFn = void (*)(const Attn&, int64_t, float*);
@@ -546,24 +572,20 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   if (n_kv < 1 || k_off < 0 || v_off < 0 || k_last > static_cast<int64_t>(k.size_bytes()) ||
       v_last > static_cast<int64_t>(v.size_bytes()))
     return ffi::Error::InvalidArgument("attn_decode: the strides reach outside the K or V buffer");
-  // Each row's first and last cell the mask lets through: a decode step's n_kv is a bucket
-  // (256 cells and up) of which it may use a few, and every pass over the cells (the mask, the
-  // exponentials) then runs over those only.
-  std::vector<int64_t> live(2 * n_q);
+  // Each row's cells the mask lets through, as a list: a step's n_kv is a bucket (256 cells and
+  // up), and the cells of a batched decode's sequences interleave, so a row may use a few of the
+  // cells between its first and last one; every pass (dots, exponentials, V) then runs over those only.
+  thread_local std::vector<int32_t> cells;
+  cells.resize(n_q * n_kv);
+  std::vector<int64_t> n_cells(n_q);
   int64_t n_live = 0;
-  const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n_q; ++i) {
-    const float* m = mask.typed_data() + i * n_kv;
-    int64_t lo = 0, hi = n_kv;
-    while (lo < hi && m[lo] == ninf) ++lo;
-    while (hi > lo && m[hi - 1] == ninf) --hi;
-    live[2 * i] = lo;
-    live[2 * i + 1] = hi;
-    n_live = std::max(n_live, hi - lo);
+    n_cells[i] = live_cells(mask.typed_data() + i * n_kv, n_kv, cells.data() + i * n_kv);
+    n_live = std::max(n_live, n_cells[i]);
   }
   const Attn p{q.typed_data(), static_cast<const uint8_t*>(k.untyped_data()),
                static_cast<const uint8_t*>(v.untyped_data()),
-               mask.typed_data(), live.data(), out->typed_data(), n_q, H, n_head_kv, D, Dv, n_kv,
+               mask.typed_data(), cells.data(), n_cells.data(), out->typed_data(), n_q, H, n_head_kv, D, Dv, n_kv,
                k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
   const int level = simd_level(D, Dv);
   const UnitFn fn = kv_type == Q8_0::id     ? pick<Q8_0>(level)

@@ -46,7 +46,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kGroupN = 8;  // rows of x one kernel pass handles; more are done in groups of 8
-constexpr int kMaxN = 16;   // rows of x one call takes (the Python side checks it)
+constexpr int kMaxN = 64;   // rows of x one call takes (the Python side checks it: native.MAX_N)
 constexpr int kRowTile = 4; // chunks of M are multiples of this (every tile height divides it)
 
 // AVX-512 weight rows per tile for NR activation rows: the ROWS x NR accumulators, the NR x
@@ -521,7 +521,7 @@ ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t N = xd[0], K = xd[1], M = qd[0];
   if (qd[1] != K || sd[0] != M || sd[1] <= 0 || K % sd[1] || yd[0] != N || yd[1] != M)
     return ffi::Error::InvalidArgument("int8_matvec: shapes of x [N, K], q [M, K], scale [M, K/sub], y [N, M] disagree");
-  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..16");
+  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int8_matvec: N must be 1..64");
   if (OFF && (offset.dimensions().size() != 2 || offset.dimensions()[0] != M || offset.dimensions()[1] != sd[1]))
     return ffi::Error::InvalidArgument("int8_matvec: offset must have the shape of scale");
   const char* why = nullptr;
@@ -555,7 +555,7 @@ ffi::Error Int4Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       yd[0] != N || yd[1] != M)
     return ffi::Error::InvalidArgument(
         "int4_matvec: shapes of x [N, K], q [M, K/2], scale and offset [M, K/32], y [N, M] disagree");
-  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int4_matvec: N must be 1..16");
+  if (N < 1 || N > kMaxN) return ffi::Error::InvalidArgument("int4_matvec: N must be 1..64");
   const char* why = nullptr;
   const bool half = half_scales(scale, offset, &why);
   if (why) return ffi::Error::InvalidArgument(std::string("int4_matvec: ") + why);
