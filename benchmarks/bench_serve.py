@@ -96,11 +96,28 @@ class Stats:
             self.errors.append(f"client {cid}: {type(e).__name__}: {e}")
 
 
-def prompt_of(tokenize_url: str, k: int, n_tokens: int) -> list[int]:
+def prompt_of(tokenize_url: str, k: int, n_tokens: int, c: httpx.Client | None = None) -> list[int]:
+    """Request k's prompt: exactly n_tokens tokens of text distinct per k (from the pool
+    prepare_prompts filled when it has it)."""
+    if k in PROMPTS:
+        return PROMPTS.pop(k)
     rng = np.random.default_rng(k)
     text = " ".join(rng.choice(WORDS, n_tokens * 2))
-    toks = httpx.post(tokenize_url, json={"content": text, "add_special": True}, timeout=60).json()["tokens"]
-    return toks[:n_tokens]
+    body = {"content": text, "add_special": True}
+    r = c.post(tokenize_url, json=body) if c is not None else httpx.post(tokenize_url, json=body, timeout=60)
+    return r.json()["tokens"][:n_tokens]
+
+
+PROMPTS: dict[int, list[int]] = {}
+
+
+def prepare_prompts(url: str, a, first: int, count: int) -> None:
+    """Tokenize requests first .. first + count - 1's prompts before a run, so the measured
+    window holds only completions (a /tokenize per request took CPU from the server under test);
+    a run that needs more tokenizes the rest as it goes."""
+    with httpx.Client(timeout=60) as c:
+        for k in range(first, first + count):
+            PROMPTS[k] = prompt_of(url + "/tokenize", k, a.prompt_tokens, c)
 
 
 def stream(c: httpx.Client, url: str, body: dict, t_end: float, leave_after: int | None):
@@ -191,6 +208,9 @@ def run(url: str, model: str, a, n_clients: int, seconds: float, counter: list[i
     """n_clients clients for `seconds`; the first `leavers` of them disconnect from their requests."""
     stats = Stats()
     a.n_clients = n_clients
+    PROMPTS.clear()
+    # generously more requests than the run can finish (each takes at least ~0.25 s)
+    prepare_prompts(url, a, counter[0] + 1, n_clients * (int(seconds * 4) + 2))
     t_end = time.perf_counter() + seconds
     threads = [threading.Thread(target=client, args=(url, model, a, stats, t_end, i, counter, i < leavers))
                for i in range(n_clients)]

@@ -1,7 +1,9 @@
 """The server's engine: a Batcher (llm.generation.batcher) in one thread that owns the Context.
 
 Other threads (the HTTP handlers) submit jobs and cancel them through a queue and get results
-through each job's sink callback. The queue of jobs waiting for slots is bounded: `submit`
+through each job's sink callback, called once the step that made them is over (a sink wakes
+an HTTP handler's thread, which would contend for the GIL with the rest of the step: sampling
+the other sequences). The queue of jobs waiting for slots is bounded: `submit`
 raises QueueFull at once when it is full. The engine thread also keeps the counters of
 /metrics (`metrics`, llm.serving.metrics): each job's Done event and each decode step.
 With an MtmdContext (`mtmd`), jobs may hold images: the Batcher decodes them on this thread too.
@@ -43,6 +45,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued: set[Job] = set()      # submitted, not yet given slots
+        self._outbox: list[tuple[Callable[[Event], None], Event]] = []   # this step's events, sent after it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.n_failed_steps = 0
@@ -72,12 +75,23 @@ class Engine:
 
     def _counted(self, job: Job, sink: Callable[[Event], None]) -> Callable[[Event], None]:
         """The job's sink, which first counts its Done in the metrics (on the engine thread, so
-        the counters include a request before its client has the answer)."""
+        the counters include a request before its client has the answer), then holds the event
+        for `_flush`."""
         def count_then_send(ev: Event) -> None:
             if isinstance(ev, Done):
                 self.metrics.on_done(ev, max(len(job.tokens) + len(s.tokens) for s in job.seqs))
-            sink(ev)
+            self._outbox.append((sink, ev))
         return count_then_send
+
+    def _flush(self) -> None:
+        """Send the events held since the last flush, in their order; a failing sink (its
+        handler's loop closed) loses its own events only."""
+        out, self._outbox = self._outbox, []
+        for sink, ev in out:
+            try:
+                sink(ev)
+            except Exception:
+                log.exception("a job's sink failed")
 
     def cancel(self, job: Job) -> None:
         """Stop a job; a job still waiting gives its queue place back at once (its client left),
@@ -121,6 +135,7 @@ class Engine:
                         self._handle(*self._inbox.get_nowait())
                     except queue.Empty:
                         break
+                self._flush()
                 b._admit()
                 self.snapshot = self._snapshot()   # new requests show as processing before the step runs
                 if b.step():
@@ -130,6 +145,7 @@ class Engine:
                 log.exception("engine step failed")
                 for job in list(b.running):
                     b._fail(job, "internal error in the engine step")
+            self._flush()
             with self._lock:
                 self._queued = {j for j in self._queued if j.state == "queued"}
             self.snapshot = self._snapshot()
