@@ -9,6 +9,7 @@ executable, like llama.cpp reusing a graph when `can_reuse` holds.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -316,6 +317,7 @@ class GraphCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, CompiledProgram] = OrderedDict()
         self._sigs: dict[str, list[tuple]] = {}
+        self._preloaded: dict[str, object] = {}    # key -> executable read by preload, for get
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
 
@@ -338,14 +340,39 @@ class GraphCache:
     def key_of(sig: list[tuple]) -> str:
         return hashlib.sha256(repr(sig).encode()).hexdigest()
 
+    def _identify(self, program: Program, w_vals, in_vals, st_vals):
+        """The cache key of program with these arguments, its signature, the arguments as the
+        executable takes them and how to rebuild the weights' tree."""
+        w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
+        keep, index = shared_leaves(w_leaves)
+        sig = program.signature() + [("weight_arrays", index)]
+        args = (tuple(w_leaves[k] for k in keep), tuple(in_vals), tuple(st_vals))
+        return self.key_of(sig), sig, args, (w_treedef, index, keep)
+
+    def preload(self, requests: Sequence[tuple[Program, object, object, object]]) -> None:
+        """Read the executables on disk of those (program, w_vals, in_vals, st_vals) not in
+        memory side by side, for the get calls that follow: XLA releases the GIL for part of a
+        deserialization (Gemma3's two executables of a short generation: 0.31 -> 0.22 s)."""
+        todo: dict[str, str] = {}
+        for program, w_vals, in_vals, st_vals in requests:
+            key, _, args, _ = self._identify(program, w_vals, in_vals, st_vals)
+            if key in self._entries or key in self._preloaded or program.mesh is not None:
+                continue
+            path = _disk_path(key, program, args)
+            if path is not None and os.path.exists(path):
+                todo[key] = path
+        if len(todo) < 2:
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+            for key, executable in zip(todo, pool.map(_load_executable, todo.values())):
+                if executable is not None:
+                    self._preloaded[key] = executable
+
     def get(self, program: Program, w_vals, in_vals, st_vals,
             on_compile: Callable[[], None] | None = None) -> CompiledProgram:
         """The executable for program, compiling it (for these argument shapes) on a miss;
         on_compile is called just before a compilation (a miss not served from disk)."""
-        w_leaves, w_treedef = jax.tree.flatten(tuple(w_vals))
-        keep, index = shared_leaves(w_leaves)
-        sig = program.signature() + [("weight_arrays", index)]
-        key = self.key_of(sig)
+        key, sig, args, (w_treedef, index, keep) = self._identify(program, w_vals, in_vals, st_vals)
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
@@ -355,9 +382,8 @@ class GraphCache:
         self.last_miss_reason = self._explain_miss(sig)
         dev, mesh = program.device, program.mesh
         t0 = time.perf_counter()
-        args = (tuple(w_leaves[k] for k in keep), tuple(in_vals), tuple(st_vals))
         path = _disk_path(key, program, args) if mesh is None else None     # mesh programs: XLA's cache only
-        executable = _load_executable(path)
+        executable = self._preloaded.pop(key, None) or _load_executable(path)
         if executable is not None:
             self.stats.disk_hits += 1
         else:

@@ -315,6 +315,12 @@ class Scheduler:
                 w, i, st = self._abstract_args(s, host_inputs, state)
                 s.compiled = self.cache.get(s.program, w, i, st, on_compile)
 
+    def preload(self, plans: list[Plan], host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array]) -> None:
+        """Read the stored executables of the plans' splits side by side (GraphCache.preload),
+        before reserving the plans one by one."""
+        self.cache.preload([(s.program, *self._abstract_args(s, host_inputs, state))
+                            for plan in plans for s in plan.splits if s.compiled is None])
+
     def _abstract_args(self, split: Split, host_inputs, state):
         prog = split.program
         assert prog is not None   # alloc_graph built it

@@ -330,10 +330,10 @@ class Context:
     def _reserve(self, shapes: list[GraphParams]) -> int:
         stats = self.sched.cache.stats
         misses, t_comp = stats.misses, stats.compile_seconds
-        for params in shapes:
-            if params not in self._graphs:
-                plan = self._build(params)[1]
-                self.sched.reserve(plan, {}, self.memory.state(), self._progress(params))
+        plans = [(params, self._build(params)[1]) for params in shapes if params not in self._graphs]
+        self.sched.preload([plan for _, plan in plans], {}, self.memory.state())
+        for params, plan in plans:
+            self.sched.reserve(plan, {}, self.memory.state(), self._progress(params))
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
         return stats.misses - misses

@@ -697,17 +697,15 @@ def _read_tokens(ml: GGUFMeta) -> tuple[list[bytes], dict[bytes, int], list[floa
     for key, values in ((LLMKV.TOKENIZER_SCORES, scores), (LLMKV.TOKENIZER_TOKEN_TYPE, types)):
         if len(values) < n:
             raise ml.error(f"key '{key.value}' has {len(values)} values for {n} tokens")
-    texts: list[bytes] = []
-    token_to_id: dict[bytes, int] = {}
-    for i, t in enumerate(raw_texts):
-        text = t.encode("utf-8", "surrogateescape")
-        if not text:
-            text = f"[EMPTY_{i}]".encode()
-        if text in token_to_id:
-            raise ml.error(f"key '{LLMKV.TOKENIZER_LIST.value}': duplicate token {text!r} "
-                          f"with ids {token_to_id[text]} and {i}")
-        token_to_id[text] = i
-        texts.append(text)
+    texts = [t.encode("utf-8", "surrogateescape") or f"[EMPTY_{i}]".encode() for i, t in enumerate(raw_texts)]
+    token_to_id = dict(zip(texts, range(n)))
+    if len(token_to_id) < n:         # a duplicate: name the first one
+        first: dict[bytes, int] = {}
+        for i, text in enumerate(texts):
+            if text in first:
+                raise ml.error(f"key '{LLMKV.TOKENIZER_LIST.value}': duplicate token {text!r} "
+                               f"with ids {first[text]} and {i}")
+            first[text] = i
     return texts, token_to_id, scores[:n], [_ATTR_OF_TYPE.get(t, 0) for t in types[:n]]
 
 

@@ -310,3 +310,45 @@ def test_exe_cache_second_process_loads_the_executable(tmp_path):
     entries[0].write_bytes(b"not a pickle")
     third = run()
     assert third["disk_hits"] == 0 and third["out"] == first["out"]
+
+
+PRELOAD_SCRIPT = textwrap.dedent("""
+    import json, sys, threading
+    import numpy as np
+    import llm
+    from ggmlx import compile as C
+    loads = []
+    real = C._load_executable
+    def counting(path):
+        loads.append(threading.current_thread() is threading.main_thread())
+        return real(path)
+    C._load_executable = counting
+    model = llm.load_model(sys.argv[1])
+    ctx = llm.Context(model, n_ctx=64, n_ubatch=8, kv_bucket=32)
+    ctx.reserve(n_tokens=(1, 8))
+    assert ctx.decode(llm.Batch([1, 2, 3, 4, 5])) == 0, ctx.last_error
+    print(json.dumps({"disk_hits": ctx.sched.cache.stats.disk_hits, "on_main": loads,
+                      "logits": np.asarray(ctx.get_logits_ith(-1)).tolist()}))
+""")
+
+
+@pytest.mark.slow
+def test_stored_executables_of_a_reserve_load_side_by_side(tmp_path):
+    """A second process reserving two graph shapes reads both stored executables in worker
+    threads (GraphCache.preload) before using them, with the first process's logits."""
+    from tests import tiny_model
+    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
+
+    def run() -> dict:
+        res = subprocess.run([sys.executable, "-c", PRELOAD_SCRIPT, str(path)], env=env, capture_output=True,
+                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["disk_hits"] == 0 and len(list((tmp_path / "c" / "exe").glob("*.bin"))) == 2
+    second = run()
+    assert second["disk_hits"] == 2 and second["on_main"] == [False, False]
+    assert second["logits"] == first["logits"]
