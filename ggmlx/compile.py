@@ -364,7 +364,7 @@ class GraphCache:
         if len(todo) < 2:
             return
         with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
-            for key, executable in zip(todo, pool.map(_load_executable, todo.values())):
+            for key, executable in zip(todo, pool.map(_load_executable, todo.values()), strict=True):
                 if executable is not None:
                     self._preloaded[key] = executable
 

@@ -32,7 +32,7 @@ gc.enable()
 rc = main()
 from ggmlx._jax_private import coordination_client  # noqa: E402
 
-if coordination_client() is not None:
+if rc != EXIT_INTERRUPTED and coordination_client() is not None:
     sys.exit(rc)
 import logging  # noqa: E402
 

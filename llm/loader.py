@@ -28,7 +28,7 @@ _ARRAY_NAMES = {int: "an array of integers", float: "an array of numbers", bool:
                 str: "an array of strings"}
 _DTYPE_KINDS = {int: "iu", float: "iuf", bool: "b"}
 # the Python types whose values are elements of each kind as they are
-_PLAIN_TYPES = {int: {int}, float: {int, float}, bool: {bool}, str: {str}}
+_PLAIN_TYPES: dict[type, set[type]] = {int: {int}, float: {int, float}, bool: {bool}, str: {str}}
 
 
 def _is_kind(value: object, kind: type) -> bool:
@@ -154,7 +154,7 @@ def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
         return None
     # the element types once, in C (a vocabulary's 262144 strings: a per-element check took 0.2 s)
     if set(map(type, value)) <= _PLAIN_TYPES[kind]:
-        return list(value) if kind is not float else list(map(float, value))
+        return list(value) if kind is not float else [_convert(v, kind) for v in value]
     if all(_is_kind(v, kind) for v in value):
         return [_convert(v, kind) for v in value]
     return None

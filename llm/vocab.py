@@ -698,7 +698,7 @@ def _read_tokens(ml: GGUFMeta) -> tuple[list[bytes], dict[bytes, int], list[floa
         if len(values) < n:
             raise ml.error(f"key '{key.value}' has {len(values)} values for {n} tokens")
     texts = [t.encode("utf-8", "surrogateescape") or f"[EMPTY_{i}]".encode() for i, t in enumerate(raw_texts)]
-    token_to_id = dict(zip(texts, range(n)))
+    token_to_id = dict(zip(texts, range(n), strict=True))
     if len(token_to_id) < n:         # a duplicate: name the first one
         first: dict[bytes, int] = {}
         for i, text in enumerate(texts):
