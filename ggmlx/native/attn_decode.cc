@@ -504,29 +504,28 @@ void attend(const Attn& p, int64_t unit, float* s) {
 
 // The positions c < n of m[c] != -inf, written to out; returns how many.
 #ifdef GGMLX_X86
-__attribute__((target("avx512f"))) int64_t live_cells_avx512(const float* m, int64_t n, int32_t* out) {
+// The whole 16-cell runs of live_cells (AVX-512 compress); returns the cells it looked at.
+__attribute__((target("avx512f"))) int64_t live_cells16(const float* m, int64_t n, int32_t* out, int64_t* k) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i step = _mm512_set1_epi32(16);
   __m512i c = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int64_t k = 0, i = 0;
+  int64_t i = 0;
   for (; i + 16 <= n; i += 16, c = _mm512_add_epi32(c, step)) {
     const __mmask16 live = _mm512_cmp_ps_mask(_mm512_loadu_ps(m + i), ninf, _CMP_NEQ_OQ);
-    _mm512_mask_compressstoreu_epi32(out + k, live, c);
-    k += __builtin_popcount(live);
+    _mm512_mask_compressstoreu_epi32(out + *k, live, c);
+    *k += __builtin_popcount(live);
   }
-  for (; i < n; ++i)
-    if (m[i] != -std::numeric_limits<float>::infinity()) out[k++] = static_cast<int32_t>(i);
-  return k;
+  return i;
 }
 #endif
 
 int64_t live_cells(const float* m, int64_t n, int32_t* out) {
+  int64_t k = 0, i = 0;
 #ifdef GGMLX_X86
   static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512) return live_cells_avx512(m, n, out);
+  if (avx512) i = live_cells16(m, n, out, &k);
 #endif
-  int64_t k = 0;
-  for (int64_t i = 0; i < n; ++i)
+  for (; i < n; ++i)
     if (m[i] != -std::numeric_limits<float>::infinity()) out[k++] = static_cast<int32_t>(i);
   return k;
 }

@@ -408,6 +408,22 @@ void rows_generic(const Problem& p, const Buffers& buf, int nrows, int64_t m) {
 
 #ifdef GGMLX_X86
 #define GGMLX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define GGMLX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+GGMLX_AVX2 inline float hsum8(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+// A k-quant row's dot product: the 16 lanes of the scaled sums folded to 8, the mins' 8 lanes
+// added, then summed.
+GGMLX_VNNI inline float ksum(__m512 acc, __m256 accm) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+  return hsum8(_mm256_add_ps(h, accm));
+}
 
 // A block's f16 field as f32 by F16C (the plain-loop half_at converts in software).
 GGMLX_VNNI inline float h2f(const uint8_t* p) {
@@ -479,15 +495,7 @@ GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
         accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dx * row.dm[b]), accm[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-      h = _mm256_add_ps(h, accm[r]);
-      __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
-      q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
-      p.y[n * p.M + m + r] = _mm_cvtss_f32(q4);
-    }
+    for (int r = 0; r < R; ++r) p.y[n * p.M + m + r] = ksum(acc[r], accm[r]);
   }
 }
 
@@ -596,15 +604,7 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
         accm[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb.mo, bv)), _mm256_set1_ps(dx * kb.dm), accm[n]);
       }
     }
-    for (int n = 0; n < NR; ++n) {
-      __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[n]),
-                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[n]), 1)));
-      h = _mm256_add_ps(h, accm[n]);
-      __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
-      q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
-      p.y[(n0 + n) * p.M + m] = _mm_cvtss_f32(q4);
-    }
+    for (int n = 0; n < NR; ++n) p.y[(n0 + n) * p.M + m] = ksum(acc[n], accm[n]);
   }
 }
 
@@ -746,16 +746,7 @@ GGMLX_VNNI void quantize_q8_0_avx512(const float* x, int64_t K, int8_t* qs, floa
 }
 
 
-// ---- AVX2: the unpacked rows, 32 elements per vector ---------------------------------------
-
-#define GGMLX_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-GGMLX_AVX2 inline float hsum8(__m256 v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-  return _mm_cvtss_f32(q);
-}
+// ---- AVX2: the unpacked rows, 32 elements per vector (GGMLX_AVX2, hsum8: above) -------------
 
 // 32-element types, one block per vector: vpmaddubsw and vpmaddwd by ones, as ggml's AVX2
 // dots. Q8_0 and IQ4_NL (values + 128, up to 255) would overflow vpmaddubsw's 16-bit pairs, so

@@ -201,10 +201,6 @@ __attribute__((target("avx512f,f16c"))) void rows_avx512(const Problem& p, int64
   for (; m < m1; ++m) tile_avx512<SUB, NR, OFF, 1>(p, m);
 }
 
-// int4: a sub-block's 16 bytes widened to 16 dwords once per row, and its 16 possible values
-// scale * i + offset in one vector: each weight is a permute of that table by its nibble
-// (vpermps reads an index's low 4 bits: the widened byte is the low nibble's index, the byte
-// shifted by 4 the high one's), elements 0..15 and 16..31.
 // Scales (or offsets) i0 .. i0 + n - 1 (n <= 32) as f32 in out: f16 ones converted 16 at a time.
 // A scalar conversion and broadcast per block and row took port 5 from the FMAs (vpinsrw,
 // vcvtph2ps, vbroadcastss): broadcasts from memory are loads only.
@@ -221,6 +217,10 @@ __attribute__((target("avx512f,f16c"))) inline void scales_f32(const Problem& p,
   for (; c < n; ++c) out[c] = _cvtsh_ss(h[c]);
 }
 
+// int4: a sub-block's 16 bytes widened to 16 dwords once per row, and its 16 possible values
+// scale * i + offset in one vector: each weight is a permute of that table by its nibble
+// (vpermps reads an index's low 4 bits: the widened byte is the low nibble's index, the byte
+// shifted by 4 the high one's), elements 0..15 and 16..31.
 template <int NR, int ROWS>
 __attribute__((target("avx512f,f16c"))) void tile_int4_avx512(const Problem& p, int64_t m) {
   const int64_t nb = p.K / 32;
@@ -481,11 +481,11 @@ RowsFn pick_int4(const Problem& p) {
   return rows_generic_int4;
 }
 
-// One call's groups of x rows (at most kGroupN each), each a pass over a chunk's weight rows
-// (then in cache), with the kernel of its row count.
+// One call's groups of x rows (at most group_n each, see Run), each a pass over a chunk's
+// weight rows (then in cache), with the kernel of its row count.
 struct Groups {
-  Problem group[kMaxN];
-  RowsFn fn[kMaxN];
+  Problem group[kMaxN / 4];   // groups of 4 rows at the fewest (the AVX-512 int4 kernel's)
+  RowsFn fn[kMaxN / 4];
   int n_groups = 0;
 
   void run(int64_t m0, int64_t m1) const {
@@ -493,7 +493,7 @@ struct Groups {
   }
 };
 
-// Run the product p: the x rows in groups of kGroupN, each with the kernel pick_fn chooses, the
+// Run the product p: the x rows in groups of group_n, each with the kernel pick_fn chooses, the
 // weight rows in chunks over the threads (parallel.h).
 ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, RowsFn (*pick_fn)(const Problem&), int group_n = kGroupN) {
   const int64_t N = p.N, M = p.M, K = p.K;
