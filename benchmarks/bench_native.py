@@ -73,6 +73,8 @@ def main() -> int:
             if w.spec.format == fmt:
                 held[fmt] = [w] + [weights.to_device(raw, t, (K, M, 1, 1), weight_format=fmt)
                                    for _ in range(max(1, -(-CHAIN_BYTES // w.nbytes)) - 1)]
+        if not held:    # e.g. a Q8_0 weight with --formats int4: held as int8, not asked for
+            continue
         for n in ns:
             x = jnp.asarray(rng.standard_normal((n, K)).astype(np.float32))
             fns = {(fmt, ok): jax.jit(lambda ws, x, ok=ok: _chain(weights, ws, x, ok))

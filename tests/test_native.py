@@ -84,7 +84,7 @@ def test_mul_mat_small_n_matches_float64(t, fmt, n):
 
 
 @needs_native
-@pytest.mark.parametrize("n", [1, 2, 5, 8, 12, native.MAX_N])
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 12, 33, native.MAX_N])   # 33, 64: int4's panel kernel (N >= 32)
 @case_params
 @pytest.mark.slow
 def test_native_matches_float64_and_xla_path(t, fmt, n):
@@ -101,13 +101,28 @@ def test_native_matches_float64_and_xla_path(t, fmt, n):
 
 
 @needs_native
+@pytest.mark.parametrize("n", [32, 47, native.MAX_N])
+def test_int4_panel_kernel_chunks_and_slabs(n):
+    """int4's kernel for N >= 32 (x transposed, weight panels per slab of k) over several
+    chunks of rows with ragged tiles (M = 299) and several slabs of k with a short last one
+    (K = 320): within f32 rounding of float64 and of the pure-XLA path."""
+    w = _weight(GGMLType.Q4_1, 299, 320, seed=n, fmt="int4")
+    x = np.random.default_rng(n).standard_normal((n, 320)).astype(np.float32)
+    wd = _dequantized(w)
+    y = _kernel(w, x)
+    assert _rel_err(y, x.astype(np.float64) @ wd.T, x, wd) < REL_BOUND
+    assert _rel_err(y, _mul_mat(w, x, native_ok=False), x, wd) < 2 * REL_BOUND
+
+
+@needs_native
+@pytest.mark.parametrize("extra", [0, 33], ids=["few-rows", "panel"])   # 40 rows: int4's panel kernel
 @case_params
-def test_native_dequantizes_exactly(t, fmt):
+def test_native_dequantizes_exactly(t, fmt, extra):
     """x = unit rows picks single weight columns: every product but one is an exact zero, so
     the result is the dequantized weight itself, bit for bit (for int4, the low and high
     nibbles of the first and last bytes of sub-blocks, and ggml's own values: quants.dequantize)."""
     w = _weight(t, 37, 256, seed=int(t), fmt=fmt)
-    cols = [0, 15, 16, 31, 32, 100, 255]
+    cols = [0, 15, 16, 31, 32, 100, 255] + list(range(40, 40 + 5 * extra, 5))
     x = np.zeros((len(cols), 256), np.float32)
     x[np.arange(len(cols)), cols] = 1.0
     y = _kernel(w, x)
