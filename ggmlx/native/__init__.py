@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 # Most activation rows one call takes (the kernel passes over them in groups of 8, keeping one
 # accumulator per row and weight row in registers, a chunk of weight rows in cache across the
-# groups; int4 on AVX-512 from 32 rows dequantizes each weight once for all rows): decode, batched decode, speculative verification, and the small prompt chunks a
-# server step mixes with its decodes, where the XLA path's dequantized copy of every weight
+# groups; int4 on AVX-512 from 32 rows dequantizes each weight once for all rows): decode,
+# batched decode, speculative verification, and the small prompt chunks a server step mixes
+# with its decodes, where the XLA path's dequantized copy of every weight
 # costs more than the rows do (SmolLM2 int4, 7 decodes + a 25-token chunk: 94 -> 56 ms;
 # pp64 626 -> 664 tok/s, llm bench). benchmarks/bench_native.py measures it per N.
 MAX_N = 64
