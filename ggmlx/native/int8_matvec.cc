@@ -219,14 +219,22 @@ __attribute__((target("avx512f,f16c"))) inline void scales_f32(const Problem& p,
   for (; c < n; ++c) out[c] = _cvtsh_ss(h[c]);
 }
 
-// int4: a sub-block's 16 bytes widened to 16 dwords once per row, and its 16 possible values
-// scale * i + offset in one vector: each weight is a permute of that table by its nibble
-// (vpermps reads an index's low 4 bits: the widened byte is the low nibble's index, the byte
-// shifted by 4 the high one's), elements 0..15 and 16..31.
+// int4: sub-block b of a row as f32, elements 0..15 in *lo and 16..31 in *hi. Its 16 bytes are
+// widened to 16 dwords and its 16 possible values scale * i + offset put in one vector: each
+// weight is a permute of that table by its nibble (vpermps reads an index's low 4 bits: the
+// widened byte is the low nibble's index, the byte shifted by 4 the high one's).
+__attribute__((target("avx512f"))) inline void int4_block_avx512(const Problem& p, int64_t row, int64_t b, float s,
+                                                               float o, __m512* lo, __m512* hi) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i nib = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16)));
+  const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(o));
+  *lo = _mm512_permutexvar_ps(nib, table);
+  *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(nib, 4), table);
+}
+
 template <int NR, int ROWS>
 __attribute__((target("avx512f,f16c"))) void tile_int4_avx512(const Problem& p, int64_t m) {
   const int64_t nb = p.K / 32;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[ROWS][NR];
   for (int r = 0; r < ROWS; ++r)
     for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
@@ -239,22 +247,16 @@ __attribute__((target("avx512f,f16c"))) void tile_int4_avx512(const Problem& p, 
     }
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t b = b0 + j;
-      __m512i nib[ROWS];
-      __m512 table[ROWS];
+      __m512 w[2][ROWS];   // elements 0..15, 16..31
       for (int r = 0; r < ROWS; ++r) {
-        const int64_t row = m + r;
-        prefetch_int4(p, row, b, nb);
-        nib[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16)));
-        table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[r][j]), _mm512_set1_ps(of[r][j]));
+        prefetch_int4(p, m + r, b, nb);
+        int4_block_avx512(p, m + r, b, sc[r][j], of[r][j], &w[0][r], &w[1][r]);
       }
       for (int h = 0; h < 2; ++h) {
         const int64_t k = b * 32 + h * 16;
-        __m512 w[ROWS];
-        for (int r = 0; r < ROWS; ++r)
-          w[r] = _mm512_permutexvar_ps(h == 0 ? nib[r] : _mm512_srli_epi32(nib[r], 4), table[r]);
         for (int n = 0; n < NR; ++n) {
           const __m512 xv = _mm512_loadu_ps(p.x + n * p.K + k);
-          for (int r = 0; r < ROWS; ++r) acc[r][n] = _mm512_fmadd_ps(xv, w[r], acc[r][n]);
+          for (int r = 0; r < ROWS; ++r) acc[r][n] = _mm512_fmadd_ps(xv, w[h][r], acc[r][n]);
         }
       }
     }
@@ -274,7 +276,7 @@ __attribute__((target("avx512f,f16c"))) void rows_int4_avx512(const Problem& p, 
 // int4 for many x rows (N >= kPanelMinN), AVX-512: vectors along N instead of K. The x rows are
 // transposed once per call to xt [K, NP] (NP: N rounded up to 16, zero-padded); for each slab
 // of k (its xt rows fit L1), a tile of PanelRows(NV) weight rows is dequantized into an f32
-// panel (each weight formed as tile_int4_avx512 forms it), and each of its weights, broadcast
+// panel (int4_block_avx512, as tile_int4_avx512 forms each weight), and each of its weights, broadcast
 // from the panel, multiplies all N x values of its k at once: no horizontal sums, and the
 // dequantization is shared by all N rows (tile_int4_avx512 repeats it for each group of 4 x
 // rows, a third of the FMA ports' time in permutes). SmolLM2, 2 threads: a 1536 x 576 product
@@ -293,7 +295,6 @@ template <int ROWS>
 __attribute__((target("avx512f,f16c"))) void panel_int4_avx512(const Problem& p, int64_t m, int64_t b0, int64_t b1,
                                                              float* w) {
   const int64_t nb = p.K / 32, kc = 32 * (b1 - b0);
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float sc[32], of[32];
   for (int r = 0; r < ROWS; ++r) {
     const int64_t row = m + r;
@@ -303,11 +304,11 @@ __attribute__((target("avx512f,f16c"))) void panel_int4_avx512(const Problem& p,
       scales_f32(p, p.offset, row * nb + c0, nc, of);
       for (int64_t j = 0; j < nc; ++j) {
         const int64_t b = c0 + j;
-        const __m512i nib = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles(p, row) + b * 16)));
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[j]), _mm512_set1_ps(of[j]));
+        __m512 lo, hi;
+        int4_block_avx512(p, row, b, sc[j], of[j], &lo, &hi);
         float* out = w + r * kc + (b - b0) * 32;
-        _mm512_storeu_ps(out, _mm512_permutexvar_ps(nib, table));
-        _mm512_storeu_ps(out + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(nib, 4), table));
+        _mm512_storeu_ps(out, lo);
+        _mm512_storeu_ps(out + 16, hi);
       }
     }
   }
