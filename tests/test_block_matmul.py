@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ggmlx import native, quants, weights
+from ggmlx import native, quants, types, weights
 from ggmlx.types import GGMLType as T
 
 needs_native = pytest.mark.skipif(native.load_error() is not None,
                                   reason=f"the native kernels cannot be used: {native.load_error()}")
 
-KQUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
-TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) + KQUANTS
+KQUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)      # Q8_K activations
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.MXFP4) + KQUANTS
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +92,44 @@ def test_block_matmul_is_ggmls_quantized_product(t, N, M, K, isa, monkeypatch):
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
+# Where each type keeps its f16 scales (d, and dmin / m) and MXFP4 its exponent byte, by byte offset.
+F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.IQ4_NL: (0,),
+              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
+
+
+def _random_blocks(t: T, M: int, K: int, seed: int) -> np.ndarray:
+    """Blocks of random bytes (every bit pattern of the values, scales and high bits, which a
+    quantizer of smooth data rarely writes: Q3_K's and IQ4_XS's extreme scales, say), their
+    float fields set to moderate values."""
+    rng = np.random.default_rng(seed)
+    row = types.row_size(t, K)
+    b = rng.integers(0, 256, (M, row), dtype=np.uint8)
+    per = types.traits(t).type_size
+    nb = row // per
+    blk = b.reshape(M, nb, per)
+    if t == T.MXFP4:
+        blk[:, :, 0] = rng.integers(118, 130, (M, nb))
+    for off in F16_FIELDS.get(t, ()):
+        h = (rng.uniform(0.001, 0.02, (M, nb)) * rng.choice([-1, 1], (M, nb))).astype(np.float16)
+        blk[:, :, off:off + 2] = h.view(np.uint8).reshape(M, nb, 2)
+    return b
+
+
+@needs_native
+@pytest.mark.parametrize("isa", native.BLOCK_ISAS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_block_matmul_reads_every_bit_pattern(t, isa, monkeypatch):
+    """Random block bytes, the few-row kernels (1, 5 rows) and the tiled ones (40 rows)."""
+    monkeypatch.setenv("GGMLX_BLOCK_ISA", isa)
+    M, K = 45, 512
+    blocks = _random_blocks(t, M, K, seed=int(t))
+    for N in (1, 5, 40):
+        x = (np.random.default_rng(N).standard_normal((N, K)) * 3).astype(np.float32)
+        y = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(blocks), int(t)))
+        ref = reference(t, blocks, x)
+        assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), N
+
+
 @needs_native
 def test_zero_activations_give_zero():
     blocks = _blocks(T.Q4_K, 8, 256, 0)
@@ -116,8 +154,8 @@ def test_mul_mat_dispatch_under_ggml_numerics():
         np.testing.assert_allclose(y, reference(T.Q4_K, blocks, x), rtol=0, atol=2e-6 * np.abs(y).max())
         exact = np.asarray(jax.jit(weights.mul_mat)(we, jnp.asarray(x)))
         assert 0 < np.abs(y - exact).max() < 0.05 * np.abs(exact).max()   # quantized x: close, not equal
-    iq = _blocks(T.IQ4_XS, M, K, 2)
-    wx = weights.to_device(iq.reshape(-1), T.IQ4_XS, (K, M), weight_format="int4", numerics="ggml")
+    iq = _blocks(T.TQ2_0, M, K, 2)
+    wx = weights.to_device(iq.reshape(-1), T.TQ2_0, (K, M), weight_format="int4", numerics="ggml")
     assert wx.spec.numerics == "exact"
 
 

@@ -63,7 +63,8 @@ _SYMBOLS = {TARGET: "GgmlxInt8Matvec", TARGET_OFFSET: "GgmlxInt8MatvecOffset", T
 # ggml types block_matmul reads (their ggml_type ids); a weight of another type keeps the exact
 # path under numerics="ggml".
 BLOCK_TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                                         GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL))
+                                         GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                                         GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4))
 _LIBRARY = "_kernels"
 
 

@@ -1,13 +1,17 @@
 // y[n, m] = dot(x[n, :], w[m, :]) for a weight held as its GGUF blocks (uint8 [M, row_bytes]),
 // with ggml-cpu's numerics (numerics="ggml"): each activation row is quantized to the weight
-// type's vec_dot_type as ggml-cpu does (Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL; Q8_1 for Q4_1, Q5_1;
-// Q8_K for the k-quants) and the products are integer dot products, scaled per block.
+// type's vec_dot_type as ggml-cpu does (Q8_0 for Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4; Q8_1 for
+// Q4_1, Q5_1; Q8_K for Q2_K ... Q6_K and IQ4_XS) and the products are integer dot products,
+// scaled per block.
 //
 // The weights' values are taken as unsigned 8-bit integers (a type's signed values shifted up:
-// Q4_0's q - 8 is used as q, Q8_0's as q + 128) with, for the k-quants, a 16-bit scale and
-// offset multiplier per 16 elements; the shift comes back as an integer term from the
-// activations' block sums, so every integer dot is exactly ggml's. The float combination of
-// the per-block integer sums follows ggml's formulas, not its exact order of additions.
+// Q4_0's q - 8 is used as q, Q8_0's as q + 128, Q3_K's as q + 4) with, for the 256-element
+// types, a 16-bit scale and offset multiplier per 16 elements; the shift comes back as an
+// integer term from the activations' block sums, so every integer dot is exactly ggml's.
+// IQ4_XS keeps its values signed (shifted up they would reach 241, and a vpmaddubsw pair
+// 2 * 241 * 127 would saturate): its products take ggml's sign trick (|w| times x with w's sign).
+// The float combination of the per-block integer sums follows ggml's formulas, not its exact
+// order of additions.
 //
 // Paths, the widest the CPU has and GGMLX_BLOCK_ISA allows (the Python side passes `isa`):
 // - AVX-512 VNNI, 1-16 activation rows (decode, batched decode, speculative verification):
@@ -49,7 +53,7 @@ using ggmlx_native::f16_to_f32;
 // ggml_type ids (ggml.h)
 enum Type : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20,
+  IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39,
 };
 
 constexpr int kQK = 256;      // k-quant super-block
@@ -85,19 +89,25 @@ struct TypeInfo {
   bool kquant;         // 256-element super-blocks, Q8_K activations
   bool q8_1;           // Q8_1 activations (a float offset: min * s_x)
   int shift;           // 32-element types: the unsigned values are the signed ones + shift
+  int group;           // elements per weight scale (16 or 32): AMX's scale group
+  bool sgn;            // values held signed (IQ4_XS), multiplied by the sign trick
 };
 
 bool type_info(int64_t t, TypeInfo* info) {
   switch (t) {
-    case Q4_0: *info = {32, 18, false, false, 8}; return true;
-    case Q4_1: *info = {32, 20, false, true, 0}; return true;
-    case Q5_0: *info = {32, 22, false, false, 16}; return true;
-    case Q5_1: *info = {32, 24, false, true, 0}; return true;
-    case Q8_0: *info = {32, 34, false, false, 128}; return true;
-    case IQ4_NL: *info = {32, 18, false, false, 128}; return true;
-    case Q4_K: *info = {256, 144, true, false, 0}; return true;
-    case Q5_K: *info = {256, 176, true, false, 0}; return true;
-    case Q6_K: *info = {256, 210, true, false, 0}; return true;
+    case Q4_0: *info = {32, 18, false, false, 8, 32, false}; return true;
+    case Q4_1: *info = {32, 20, false, true, 0, 32, false}; return true;
+    case Q5_0: *info = {32, 22, false, false, 16, 32, false}; return true;
+    case Q5_1: *info = {32, 24, false, true, 0, 32, false}; return true;
+    case Q8_0: *info = {32, 34, false, false, 128, 32, false}; return true;
+    case IQ4_NL: *info = {32, 18, false, false, 128, 32, false}; return true;
+    case MXFP4: *info = {32, 17, false, false, 12, 32, false}; return true;
+    case Q2_K: *info = {256, 84, true, false, 0, 16, false}; return true;
+    case Q3_K: *info = {256, 110, true, false, 0, 16, false}; return true;
+    case Q4_K: *info = {256, 144, true, false, 0, 32, false}; return true;
+    case Q5_K: *info = {256, 176, true, false, 0, 32, false}; return true;
+    case Q6_K: *info = {256, 210, true, false, 0, 16, false}; return true;
+    case IQ4_XS: *info = {256, 136, true, false, 0, 32, true}; return true;
     default: return false;
   }
 }
@@ -107,6 +117,18 @@ inline float half_at(const uint8_t* p) {
   std::memcpy(&h, p, 2);
   return f16_to_f32(h);
 }
+
+// GGML_E8M0_TO_FP32_HALF: MXFP4's scale 2^(e - 128) (its values are kept doubled); the two
+// smallest exponents are f32 subnormals.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A 32-element block's scale: MXFP4's E8M0 exponent, the others' f16 d.
+inline float unit_d(int64_t t, const uint8_t* blk) { return t == MXFP4 ? e8m0_half(blk[0]) : half_at(blk); }
 
 // ---- quantized activations -----------------------------------------------------------------
 
@@ -235,6 +257,20 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
 }
 
 constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kMXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Q3_K's 16 six-bit scales, packed in 12 bytes: the low nibbles of bytes 0-7 then their high
+// nibbles, each with two bits of bytes 8-11 on top.
+inline int q3_k_scale(const uint8_t* s, int j) {
+  const int lo = j < 8 ? s[j] & 15 : s[j - 8] >> 4;
+  return lo | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+}
+
+// IQ4_XS's scale of 32-element sub-block ib: 4 bits of scales_l, 2 of scales_h, less 32.
+inline int iq4_xs_scale(const uint8_t* blk, int ib) {
+  const int h = blk[2] | (blk[3] << 8);
+  return (((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((h >> (2 * ib)) & 3) << 4)) - 32;
+}
 
 void unpack_row(int64_t t, const TypeInfo& ti, const uint8_t* w, int64_t K, const Row& r) {
   const int64_t nb = K / ti.block;
@@ -242,7 +278,7 @@ void unpack_row(int64_t t, const TypeInfo& ti, const uint8_t* w, int64_t K, cons
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + b * ti.bytes;
       uint8_t* q = r.q + b * 32;
-      const float d = half_at(blk);
+      const float d = unit_d(t, blk);
       float* dl = r.dw + (b / 2) * 16 + (b % 2) * 8;
       for (int l = 0; l < 8; ++l) dl[l] = d;
       r.mf[b] = 0.f;
@@ -254,6 +290,12 @@ void unpack_row(int64_t t, const TypeInfo& ti, const uint8_t* w, int64_t K, cons
           for (int j = 0; j < 16; ++j) {
             q[j] = static_cast<uint8_t>(kIQ4NL[blk[2 + j] & 15] + 128);
             q[j + 16] = static_cast<uint8_t>(kIQ4NL[blk[2 + j] >> 4] + 128);
+          }
+          break;
+        case MXFP4:
+          for (int j = 0; j < 16; ++j) {
+            q[j] = static_cast<uint8_t>(kMXFP4[blk[1 + j] & 15] + 12);
+            q[j + 16] = static_cast<uint8_t>(kMXFP4[blk[1 + j] >> 4] + 12);
           }
           break;
         case Q4_1:
@@ -307,6 +349,37 @@ void unpack_row(int64_t t, const TypeInfo& ti, const uint8_t* w, int64_t K, cons
           }
           q[64 * j + l] = static_cast<uint8_t>(lo);
           q[64 * j + 32 + l] = static_cast<uint8_t>(hi);
+        }
+      }
+    } else if (t == Q2_K || t == Q3_K) {
+      // Q2_K: scales[16] (a 4-bit scale, a 4-bit min above it), qs[64], d, dmin. Q3_K: hmask[32],
+      // qs[64], scales[12], d. Element 128 h + 32 j + l: bits 2j of qs[32 h + l] (Q3_K: and bit
+      // 4h + j of hmask[l] above them, the value less 4).
+      const bool k3 = t == Q3_K;
+      const uint8_t* qs = blk + (k3 ? 32 : 16);
+      if (k3) {
+        r.dw[b] = r.dm[b] = half_at(blk + 108);
+        for (int g = 0; g < 16; ++g) { scg[g] = q3_k_scale(blk + 96, g) - 32; mog[g] = -4 * scg[g]; }
+      } else {
+        r.dw[b] = half_at(blk + 80);
+        r.dm[b] = -half_at(blk + 82);
+        for (int g = 0; g < 16; ++g) { scg[g] = blk[g] & 15; mog[g] = blk[g] >> 4; }
+      }
+      for (int e = 0; e < kQK; ++e) {
+        const int h = e / 128, j = (e % 128) / 32, l = e % 32;
+        int v = (qs[32 * h + l] >> (2 * j)) & 3;
+        if (k3) v |= ((blk[l] >> (4 * h + j)) & 1) << 2;
+        q[e] = static_cast<uint8_t>(v);
+      }
+    } else if (t == IQ4_XS) {   // d, scales_h, scales_l[4], qs[128]: the values signed, no offset
+      r.dw[b] = half_at(blk);
+      r.dm[b] = 0.f;
+      for (int ib = 0; ib < 8; ++ib) {
+        scg[2 * ib] = scg[2 * ib + 1] = iq4_xs_scale(blk, ib);
+        mog[2 * ib] = mog[2 * ib + 1] = 0;
+        for (int j = 0; j < 16; ++j) {
+          q[32 * ib + j] = static_cast<uint8_t>(kIQ4NL[blk[8 + 16 * ib + j] & 15]);
+          q[32 * ib + 16 + j] = static_cast<uint8_t>(kIQ4NL[blk[8 + 16 * ib + j] >> 4]);
         }
       }
     } else {   // Q6_K: ql[128], qh[64], scales[16] (int8), d
@@ -391,7 +464,10 @@ float dot_generic(const Problem& p, const Row& r, int64_t n) {
     int32_t main = 0, off = 0;
     for (int g = 0; g < 16; ++g) {
       int32_t s = 0;
-      for (int j = 0; j < 16; ++j) s += static_cast<int32_t>(r.q[b * kQK + g * 16 + j]) * xs[b * kQK + g * 16 + j];
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t w = r.q[b * kQK + g * 16 + j];
+        s += (p.ti.sgn ? static_cast<int32_t>(static_cast<int8_t>(w)) : static_cast<int32_t>(w)) * xs[b * kQK + g * 16 + j];
+      }
       main += s * r.sc16[b * kQK / 2 + g * 8];
       off += static_cast<int32_t>(r.mo[b * 16 + g]) * x.bs[n * (p.K / 16) + b * 16 + g];
     }
@@ -463,9 +539,18 @@ GGMLX_VNNI void tile_unit_vnni(const Problem& p, const Buffers& buf, int64_t m) 
   }
 }
 
+// The pairs of w * x of 64 elements as vpmaddubsw gives them: w unsigned, or (Sgn) signed, then
+// as |w| times x with w's sign (AVX-512 has no vpsignb: x negated where w < 0).
+template <bool Sgn>
+GGMLX_VNNI inline __m512i pairs512(__m512i w, __m512i x) {
+  if constexpr (Sgn) return _mm512_maddubs_epi16(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w),
+                                                                                          _mm512_setzero_si512(), x));
+  return _mm512_maddubs_epi16(w, x);
+}
+
 // k-quants: per 64 elements vpmaddubsw then vpdpwssd by the pair scales; per super-block the
 // offsets sum(mo * bsums) in 16-bit pairs, and two FMAs.
-template <int R>
+template <int R, bool Sgn>
 GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
   const XQ& x = *p.xq;
   const int64_t K16 = p.K / 16;
@@ -482,7 +567,7 @@ GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
         const __m512i xv = _mm512_loadu_si512(xs + b * kQK + c * 64);
         for (int r = 0; r < R; ++r) {
           const Row& row = buf.rows[r];
-          const __m512i prod = _mm512_maddubs_epi16(_mm512_loadu_si512(row.q + b * kQK + c * 64), xv);
+          const __m512i prod = pairs512<Sgn>(_mm512_loadu_si512(row.q + b * kQK + c * 64), xv);
           s[r] = _mm512_dpwssd_epi32(s[r], prod, _mm512_loadu_si512(row.sc16 + b * kQK / 2 + c * 32));
         }
       }
@@ -501,7 +586,8 @@ GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
 
 template <int R>
 void tile_vnni(const Problem& p, const Buffers& buf, int64_t m) {
-  if (p.ti.kquant) tile_k_vnni<R>(p, buf, m);
+  if (p.ti.sgn) tile_k_vnni<R, true>(p, buf, m);
+  else if (p.ti.kquant) tile_k_vnni<R, false>(p, buf, m);
   else tile_unit_vnni<R>(p, buf, m);
 }
 
@@ -562,10 +648,79 @@ GGMLX_VNNI inline void kblock_q6_k(const uint8_t* blk, KBlock* kb) {
   }
 }
 
+GGMLX_VNNI inline void kblock_q2_k(const uint8_t* blk, KBlock* kb) {
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i low4 = _mm_set1_epi8(15);
+  kb->sc = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+  kb->mo = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
+  kb->dw = h2f(blk + 80);
+  kb->dm = -h2f(blk + 82);
+  const __m256i three = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {   // chunk 2h + i: the bit pairs at 4i and 4i + 2 of qs[32 h ..]
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * h));
+    for (int i = 0; i < 2; ++i) {
+      const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 4 * i), three);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4 * i + 2), three);
+      kb->q[2 * h + i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+  }
+}
+
+GGMLX_VNNI inline void kblock_q3_k(const uint8_t* blk, KBlock* kb) {
+  // the 16 scales as four words, as q3_k_scale reads them
+  uint32_t a[3];
+  std::memcpy(a, blk + 96, 12);
+  const uint32_t nib = 0x0f0f0f0fu, two = 0x03030303u;
+  const __m128i s6 = _mm_setr_epi32(static_cast<int>((a[0] & nib) | ((a[2] & two) << 4)),
+                                    static_cast<int>((a[1] & nib) | (((a[2] >> 2) & two) << 4)),
+                                    static_cast<int>(((a[0] >> 4) & nib) | (((a[2] >> 4) & two) << 4)),
+                                    static_cast<int>(((a[1] >> 4) & nib) | (((a[2] >> 6) & two) << 4)));
+  kb->sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(s6, _mm_set1_epi8(32)));
+  kb->mo = _mm256_mullo_epi16(kb->sc, _mm256_set1_epi16(-4));
+  kb->dw = kb->dm = h2f(blk + 108);
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * h));
+    __m256i part[4];
+    for (int j = 0; j < 4; ++j)   // elements 128 h + 32 j ..: bits 2j of qs, bit 4h + j of hmask
+      part[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * j), three),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one), 2));
+    kb->q[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(part[0]), part[1], 1);
+    kb->q[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(part[2]), part[3], 1);
+  }
+}
+
+GGMLX_VNNI inline void kblock_iq4_xs(const uint8_t* blk, KBlock* kb) {
+  alignas(32) int16_t sc[16];
+  for (int ib = 0; ib < 8; ++ib) sc[2 * ib] = sc[2 * ib + 1] = static_cast<int16_t>(iq4_xs_scale(blk, ib));
+  kb->sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc));
+  kb->mo = _mm256_setzero_si256();
+  kb->dw = h2f(blk);
+  kb->dm = 0.f;
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int c = 0; c < 4; ++c) {   // sub-blocks 2c, 2c + 1: [lo, hi] nibbles of 16 bytes each
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * c));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+    kb->q[c] = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), low4));
+  }
+}
+
+GGMLX_VNNI inline void kblock(int64_t t, const uint8_t* blk, KBlock* kb) {
+  switch (t) {
+    case Q2_K: kblock_q2_k(blk, kb); break;
+    case Q3_K: kblock_q3_k(blk, kb); break;
+    case Q6_K: kblock_q6_k(blk, kb); break;
+    case IQ4_XS: kblock_iq4_xs(blk, kb); break;
+    default: kblock_q4_k(blk, t == Q5_K, kb);
+  }
+}
+
 // Weight rows [m0, m1) times NR activation rows, one weight row at a time, each super-block
 // unpacked in registers once for all NR (two weight rows per pass for one or two activation
 // rows measured slower: a 1B-shaped Q4_K_M decoded 15.9 against 17.5 tok/s).
-template <int NR>
+template <int NR, bool Sgn>
 GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t m0, int64_t m1) {
   const int64_t K16 = p.K / 16;
   // s16 lane i of chunk c's scales is group 4c + i / 8
@@ -585,23 +740,30 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
     for (int n = 0; n < NR; ++n) { acc[n] = _mm512_setzero_ps(); accm[n] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < p.nb; ++b) {
       KBlock kb;
-      const uint8_t* blk = row + b * p.ti.bytes;
-      if (p.type == Q6_K) kblock_q6_k(blk, &kb);
-      else kblock_q4_k(blk, p.type == Q5_K, &kb);
+      kblock(p.type, row + b * p.ti.bytes, &kb);
       __m512i s[NR];
       for (int n = 0; n < NR; ++n) s[n] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
         const __m512i scv = _mm512_permutexvar_epi16(idx[c], _mm512_castsi256_si512(kb.sc));
+        __m512i wq = kb.q[c];
+        __mmask64 neg = 0;
+        if constexpr (Sgn) {   // the sign trick, w's part once for all NR
+          neg = _mm512_movepi8_mask(wq);
+          wq = _mm512_abs_epi8(wq);
+        }
         for (int n = 0; n < NR; ++n) {
-          const __m512i xv = _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + b * kQK + c * 64);
-          s[n] = _mm512_dpwssd_epi32(s[n], _mm512_maddubs_epi16(kb.q[c], xv), scv);
+          __m512i xv = _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + b * kQK + c * 64);
+          if constexpr (Sgn) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+          s[n] = _mm512_dpwssd_epi32(s[n], _mm512_maddubs_epi16(wq, xv), scv);
         }
       }
       for (int n = 0; n < NR; ++n) {
         const float dx = x.d[(n0 + n) * p.nb + b];
-        const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + (n0 + n) * K16 + b * 16));
         acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[n]), _mm512_set1_ps(dx * kb.dw), acc[n]);
-        accm[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb.mo, bv)), _mm256_set1_ps(dx * kb.dm), accm[n]);
+        if constexpr (!Sgn) {   // IQ4_XS has no offsets
+          const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + (n0 + n) * K16 + b * 16));
+          accm[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb.mo, bv)), _mm256_set1_ps(dx * kb.dm), accm[n]);
+        }
       }
     }
     for (int n = 0; n < NR; ++n) p.y[(n0 + n) * p.M + m] = ksum(acc[n], accm[n]);
@@ -614,7 +776,9 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
 // two blocks' d in lanes 0-7 and 8-15; *m0, *m1 their mins (Q4_1, Q5_1).
 GGMLX_VNNI inline __m512i unit_chunk(int64_t t, const uint8_t* b0, const uint8_t* b1, __m512* dw,
                                      float* m0, float* m1) {
-  *dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f(b0)), _mm512_set1_ps(h2f(b1)));
+  const bool e8m0 = t == MXFP4;
+  *dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0 ? e8m0_half(b0[0]) : h2f(b0)),
+                             _mm512_set1_ps(e8m0 ? e8m0_half(b1[0]) : h2f(b1)));
   const __m512i low4 = _mm512_set1_epi8(15);
   if (t == Q8_0) {
     const __m512i v = _mm512_inserti64x4(
@@ -622,7 +786,7 @@ GGMLX_VNNI inline __m512i unit_chunk(int64_t t, const uint8_t* b0, const uint8_t
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
-  const int64_t qs = t == Q4_0 || t == IQ4_NL ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
+  const int64_t qs = t == MXFP4 ? 1 : t == Q4_0 || t == IQ4_NL ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
   if (t == Q4_1 || t == Q5_1) {
     *m0 = h2f(b0 + 2);
     *m1 = h2f(b1 + 2);
@@ -633,9 +797,9 @@ GGMLX_VNNI inline __m512i unit_chunk(int64_t t, const uint8_t* b0, const uint8_t
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qs)), 1);
   const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
   __m512i v = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), low4);
-  if (t == IQ4_NL) {
+  if (t == IQ4_NL || t == MXFP4) {   // the codebook's values + the type's shift
     alignas(16) uint8_t tab[16];
-    for (int i = 0; i < 16; ++i) tab[i] = static_cast<uint8_t>(kIQ4NL[i] + 128);
+    for (int i = 0; i < 16; ++i) tab[i] = static_cast<uint8_t>(t == MXFP4 ? kMXFP4[i] + 12 : kIQ4NL[i] + 128);
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tab))), v);
   }
   if (t == Q5_0 || t == Q5_1) {   // the fifth bits: bit j of qh is element j's
@@ -689,11 +853,14 @@ GGMLX_VNNI void rows_unit_fused(const Problem& p, const XQ& x, int64_t n0, int64
 // The few-row kernels by activation-row count (1-4): an activation group of up to 4 rows per pass.
 using FusedFn = void (*)(const Problem&, const XQ&, int64_t, int64_t, int64_t);
 constexpr FusedFn kFusedUnit[4] = {rows_unit_fused<1>, rows_unit_fused<2>, rows_unit_fused<3>, rows_unit_fused<4>};
-constexpr FusedFn kFusedK[4] = {rows_k_fused<1>, rows_k_fused<2>, rows_k_fused<3>, rows_k_fused<4>};
+constexpr FusedFn kFusedK[4] = {rows_k_fused<1, false>, rows_k_fused<2, false>, rows_k_fused<3, false>,
+                                rows_k_fused<4, false>};
+constexpr FusedFn kFusedSigned[4] = {rows_k_fused<1, true>, rows_k_fused<2, true>, rows_k_fused<3, true>,
+                                     rows_k_fused<4, true>};
 
 void rows_fused(const Problem& p, int64_t m0, int64_t m1) {
   const XQ& x = *p.xq;
-  const FusedFn* fns = p.ti.kquant ? kFusedK : kFusedUnit;
+  const FusedFn* fns = p.ti.sgn ? kFusedSigned : p.ti.kquant ? kFusedK : kFusedUnit;
   for (int64_t n0 = 0; n0 < x.N; n0 += 4) fns[std::min<int64_t>(4, x.N - n0) - 1](p, x, n0, m0, m1);
 }
 
@@ -787,8 +954,9 @@ GGMLX_AVX2 void tile_unit_avx2(const Problem& p, const Buffers& buf, int64_t m) 
 }
 
 // k-quants: per 32 elements vpmaddubsw and vpmaddwd by the pair scales, summed over the
-// super-block in 32 bits, then the two FMAs as the AVX-512 kernel.
-template <int R>
+// super-block in 32 bits, then the two FMAs as the AVX-512 kernel (IQ4_XS's signed values by
+// ggml's sign trick).
+template <int R, bool Sgn>
 GGMLX_AVX2 void tile_k_avx2(const Problem& p, const Buffers& buf, int64_t m) {
   const XQ& x = *p.xq;
   const int64_t K16 = p.K / 16;
@@ -803,8 +971,9 @@ GGMLX_AVX2 void tile_k_avx2(const Problem& p, const Buffers& buf, int64_t m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + b * kQK + c * 32));
         for (int r = 0; r < R; ++r) {
           const Row& row = buf.rows[r];
-          const __m256i prod = _mm256_maddubs_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.q + b * kQK + c * 32)), xv);
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.q + b * kQK + c * 32));
+          const __m256i prod = Sgn ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+                                   : _mm256_maddubs_epi16(w, xv);
           s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
               prod, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.sc16 + b * kQK / 2 + c * 16))));
         }
@@ -824,7 +993,8 @@ GGMLX_AVX2 void tile_k_avx2(const Problem& p, const Buffers& buf, int64_t m) {
 
 template <int R>
 void tile_avx2(const Problem& p, const Buffers& buf, int64_t m) {
-  if (p.ti.kquant) tile_k_avx2<R>(p, buf, m);
+  if (p.ti.sgn) tile_k_avx2<R, true>(p, buf, m);
+  else if (p.ti.kquant) tile_k_avx2<R, false>(p, buf, m);
   else tile_unit_avx2<R>(p, buf, m);
 }
 
@@ -845,8 +1015,8 @@ bool has_vnni() {
 // Where the CPU has AMX-INT8 and Linux grants its tile state (arch_prctl), products of more
 // rows than the few-row kernels take run as tiles: 16 activation rows (A: their quantized
 // bytes, read in place) by 16 weight rows (B: unpacked, then laid out as AMX's 4-byte column
-// groups), one TDPBSUD per scale group of G elements (32, or 16 for Q6_K) gives the 256 integer
-// dots of that group, and an AVX-512 pass scales them into 16 float accumulators (one vector
+// groups), one TDPBSUD (TDPBSSD for IQ4_XS's signed values) per scale group of G elements (32,
+// or 16 for Q2_K, Q3_K, Q6_K) gives the 256 integer dots of that group, and an AVX-512 pass scales them into 16 float accumulators (one vector
 // per activation row, the lanes the 16 weight rows). The k-quants' offsets sum(mo * bsums) are
 // VPDPWSSD over pairs of groups; the 32-element types' shift and Q8_1 terms are per block.
 
@@ -891,7 +1061,7 @@ struct WTile {
 };
 
 void make_wtile(const Problem& p, const Buffers& buf, int nrows, WTile& wt) {
-  const int G = p.type == Q6_K ? 16 : 32;
+  const int G = p.ti.group;
   const int64_t ng = p.K / G;
   wt.G = G;
   wt.B.assign(ng * 2 * G * 16, 0);
@@ -962,10 +1132,17 @@ GGMLX_AMX void amx_block(const Problem& p, const WTile& wt, int64_t n0, int nn, 
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
+    if (p.ti.sgn) {   // signed weights (IQ4_XS)
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
     auto& Cg = C[g & 1];
     _tile_stored(0, Cg[0], 64);
     _tile_stored(1, Cg[1], 64);
@@ -1004,7 +1181,7 @@ GGMLX_AMX void amx_block(const Problem& p, const WTile& wt, int64_t n0, int nn, 
 
 // Weight rows [m0, m1) (whole blocks of 32 but the last) by every activation row.
 GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
-  const int G = p.type == Q6_K ? 16 : 32;
+  const int G = p.ti.group;
   TileConfig cfg;
   for (int t = 0; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   for (int t : {4, 5}) { cfg.rows[t] = 16; cfg.colsb[t] = static_cast<uint16_t>(G); }
@@ -1070,7 +1247,7 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t n_chunks = (M + chunk - 1) / chunk;
 #ifdef GGMLX_X86
   if (amx) {   // the activations in tile order: each A tile 512 contiguous bytes
-    const int64_t G = type == Q6_K ? 16 : 32, ng = K / G, nblk = (N + 31) / 32;
+    const int64_t G = ti.group, ng = K / G, nblk = (N + 31) / 32;
     xq.qt.resize(nblk * 32 * K);
     for (int64_t xb = 0; xb < nblk; ++xb)
       for (int r = 0; r < 32; ++r)
