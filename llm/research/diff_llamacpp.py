@@ -297,10 +297,11 @@ def _llamacpp_decode(model_path: str, tokens: list[int], patterns: list[str], fl
 
 
 def diff(model_path: str, prompt: str | list[int], patterns: list[str], flash_attn: bool = False,
-         n_threads: int = 2) -> tuple[list[NodeDiff], list[str], list[str], dict]:
-    """(rows, names only here, names only in llama.cpp, extra: logits diff and tokens)."""
+         n_threads: int = 2, numerics: str = "exact") -> tuple[list[NodeDiff], list[str], list[str], dict]:
+    """(rows, names only here, names only in llama.cpp, extra: logits diff and tokens); our side
+    runs with `numerics` (load_model's)."""
     import llm as llm_mod
-    m = llm_mod.LLM(model_path, n_ctx=512)
+    m = llm_mod.LLM(model_path, n_ctx=512, numerics=numerics)
     tokens = m.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     table = m.node_table(flash_attn)
     ours_names = [lb for lb in table if any(fnmatch.fnmatchcase(lb, p) for p in patterns)
@@ -327,12 +328,12 @@ def main(a) -> int:
         path = str(f32_twin_path(path))
     patterns = [p.strip() for p in a.nodes.split(",") if p.strip()]
     try:
-        rows, only_ours, only_theirs, extra = diff(path, a.prompt, patterns, a.flash_attn, a.threads)
+        rows, only_ours, only_theirs, extra = diff(path, a.prompt, patterns, a.flash_attn, a.threads, a.numerics)
     except LlamaCppCrashed as e:
         print(f"diff-llamacpp: {e}", file=sys.stderr)
         return 1
     print(f"model: {path}\ntokens: {extra['tokens']}\nattention: {'fused' if a.flash_attn else 'unfused'}, "
-          f"KV cache F32 on both sides")
+          f"KV cache F32 on both sides, numerics {a.numerics} here")
     print(format_table(rows, only_ours, only_theirs))
     for p, (c, n) in summarize(rows, ["attn_norm-*", "ffn_out-*", "l_out-*", "result_output"]).items():
         print(f"min cosine {p:14} {c:.7f} (1 - cos = {1 - c:.2e}) over {n} nodes")
@@ -349,4 +350,6 @@ def add_parser(sub) -> None:
     p.add_argument("--flash-attn", action="store_true", help="fused attention on both sides (no kq_soft_max nodes)")
     p.add_argument("--f32-twin", action="store_true", help="compare on the dequantized-F32 twin of the model")
     p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--numerics", choices=("exact", "ggml"), default="exact",
+                   help="this engine's products (load_model's numerics): ggml to diff llama.cpp's quantized ones")
     p.set_defaults(fn=main)
