@@ -75,7 +75,8 @@ def test_the_diff_command_reports_a_crash(monkeypatch, capsys):
 
     monkeypatch.setattr(D, "llama_cpp_available", lambda: True)
     monkeypatch.setattr(D, "diff", crash)
-    args = argparse.Namespace(model="m.gguf", prompt="hi", nodes="*", flash_attn=False, f32_twin=False, threads=2)
+    args = argparse.Namespace(model="m.gguf", prompt="hi", nodes="*", flash_attn=False, f32_twin=False, threads=2,
+                              numerics="exact")
     assert D.main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("diff-llamacpp: llama.cpp crashed with SIGSEGV") and C.REBUILD_HINT in err
