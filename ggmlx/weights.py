@@ -238,6 +238,21 @@ def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str
     return WeightSpec(FORMAT_BLOCKS, t, ne4), [blocks]
 
 
+def converted(w: DeviceWeight) -> bool:
+    """Whether w's arrays were computed from the file's bytes (int8, int4, dequantized), so
+    they hold no view of them (plain floats and blocks may)."""
+    return w.spec.format in (FORMAT_INT8, FORMAT_INT4) or (
+        w.spec.format == FORMAT_PLAIN and types.traits(w.spec.type).is_quantized)
+
+
+def aliases(w: DeviceWeight, data: np.ndarray) -> bool:
+    """Whether w's array is `data` itself, not a copy: on a CPU, jax.device_put keeps a
+    64-byte-aligned host array in place (a GGUF's 32-byte-aligned tensors are so about half the
+    time)."""
+    return w.array.is_fully_addressable and len(w.array.devices()) == 1 and \
+        w.array.unsafe_buffer_pointer() == data.ctypes.data
+
+
 def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str = "native",
               numerics: str = "exact") -> DeviceWeight:
     """Put a tensor's GGUF bytes (uint8, or typed values) on a device in the format that

@@ -255,6 +255,11 @@ class ModelLoader(GGUFMeta):
                 else:
                     t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
                                                weight_format, numerics)
+                if weights.converted(t.data):      # its file pages are read: out of the RSS
+                    self.reader.release(entry.info)
+                elif not weights.aliases(t.data, entry.info.data):   # copied, once the copy is done
+                    t.data.array.block_until_ready()
+                    self.reader.release(entry.info)
                 placed.append(t)
                 done += entry.info.nbytes
             if progress_callback is not None and progress_callback(1.0) is False:

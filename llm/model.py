@@ -408,6 +408,10 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
             model.hparams = padded_hparams(hp, n_mesh)
         if fuse and split_mode == "layer":      # row-split weights follow a per-name plan
             fuse_weights(model)
+            for t in model.weight_tensors():     # the members' own bytes, read for the fused copy
+                if t.data is not None and t.data.spec.rows is not None and t.name in ml.weights_map:
+                    t.data.array.block_until_ready()
+                    ml.reader.release(ml.weights_map[t.name].info)
         return model
     finally:
         ml.close()

@@ -1,6 +1,7 @@
 """GGUF reader/writer: validation of malformed files, round trips, gguf-py parity, splits, CLI."""
 from __future__ import annotations
 
+import os
 import struct
 import time
 import tracemalloc
@@ -608,3 +609,30 @@ def test_cli_reports_bad_file(tmp_path, capsys):
     path = _write(tmp_path, _file(magic=b"XXXX"))
     assert gguf.main([str(path)]) == 1
     assert "bad magic" in capsys.readouterr().err
+
+
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_release_drops_a_tensors_pages_and_keeps_its_bytes(tmp_path):
+    """release() takes the tensor's read pages out of the process's RSS (madvise DONTNEED);
+    its bytes read the same afterwards (the pages come back from the file), the other
+    tensor's too."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((1024, 1024)).astype(np.float32)       # 4 MiB
+    b = rng.standard_normal((3, 5)).astype(np.float32)
+    w = GGUFWriter()
+    w.add_tensor("a", a)
+    w.add_tensor("b", b)
+    w.write(tmp_path / "m.gguf")
+    f = GGUFReader(tmp_path / "m.gguf")
+    ta, tb = f.tensors["a"], f.tensors["b"]
+    assert float(np.asarray(ta.data).view(np.float32).sum()) == pytest.approx(float(a.sum()), rel=1e-4)
+    before = _rss_file_kb()
+    f.release(ta)
+    assert before - _rss_file_kb() >= 3 * 1024
+    assert np.array_equal(np.asarray(ta.data).view(np.float32).reshape(a.shape), a)
+    assert np.array_equal(np.asarray(tb.data).view(np.float32).reshape(b.shape), b)
