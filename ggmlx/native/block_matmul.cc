@@ -142,7 +142,7 @@ struct XQ {
   int64_t N, K, Kp, nb;
   int64_t pad_rows = 1;   // qs and the per-block arrays hold N rounded up to this, zero past N
   std::vector<int8_t> qs, qt;    // qt: qs in AMX order, [N / 32][K / G][32][G] (run_rows_amx)
-  std::vector<float> d, s, dv;   // dv: d per lane of each 64-element chunk (32-element types)
+  std::vector<float> d, s, dv, sv;   // dv: d per lane of each 64-element chunk (32-element types); sv: s / 8
   std::vector<int16_t> bs;
   std::vector<int32_t> off;
 };
@@ -217,7 +217,10 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
   const int64_t nc = xq.Kp / 64;
   thread_local std::vector<int32_t> sums;
   sums.assign(xq.nb, 0);
-  if (ti.q8_1) xq.s.assign(Np * xq.nb, 0.f);
+  if (ti.q8_1) {
+    xq.s.assign(Np * xq.nb, 0.f);
+    xq.sv.assign(Np * nc * 16, 0.f);
+  }
   xq.off.assign(Np * nc * 16, 0);
   xq.dv.assign(Np * nc * 16, 0.f);
   for (int64_t n = 0; n < N; ++n) {
@@ -226,6 +229,8 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
     for (int64_t b = 0; b < xq.nb; ++b) {
       xq.off[(n * nc + b / 2) * 16 + (b % 2) * 8] = -ti.shift * sums[b];
       for (int l = 0; l < 8; ++l) xq.dv[(n * nc + b / 2) * 16 + (b % 2) * 8 + l] = xq.d[n * xq.nb + b];
+      if (ti.q8_1)   // s over the block's 8 lanes (an exact division: their sum is s)
+        for (int l = 0; l < 8; ++l) xq.sv[(n * nc + b / 2) * 16 + (b % 2) * 8 + l] = 0.125f * xq.s[n * xq.nb + b];
     }
   }
 }
@@ -707,21 +712,21 @@ GGMLX_VNNI inline void kblock_iq4_xs(const uint8_t* blk, KBlock* kb) {
   }
 }
 
-GGMLX_VNNI inline void kblock(int64_t t, const uint8_t* blk, KBlock* kb) {
-  switch (t) {
-    case Q2_K: kblock_q2_k(blk, kb); break;
-    case Q3_K: kblock_q3_k(blk, kb); break;
-    case Q6_K: kblock_q6_k(blk, kb); break;
-    case IQ4_XS: kblock_iq4_xs(blk, kb); break;
-    default: kblock_q4_k(blk, t == Q5_K, kb);
-  }
+template <int64_t T>
+GGMLX_VNNI inline void kblock(const uint8_t* blk, KBlock* kb) {
+  if constexpr (T == Q2_K) kblock_q2_k(blk, kb);
+  else if constexpr (T == Q3_K) kblock_q3_k(blk, kb);
+  else if constexpr (T == Q6_K) kblock_q6_k(blk, kb);
+  else if constexpr (T == IQ4_XS) kblock_iq4_xs(blk, kb);
+  else kblock_q4_k(blk, T == Q5_K, kb);
 }
 
 // Weight rows [m0, m1) times NR activation rows, one weight row at a time, each super-block
 // unpacked in registers once for all NR (two weight rows per pass for one or two activation
 // rows measured slower: a 1B-shaped Q4_K_M decoded 15.9 against 17.5 tok/s).
-template <int NR, bool Sgn>
+template <int NR, int64_t T>
 GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t m0, int64_t m1) {
+  constexpr bool kSigned = T == IQ4_XS;
   const int64_t K16 = p.K / 16;
   // s16 lane i of chunk c's scales is group 4c + i / 8
   __m512i idx[4];
@@ -740,27 +745,27 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
     for (int n = 0; n < NR; ++n) { acc[n] = _mm512_setzero_ps(); accm[n] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < p.nb; ++b) {
       KBlock kb;
-      kblock(p.type, row + b * p.ti.bytes, &kb);
+      kblock<T>(row + b * p.ti.bytes, &kb);
       __m512i s[NR];
       for (int n = 0; n < NR; ++n) s[n] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
         const __m512i scv = _mm512_permutexvar_epi16(idx[c], _mm512_castsi256_si512(kb.sc));
         __m512i wq = kb.q[c];
         __mmask64 neg = 0;
-        if constexpr (Sgn) {   // the sign trick, w's part once for all NR
+        if constexpr (kSigned) {   // the sign trick, w's part once for all NR
           neg = _mm512_movepi8_mask(wq);
           wq = _mm512_abs_epi8(wq);
         }
         for (int n = 0; n < NR; ++n) {
           __m512i xv = _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + b * kQK + c * 64);
-          if constexpr (Sgn) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+          if constexpr (kSigned) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
           s[n] = _mm512_dpwssd_epi32(s[n], _mm512_maddubs_epi16(wq, xv), scv);
         }
       }
       for (int n = 0; n < NR; ++n) {
         const float dx = x.d[(n0 + n) * p.nb + b];
         acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[n]), _mm512_set1_ps(dx * kb.dw), acc[n]);
-        if constexpr (!Sgn) {   // IQ4_XS has no offsets
+        if constexpr (!kSigned) {   // IQ4_XS has no offsets
           const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + (n0 + n) * K16 + b * 16));
           accm[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(kb.mo, bv)), _mm256_set1_ps(dx * kb.dm), accm[n]);
         }
@@ -772,95 +777,127 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
 
 // ---- 32-element types for a few activation rows: straight from the blocks -----------------
 
-// Blocks 2c and 2c + 1 of a row as 64 unsigned bytes (the type's values + its shift), and the
-// two blocks' d in lanes 0-7 and 8-15; *m0, *m1 their mins (Q4_1, Q5_1).
-GGMLX_VNNI inline __m512i unit_chunk(int64_t t, const uint8_t* b0, const uint8_t* b1, __m512* dw,
-                                     float* m0, float* m1) {
-  const bool e8m0 = t == MXFP4;
-  *dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0 ? e8m0_half(b0[0]) : h2f(b0)),
-                             _mm512_set1_ps(e8m0 ? e8m0_half(b1[0]) : h2f(b1)));
-  const __m512i low4 = _mm512_set1_epi8(15);
-  if (t == Q8_0) {
+// Blocks 2c and 2c + 1 of a row (b0, b1) as 64 unsigned bytes: the type's values + its shift.
+template <int64_t T>
+GGMLX_VNNI inline __m512i unit_q(const uint8_t* b0, const uint8_t* b1) {
+  if constexpr (T == Q8_0) {
     const __m512i v = _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    constexpr int64_t qs = T == MXFP4 ? 1 : T == Q4_0 || T == IQ4_NL ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
+    // [q0 | q1] nibbles -> [lo0, hi0, lo1, hi1]: elements 0-15, 16-31 of each block in order
+    const __m256i q = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qs))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qs)), 1);
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+    __m512i v = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
+    if constexpr (T == IQ4_NL || T == MXFP4) {   // the codebook's values + the type's shift
+      alignas(16) uint8_t tab[16];
+      for (int i = 0; i < 16; ++i) tab[i] = static_cast<uint8_t>(T == MXFP4 ? kMXFP4[i] + 12 : kIQ4NL[i] + 128);
+      return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tab))), v);
+    }
+    if constexpr (T == Q5_0 || T == Q5_1) {   // the fifth bits: bit j of qh is element j's
+      constexpr int64_t o = T == Q5_0 ? 2 : 4;
+      uint32_t h0, h1;
+      std::memcpy(&h0, b0 + o, 4);
+      std::memcpy(&h1, b1 + o, 4);
+      const __mmask64 hb = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);
+      v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(16)));
+    }
+    return v;
   }
-  const int64_t qs = t == MXFP4 ? 1 : t == Q4_0 || t == IQ4_NL ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
-  if (t == Q4_1 || t == Q5_1) {
-    *m0 = h2f(b0 + 2);
-    *m1 = h2f(b1 + 2);
-  }
-  // [q0 | q1] nibbles -> [lo0, hi0, lo1, hi1]: elements 0-15, 16-31 of each block in order
-  const __m256i q = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qs))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qs)), 1);
-  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
-  __m512i v = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), low4);
-  if (t == IQ4_NL || t == MXFP4) {   // the codebook's values + the type's shift
-    alignas(16) uint8_t tab[16];
-    for (int i = 0; i < 16; ++i) tab[i] = static_cast<uint8_t>(t == MXFP4 ? kMXFP4[i] + 12 : kIQ4NL[i] + 128);
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tab))), v);
-  }
-  if (t == Q5_0 || t == Q5_1) {   // the fifth bits: bit j of qh is element j's
-    const int64_t o = t == Q5_0 ? 2 : 4;
-    uint32_t h0, h1;
-    std::memcpy(&h0, b0 + o, 4);
-    std::memcpy(&h1, b1 + o, 4);
-    const __mmask64 hb = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);
-    v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hb, _mm512_set1_epi8(16)));
-  }
-  return v;
 }
 
-template <int NR>
+// The two blocks' d in lanes 0-7 and 8-15, and (Q4_1, Q5_1) their mins likewise in *mv: the f16
+// fields converted together, then spread by one permute each.
+template <int64_t T>
+GGMLX_VNNI inline __m512 chunk_d(const uint8_t* b0, const uint8_t* b1, __m512* mv) {
+  if constexpr (T == MXFP4) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0_half(b0[0])), _mm512_set1_ps(e8m0_half(b1[0])));
+  } else {
+    uint32_t h0, h1;   // [d, m] of each block (m: the first quants' bytes where the type has none)
+    std::memcpy(&h0, b0, 4);
+    std::memcpy(&h1, b1, 4);
+    const __m512 f = _mm512_castps128_ps512(
+        _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(h1), static_cast<int>(h0))));   // d0, m0, d1, m1
+    const __m512i idx = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    if constexpr (T == Q4_1 || T == Q5_1) *mv = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(1)), f);
+    return _mm512_permutexvar_ps(idx, f);
+  }
+}
+
+// Weight rows [m0, m1) of a 32-element type T times NR activation rows, one weight row at a time,
+// each 64-element chunk unpacked once for all NR: one vpdpbusd (started from the shift term) and
+// one FMA by d_x * d_w per row, and for Q4_1 / Q5_1 one FMA of the mins by the activation's s / 8
+// in each of the block's 8 lanes.
+template <int NR, int64_t T>
 GGMLX_VNNI void rows_unit_fused(const Problem& p, const XQ& x, int64_t n0, int64_t m0, int64_t m1) {
+  constexpr bool kMins = T == Q4_1 || T == Q5_1;
   const int64_t nc = x.Kp / 64, bytes = p.ti.bytes;
-  const bool mins = p.ti.q8_1;
   for (int64_t m = m0; m < m1; ++m) {
     const uint8_t* row = p.w + m * p.row_bytes;
     if (m + kAhead < m1)
       for (int64_t o = 0; o < p.row_bytes; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * p.row_bytes + o), _MM_HINT_T0);
     __m512 acc[NR];
-    float accm[NR] = {};
     for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
       const int64_t b = 2 * c;
       const bool odd = b + 1 >= p.nb;       // K % 64 == 32: the last chunk holds one block
-      __m512 dw;
-      float mn0 = 0.f, mn1 = 0.f;
-      __m512i wv = unit_chunk(p.type, row + b * bytes, row + (odd ? b : b + 1) * bytes, &dw, &mn0, &mn1);
+      const uint8_t* b0 = row + b * bytes;
+      const uint8_t* b1 = row + (odd ? b : b + 1) * bytes;
+      __m512 mv = _mm512_setzero_ps();
+      __m512 dw = chunk_d<T>(b0, b1, &mv);
+      __m512i wv = unit_q<T>(b0, b1);
       if (odd) {
         wv = _mm512_maskz_mov_epi8(0xFFFFFFFFull, wv);
         dw = _mm512_maskz_mov_ps(0x00FF, dw);
+        mv = _mm512_maskz_mov_ps(0x00FF, mv);
       }
       for (int n = 0; n < NR; ++n) {
         const int64_t xr = (n0 + n) * nc + c;
         const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.off.data() + xr * 16), wv,
                                               _mm512_loadu_si512(x.qs.data() + (n0 + n) * x.Kp + c * 64));
         acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(x.dv.data() + xr * 16), dw), acc[n]);
-        if (mins) {
-          accm[n] += mn0 * x.s[(n0 + n) * p.nb + b];
-          if (!odd) accm[n] += mn1 * x.s[(n0 + n) * p.nb + b + 1];
-        }
+        if constexpr (kMins) acc[n] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(x.sv.data() + xr * 16), acc[n]);
       }
     }
-    for (int n = 0; n < NR; ++n) p.y[(n0 + n) * p.M + m] = _mm512_reduce_add_ps(acc[n]) + accm[n];
+    for (int n = 0; n < NR; ++n) p.y[(n0 + n) * p.M + m] = _mm512_reduce_add_ps(acc[n]);
   }
 }
 
 // The few-row kernels by activation-row count (1-4): an activation group of up to 4 rows per pass.
 using FusedFn = void (*)(const Problem&, const XQ&, int64_t, int64_t, int64_t);
-constexpr FusedFn kFusedUnit[4] = {rows_unit_fused<1>, rows_unit_fused<2>, rows_unit_fused<3>, rows_unit_fused<4>};
-constexpr FusedFn kFusedK[4] = {rows_k_fused<1, false>, rows_k_fused<2, false>, rows_k_fused<3, false>,
-                                rows_k_fused<4, false>};
-constexpr FusedFn kFusedSigned[4] = {rows_k_fused<1, true>, rows_k_fused<2, true>, rows_k_fused<3, true>,
-                                     rows_k_fused<4, true>};
+template <int64_t T>
+constexpr FusedFn kFusedUnit[4] = {rows_unit_fused<1, T>, rows_unit_fused<2, T>, rows_unit_fused<3, T>,
+                                   rows_unit_fused<4, T>};
+template <int64_t T>
+constexpr FusedFn kFusedK[4] = {rows_k_fused<1, T>, rows_k_fused<2, T>, rows_k_fused<3, T>, rows_k_fused<4, T>};
+
+// The few-row kernel table of type t.
+const FusedFn* fused_fns(int64_t t) {
+  switch (t) {
+    case Q4_0: return kFusedUnit<Q4_0>;
+    case Q4_1: return kFusedUnit<Q4_1>;
+    case Q5_0: return kFusedUnit<Q5_0>;
+    case Q5_1: return kFusedUnit<Q5_1>;
+    case Q8_0: return kFusedUnit<Q8_0>;
+    case IQ4_NL: return kFusedUnit<IQ4_NL>;
+    case MXFP4: return kFusedUnit<MXFP4>;
+    case Q2_K: return kFusedK<Q2_K>;
+    case Q3_K: return kFusedK<Q3_K>;
+    case Q4_K: return kFusedK<Q4_K>;
+    case Q5_K: return kFusedK<Q5_K>;
+    case Q6_K: return kFusedK<Q6_K>;
+    default: return kFusedK<IQ4_XS>;
+  }
+}
 
 void rows_fused(const Problem& p, int64_t m0, int64_t m1) {
   const XQ& x = *p.xq;
-  const FusedFn* fns = p.ti.sgn ? kFusedSigned : p.ti.kquant ? kFusedK : kFusedUnit;
+  const FusedFn* fns = fused_fns(p.type);
   for (int64_t n0 = 0; n0 < x.N; n0 += 4) fns[std::min<int64_t>(4, x.N - n0) - 1](p, x, n0, m0, m1);
 }
 
