@@ -868,13 +868,16 @@ GGMLX_VNNI void rows_unit_fused(const Problem& p, const XQ& x, int64_t n0, int64
   }
 }
 
-// The few-row kernels by activation-row count (1-4): an activation group of up to 4 rows per pass.
+// The few-row kernels by activation-row count (1-8): an activation group of up to kGroup rows per pass.
 using FusedFn = void (*)(const Problem&, const XQ&, int64_t, int64_t, int64_t);
+constexpr int kGroup = 8;   // activation rows per pass
 template <int64_t T>
-constexpr FusedFn kFusedUnit[4] = {rows_unit_fused<1, T>, rows_unit_fused<2, T>, rows_unit_fused<3, T>,
-                                   rows_unit_fused<4, T>};
+constexpr FusedFn kFusedUnit[kGroup] = {rows_unit_fused<1, T>, rows_unit_fused<2, T>, rows_unit_fused<3, T>,
+                                        rows_unit_fused<4, T>, rows_unit_fused<5, T>, rows_unit_fused<6, T>,
+                                        rows_unit_fused<7, T>, rows_unit_fused<8, T>};
 template <int64_t T>
-constexpr FusedFn kFusedK[4] = {rows_k_fused<1, T>, rows_k_fused<2, T>, rows_k_fused<3, T>, rows_k_fused<4, T>};
+constexpr FusedFn kFusedK[kGroup] = {rows_k_fused<1, T>, rows_k_fused<2, T>, rows_k_fused<3, T>, rows_k_fused<4, T>,
+                                     rows_k_fused<5, T>, rows_k_fused<6, T>, rows_k_fused<7, T>, rows_k_fused<8, T>};
 
 // The few-row kernel table of type t.
 const FusedFn* fused_fns(int64_t t) {
@@ -898,7 +901,7 @@ const FusedFn* fused_fns(int64_t t) {
 void rows_fused(const Problem& p, int64_t m0, int64_t m1) {
   const XQ& x = *p.xq;
   const FusedFn* fns = fused_fns(p.type);
-  for (int64_t n0 = 0; n0 < x.N; n0 += 4) fns[std::min<int64_t>(4, x.N - n0) - 1](p, x, n0, m0, m1);
+  for (int64_t n0 = 0; n0 < x.N; n0 += kGroup) fns[std::min<int64_t>(kGroup, x.N - n0) - 1](p, x, n0, m0, m1);
 }
 
 // quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
