@@ -15,9 +15,10 @@
 //
 // Paths, the widest the CPU has and GGMLX_BLOCK_ISA allows (the Python side passes `isa`):
 // - AVX-512 VNNI, 1-16 activation rows (decode, batched decode, speculative verification):
-//   straight from the blocks, each weight row unpacked in registers once for all rows; per 64
-//   elements one vpdpbusd (32-element types) or vpmaddubsw + vpdpwssd by the scales (k-quants;
-//   no pair reaches the s16 limit: 2 * 63 * 127), one FMA per block;
+//   straight from the blocks, each weight row unpacked in registers once per 8 rows, in kernels
+//   specialized per type; per 64 elements one vpdpbusd (32-element types) or vpmaddubsw +
+//   vpdpwssd by the scales (k-quants; no pair reaches the s16 limit: 2 * 63 * 127), one FMA per
+//   block;
 // - AMX-INT8, more rows (prefill), where Linux grants the tile state: 32 x 32 tiles, one TDPBSUD
 //   per scale group, the integer sums scaled by AVX-512;
 // - otherwise each weight row is unpacked into a small buffer and dotted with every activation
