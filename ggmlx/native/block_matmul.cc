@@ -516,7 +516,7 @@ GGMLX_VNNI inline float h2f(const uint8_t* p) {
 
 // 32-element types: per 64 elements one vpdpbusd started from the activation's shift term,
 // then * (d_x * d_w) per lane into a float accumulator.
-template <int R>
+template <int R, bool Mins>
 GGMLX_VNNI void tile_unit_vnni(const Problem& p, const Buffers& buf, int64_t m) {
   const XQ& x = *p.xq;
   const int64_t nc = x.Kp / 64;
@@ -536,12 +536,13 @@ GGMLX_VNNI void tile_unit_vnni(const Problem& p, const Buffers& buf, int64_t m) 
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(row.dw + c * 16)), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      if (p.ti.q8_1)
-        for (int64_t b = 0; b < p.nb; ++b) sum += buf.rows[r].mf[b] * x.s[n * p.nb + b];
-      p.y[n * p.M + m + r] = sum;
-    }
+    if constexpr (Mins)   // the mins times the blocks' s, 16 blocks per FMA into the lanes summed below
+      for (int64_t b = 0; b < p.nb; b += 16) {
+        const __mmask16 k = static_cast<__mmask16>(p.nb - b >= 16 ? 0xFFFF : (1u << (p.nb - b)) - 1);
+        const __m512 sb = _mm512_maskz_loadu_ps(k, x.s.data() + n * p.nb + b);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, buf.rows[r].mf + b), sb, acc[r]);
+      }
+    for (int r = 0; r < R; ++r) p.y[n * p.M + m + r] = _mm512_reduce_add_ps(acc[r]);
   }
 }
 
@@ -594,7 +595,8 @@ template <int R>
 void tile_vnni(const Problem& p, const Buffers& buf, int64_t m) {
   if (p.ti.sgn) tile_k_vnni<R, true>(p, buf, m);
   else if (p.ti.kquant) tile_k_vnni<R, false>(p, buf, m);
-  else tile_unit_vnni<R>(p, buf, m);
+  else if (p.ti.q8_1) tile_unit_vnni<R, true>(p, buf, m);
+  else tile_unit_vnni<R, false>(p, buf, m);
 }
 
 // ---- k-quants for a few activation rows: straight from the blocks -------------------------
