@@ -556,39 +556,51 @@ GGMLX_VNNI inline __m512i pairs512(__m512i w, __m512i x) {
 }
 
 // k-quants: per 64 elements vpmaddubsw then vpdpwssd by the pair scales; per super-block the
-// offsets sum(mo * bsums) in 16-bit pairs, and two FMAs.
-template <int R, bool Sgn>
-GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
+// offsets sum(mo * bsums) in 16-bit pairs, and two FMAs. C activation rows at a time, so that each
+// weight chunk and its scales are loaded once for all C.
+template <int R, int C, bool Sgn>
+GGMLX_VNNI inline void k_vnni_block(const Problem& p, const Buffers& buf, int64_t m, int64_t n) {
   const XQ& x = *p.xq;
   const int64_t K16 = p.K / 16;
-  for (int64_t n = 0; n < x.N; ++n) {
-    const int8_t* xs = x.qs.data() + n * x.Kp;
-    const int16_t* bs = x.bs.data() + n * K16;
-    __m512 acc[R];
-    __m256 accm[R];
-    for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
-    for (int64_t b = 0; b < p.nb; ++b) {
-      __m512i s[R];
-      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        const __m512i xv = _mm512_loadu_si512(xs + b * kQK + c * 64);
-        for (int r = 0; r < R; ++r) {
-          const Row& row = buf.rows[r];
-          const __m512i prod = pairs512<Sgn>(_mm512_loadu_si512(row.q + b * kQK + c * 64), xv);
-          s[r] = _mm512_dpwssd_epi32(s[r], prod, _mm512_loadu_si512(row.sc16 + b * kQK / 2 + c * 32));
-        }
+  __m512 acc[C][R];
+  __m256 accm[C][R];
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r) { acc[j][r] = _mm512_setzero_ps(); accm[j][r] = _mm256_setzero_ps(); }
+  for (int64_t b = 0; b < p.nb; ++b) {
+    __m512i s[C][R];
+    for (int j = 0; j < C; ++j)
+      for (int r = 0; r < R; ++r) s[j][r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i xv[C];
+      for (int j = 0; j < C; ++j) xv[j] = _mm512_loadu_si512(x.qs.data() + (n + j) * x.Kp + b * kQK + c * 64);
+      for (int r = 0; r < R; ++r) {
+        const Row& row = buf.rows[r];
+        const __m512i wq = _mm512_loadu_si512(row.q + b * kQK + c * 64);
+        const __m512i sc = _mm512_loadu_si512(row.sc16 + b * kQK / 2 + c * 32);
+        for (int j = 0; j < C; ++j) s[j][r] = _mm512_dpwssd_epi32(s[j][r], pairs512<Sgn>(wq, xv[j]), sc);
       }
-      const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + b * 16));
-      const float dx = x.d[n * p.nb + b];
+    }
+    for (int j = 0; j < C; ++j) {
+      const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs.data() + (n + j) * K16 + b * 16));
+      const float dx = x.d[(n + j) * p.nb + b];
       for (int r = 0; r < R; ++r) {
         const Row& row = buf.rows[r];
         const __m256i o = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.mo + b * 16)), bv);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(dx * row.dw[b]), acc[r]);
-        accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dx * row.dm[b]), accm[r]);
+        acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][r]), _mm512_set1_ps(dx * row.dw[b]), acc[j][r]);
+        accm[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(dx * row.dm[b]), accm[j][r]);
       }
     }
-    for (int r = 0; r < R; ++r) p.y[n * p.M + m + r] = ksum(acc[r], accm[r]);
   }
+  for (int j = 0; j < C; ++j)
+    for (int r = 0; r < R; ++r) p.y[(n + j) * p.M + m + r] = ksum(acc[j][r], accm[j][r]);
+}
+
+template <int R, bool Sgn>
+GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
+  const int64_t N = p.xq->N;
+  int64_t n = 0;
+  for (; n + 2 <= N; n += 2) k_vnni_block<R, 2, Sgn>(p, buf, m, n);
+  if (n < N) k_vnni_block<R, 1, Sgn>(p, buf, m, n);
 }
 
 template <int R>
