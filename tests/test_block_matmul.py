@@ -77,7 +77,7 @@ def _blocks(t: T, M: int, K: int, seed: int) -> np.ndarray:
 @needs_native
 @pytest.mark.parametrize("isa", native.BLOCK_ISAS)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("N,M,K", [(1, 37, 256), (3, 61, 512), (16, 64, 768), (40, 70, 1024)])
+@pytest.mark.parametrize("N,M,K", [(1, 37, 256), (3, 61, 512), (16, 64, 768), (21, 50, 512), (40, 70, 1024)])
 def test_block_matmul_is_ggmls_quantized_product(t, N, M, K, isa, monkeypatch):
     """Every row count (the few-row kernels and the tiled ones for prefill), M not a multiple of
     the tiles, every instruction set GGMLX_BLOCK_ISA allows (capped by this CPU's); the error
@@ -119,11 +119,11 @@ def _random_blocks(t: T, M: int, K: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("isa", native.BLOCK_ISAS)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_block_matmul_reads_every_bit_pattern(t, isa, monkeypatch):
-    """Random block bytes, the few-row kernels (1, 5 rows) and the tiled ones (40 rows)."""
+    """Random block bytes, the few-row kernels (1, 5 rows) and the tiled ones (21, 40 rows)."""
     monkeypatch.setenv("GGMLX_BLOCK_ISA", isa)
     M, K = 45, 512
     blocks = _random_blocks(t, M, K, seed=int(t))
-    for N in (1, 5, 40):
+    for N in (1, 5, 21, 40):
         x = (np.random.default_rng(N).standard_normal((N, K)) * 3).astype(np.float32)
         y = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(blocks), int(t)))
         ref = reference(t, blocks, x)
