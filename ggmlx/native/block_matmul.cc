@@ -613,154 +613,6 @@ void tile_vnni(const Problem& p, const Buffers& buf, int64_t m) {
   else tile_unit_vnni<R, false>(p, buf, m);
 }
 
-// ---- many activation rows without AMX: 16 weight rows across the lanes --------------------
-
-// 16 unpacked weight rows interleaved so that one vector holds 4 consecutive values of each row
-// (lane r: row r), as ggml's repacked GEMM tiles do: one vpdpbusd by 4 broadcast activations
-// takes 64 products into 16 outputs, and the per-block scaling is one vector operation for all
-// 16 rows instead of a horizontal reduction per (row, activation) pair.
-constexpr int kLanes = 16;
-
-struct Interleaved {
-  std::vector<uint8_t> q;          // [K / 4][16][4]
-  std::vector<float> d, m;         // [nb][16]: d, and the mins (Q4_1, Q5_1) or dm (k-quants)
-  std::vector<int32_t> sc;         // k-quants: [K / 16][16], each 16 elements' scale
-  std::vector<int32_t> mo;         // k-quants: [K / 32][16], two 16-bit offset multipliers per lane
-};
-
-// Rows m .. m + nrows - 1 (nrows <= 16; the missing lanes zero) unpacked and interleaved.
-void interleave_rows(const Problem& p, Buffers& buf, int64_t m, int nrows, Interleaved& t) {
-  const int64_t K = p.K, nb = p.nb;
-  t.q.assign(K * kLanes, 0);
-  t.d.assign(nb * kLanes, 0.f);
-  t.m.assign(nb * kLanes, 0.f);
-  if (p.ti.kquant) {
-    t.sc.assign(K / 16 * kLanes, 0);
-    t.mo.assign(K / 32 * kLanes, 0);
-  }
-  for (int r = 0; r < nrows; ++r) {
-    const Row& row = buf.rows[r];
-    unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, K, row);
-    for (int64_t k4 = 0; k4 < K / 4; ++k4) std::memcpy(&t.q[(k4 * kLanes + r) * 4], row.q + 4 * k4, 4);
-    for (int64_t b = 0; b < nb; ++b) {
-      if (p.ti.kquant) {
-        t.d[b * kLanes + r] = row.dw[b];
-        t.m[b * kLanes + r] = row.dm[b];
-      } else {
-        t.d[b * kLanes + r] = row.dw[(b / 2) * 16 + (b % 2) * 8];
-        t.m[b * kLanes + r] = row.mf[b];
-      }
-    }
-    if (p.ti.kquant) {
-      for (int64_t g = 0; g < K / 16; ++g) t.sc[g * kLanes + r] = row.sc16[g * 8];
-      for (int64_t g = 0; g < K / 32; ++g)
-        t.mo[g * kLanes + r] = static_cast<int32_t>(static_cast<uint16_t>(row.mo[2 * g]) |
-                                                    (static_cast<uint32_t>(static_cast<uint16_t>(row.mo[2 * g + 1])) << 16));
-    }
-  }
-}
-
-inline int32_t load_i32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// 32-element types: per block 8 vpdpbusd from the shift term, then one FMA by d_w * d_x (and for
-// Q4_1 / Q5_1 one by the mins times s) for 16 outputs; C activation rows per pass.
-template <int C, bool Mins>
-GGMLX_VNNI void unit_lanes(const Problem& p, const Interleaved& t, int64_t m, int nrows, int64_t n) {
-  const XQ& x = *p.xq;
-  const int64_t nc = x.Kp / 64;
-  __m512 acc[C];
-  for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < p.nb; ++b) {
-    __m512i si[C];
-    for (int j = 0; j < C; ++j) si[j] = _mm512_set1_epi32(x.off[((n + j) * nc + b / 2) * 16 + (b % 2) * 8]);
-    for (int k4 = 0; k4 < 8; ++k4) {
-      const __m512i w = _mm512_loadu_si512(&t.q[((b * 8 + k4) * kLanes) * 4]);
-      for (int j = 0; j < C; ++j)
-        si[j] = _mm512_dpbusd_epi32(si[j], w, _mm512_set1_epi32(load_i32(x.qs.data() + (n + j) * x.Kp + b * 32 + 4 * k4)));
-    }
-    const __m512 dw = _mm512_loadu_ps(&t.d[b * kLanes]);
-    for (int j = 0; j < C; ++j) {
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si[j]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(n + j) * p.nb + b])), acc[j]);
-      if constexpr (Mins) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(&t.m[b * kLanes]), _mm512_set1_ps(x.s[(n + j) * p.nb + b]), acc[j]);
-    }
-  }
-  const __mmask16 k = static_cast<__mmask16>((1u << nrows) - 1);
-  for (int j = 0; j < C; ++j) _mm512_mask_storeu_ps(p.y + (n + j) * p.M + m, k, acc[j]);
-}
-
-// k-quants: per 16 elements 4 vpdpbusd, the sums times the 16 rows' scales (vpmulld); per pair of
-// 16s one vpdpwssd of the offset multipliers by the activations' sums; per super-block two FMAs.
-template <int C>
-GGMLX_VNNI void k_lanes(const Problem& p, const Interleaved& t, int64_t m, int nrows, int64_t n) {
-  const XQ& x = *p.xq;
-  const int64_t K16 = p.K / 16;
-  __m512 acc[C];
-  for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < p.nb; ++b) {
-    __m512i isum[C], msum[C];
-    for (int j = 0; j < C; ++j) { isum[j] = _mm512_setzero_si512(); msum[j] = _mm512_setzero_si512(); }
-    for (int g = 0; g < 16; ++g) {
-      const int64_t g16 = b * 16 + g;
-      __m512i gs[C];
-      for (int j = 0; j < C; ++j) gs[j] = _mm512_setzero_si512();
-      for (int k4 = 0; k4 < 4; ++k4) {
-        const __m512i w = _mm512_loadu_si512(&t.q[((g16 * 4 + k4) * kLanes) * 4]);
-        for (int j = 0; j < C; ++j)
-          gs[j] = _mm512_dpbusd_epi32(gs[j], w, _mm512_set1_epi32(load_i32(x.qs.data() + (n + j) * x.Kp + g16 * 16 + 4 * k4)));
-      }
-      const __m512i sc = _mm512_loadu_si512(&t.sc[g16 * kLanes]);
-      for (int j = 0; j < C; ++j) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(gs[j], sc));
-      if (g % 2) {
-        const __m512i mo = _mm512_loadu_si512(&t.mo[(g16 / 2) * kLanes]);
-        for (int j = 0; j < C; ++j)
-          msum[j] = _mm512_dpwssd_epi32(msum[j], mo, _mm512_set1_epi32(load_i32(x.bs.data() + (n + j) * K16 + g16 - 1)));
-      }
-    }
-    const __m512 dw = _mm512_loadu_ps(&t.d[b * kLanes]), dm = _mm512_loadu_ps(&t.m[b * kLanes]);
-    for (int j = 0; j < C; ++j) {
-      const __m512 dx = _mm512_set1_ps(x.d[(n + j) * p.nb + b]);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_mul_ps(dw, dx), acc[j]);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum[j]), _mm512_mul_ps(dm, dx), acc[j]);
-    }
-  }
-  const __mmask16 k = static_cast<__mmask16>((1u << nrows) - 1);
-  for (int j = 0; j < C; ++j) _mm512_mask_storeu_ps(p.y + (n + j) * p.M + m, k, acc[j]);
-}
-
-template <int CU, int CK>
-GGMLX_VNNI void lanes(const Problem& p, const Interleaved& t, int64_t m, int nrows, int64_t n) {
-  if (p.ti.kquant) k_lanes<CK>(p, t, m, nrows, n);
-  else if (p.ti.q8_1) unit_lanes<CU, true>(p, t, m, nrows, n);
-  else unit_lanes<CU, false>(p, t, m, nrows, n);
-}
-
-// Weight rows [m0, m1) 16 at a time, each tile dotted with every activation row, 8 (32-element
-// types) or 6 (k-quants) at a time (4 and 4: 3-5% slower on a Zen 4; 6 k-quant rows still fit
-// the 32 vector registers).
-constexpr int kLaneRowsUnit = 8, kLaneRowsK = 6;
-void run_rows_lanes(const Problem& p, int64_t m0, int64_t m1) {
-  Buffers buf(p, kLanes);
-  thread_local Interleaved t;
-  const int64_t N = p.xq->N;
-  for (int64_t m = m0; m < m1; m += kLanes) {
-    const int nrows = static_cast<int>(std::min<int64_t>(kLanes, m1 - m));
-    interleave_rows(p, buf, m, nrows, t);
-    const int64_t step = p.ti.kquant ? kLaneRowsK : kLaneRowsUnit;
-    int64_t n = 0;
-    for (; n + step <= N; n += step) lanes<kLaneRowsUnit, kLaneRowsK>(p, t, m, nrows, n);
-    for (; n < N; ++n) lanes<1, 1>(p, t, m, nrows, n);
-  }
-}
-
-// Does the lane kernel take this problem? Many rows, AVX-512, values unsigned (IQ4_XS's are not).
-bool use_lanes(const Problem& p) {
-  return p.isa >= kAvx512 && p.xq->N > kFusedN && !p.ti.sgn;
-}
-
 // ---- k-quants for a few activation rows: straight from the blocks -------------------------
 
 // One super-block of a k-quant row as the fused kernel needs it: the four 64-element chunks'
@@ -1061,6 +913,190 @@ void rows_fused(const Problem& p, int64_t m0, int64_t m1) {
   const XQ& x = *p.xq;
   const FusedFn* fns = fused_fns(p.type);
   for (int64_t n0 = 0; n0 < x.N; n0 += kGroup) fns[std::min<int64_t>(kGroup, x.N - n0) - 1](p, x, n0, m0, m1);
+}
+
+// ---- many activation rows without AMX: 16 weight rows across the lanes --------------------
+
+// 16 unpacked weight rows interleaved so that one vector holds 4 consecutive values of each row
+// (lane r: row r), as ggml's repacked GEMM tiles do: one vpdpbusd by 4 broadcast activations
+// takes 64 products into 16 outputs, and the per-block scaling is one vector operation for all
+// 16 rows instead of a horizontal reduction per (row, activation) pair.
+constexpr int kLanes = 16;
+
+struct Interleaved {
+  std::vector<uint8_t> q;          // [K / 4][16][4]
+  std::vector<float> d, m;         // [nb][16]: d, and the mins (Q4_1, Q5_1) or dm (k-quants)
+  std::vector<int32_t> sc;         // k-quants: [K / 16][16], each 16 elements' scale
+  std::vector<int32_t> mo;         // k-quants: [K / 32][16], two 16-bit offset multipliers per lane
+};
+
+// Rows m .. m + nrows - 1 (nrows <= 16; the missing lanes zero) unpacked in registers as the
+// few-row kernels do (kblock, unit_q), and each 4 values stored to their row's lane.
+template <int64_t T>
+GGMLX_VNNI void interleave_rows(const Problem& p, int64_t m, int nrows, Interleaved& t) {
+  constexpr bool kK = T == Q2_K || T == Q3_K || T == Q4_K || T == Q5_K || T == Q6_K;
+  const int64_t K = p.K, nb = p.nb;
+  t.q.assign(K * kLanes, 0);
+  t.d.assign(nb * kLanes, 0.f);
+  t.m.assign(nb * kLanes, 0.f);
+  if constexpr (kK) {
+    t.sc.assign(K / 16 * kLanes, 0);
+    t.mo.assign(K / 32 * kLanes, 0);
+  }
+  alignas(64) uint8_t v[kQK];
+  for (int r = 0; r < nrows; ++r) {
+    const uint8_t* row = p.w + (m + r) * p.row_bytes;
+    if constexpr (kK) {
+      for (int64_t b = 0; b < nb; ++b) {
+        KBlock kb;
+        kblock<T>(row + b * p.ti.bytes, &kb);
+        for (int c = 0; c < 4; ++c) _mm512_store_si512(v + 64 * c, kb.q[c]);
+        for (int k4 = 0; k4 < kQK / 4; ++k4) std::memcpy(&t.q[((b * kQK / 4 + k4) * kLanes + r) * 4], v + 4 * k4, 4);
+        alignas(32) int16_t sc[16], mo[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sc), kb.sc);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mo), kb.mo);
+        for (int g = 0; g < 16; ++g) t.sc[(b * 16 + g) * kLanes + r] = sc[g];
+        for (int h = 0; h < 8; ++h)
+          t.mo[(b * 8 + h) * kLanes + r] = static_cast<int32_t>(static_cast<uint16_t>(mo[2 * h]) |
+                                                                (static_cast<uint32_t>(static_cast<uint16_t>(mo[2 * h + 1])) << 16));
+        t.d[b * kLanes + r] = kb.dw;
+        t.m[b * kLanes + r] = kb.dm;
+      }
+    } else {
+      for (int64_t b = 0; b < nb; b += 2) {
+        const uint8_t* b0 = row + b * p.ti.bytes;
+        const bool odd = b + 1 >= nb;   // K % 64 == 32: the last chunk holds one block
+        const uint8_t* b1 = odd ? b0 : b0 + p.ti.bytes;
+        _mm512_store_si512(v, unit_q<T>(b0, b1));
+        for (int k4 = 0; k4 < (odd ? 8 : 16); ++k4) std::memcpy(&t.q[((b * 8 + k4) * kLanes + r) * 4], v + 4 * k4, 4);
+        for (int64_t i = 0; i < (odd ? 1 : 2); ++i) {
+          const uint8_t* blk = b0 + i * p.ti.bytes;
+          t.d[(b + i) * kLanes + r] = T == MXFP4 ? e8m0_half(blk[0]) : h2f(blk);
+          if constexpr (T == Q4_1 || T == Q5_1) t.m[(b + i) * kLanes + r] = h2f(blk + 2);
+        }
+      }
+    }
+  }
+}
+
+using InterleaveFn = void (*)(const Problem&, int64_t, int, Interleaved&);
+
+InterleaveFn interleave_fn(int64_t t) {
+  switch (t) {
+    case Q4_0: return interleave_rows<Q4_0>;
+    case Q4_1: return interleave_rows<Q4_1>;
+    case Q5_0: return interleave_rows<Q5_0>;
+    case Q5_1: return interleave_rows<Q5_1>;
+    case Q8_0: return interleave_rows<Q8_0>;
+    case IQ4_NL: return interleave_rows<IQ4_NL>;
+    case MXFP4: return interleave_rows<MXFP4>;
+    case Q2_K: return interleave_rows<Q2_K>;
+    case Q3_K: return interleave_rows<Q3_K>;
+    case Q4_K: return interleave_rows<Q4_K>;
+    case Q5_K: return interleave_rows<Q5_K>;
+    default: return interleave_rows<Q6_K>;
+  }
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 32-element types: per block 8 vpdpbusd from the shift term, then one FMA by d_w * d_x (and for
+// Q4_1 / Q5_1 one by the mins times s) for 16 outputs; C activation rows per pass.
+template <int C, bool Mins>
+GGMLX_VNNI void unit_lanes(const Problem& p, const Interleaved& t, int64_t m, int nrows, int64_t n) {
+  const XQ& x = *p.xq;
+  const int64_t nc = x.Kp / 64;
+  __m512 acc[C];
+  for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b) {
+    __m512i si[C];
+    for (int j = 0; j < C; ++j) si[j] = _mm512_set1_epi32(x.off[((n + j) * nc + b / 2) * 16 + (b % 2) * 8]);
+    for (int k4 = 0; k4 < 8; ++k4) {
+      const __m512i w = _mm512_loadu_si512(&t.q[((b * 8 + k4) * kLanes) * 4]);
+      for (int j = 0; j < C; ++j)
+        si[j] = _mm512_dpbusd_epi32(si[j], w, _mm512_set1_epi32(load_i32(x.qs.data() + (n + j) * x.Kp + b * 32 + 4 * k4)));
+    }
+    const __m512 dw = _mm512_loadu_ps(&t.d[b * kLanes]);
+    for (int j = 0; j < C; ++j) {
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si[j]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(n + j) * p.nb + b])), acc[j]);
+      if constexpr (Mins) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(&t.m[b * kLanes]), _mm512_set1_ps(x.s[(n + j) * p.nb + b]), acc[j]);
+    }
+  }
+  const __mmask16 k = static_cast<__mmask16>((1u << nrows) - 1);
+  for (int j = 0; j < C; ++j) _mm512_mask_storeu_ps(p.y + (n + j) * p.M + m, k, acc[j]);
+}
+
+// k-quants: per 16 elements 4 vpdpbusd, the sums times the 16 rows' scales (vpmulld); per pair of
+// 16s one vpdpwssd of the offset multipliers by the activations' sums; per super-block two FMAs.
+template <int C>
+GGMLX_VNNI void k_lanes(const Problem& p, const Interleaved& t, int64_t m, int nrows, int64_t n) {
+  const XQ& x = *p.xq;
+  const int64_t K16 = p.K / 16;
+  __m512 acc[C];
+  for (int j = 0; j < C; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b) {
+    __m512i isum[C], msum[C];
+    for (int j = 0; j < C; ++j) { isum[j] = _mm512_setzero_si512(); msum[j] = _mm512_setzero_si512(); }
+    for (int g = 0; g < 16; ++g) {
+      const int64_t g16 = b * 16 + g;
+      __m512i gs[C];
+      for (int j = 0; j < C; ++j) gs[j] = _mm512_setzero_si512();
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const __m512i w = _mm512_loadu_si512(&t.q[((g16 * 4 + k4) * kLanes) * 4]);
+        for (int j = 0; j < C; ++j)
+          gs[j] = _mm512_dpbusd_epi32(gs[j], w, _mm512_set1_epi32(load_i32(x.qs.data() + (n + j) * x.Kp + g16 * 16 + 4 * k4)));
+      }
+      const __m512i sc = _mm512_loadu_si512(&t.sc[g16 * kLanes]);
+      for (int j = 0; j < C; ++j) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(gs[j], sc));
+      if (g % 2) {
+        const __m512i mo = _mm512_loadu_si512(&t.mo[(g16 / 2) * kLanes]);
+        for (int j = 0; j < C; ++j)
+          msum[j] = _mm512_dpwssd_epi32(msum[j], mo, _mm512_set1_epi32(load_i32(x.bs.data() + (n + j) * K16 + g16 - 1)));
+      }
+    }
+    const __m512 dw = _mm512_loadu_ps(&t.d[b * kLanes]), dm = _mm512_loadu_ps(&t.m[b * kLanes]);
+    for (int j = 0; j < C; ++j) {
+      const __m512 dx = _mm512_set1_ps(x.d[(n + j) * p.nb + b]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_mul_ps(dw, dx), acc[j]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum[j]), _mm512_mul_ps(dm, dx), acc[j]);
+    }
+  }
+  const __mmask16 k = static_cast<__mmask16>((1u << nrows) - 1);
+  for (int j = 0; j < C; ++j) _mm512_mask_storeu_ps(p.y + (n + j) * p.M + m, k, acc[j]);
+}
+
+template <int CU, int CK>
+GGMLX_VNNI void lanes(const Problem& p, const Interleaved& t, int64_t m, int nrows, int64_t n) {
+  if (p.ti.kquant) k_lanes<CK>(p, t, m, nrows, n);
+  else if (p.ti.q8_1) unit_lanes<CU, true>(p, t, m, nrows, n);
+  else unit_lanes<CU, false>(p, t, m, nrows, n);
+}
+
+// Weight rows [m0, m1) 16 at a time, each tile dotted with every activation row, 8 (32-element
+// types) or 6 (k-quants) at a time (4 and 4: 3-5% slower on a Zen 4; 6 k-quant rows still fit
+// the 32 vector registers).
+constexpr int kLaneRowsUnit = 8, kLaneRowsK = 6;
+void run_rows_lanes(const Problem& p, int64_t m0, int64_t m1) {
+  const InterleaveFn interleave = interleave_fn(p.type);
+  thread_local Interleaved t;
+  const int64_t N = p.xq->N;
+  for (int64_t m = m0; m < m1; m += kLanes) {
+    const int nrows = static_cast<int>(std::min<int64_t>(kLanes, m1 - m));
+    interleave(p, m, nrows, t);
+    const int64_t step = p.ti.kquant ? kLaneRowsK : kLaneRowsUnit;
+    int64_t n = 0;
+    for (; n + step <= N; n += step) lanes<kLaneRowsUnit, kLaneRowsK>(p, t, m, nrows, n);
+    for (; n < N; ++n) lanes<1, 1>(p, t, m, nrows, n);
+  }
+}
+
+// Does the lane kernel take this problem? Many rows, AVX-512, values unsigned (IQ4_XS's are not).
+bool use_lanes(const Problem& p) {
+  return p.isa >= kAvx512 && p.xq->N > kFusedN && !p.ti.sgn;
 }
 
 // quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
