@@ -203,7 +203,8 @@ using Quant0 = void (*)(const float*, int64_t, int8_t*, float*, float*, int32_t*
 
 // Into xq, whose vectors keep their capacity from call to call (one per calling thread), by
 // qk / q0 (the plain quantizers or the AVX-512 ones: the same values).
-void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq, QuantK qk, Quant0 q0) {
+// The activation buffers sized (and zeroed) for N rows of K.
+void size_x(int64_t N, int64_t K, const TypeInfo& ti, XQ& xq) {
   xq.N = N;
   xq.K = K;
   xq.Kp = (K + 63) / 64 * 64;
@@ -213,20 +214,30 @@ void quantize_x(const float* x, int64_t N, int64_t K, const TypeInfo& ti, XQ& xq
   xq.d.assign(Np * xq.nb, 0.f);
   if (ti.kquant) {
     xq.bs.assign(Np * (K / 16), 0);
-    for (int64_t n = 0; n < N; ++n)
-      qk(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, xq.bs.data() + n * (K / 16));
     return;
   }
   const int64_t nc = xq.Kp / 64;
-  thread_local std::vector<int32_t> sums;
-  sums.assign(xq.nb, 0);
   if (ti.q8_1) {
     xq.s.assign(Np * xq.nb, 0.f);
     xq.sv.assign(Np * nc * 16, 0.f);
   }
   xq.off.assign(Np * nc * 16, 0);
   xq.dv.assign(Np * nc * 16, 0.f);
-  for (int64_t n = 0; n < N; ++n) {
+}
+
+// Activation rows [n0, n1) quantized into buffers size_x made (rows are independent: callers
+// split them over threads).
+void quantize_rows(const float* x, int64_t n0, int64_t n1, const TypeInfo& ti, XQ& xq, QuantK qk, Quant0 q0) {
+  const int64_t K = xq.K;
+  if (ti.kquant) {
+    for (int64_t n = n0; n < n1; ++n)
+      qk(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, xq.bs.data() + n * (K / 16));
+    return;
+  }
+  const int64_t nc = xq.Kp / 64;
+  thread_local std::vector<int32_t> sums;
+  sums.assign(xq.nb, 0);
+  for (int64_t n = n0; n < n1; ++n) {
     q0(x + n * K, K, xq.qs.data() + n * xq.Kp, xq.d.data() + n * xq.nb, ti.q8_1 ? xq.s.data() + n * xq.nb : nullptr,
        sums.data());
     for (int64_t b = 0; b < xq.nb; ++b) {
@@ -1469,15 +1480,26 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("block_matmul: shapes of x [N, K], w [M, K / block * bytes], y [N, M] disagree");
   isa = std::min(isa, cpu_isa());
   thread_local XQ xq;
+  QuantK qk = quantize_q8_K;
+  Quant0 q0 = quantize_q8_0;
 #ifdef GGMLX_X86
   const bool amx = isa == kAmx && N > kFusedN;
   xq.pad_rows = amx ? 32 : 1;
-  if (isa >= kAvx512) quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K_avx512, quantize_q8_0_avx512);
-  else
+  if (isa >= kAvx512) {
+    qk = quantize_q8_K_avx512;
+    q0 = quantize_q8_0_avx512;
+  }
 #endif
-    quantize_x(x.typed_data(), N, K, ti, xq, quantize_q8_K, quantize_q8_0);
-  Problem p{isa, type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
+  size_x(N, K, ti, xq);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // prefill's activations quantized on every thread (a 1B model's pp512 spent ~3% here on one)
+  const int64_t x_rows = N >= 64 ? (N + 2 * threads - 1) / (2 * threads) : N;
+  const float* xs = x.typed_data();
+  XQ* xp = &xq;   // this thread's buffers (xq named inside the lambda would be the pool thread's)
+  ggmlx_native::parallel_for(pool, threads, (N + x_rows - 1) / x_rows, [=, &ti](int64_t c) {
+    quantize_rows(xs, c * x_rows, std::min(N, (c + 1) * x_rows), ti, *xp, qk, q0);
+  });
+  Problem p{isa, type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
   int64_t chunk = std::max<int64_t>(16, (M + 4 * threads - 1) / (4 * threads));
 #ifdef GGMLX_X86
   const int64_t align = !amx && use_lanes(p) ? kLanes : kRows;
