@@ -10,6 +10,7 @@ parallelism): its buffers are global arrays with a NamedSharding over a 1-d
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -26,9 +27,10 @@ class Backend:
     def __str__(self) -> str:
         return self.name
 
-    @property
-    def devices(self) -> set[jax.Device]:
-        return set(self.mesh.devices.flat) if self.mesh is not None else {self.device}
+    @functools.cached_property
+    def devices(self) -> frozenset[jax.Device]:
+        """Made once: the scheduler compares every state's devices with it on each decode."""
+        return frozenset(self.mesh.devices.flat) if self.mesh is not None else frozenset((self.device,))
 
     @property
     def target(self) -> jax.Device | jax.sharding.Sharding:

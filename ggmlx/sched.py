@@ -57,6 +57,7 @@ class Split:
     compiled: CompiledProgram | None = None
     w_vals: list | None = None       # the weights on this backend, gathered on the first run
     w_args: tuple | None = None      # ... and the arrays of them the executable takes
+    st_layouts: list | None = None   # buffer_layout of each state the program takes (fixed per tensor)
 
 
 @dataclass
@@ -178,13 +179,15 @@ def _array_label(x: jax.Array) -> str:
     return f"S({split[0]})" if split else "R"
 
 
-def _state_buffer(t: Tensor, state: dict[Tensor, jax.Array]) -> jax.Array:
-    """The buffer given for state leaf t, checked against its shape (numpy order) and type:
-    a mismatch would otherwise fail deep inside tracing, naming no tensor."""
+def _state_buffer(t: Tensor, state: dict[Tensor, jax.Array],
+                  layout: tuple[tuple[int, ...], np.dtype] | None = None) -> jax.Array:
+    """The buffer given for state leaf t, checked against its shape (numpy order) and type
+    (layout: buffer_layout(t), when the caller keeps it): a mismatch would otherwise fail deep
+    inside tracing, naming no tensor."""
     if t not in state:
         raise ValueError(f"no buffer for state {t.name!r}")
     buf = state[t]
-    shape, want = buffer_layout(t)
+    shape, want = layout if layout is not None else buffer_layout(t)
     if tuple(buf.shape) != shape or buf.dtype != want:
         raise ValueError(f"state {t.name!r}: buffer is {buf.dtype}{list(buf.shape)}, "
                          f"the graph needs {want}{list(shape)} (ne={list(t.ne)})")
@@ -302,7 +305,10 @@ class Scheduler:
             else:
                 raise ValueError(f"no value for input {t.name!r}")
         self.t_inputs += time.perf_counter() - t0
-        st_vals = [_on_device(_state_buffer(t, state), be) for t in prog.states]
+        if split.st_layouts is None:
+            split.st_layouts = [buffer_layout(t) for t in prog.states]
+        st_vals = [_on_device(_state_buffer(t, state, lay), be) for t, lay in zip(prog.states, split.st_layouts,
+                                                                                  strict=True)]
         return split.w_vals, in_vals, st_vals
 
     def reserve(self, plan: Plan, host_inputs: dict[Tensor, object], state: dict[Tensor, jax.Array],

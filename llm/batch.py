@@ -32,6 +32,9 @@ class SeqPosMemory(Protocol):
     def seq_pos_max(self, seq_id: int) -> int: ...
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _int_array(name: str, values, n: int | None) -> np.ndarray:
     arr = np.asarray(values)
     if arr.size == 0:
@@ -41,7 +44,7 @@ def _int_array(name: str, values, n: int | None) -> np.ndarray:
                          f"dtype {arr.dtype}")
     if n is not None and arr.shape[0] != n:
         raise BatchError(f"{name} has {arr.shape[0]} entries, the batch has {n} tokens")
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
         raise BatchError(f"{name} has values outside int32")
     return arr.astype(np.int32)
 
