@@ -27,7 +27,7 @@
 //   dotted with every activation row, kRows weight rows at a time: AVX-512 VNNI, AVX2
 //   (vpmaddubsw + vpmaddwd, ggml's AVX2 forms) or plain loops (any CPU; the same integers).
 // The weight rows are split into chunks over XLA's intra-op pool (parallel.h); activations are
-// quantized once per call before that.
+// quantized once per call before that (over the pool too from 64 rows).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -527,51 +527,17 @@ GGMLX_VNNI inline float h2f(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// 32-element types: per 64 elements one vpdpbusd started from the activation's shift term,
-// then * (d_x * d_w) per lane into a float accumulator.
-template <int R, bool Mins>
-GGMLX_VNNI void tile_unit_vnni(const Problem& p, const Buffers& buf, int64_t m) {
-  const XQ& x = *p.xq;
-  const int64_t nc = x.Kp / 64;
-  for (int64_t n = 0; n < x.N; ++n) {
-    const int8_t* xs = x.qs.data() + n * x.Kp;
-    const int32_t* xo = x.off.data() + n * nc * 16;
-    const float* xd = x.dv.data() + n * nc * 16;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < nc; ++c) {
-      const __m512i xv = _mm512_loadu_si512(xs + c * 64);
-      const __m512i ov = _mm512_loadu_si512(xo + c * 16);
-      const __m512 dv = _mm512_loadu_ps(xd + c * 16);
-      for (int r = 0; r < R; ++r) {
-        const Row& row = buf.rows[r];
-        const __m512i s = _mm512_dpbusd_epi32(ov, _mm512_loadu_si512(row.q + c * 64), xv);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_loadu_ps(row.dw + c * 16)), acc[r]);
-      }
-    }
-    if constexpr (Mins)   // the mins times the blocks' s, 16 blocks per FMA into the lanes summed below
-      for (int64_t b = 0; b < p.nb; b += 16) {
-        const __mmask16 k = static_cast<__mmask16>(p.nb - b >= 16 ? 0xFFFF : (1u << (p.nb - b)) - 1);
-        const __m512 sb = _mm512_maskz_loadu_ps(k, x.s.data() + n * p.nb + b);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, buf.rows[r].mf + b), sb, acc[r]);
-      }
-    for (int r = 0; r < R; ++r) p.y[n * p.M + m + r] = _mm512_reduce_add_ps(acc[r]);
-  }
+// The pairs of w * x of 64 elements as vpmaddubsw gives them, w signed: |w| times x with w's
+// sign (AVX-512 has no vpsignb: x negated where w < 0).
+GGMLX_VNNI inline __m512i signed_pairs512(__m512i w, __m512i x) {
+  return _mm512_maddubs_epi16(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x));
 }
 
-// The pairs of w * x of 64 elements as vpmaddubsw gives them: w unsigned, or (Sgn) signed, then
-// as |w| times x with w's sign (AVX-512 has no vpsignb: x negated where w < 0).
-template <bool Sgn>
-GGMLX_VNNI inline __m512i pairs512(__m512i w, __m512i x) {
-  if constexpr (Sgn) return _mm512_maddubs_epi16(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w),
-                                                                                          _mm512_setzero_si512(), x));
-  return _mm512_maddubs_epi16(w, x);
-}
-
-// k-quants: per 64 elements vpmaddubsw then vpdpwssd by the pair scales; per super-block the
-// offsets sum(mo * bsums) in 16-bit pairs, and two FMAs. C activation rows at a time, so that each
-// weight chunk and its scales are loaded once for all C.
-template <int R, int C, bool Sgn>
+// IQ4_XS (its signed values are the lane kernel's exception): per 64 elements vpmaddubsw by the
+// sign trick then vpdpwssd by the pair scales; per super-block the offsets sum(mo * bsums) in
+// 16-bit pairs, and two FMAs. C activation rows at a time, so that each weight chunk and its
+// scales are loaded once for all C.
+template <int R, int C>
 GGMLX_VNNI inline void k_vnni_block(const Problem& p, const Buffers& buf, int64_t m, int64_t n) {
   const XQ& x = *p.xq;
   const int64_t K16 = p.K / 16;
@@ -590,7 +556,7 @@ GGMLX_VNNI inline void k_vnni_block(const Problem& p, const Buffers& buf, int64_
         const Row& row = buf.rows[r];
         const __m512i wq = _mm512_loadu_si512(row.q + b * kQK + c * 64);
         const __m512i sc = _mm512_loadu_si512(row.sc16 + b * kQK / 2 + c * 32);
-        for (int j = 0; j < C; ++j) s[j][r] = _mm512_dpwssd_epi32(s[j][r], pairs512<Sgn>(wq, xv[j]), sc);
+        for (int j = 0; j < C; ++j) s[j][r] = _mm512_dpwssd_epi32(s[j][r], signed_pairs512(wq, xv[j]), sc);
       }
     }
     for (int j = 0; j < C; ++j) {
@@ -608,20 +574,13 @@ GGMLX_VNNI inline void k_vnni_block(const Problem& p, const Buffers& buf, int64_
     for (int r = 0; r < R; ++r) p.y[(n + j) * p.M + m + r] = ksum(acc[j][r], accm[j][r]);
 }
 
-template <int R, bool Sgn>
-GGMLX_VNNI void tile_k_vnni(const Problem& p, const Buffers& buf, int64_t m) {
+// The unpacked-row AVX-512 kernel: only IQ4_XS reaches it (use_lanes takes every other type).
+template <int R>
+GGMLX_VNNI void tile_vnni(const Problem& p, const Buffers& buf, int64_t m) {
   const int64_t N = p.xq->N;
   int64_t n = 0;
-  for (; n + 2 <= N; n += 2) k_vnni_block<R, 2, Sgn>(p, buf, m, n);
-  if (n < N) k_vnni_block<R, 1, Sgn>(p, buf, m, n);
-}
-
-template <int R>
-void tile_vnni(const Problem& p, const Buffers& buf, int64_t m) {
-  if (p.ti.sgn) tile_k_vnni<R, true>(p, buf, m);
-  else if (p.ti.kquant) tile_k_vnni<R, false>(p, buf, m);
-  else if (p.ti.q8_1) tile_unit_vnni<R, true>(p, buf, m);
-  else tile_unit_vnni<R, false>(p, buf, m);
+  for (; n + 2 <= N; n += 2) k_vnni_block<R, 2>(p, buf, m, n);
+  if (n < N) k_vnni_block<R, 1>(p, buf, m, n);
 }
 
 // ---- k-quants for a few activation rows: straight from the blocks -------------------------

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ggmlx.weights import NUMERICS
 from llm.research import llamacpp_child
 from llm.research.llamacpp_child import LlamaCppCrashed, llama_cpp_available
 
@@ -350,6 +351,6 @@ def add_parser(sub) -> None:
     p.add_argument("--flash-attn", action="store_true", help="fused attention on both sides (no kq_soft_max nodes)")
     p.add_argument("--f32-twin", action="store_true", help="compare on the dequantized-F32 twin of the model")
     p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("--numerics", choices=("exact", "ggml"), default="exact",
+    p.add_argument("--numerics", choices=NUMERICS, default="exact",
                    help="this engine's products (load_model's numerics): ggml to diff llama.cpp's quantized ones")
     p.set_defaults(fn=main)
