@@ -70,8 +70,20 @@ BLOCK_ISA = EnvFlag(
     "avx512 (AVX-512 VNNI), avx2 or plain (loops any CPU runs); the CPU's own widest caps it; part of "
     "compiled-graph cache keys")
 
+HUGE_PAGES = EnvFlag(
+    "GGMLX_HUGE_PAGES", "1",
+    "1 (default): weights of 2 MiB or more bound for a CPU device are held in anonymous memory advised "
+    "for transparent huge pages (Linux), so that a decode step streams them with a TLB miss per 2 MiB, "
+    "not per 4 KiB; 0: as jax.device_put holds them (in place in the file's mapping where aligned)")
+
+LANES = EnvFlag(
+    "GGMLX_LANES", "1",
+    "1 (default): under numerics=\"ggml\" on a CPU with AVX-512 VNNI, the matrices of mul_mat are held in "
+    "the lanes format (ggmlx.weights.FORMAT_LANES: 16 rows packed across the vector lanes), read in place "
+    "by the few-row kernels; 0: as their GGUF blocks. Read at load")
+
 ALL: tuple[EnvFlag, ...] = (CACHE_DIR, NO_PERSISTENT_CACHE, SCHED_DEBUG, REFERENCE, EXE_CACHE, MATMUL_PRECISION,
-                            NATIVE, BLOCK_ISA)
+                            NATIVE, BLOCK_ISA, HUGE_PAGES, LANES)
 
 _PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "default": "DEFAULT"}
 

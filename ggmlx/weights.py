@@ -14,6 +14,9 @@ held in (chosen at load time by `weight_format`):
   16 bytes: byte j holds element j low, j + 16 high), plus f32 scale and offset per 32:
   0.75 bytes per element against int8's 1.25, for the native matvec of decode steps, which
   reads the nibbles directly. Every other quantized type is held as under "int8".
+- "lanes" (numerics "ggml", a CPU with AVX-512 VNNI, the matrices of mul_mat): the GGUF blocks'
+  bytes, each group of 16 rows re-ordered field by field (LANE_FIELDS) so that native.block_matmul
+  reads 4 values of all 16 rows with one load and multiplies them with one instruction.
 
 `mul_mat` and `get_rows` are how ops read a weight: neither dequantizes more than a chunk of
 rows at a time, so a large matrix (a 262144-row lm_head) never exists as f32 in memory.
@@ -21,6 +24,9 @@ rows at a time, so a large matrix (a 262144-row lm_head) never exists as f32 in 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import mmap
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -38,6 +44,7 @@ FORMAT_PLAIN = "plain"
 FORMAT_BLOCKS = "blocks"
 FORMAT_INT8 = "int8"
 FORMAT_INT4 = "int4"
+FORMAT_LANES = "lanes"
 
 WEIGHT_FORMATS = ("auto", "native", "int8", "int4", "f32")
 # How products with quantized weights are computed. "exact": the weight's exact values times the
@@ -196,6 +203,97 @@ def ggml_numerics(t: GGMLType, numerics: str) -> bool:
     return numerics == "ggml" and int(t) in native.BLOCK_TYPES
 
 
+# The lanes format (block_matmul.cc's lane_pieces, the same order): a group of LANE_ROWS rows
+# holds, block by block, a sequence of pieces, each the same bytes [off, off + elem) of the block
+# in every row of the group ([LANE_ROWS rows][elem]): one 64-byte load is then the same 4 quant
+# bytes of all 16 rows (as ggml's repacked q4_K_8x8). LANE_FIELDS: per type, each field of the
+# block as (byte offset, bytes per piece, pieces), in the order of their pieces (Q6_K interleaves
+# its low and high bits: lane_pieces).
+LANE_ROWS = 16
+LANE_FIELDS: dict[GGMLType, tuple[tuple[int, int, int], ...]] = {
+    GGMLType.Q4_0: ((0, 2, 1), (2, 4, 4)),
+    GGMLType.IQ4_NL: ((0, 2, 1), (2, 4, 4)),
+    GGMLType.Q4_1: ((0, 2, 1), (2, 2, 1), (4, 4, 4)),
+    GGMLType.Q5_0: ((0, 2, 1), (2, 4, 1), (6, 4, 4)),
+    GGMLType.Q5_1: ((0, 2, 1), (2, 2, 1), (4, 4, 1), (8, 4, 4)),
+    GGMLType.Q8_0: ((0, 2, 1), (2, 4, 8)),
+    GGMLType.MXFP4: ((0, 1, 1), (1, 4, 4)),
+    GGMLType.Q4_K: ((0, 2, 1), (2, 2, 1), (4, 4, 3), (16, 4, 32)),
+    GGMLType.Q5_K: ((0, 2, 1), (2, 2, 1), (4, 4, 3), (16, 4, 8), (48, 4, 32)),
+    GGMLType.Q6_K: ((0, 4, 32), (128, 4, 16), (192, 2, 8), (208, 2, 1)),
+}
+
+
+def lane_pieces(t: GGMLType) -> list[tuple[int, int]]:
+    """The (offset, bytes) pieces of a type-t block in their lanes-format order. Q6_K's kernel
+    takes per half h and t 4 bytes of ql[64h + 4t], ql[64h + 32 + 4t] and qh[32h + 4t] together,
+    so they lie together (one stream from DRAM; as three the rate halved)."""
+    if t == GGMLType.Q6_K:
+        bits = [(off, 4) for h in range(2) for t4 in range(8)
+                for off in (64 * h + 4 * t4, 64 * h + 32 + 4 * t4, 128 + 32 * h + 4 * t4)]
+        return bits + [(192 + 2 * q, 2) for q in range(8)] + [(208, 2)]
+    return [(off + c * elem, elem) for off, elem, count in LANE_FIELDS[t] for c in range(count)]
+
+
+def lanes_ok(t: GGMLType, ne4, device=None) -> bool:
+    """Whether a weight of type t and shape ne4, bound for device under numerics "ggml", is held
+    in the lanes format: a 2-d matrix of whole 16-row groups, a type with a lane layout, a CPU
+    whose block_matmul reads it in place (AVX-512 VNNI), GGMLX_LANES on."""
+    return (t in LANE_FIELDS and ne4[1] % LANE_ROWS == 0 and ne4[2] == ne4[3] == 1 and flags.LANES.on()
+            and types.nbytes(t, ne4) < 2**31   # get_rows gathers by int32 byte offsets
+            and _on_cpu(device) and native.available()
+            and native.block_cpu_isa() >= native.BLOCK_ISAS.index("avx512"))
+
+
+def pack_lanes(blocks: np.ndarray, t: GGMLType, out: np.ndarray | None = None) -> np.ndarray:
+    """GGUF blocks uint8 [M, row_bytes] (M a multiple of LANE_ROWS) in the lanes format, the same
+    shape (into `out` when given). Any dtype moves as the bytes would (_lane_offsets); loading
+    packs by native.pack_lanes, the same order in C."""
+    m, row = blocks.shape
+    size = types.type_size(t)
+    g, nb = m // LANE_ROWS, row // size
+    src = blocks.reshape(g, LANE_ROWS, nb, size)
+    dst = (np.empty_like(blocks) if out is None else out).reshape(g, nb, LANE_ROWS * size)
+    at = 0
+    for off, elem in lane_pieces(t):
+        dst[:, :, at:at + LANE_ROWS * elem] = src[:, :, :, off:off + elem].transpose(0, 2, 1, 3).reshape(g, nb, -1)
+        at += LANE_ROWS * elem
+    return dst.reshape(m, row)
+
+
+@functools.cache
+def _lane_offsets(t: GGMLType, row_bytes: int) -> np.ndarray:
+    """int32 [LANE_ROWS, row_bytes]: where byte k of row r of a lane group lies in the group's bytes."""
+    n = LANE_ROWS * row_bytes
+    order = pack_lanes(np.arange(n, dtype=np.int32).reshape(LANE_ROWS, row_bytes), t).reshape(-1)
+    where = np.empty(n, np.int32)
+    where[order] = np.arange(n, dtype=np.int32)
+    return where.reshape(LANE_ROWS, row_bytes)
+
+
+def _take_lanes(w: DeviceWeight, idx: jax.Array) -> jax.Array:
+    """Rows idx of a lanes-format weight as GGUF blocks uint8 [len(idx), row_bytes], gathered
+    byte by byte from their groups (get_rows of an embedding the output head shares)."""
+    row = types.row_size(w.spec.type, w.spec.ne[0])
+    at = jnp.asarray(_lane_offsets(w.spec.type, row))
+    idx = idx.astype(jnp.int32)
+    return jnp.take(w.array.reshape(-1), (idx // LANE_ROWS * (LANE_ROWS * row))[:, None] + at[idx % LANE_ROWS])
+
+
+def unpack_lanes(q: jax.Array, t: GGMLType) -> jax.Array:
+    """pack_lanes undone inside a traced function: the GGUF blocks uint8 [M, row_bytes] (every
+    row: materialize, mul_mat off the native path)."""
+    m, row = q.shape
+    size = types.type_size(t)
+    g, nb = m // LANE_ROWS, row // size
+    src = q.reshape(g, nb, LANE_ROWS * size)
+    pieces, at = {}, 0
+    for off, elem in lane_pieces(t):
+        pieces[off] = src[:, :, at:at + LANE_ROWS * elem].reshape(g, nb, LANE_ROWS, elem).transpose(0, 2, 1, 3)
+        at += LANE_ROWS * elem
+    return jnp.concatenate([pieces[off] for off in sorted(pieces)], axis=3).reshape(m, row)
+
+
 # Types whose int8/int4 scales and offsets are f16 fields of their blocks (d, m): held as f16,
 # the same values in half the bytes (a decode step reads them all: SmolLM2-135M 111.6 -> 96
 # MB per token). Q4_0 under int4 stays f32: its offset -8 d can leave the f16 range.
@@ -225,6 +323,8 @@ def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str
         arr = raw.view(dt) if raw.dtype == np.uint8 else raw.astype(dt, copy=False)
         return WeightSpec(FORMAT_PLAIN, t, ne4), [arr.reshape(tuple(reversed(ne4)))]
     blocks = raw.view(np.uint8).reshape(rows, types.row_size(t, ne4[0]))
+    if fmt == FORMAT_LANES:
+        return WeightSpec(FORMAT_LANES, t, ne4), [blocks]   # packed as it is placed (to_device)
     if fmt == FORMAT_INT8:
         q, scale, offset = to_int8(blocks, t, rows)
         if t in F16_SCALES:
@@ -238,10 +338,49 @@ def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str
     return WeightSpec(FORMAT_BLOCKS, t, ne4), [blocks]
 
 
+# A weight this large (one 2 MiB page or more) bound for a CPU device is first copied into
+# anonymous memory advised for transparent huge pages (GGMLX_HUGE_PAGES): a decode step streams
+# every weight once, and with 4 KiB pages each 4 KiB costs a TLB miss. Measured on a 2-core
+# Zen 4 at N = 1 from DRAM: Q6_K 32768x2048 27-28 -> 32 GB/s, Q4_K 8192x2048 26-27 -> 27-29.
+HUGE_PAGE = 2 << 20
+
+
+def _on_cpu(device) -> bool:
+    return (jax.default_backend() if device is None else device.platform) == "cpu"
+
+
+def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array in a private anonymous mapping whose whole 2 MiB
+    pages are advised MADV_HUGEPAGE (Linux; elsewhere plain pages), starting on a 2 MiB boundary;
+    the mapping is unmapped when the array (and every view or jax array holding it) is gone."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(mm, np.uint8)
+    start = -buf.ctypes.data % HUGE_PAGE
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE   # the tail short of a page stays in 4 KiB pages
+    if sys.platform == "linux" and whole:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _huge(nbytes: int, device) -> bool:
+    return nbytes >= HUGE_PAGE and flags.HUGE_PAGES.on() and _on_cpu(device)
+
+
+def _put(a: np.ndarray, device) -> jax.Array:
+    """jax.device_put(a, device), a held in huge pages first where HUGE_PAGE says so (the CPU
+    client then keeps that copy in place: it is 64-byte aligned)."""
+    if _huge(a.nbytes, device):
+        host = huge_page_array(a.shape, a.dtype)
+        host[...] = a
+        a = host
+    return jax.device_put(a, device)
+
+
 def converted(w: DeviceWeight) -> bool:
-    """Whether w's arrays were computed from the file's bytes (int8, int4, dequantized), so
+    """Whether w's arrays were computed from the file's bytes (int8, int4, lanes, dequantized), so
     they hold no view of them (plain floats and blocks may)."""
-    return w.spec.format in (FORMAT_INT8, FORMAT_INT4) or (
+    return w.spec.format in (FORMAT_INT8, FORMAT_INT4, FORMAT_LANES) or (
         w.spec.format == FORMAT_PLAIN and types.traits(w.spec.type).is_quantized)
 
 
@@ -254,10 +393,11 @@ def aliases(w: DeviceWeight, data: np.ndarray) -> bool:
 
 
 def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str = "native",
-              numerics: str = "exact") -> DeviceWeight:
+              numerics: str = "exact", lanes: bool = False) -> DeviceWeight:
     """Put a tensor's GGUF bytes (uint8, or typed values) on a device in the format that
     weight_format selects for its type (see resolve_format); under numerics "ggml" the types
-    native.block_matmul reads stay as their blocks."""
+    native.block_matmul reads stay as their blocks, or with `lanes` (a weight only mul_mat
+    reads: the loader's choice) in the lanes format where lanes_ok allows."""
     t = GGMLType(t)
     ne4 = pad_ne(ne)
     raw = np.ascontiguousarray(data)
@@ -265,13 +405,20 @@ def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str
         raise ValueError(f"to_device: {t.name} tensor of ne={tuple(ne)} needs {types.nbytes(t, ne4)} bytes, "
                          f"got {raw.size}")
     if ggml_numerics(t, numerics) and raw.dtype == np.uint8:
-        spec, arrs = _held(raw, t, ne4, FORMAT_BLOCKS)
+        packed = lanes and lanes_ok(t, ne4, device)
+        spec, arrs = _held(raw, t, ne4, FORMAT_LANES if packed else FORMAT_BLOCKS)
         spec = dataclasses.replace(spec, numerics="ggml")
+        if packed:
+            blocks = arrs[0]
+            host = huge_page_array(blocks.shape, np.uint8) if _huge(blocks.nbytes, device) else np.empty_like(blocks)
+            if not native.pack_lanes(blocks, int(t), host):   # (lanes_ok: it is loaded)
+                pack_lanes(blocks, t, host)
+            return DeviceWeight(spec, jax.device_put(host, device))
     else:
         spec, arrs = _held(raw, t, ne4, resolve_format(weight_format, t))
     q, scale, offset = (arrs + [None, None])[:3]
-    return DeviceWeight(spec, jax.device_put(q, device), None if scale is None else jax.device_put(scale, device),
-                        None if offset is None else jax.device_put(offset, device))
+    return DeviceWeight(spec, _put(q, device), None if scale is None else _put(scale, device),
+                        None if offset is None else _put(offset, device))
 
 
 # ---- weights divided over a mesh (split_mode "row") -----------------------------------------
@@ -468,8 +615,16 @@ def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
     rows = sum(w.spec.ne[1] for w in ws)
     ne = (first.ne[0], rows, 1, 1)
 
+    devices = ws[0].array.devices()
+    device = next(iter(devices))
+
     def cat(parts: list[jax.Array]) -> jax.Array:
-        out = jnp.concatenate([p.reshape(p.shape[-2] if p.ndim == 4 else p.shape[0], -1) for p in parts])
+        flat = [p.reshape(p.shape[-2] if p.ndim == 4 else p.shape[0], -1) for p in parts]
+        if len(devices) == 1 and _huge(sum(p.nbytes for p in flat), device):   # joined in huge pages
+            host = huge_page_array((sum(p.shape[0] for p in flat), flat[0].shape[1]), flat[0].dtype)
+            out = jax.device_put(np.concatenate([np.asarray(p) for p in flat], out=host), device)
+        else:
+            out = jnp.concatenate(flat)
         return out.reshape(1, 1, rows, -1) if parts[0].ndim == 4 else out
 
     scale = None if ws[0].scale is None else cat([w.scale for w in ws if w.scale is not None])
@@ -519,7 +674,7 @@ def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: ja
     n = q.shape[0]
     if spec.format == FORMAT_PLAIN:
         return q.reshape(n, spec.ne[0]).astype(jnp.float32)
-    if spec.format == FORMAT_BLOCKS:
+    if spec.format in (FORMAT_BLOCKS, FORMAT_LANES):   # (lanes: _row_arrays gave the blocks)
         from ggmlx import quants
         return quants.dequantize_jax(q, spec.type, (spec.ne[0], n))
     assert scale is not None   # the int8 and int4 formats always have scales
@@ -533,12 +688,15 @@ def _rows_f32(w: DeviceWeight, q: jax.Array, scale: jax.Array | None, offset: ja
 
 
 def _row_arrays(w: DeviceWeight) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The held arrays with rows as their leading axis (a fused member's own rows only)."""
+    """The held arrays with rows as their leading axis (a fused member's own rows only; the
+    lanes format as GGUF blocks)."""
     if w.spec.rows is not None:
         q, scale, offset = _row_arrays(fused_parent(w))
         return (member_rows(w, q, 0), None if scale is None else member_rows(w, scale, 0),
                 None if offset is None else member_rows(w, offset, 0))
     rows = w.spec.ne[1] * w.spec.ne[2] * w.spec.ne[3]
+    if w.spec.format == FORMAT_LANES:
+        return unpack_lanes(w.array.reshape(rows, -1), w.spec.type), None, None
     return w.array.reshape(rows, -1), w.scale, w.offset
 
 
@@ -556,6 +714,8 @@ def get_rows(w: DeviceWeight, idx: jax.Array) -> jax.Array:
     """Rows idx of a 2-d weight as f32 [len(idx), ne0]; only the gathered rows are dequantized."""
     if w.spec.split is not None:
         return _get_rows_split(w, idx)
+    if w.spec.format == FORMAT_LANES and w.spec.rows is None:
+        return _rows_f32(w, _take_lanes(w, idx), None, None)
     q, scale, offset = _row_arrays(w)
     return _rows_f32(w, jnp.take(q, idx, axis=0),
                      None if scale is None else jnp.take(scale, idx, axis=0),
@@ -574,11 +734,12 @@ def _mul_mat_native(w: DeviceWeight, xt: jax.Array) -> jax.Array:
     """The native kernel of w's format on the CPU (the XLA path elsewhere): block_matmul for a
     weight under numerics "ggml", else the int4 or int8 matvec. An FFI call has no derivative,
     so the tangent (linear in xt: saliency, gradients of llm.trace) takes the XLA path."""
-    q, scale, offset = _row_arrays(w)
+    lanes = w.spec.format == FORMAT_LANES   # read in place, not through _row_arrays
+    q, scale, offset = (w.array.reshape(w.spec.ne[1], -1), None, None) if lanes else _row_arrays(w)
 
     def kernel(xt):
         if w.spec.numerics == "ggml":
-            return native.block_matmul(xt, q, int(w.spec.type))
+            return native.block_matmul(xt, q, int(w.spec.type), lanes=lanes)
         assert scale is not None   # the int8 and int4 formats always have scales
         if w.spec.format == FORMAT_INT4:
             assert offset is not None

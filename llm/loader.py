@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ import ggmlx
 from ggmlx import gguf, weights
 from ggmlx.tensor import Tensor, new_weight
 from ggmlx.types import GGMLType
-from llm.arch import LLMKV
+from llm.arch import LLMKV, LLMTensor
 from llm.errors import LoadCancelled, MetadataError, ModelLoadError
 
 _V = TypeVar("_V", int, float, bool, str)
@@ -41,6 +42,14 @@ def _is_kind(value: object, kind: type) -> bool:
         return isinstance(value, (int, float, np.integer, np.floating)) and not is_bool
     return isinstance(value, str)
 
+
+
+# The matrices held in the lanes format under numerics "ggml" (weights.lanes_ok): the projections
+# of attention and the FFN and the output head, which only mul_mat reads, and the token embedding,
+# which the output head often is too (get_rows gathers its rows from the lane groups).
+_LANE_WEIGHTS = re.compile("(?:" + "|".join(re.escape(tt.value).replace("%d", r"\d+") for tt in (
+    LLMTensor.ATTN_Q, LLMTensor.ATTN_K, LLMTensor.ATTN_V, LLMTensor.ATTN_QKV, LLMTensor.ATTN_OUT,
+    LLMTensor.FFN_GATE, LLMTensor.FFN_UP, LLMTensor.FFN_DOWN, LLMTensor.OUTPUT, LLMTensor.TOKEN_EMBD)) + r")\.weight")
 
 class TensorFlag(enum.IntFlag):
     """llama_model_loader's TENSOR_NOT_REQUIRED and TENSOR_DUPLICATED."""
@@ -228,6 +237,12 @@ class ModelLoader(GGUFMeta):
             raise ModelLoadError(f"{self.path}: {len(unused)} tensor(s) not used by the "
                                  f"'{self.arch_name}' graph, e.g. '{unused[0]}'")
 
+    @staticmethod
+    def lane_weight(name: str) -> bool:
+        """Whether the tensor of this name may be held in the lanes format under numerics "ggml"
+        (weights.lanes_ok): a matrix of mul_mat (and the token embedding's get_rows)."""
+        return _LANE_WEIGHTS.fullmatch(name) is not None
+
     def load_all_data(self, progress_callback: Callable[[float], bool] | None = None,
                       weight_format: str = "auto", numerics: str = "exact") -> int:
         """Copy every created tensor's bytes to its device, held in `weight_format` (see
@@ -254,7 +269,7 @@ class ModelLoader(GGUFMeta):
                                              self.mesh, split, weight_format, t.name)
                 else:
                     t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
-                                               weight_format, numerics)
+                                               weight_format, numerics, lanes=self.lane_weight(t.name))
                 if weights.converted(t.data):      # its file pages are read: out of the RSS
                     self.reader.release(entry.info)
                 elif not weights.aliases(t.data, entry.info.data):   # copied, once the copy is done

@@ -130,6 +130,41 @@ def test_block_matmul_reads_every_bit_pattern(t, isa, monkeypatch):
         assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), N
 
 
+LANE_TYPES = [t for t in TYPES if int(t) in native.LANE_TYPES]
+
+
+@needs_native
+@pytest.mark.parametrize("isa", native.BLOCK_ISAS)
+@pytest.mark.parametrize("t", LANE_TYPES, ids=lambda t: t.name)
+def test_lanes_format_is_the_same_product(t, isa, monkeypatch):
+    """A weight in the lanes format (16-row groups packed across the lanes): the few-row kernels
+    that read it in place (1-16 rows, AVX-512) and the paths that take its groups back (the lane
+    tiles from 17 rows; AVX2 and plain loops) give ggml's product, on quantized and random-byte
+    blocks; off AVX-512 the same bits as from the GGUF blocks."""
+    monkeypatch.setenv("GGMLX_BLOCK_ISA", isa)
+    K = 512 if t in KQUANTS else 576      # 576: rows ending in half a 64-element chunk
+    for seed, blocks in enumerate((_blocks(t, 48, K, 5), _random_blocks(t, 48, K, int(t)))):
+        packed = weights.pack_lanes(blocks, t)
+        assert not np.array_equal(packed, blocks) and np.array_equal(np.sort(packed, None), np.sort(blocks, None))
+        for N in (1, 2, 3, 4, 5, 16, 21, 40):
+            x = (np.random.default_rng(N + seed).standard_normal((N, K)) * 3).astype(np.float32)
+            y = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(packed), int(t), lanes=True))
+            ref = reference(t, blocks, x)
+            assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), (N, seed)
+            if isa in ("plain", "avx2") or native.block_cpu_isa() < native.BLOCK_ISAS.index("avx512"):
+                y0 = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(blocks), int(t)))
+                np.testing.assert_array_equal(y, y0)
+
+
+@needs_native
+def test_lanes_format_takes_whole_groups_of_a_lane_type():
+    x = jnp.ones((1, 256), jnp.float32)
+    with pytest.raises(Exception, match="lanes format takes 16-row groups"):
+        native.block_matmul(x, jnp.asarray(_blocks(T.Q4_K, 40, 256, 0)), int(T.Q4_K), lanes=True)
+    with pytest.raises(Exception, match="lanes format takes 16-row groups"):
+        native.block_matmul(x, jnp.asarray(_blocks(T.IQ4_XS, 48, 256, 0)), int(T.IQ4_XS), lanes=True)
+
+
 @needs_native
 def test_zero_activations_give_zero():
     blocks = _blocks(T.Q4_K, 8, 256, 0)

@@ -88,6 +88,96 @@ def test_int4_concat_rows():
     assert weights.concat_rows([ws[0], weights.to_device(parts[1][0], t, parts[1][1], weight_format="int8")]) is None
 
 
+@pytest.mark.parametrize("hp", ["1", "0"])
+def test_large_weights_held_in_huge_pages(monkeypatch, hp):
+    """A CPU weight of a 2 MiB page or more (placed, or joined by concat_rows) is held in place in
+    a mapping that starts on a 2 MiB boundary, its bytes unchanged; a smaller one, and every one
+    under GGMLX_HUGE_PAGES=0, is left to jax.device_put."""
+    monkeypatch.setenv("GGMLX_HUGE_PAGES", hp)
+    t = GGMLType.Q8_0
+    row = types.row_size(t, 1024)
+    rows = weights.HUGE_PAGE // row + 3                                  # just over one page
+    data = _random_blocks(t, rows, 1024, seed=1)
+    w = weights.to_device(data, t, (1024, rows), numerics="ggml")
+    small = weights.to_device(data[:4 * row], t, (1024, 4), numerics="ggml")
+    cat = weights.concat_rows([w, small])
+    np.testing.assert_array_equal(np.asarray(w.array).reshape(-1), data)
+    np.testing.assert_array_equal(np.asarray(cat.array).reshape(-1), np.concatenate([data, data[:4 * row]]))
+    if hp == "1":
+        assert [a.unsafe_buffer_pointer() % weights.HUGE_PAGE for a in (w.array, cat.array)] == [0, 0]
+
+
+needs_lanes = pytest.mark.skipif(not weights.lanes_ok(GGMLType.Q4_K, (256, 16, 1, 1)),
+                                 reason="the lanes format needs the native kernels and AVX-512 VNNI")
+
+
+@needs_lanes
+@pytest.mark.parametrize("t", list(weights.LANE_FIELDS), ids=lambda t: t.name)
+def test_lanes_format_reads_as_the_blocks(t):
+    """A weight held in the lanes format (numerics "ggml", to_device(lanes=True)): the same
+    values (materialize, get_rows by gathering its rows from the groups) and products as the
+    GGUF blocks; pack_lanes is a permutation of each group's bytes, undone by unpack_lanes."""
+    ne = (512, 48)
+    values = np.random.default_rng(int(t)).standard_normal((ne[1], ne[0])).astype(np.float32)
+    data = np.asarray(quants.quantize(values, t)).reshape(-1)
+    blocks = weights.to_device(data, t, ne, numerics="ggml")
+    lanes = weights.to_device(data, t, ne, numerics="ggml", lanes=True)
+    assert (blocks.spec.format, lanes.spec.format) == (weights.FORMAT_BLOCKS, weights.FORMAT_LANES)
+    packed = np.asarray(lanes.array).reshape(ne[1], -1)
+    assert np.array_equal(np.asarray(weights.unpack_lanes(jax.numpy.asarray(packed), t)).reshape(-1), data)
+    assert np.array_equal(np.sort(packed[:16], None), np.sort(data.reshape(ne[1], -1)[:16], None))
+    np.testing.assert_array_equal(np.asarray(jax.jit(weights.materialize)(lanes)),
+                                  np.asarray(jax.jit(weights.materialize)(blocks)))
+    idx = jax.numpy.asarray([47, 0, 16, 5, 16], np.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(weights.get_rows)(lanes, idx)),
+                                  np.asarray(jax.jit(weights.get_rows)(blocks, idx)))
+    x = np.random.default_rng(0).standard_normal((3, ne[0])).astype(np.float32)
+    want = np.asarray(jax.jit(weights.mul_mat)(blocks, x))
+    np.testing.assert_allclose(np.asarray(jax.jit(weights.mul_mat)(lanes, x)), want, rtol=0,
+                               atol=2e-6 * np.abs(want).max())
+
+
+@needs_lanes
+def test_lanes_format_only_where_it_applies(monkeypatch):
+    """Whole 16-row groups of a lane type, 2-d, numerics "ggml", GGMLX_LANES on; otherwise the blocks."""
+    t = GGMLType.Q4_K
+    def fmt(ne, t=t, **kw):
+        data = _random_blocks(t, int(np.prod(ne[1:])), ne[0], seed=0)
+        return weights.to_device(data, t, ne, **kw).spec.format
+    assert fmt((256, 32), numerics="ggml", lanes=True) == weights.FORMAT_LANES
+    assert fmt((256, 40), numerics="ggml", lanes=True) == weights.FORMAT_BLOCKS     # 2.5 groups
+    assert fmt((256, 16, 2), numerics="ggml", lanes=True) == weights.FORMAT_BLOCKS  # 3-d
+    assert fmt((256, 32), t=GGMLType.IQ4_XS, numerics="ggml", lanes=True) == weights.FORMAT_BLOCKS
+    assert fmt((256, 32), numerics="ggml") == weights.FORMAT_BLOCKS
+    assert fmt((256, 32), weight_format="int4", lanes=True) == weights.FORMAT_INT4   # exact numerics
+    monkeypatch.setenv("GGMLX_LANES", "0")
+    assert fmt((256, 32), numerics="ggml", lanes=True) == weights.FORMAT_BLOCKS
+
+
+@needs_lanes
+def test_model_in_the_lanes_format(tmp_path, monkeypatch):
+    """Under numerics "ggml" a model holds its projections, output and token embedding in the
+    lanes format (norms stay plain); decoding gives the logits it gives from the GGUF blocks."""
+    path = write_model(tmp_path / "m.gguf", TinySpec(wtype="Q8_0"))
+    toks = prompt_tokens(12)
+    logits = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("GGMLX_LANES", on)
+        model = llm.load_model(path, numerics="ggml")
+        layer = model.layers[0]
+        formats = {t.data.spec.format for t in (layer.wq, layer.wo, layer.ffn_down, model.tok_embd)}
+        assert formats == {weights.FORMAT_LANES if on == "1" else weights.FORMAT_BLOCKS}
+        assert layer.attn_norm.data.spec.format == weights.FORMAT_PLAIN
+        ctx = llm.Context(model, n_ctx=64)
+        assert ctx.decode(llm.Batch(toks[:8], logits=np.ones(8, bool))) == 0
+        rows = [ctx.get_logits()]
+        for i, tok in enumerate(toks[8:]):
+            assert ctx.decode(llm.Batch([tok], pos=[8 + i])) == 0
+            rows.append(ctx.get_logits())
+        logits[on] = np.concatenate([np.asarray(r).reshape(-1, model.n_vocab) for r in rows])
+    np.testing.assert_allclose(logits["1"], logits["0"], rtol=0, atol=1e-4 * np.abs(logits["0"]).max())
+
+
 def _real_tensors(path) -> dict[GGMLType, tuple[str, np.ndarray, tuple[int, int]]]:
     """One tensor per block type in a GGUF file, cut to its first 64 rows."""
     r = gguf.GGUFReader(str(path))

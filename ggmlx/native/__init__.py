@@ -115,14 +115,59 @@ def int4_matvec(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array)
     return jax.ffi.ffi_call(TARGET_INT4, out)(x, q, scale, offset)
 
 
-def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int) -> jax.Array:
+def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int, lanes: bool = False) -> jax.Array:
     """x f32 [N, K] (any N) times a weight held as its GGUF blocks (uint8 [M, row_bytes] of
     type ggml_type, one of BLOCK_TYPES) -> f32 [N, M], with ggml-cpu's numerics: x quantized
     to the type's vec_dot_type (Q8_0, Q8_1 or Q8_K) as ggml-cpu does, integer dot products
     (AMX tiles for more than 16 rows where the CPU has them; GGMLX_BLOCK_ISA caps the instruction set).
+    `lanes`: the blocks are in the lanes format (ggmlx.weights.pack_lanes: 16-row groups, M a
+    multiple of 16, a type of LANE_TYPES), read in place by the few-row AVX-512 kernels.
     CPU only."""
     out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type), isa=np.int64(block_isa()))
+    return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type), isa=np.int64(block_isa()),
+                                                lanes=np.int64(lanes))
+
+
+# The types block_matmul also reads in the lanes format (block_matmul.cc's lane_pieces).
+LANE_TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+                                        GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL,
+                                        GGMLType.MXFP4))
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    """The library for plain ctypes calls (nothing registered with XLA), once loaded for FFI."""
+    path = library_path()
+    return None if load_error() is not None or path is None else ctypes.CDLL(path)
+
+
+@functools.cache
+def block_cpu_isa() -> int:
+    """The widest instruction set block_matmul finds on this CPU, as an index of BLOCK_ISAS
+    (0, plain, when the library is not loaded)."""
+    lib = _lib()
+    if lib is None:
+        return 0
+    lib.ggmlx_block_cpu_isa.restype = ctypes.c_int64
+    return int(lib.ggmlx_block_cpu_isa())
+
+
+def pack_lanes(blocks: np.ndarray, ggml_type: int, out: np.ndarray) -> bool:
+    """GGUF blocks uint8 [M, row_bytes] into `out` (the same shape, C-contiguous) in the lanes
+    format by the library (ggmlx.weights.pack_lanes is the definition); False when the library
+    is not loaded."""
+    lib = _lib()
+    if lib is None:
+        return False
+    src = np.ascontiguousarray(blocks)
+    fn = lib.ggmlx_pack_lanes
+    fn.restype = ctypes.c_int64
+    i64 = ctypes.c_int64
+    rc = fn(ctypes.c_void_p(src.ctypes.data), ctypes.c_void_p(out.ctypes.data), i64(src.shape[0]), i64(src.shape[1]),
+            i64(ggml_type))
+    if rc != 0:
+        raise ValueError(f"pack_lanes: type {ggml_type} with {src.shape[0]} rows has no lanes layout")
+    return True
 
 
 # GGMLX_BLOCK_ISA's values, in block_matmul.cc's order (each includes the ones before it)

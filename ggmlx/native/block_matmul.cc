@@ -438,10 +438,80 @@ struct Problem {
   int64_t isa;
   int64_t type, M, K, Kp, nb, row_bytes;
   TypeInfo ti;
-  const uint8_t* w;
+  const uint8_t* w;   // weight row row0 (GGUF blocks), or the whole weight in the lanes format
   const XQ* xq;
   float* y;   // [N, M]
+  bool lanes = false;   // w is held in the lanes format (see lane_pieces)
+  int64_t row0 = 0;
 };
+
+// Weight row m's GGUF blocks.
+inline const uint8_t* row_at(const Problem& p, int64_t m) { return p.w + (m - p.row0) * p.row_bytes; }
+
+// ---- the lanes format: 16 weight rows packed across the vector lanes -----------------------
+//
+// Under numerics="ggml" on AVX-512 the matrices of mul_mat are held in the lanes format
+// (ggmlx.weights.FORMAT_LANES): the file's bytes, each group of 16 rows re-ordered block by
+// block as a sequence of pieces, a piece being the same bytes [off, off + elem) of the block in
+// each of the 16 rows ([16 rows][elem]). The pieces run over each field of the block in turn
+// (d, m, qh, qs, scales, 4 quant bytes at a time), so that one 64-byte load holds the same 4
+// quant bytes of all 16 rows (lane r: row r) and one vpdpbusd by 4 broadcast activations feeds
+// 16 outputs with no horizontal sums, as ggml's repacked q4_K_8x8 tiles; Q6_K interleaves the
+// pieces of its low and high bits in the order its kernel reads them (from DRAM, several
+// interleaved streams per block halved the rate). ggmlx.weights.lane_pieces makes the same
+// list. A group's 16 x row_bytes bytes stay contiguous (block b at 16 * bytes * b), so fusing
+// rows keeps the format.
+struct LanePiece {
+  int off, elem;   // bytes into the block, bytes
+};
+
+constexpr int kMaxPieces = 64;
+
+// The pieces of type t's block in their order (0 for a type without a lane layout).
+int lane_pieces(int64_t t, LanePiece* out) {
+  int n = 0;
+  auto field = [&](int off, int elem, int count) {
+    for (int c = 0; c < count; ++c) out[n++] = {off + c * elem, elem};
+  };
+  switch (t) {
+    case Q4_0: case IQ4_NL: field(0, 2, 1); field(2, 4, 4); break;
+    case Q4_1: field(0, 2, 1); field(2, 2, 1); field(4, 4, 4); break;
+    case Q5_0: field(0, 2, 1); field(2, 4, 1); field(6, 4, 4); break;
+    case Q5_1: field(0, 2, 1); field(2, 2, 1); field(4, 4, 1); field(8, 4, 4); break;
+    case Q8_0: field(0, 2, 1); field(2, 4, 8); break;
+    case MXFP4: field(0, 1, 1); field(1, 4, 4); break;
+    case Q4_K: field(0, 2, 1); field(2, 2, 1); field(4, 4, 3); field(16, 4, 32); break;
+    case Q5_K: field(0, 2, 1); field(2, 2, 1); field(4, 4, 3); field(16, 4, 8); field(48, 4, 32); break;
+    case Q6_K:   // per half h and t: ql[64h + 4t ..], ql[64h + 32 + 4t ..], qh[32h + 4t ..]; then scales, d
+      for (int h = 0; h < 2; ++h)
+        for (int t4 = 0; t4 < 8; ++t4) {
+          field(64 * h + 4 * t4, 4, 1);
+          field(64 * h + 32 + 4 * t4, 4, 1);
+          field(128 + 32 * h + 4 * t4, 4, 1);
+        }
+      field(192, 2, 8);
+      field(208, 2, 1);
+      break;
+    default: break;
+  }
+  return n;
+}
+
+constexpr int kLanes = 16;   // weight rows per lane group (and per interleaved tile)
+
+// The 16 rows of lane group g as GGUF blocks, into out [16][row_bytes].
+void lanes_rows(const Problem& p, int64_t g, uint8_t* out) {
+  LanePiece pc[kMaxPieces];
+  const int np = lane_pieces(p.type, pc);
+  const int64_t bytes = p.ti.bytes;
+  const uint8_t* grp = p.w + g * kLanes * p.row_bytes;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const uint8_t* seg = grp + b * kLanes * bytes;
+    for (int i = 0; i < np; ++i, seg += kLanes * pc[i - 1].elem)
+      for (int r = 0; r < kLanes; ++r)
+        std::memcpy(out + r * p.row_bytes + b * bytes + pc[i].off, seg + r * pc[i].elem, pc[i].elem);
+  }
+}
 
 // Buffers for n (at most 32) unpacked weight rows.
 struct Buffers {
@@ -723,7 +793,7 @@ GGMLX_VNNI void rows_k_fused(const Problem& p, const XQ& x, int64_t n0, int64_t 
     idx[c] = _mm512_load_si512(v);
   }
   for (int64_t m = m0; m < m1; ++m) {
-    const uint8_t* row = p.w + m * p.row_bytes;
+    const uint8_t* row = row_at(p, m);
     __m512 acc[NR];
     __m256 accm[NR];
     for (int n = 0; n < NR; ++n) { acc[n] = _mm512_setzero_ps(); accm[n] = _mm256_setzero_ps(); }
@@ -821,7 +891,7 @@ GGMLX_VNNI void rows_unit_fused(const Problem& p, const XQ& x, int64_t n0, int64
   constexpr bool kMins = T == Q4_1 || T == Q5_1;
   const int64_t nc = x.Kp / 64, bytes = p.ti.bytes;
   for (int64_t m = m0; m < m1; ++m) {
-    const uint8_t* row = p.w + m * p.row_bytes;
+    const uint8_t* row = row_at(p, m);
     __m512 acc[NR];
     for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
@@ -891,7 +961,6 @@ void rows_fused(const Problem& p, int64_t m0, int64_t m1) {
 // (lane r: row r), as ggml's repacked GEMM tiles do: one vpdpbusd by 4 broadcast activations
 // takes 64 products into 16 outputs, and the per-block scaling is one vector operation for all
 // 16 rows instead of a horizontal reduction per (row, activation) pair.
-constexpr int kLanes = 16;
 
 struct Interleaved {
   std::vector<uint8_t> q;          // [K / 4][16][4]
@@ -915,7 +984,7 @@ GGMLX_VNNI void interleave_rows(const Problem& p, int64_t m, int nrows, Interlea
   }
   alignas(64) uint8_t v[kQK];
   for (int r = 0; r < nrows; ++r) {
-    const uint8_t* row = p.w + (m + r) * p.row_bytes;
+    const uint8_t* row = row_at(p, m + r);
     if constexpr (kK) {
       for (int64_t b = 0; b < nb; ++b) {
         KBlock kb;
@@ -1050,8 +1119,10 @@ GGMLX_VNNI void lanes(const Problem& p, const Interleaved& t, int64_t m, int nro
 // types) or 6 (k-quants) at a time (4 and 4: 3-5% slower on a Zen 4; 6 k-quant rows still fit
 // the 32 vector registers).
 constexpr int kLaneRowsUnit = 8, kLaneRowsK = 6;
+InterleaveFn interleave_packed_fn(int64_t t);
+
 void run_rows_lanes(const Problem& p, int64_t m0, int64_t m1) {
-  const InterleaveFn interleave = interleave_fn(p.type);
+  const InterleaveFn interleave = p.lanes ? interleave_packed_fn(p.type) : interleave_fn(p.type);
   thread_local Interleaved t;
   const int64_t N = p.xq->N;
   for (int64_t m = m0; m < m1; m += kLanes) {
@@ -1067,6 +1138,400 @@ void run_rows_lanes(const Problem& p, int64_t m0, int64_t m1) {
 // Does the lane kernel take this problem? Many rows, AVX-512, values unsigned (IQ4_XS's are not).
 bool use_lanes(const Problem& p) {
   return p.isa >= kAvx512 && p.xq->N > kFusedN && !p.ti.sgn;
+}
+
+// ---- few activation rows from the lanes format ---------------------------------------------
+
+// Lane group rows' f16 fields (16 x 2 bytes) as f32 lanes.
+GGMLX_VNNI inline __m512 lanes_h(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A 32-element type's quant units in the lanes format as unsigned values (the type's shift
+// added, as unit_q): unit u of a 4-bit type holds values 4u .. 4u + 3 of each row in its low
+// nibbles and 16 + 4u .. in its high ones; Q8_0's unit u values 4u .. 4u + 3.
+template <int64_t T>
+struct LaneUnits {
+  static constexpr bool kQ5 = T == Q5_0 || T == Q5_1;
+  // the fields' places in a block's 16-row segment: 16 x their offsets in the block
+  static constexpr int kQh = 16 * (T == Q5_0 ? 2 : 4);
+  static constexpr int kQs = 16 * (T == MXFP4 ? 1 : T == Q4_0 || T == IQ4_NL || T == Q8_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8);
+  static constexpr int kUnits = T == Q8_0 ? 8 : 4;
+  __m512i low4, tab, sixteen, spread[4], bit[2];
+
+  GGMLX_VNNI LaneUnits() {
+    low4 = _mm512_set1_epi8(15);
+    sixteen = _mm512_set1_epi8(16);
+    alignas(16) uint8_t v[16];
+    for (int i = 0; i < 16; ++i)   // the codebook's values + the type's shift
+      v[i] = static_cast<uint8_t>(T == MXFP4 ? kMXFP4[i] + 12 : T == IQ4_NL ? kIQ4NL[i] + 128 : 0);
+    tab = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
+    // Q5_0 / Q5_1: byte k of each row's 32-bit qh spread over its lane's 4 bytes (pshufb), then
+    // bit i of that byte tested for lane byte i (nibble h of the byte: bits 4h + i)
+    for (int k = 0; k < 4; ++k) {
+      alignas(16) int8_t c[16];
+      for (int i = 0; i < 16; ++i) c[i] = static_cast<int8_t>(i / 4 * 4 + k);
+      spread[k] = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(c)));
+    }
+    for (int h = 0; h < 2; ++h) bit[h] = _mm512_set1_epi32(static_cast<int>(0x08040201u << (4 * h)));
+  }
+
+  // Unit u of block segment s (qh: the segment's qh field, Q5_0 / Q5_1); Q8_0 leaves *hi alone.
+  GGMLX_VNNI void get(const uint8_t* s, int u, __m512i qh, __m512i* lo, __m512i* hi) const {
+    const __m512i v = _mm512_loadu_si512(s + kQs + 64 * u);
+    if constexpr (T == Q8_0) {
+      *lo = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+      return;
+    }
+    *lo = _mm512_and_si512(v, low4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (kQ5) {   // bits 4u + i and 16 + 4u + i of qh
+      *lo = _mm512_mask_add_epi8(*lo, _mm512_test_epi8_mask(_mm512_shuffle_epi8(qh, spread[u / 2]), bit[u % 2]), *lo, sixteen);
+      *hi = _mm512_mask_add_epi8(*hi, _mm512_test_epi8_mask(_mm512_shuffle_epi8(qh, spread[2 + u / 2]), bit[u % 2]), *hi, sixteen);
+    }
+    if constexpr (T == IQ4_NL || T == MXFP4) {
+      *lo = _mm512_shuffle_epi8(tab, *lo);
+      *hi = _mm512_shuffle_epi8(tab, *hi);
+    }
+  }
+
+  GGMLX_VNNI __m512i qh(const uint8_t* s) const {
+    if constexpr (kQ5) return _mm512_loadu_si512(s + kQh);
+    return _mm512_setzero_si512();
+  }
+
+  // The 16 rows' d (MXFP4: e8m0_half of its exponent byte).
+  GGMLX_VNNI __m512 d(const uint8_t* s) const {
+    if constexpr (T == MXFP4) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      const __mmask16 sub = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+      return _mm512_castsi512_ps(_mm512_mask_blend_epi32(sub, _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23),
+                                                         _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e)));
+    }
+    return lanes_h(s);
+  }
+};
+
+// 32-element types: per block 8 vpdpbusd (4-bit types: each 64-byte unit's low and high nibbles;
+// Q8_0: 8 units) from the shift term, then one FMA by d_w * d_x (and for Q4_1 / Q5_1 one by the
+// mins, at 16 x 2, times s) for the 16 rows; NR activation rows per pass.
+template <int NR, int64_t T>
+GGMLX_VNNI void packed_unit(const Problem& p, const XQ& x, int64_t n0, int64_t g0, int64_t g1) {
+  constexpr bool kMins = T == Q4_1 || T == Q5_1;
+  const LaneUnits<T> lu;
+  const int64_t seg = kLanes * p.ti.bytes, nc = x.Kp / 64;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* grp = p.w + g * kLanes * p.row_bytes;
+    __m512 acc[NR];
+    for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* s = grp + b * seg;
+      __m512i si[NR];
+      const int8_t* xb[NR];
+      for (int n = 0; n < NR; ++n) {
+        si[n] = _mm512_set1_epi32(x.off[((n0 + n) * nc + b / 2) * 16 + (b % 2) * 8]);
+        xb[n] = x.qs.data() + (n0 + n) * x.Kp + b * 32;
+      }
+      const __m512i qh = lu.qh(s);
+      for (int u = 0; u < lu.kUnits; ++u) {
+        __m512i lo, hi;
+        lu.get(s, u, qh, &lo, &hi);
+        for (int n = 0; n < NR; ++n) {
+          si[n] = _mm512_dpbusd_epi32(si[n], lo, _mm512_set1_epi32(load_i32(xb[n] + 4 * u)));
+          if constexpr (T != Q8_0) si[n] = _mm512_dpbusd_epi32(si[n], hi, _mm512_set1_epi32(load_i32(xb[n] + 16 + 4 * u)));
+        }
+      }
+      const __m512 dw = lu.d(s);
+      for (int n = 0; n < NR; ++n) {
+        acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si[n]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(n0 + n) * p.nb + b])), acc[n]);
+        if constexpr (kMins) acc[n] = _mm512_fmadd_ps(lanes_h(s + 32), _mm512_set1_ps(x.s[(n0 + n) * p.nb + b]), acc[n]);
+      }
+    }
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(p.y + (n0 + n) * p.M + g * kLanes, acc[n]);
+  }
+}
+
+// pshufb controls over a lane's 4 bytes: byte k zero-extended to the dword (kByte), or to both
+// 16-bit halves (kPair: a vpdpwssd pair of equal values).
+GGMLX_VNNI inline __m512i byte_ctrl(int k, bool pair) {
+  alignas(16) int8_t c[16];
+  for (int r = 0; r < 4; ++r) {
+    c[4 * r] = static_cast<int8_t>(4 * r + k);
+    c[4 * r + 1] = c[4 * r + 3] = -1;
+    c[4 * r + 2] = pair ? static_cast<int8_t>(4 * r + k) : -1;
+  }
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(c)));
+}
+
+// Q4_K / Q5_K: per sub-block of 32, 8 vpdpbusd by broadcast activations, the sum times the
+// sub-block's scale (vpmulld) into an integer accumulator; the mins' sum(m * bsums) by vpdpwssd
+// over each 16-element pair of bsums; per super-block two FMAs (d and dmin by d_x).
+// A Q4_K / Q5_K segment's 16 x 12 scale bytes (three dwords per row) decoded as kblock_q4_k does,
+// 16 rows at once: sc[0] the scales of sub-blocks 0-3 (a byte each), sc[1] of 4-7; m likewise.
+GGMLX_VNNI inline void q4k_scales(const uint8_t* s, __m512i* sc, __m512i* m) {
+  const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), nib = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
+  const __m512i a0 = _mm512_loadu_si512(s + 64), a1 = _mm512_loadu_si512(s + 128), a2 = _mm512_loadu_si512(s + 192);
+  sc[0] = _mm512_and_si512(a0, six);
+  sc[1] = _mm512_or_si512(_mm512_and_si512(a2, nib), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(a0, 6), two), 4));
+  m[0] = _mm512_and_si512(a1, six);
+  m[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a2, 4), nib),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(a1, 6), two), 4));
+}
+
+// Chunk c's (64 values) q unit of a Q4_K / Q5_K segment: lo the values 64c + 4q + i of the
+// 16 rows, hi 64c + 32 + 4q + i.
+template <bool Q5>
+GGMLX_VNNI inline void q4k_unit(const uint8_t* s, int c, int q, __m512i* lo, __m512i* hi) {
+  constexpr int kQh = 16 * 16, kQs = 16 * (Q5 ? 48 : 16);
+  const __m512i low4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+  const __m512i v = _mm512_loadu_si512(s + kQs + 64 * (8 * c + q));
+  *lo = _mm512_and_si512(v, low4);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (Q5) {   // bits 2c and 2c + 1 of qh[4q + i]
+    const __m512i h = _mm512_loadu_si512(s + kQh + 64 * q);
+    *lo = _mm512_or_si512(*lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
+    *hi = _mm512_or_si512(*hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+  }
+}
+
+template <int NR, bool Q5>
+GGMLX_VNNI void packed_q4k(const Problem& p, const XQ& x, int64_t n0, int64_t g0, int64_t g1) {
+  const int64_t seg = kLanes * p.ti.bytes, K16 = p.K / 16;
+  __m512i sel[4], pair[4];
+  for (int k = 0; k < 4; ++k) {
+    sel[k] = byte_ctrl(k, false);
+    pair[k] = byte_ctrl(k, true);
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* grp = p.w + g * kLanes * p.row_bytes;
+    __m512 acc[NR];
+    for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* s = grp + b * seg;
+      __m512i scw[2], mw[2];
+      q4k_scales(s, scw, mw);
+      __m512i iacc[NR], mi[NR];
+      const int8_t* xb[NR];
+      const int16_t* bs[NR];
+      for (int n = 0; n < NR; ++n) {
+        iacc[n] = mi[n] = _mm512_setzero_si512();
+        xb[n] = x.qs.data() + (n0 + n) * x.Kp + b * kQK;
+        bs[n] = x.bs.data() + (n0 + n) * K16 + b * 16;
+      }
+      for (int c = 0; c < 4; ++c) {   // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+        __m512i sl[NR], sh[NR];
+        for (int n = 0; n < NR; ++n) sl[n] = sh[n] = _mm512_setzero_si512();
+        for (int q = 0; q < 8; ++q) {
+          __m512i lo, hi;
+          q4k_unit<Q5>(s, c, q, &lo, &hi);
+          for (int n = 0; n < NR; ++n) {
+            sl[n] = _mm512_dpbusd_epi32(sl[n], lo, _mm512_set1_epi32(load_i32(xb[n] + 64 * c + 4 * q)));
+            sh[n] = _mm512_dpbusd_epi32(sh[n], hi, _mm512_set1_epi32(load_i32(xb[n] + 64 * c + 32 + 4 * q)));
+          }
+        }
+        const int j = 2 * c;   // sub-block j's scale and min: byte j % 4 of word j / 4
+        const __m512i scl = _mm512_shuffle_epi8(scw[j / 4], sel[j % 4]), sch = _mm512_shuffle_epi8(scw[j / 4], sel[j % 4 + 1]);
+        const __m512i ml = _mm512_shuffle_epi8(mw[j / 4], pair[j % 4]), mh = _mm512_shuffle_epi8(mw[j / 4], pair[j % 4 + 1]);
+        for (int n = 0; n < NR; ++n) {
+          iacc[n] = _mm512_add_epi32(iacc[n], _mm512_add_epi32(_mm512_mullo_epi32(sl[n], scl), _mm512_mullo_epi32(sh[n], sch)));
+          mi[n] = _mm512_dpwssd_epi32(mi[n], ml, _mm512_set1_epi32(load_i32(bs[n] + 2 * j)));
+          mi[n] = _mm512_dpwssd_epi32(mi[n], mh, _mm512_set1_epi32(load_i32(bs[n] + 2 * j + 2)));
+        }
+      }
+      const __m512 d = lanes_h(s), dmin = lanes_h(s + 32);
+      for (int n = 0; n < NR; ++n) {
+        const __m512 dx = _mm512_set1_ps(x.d[(n0 + n) * p.nb + b]);
+        acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[n]), _mm512_mul_ps(d, dx), acc[n]);
+        acc[n] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mi[n]), _mm512_mul_ps(dmin, dx), acc[n]);
+      }
+    }
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(p.y + (n0 + n) * p.M + g * kLanes, acc[n]);
+  }
+}
+
+// Q6_K: per 4 values of the 16 rows one ql unit (low or high nibbles) and two bits of a qh unit;
+// per group of 16, 4 vpdpbusd and the sum times the group's scale (vpmulld); the -32 offset as
+// sum(sc * bsums) by vpdpwssd over the scale pairs; one FMA per super-block.
+// The Q6_K values 128h + 32a + 4t + i of the 16 rows (a = 0..3), unsigned (q + 32), from the
+// pieces ql[64h + 4t], ql[64h + 32 + 4t] and qh[32h + 4t] (lane_pieces keeps them together).
+GGMLX_VNNI inline void q6k_units(const uint8_t* s, int h, int t, __m512i* v) {
+  const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  const uint8_t* u = s + 64 * 3 * (8 * h + t);
+  const __m512i A = _mm512_loadu_si512(u), B = _mm512_loadu_si512(u + 64), QH = _mm512_loadu_si512(u + 128);
+  v[0] = _mm512_or_si512(_mm512_and_si512(A, low4), _mm512_and_si512(_mm512_slli_epi16(QH, 4), hi2));
+  v[1] = _mm512_or_si512(_mm512_and_si512(B, low4), _mm512_and_si512(_mm512_slli_epi16(QH, 2), hi2));
+  v[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low4), _mm512_and_si512(QH, hi2));
+  v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), low4), _mm512_and_si512(_mm512_srli_epi16(QH, 2), hi2));
+}
+
+template <int NR>
+GGMLX_VNNI void packed_q6k(const Problem& p, const XQ& x, int64_t n0, int64_t g0, int64_t g1) {
+  constexpr int kSc = 16 * 192, kD = 16 * 208;
+  const int64_t seg = kLanes * p.ti.bytes, K16 = p.K / 16;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* grp = p.w + g * kLanes * p.row_bytes;
+    __m512 acc[NR];
+    for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* s = grp + b * seg;
+      __m512i iacc[NR], oi[NR];
+      const int8_t* xb[NR];
+      const int16_t* bs[NR];
+      for (int n = 0; n < NR; ++n) {
+        iacc[n] = oi[n] = _mm512_setzero_si512();
+        xb[n] = x.qs.data() + (n0 + n) * x.Kp + b * kQK;
+        bs[n] = x.bs.data() + (n0 + n) * K16 + b * 16;
+      }
+      __m512i sc2[8];   // scale pairs (2p, 2p + 1) as s16 halves of each lane
+      for (int h = 0; h < 2; ++h) {
+        for (int tt = 0; tt < 2; ++tt) {   // values 128 h + 32 a + 16 tt + 4 t4 + i: group 8 h + 2 a + tt
+          __m512i si[4][NR];
+          for (int a = 0; a < 4; ++a)
+            for (int n = 0; n < NR; ++n) si[a][n] = _mm512_setzero_si512();
+          for (int t4 = 0; t4 < 4; ++t4) {
+            const int t = 4 * tt + t4;
+            __m512i v[4];
+            q6k_units(s, h, t, v);
+            for (int a = 0; a < 4; ++a)
+              for (int n = 0; n < NR; ++n)
+                si[a][n] = _mm512_dpbusd_epi32(si[a][n], v[a], _mm512_set1_epi32(load_i32(xb[n] + 128 * h + 32 * a + 4 * t)));
+          }
+          if (tt == 0)
+            for (int a = 0; a < 4; ++a) {
+              const int q = 4 * h + a;
+              sc2[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kSc + 32 * q)));
+              for (int n = 0; n < NR; ++n) oi[n] = _mm512_dpwssd_epi32(oi[n], sc2[q], _mm512_set1_epi32(load_i32(bs[n] + 2 * q)));
+            }
+          for (int a = 0; a < 4; ++a) {   // scale 8 h + 2 a + tt: half tt of pair 4 h + a
+            const __m512i P = sc2[4 * h + a];
+            const __m512i sc = tt ? _mm512_srai_epi32(P, 16) : _mm512_srai_epi32(_mm512_slli_epi32(P, 16), 16);
+            for (int n = 0; n < NR; ++n) iacc[n] = _mm512_add_epi32(iacc[n], _mm512_mullo_epi32(si[a][n], sc));
+          }
+        }
+      }
+      const __m512 d = lanes_h(s + kD);
+      for (int n = 0; n < NR; ++n) {
+        const __m512i sum = _mm512_sub_epi32(iacc[n], _mm512_slli_epi32(oi[n], 5));
+        acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[(n0 + n) * p.nb + b])), acc[n]);
+      }
+    }
+    for (int n = 0; n < NR; ++n) _mm512_storeu_ps(p.y + (n0 + n) * p.M + g * kLanes, acc[n]);
+  }
+}
+
+// A lane group of the lanes format as the lane kernel's tile (what interleave_rows makes from
+// GGUF rows): the units unpacked in registers and stored in value order, the scales per lane.
+template <int64_t T>
+GGMLX_VNNI void interleave_packed(const Problem& p, int64_t m, int nrows, Interleaved& t) {
+  constexpr bool kK = T == Q4_K || T == Q5_K || T == Q6_K;
+  const int64_t K = p.K, nb = p.nb, seg = kLanes * p.ti.bytes;
+  const uint8_t* grp = p.w + m / kLanes * kLanes * p.row_bytes;   // nrows is 16: M is whole groups
+  (void)nrows;
+  t.q.resize(K * kLanes);
+  t.d.resize(nb * kLanes);
+  t.m.resize(nb * kLanes);
+  auto q_at = [&](int64_t k4) { return &t.q[k4 * kLanes * 4]; };
+  if constexpr (kK) {
+    t.sc.resize(K / 16 * kLanes);
+    t.mo.resize(K / 32 * kLanes);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* s = grp + b * seg;
+      const int64_t k0 = b * kQK / 4;   // the super-block's first group of 4 values
+      if constexpr (T == Q6_K) {
+        for (int h = 0; h < 2; ++h)
+          for (int u = 0; u < 8; ++u) {
+            __m512i v[4];
+            q6k_units(s, h, u, v);
+            for (int a = 0; a < 4; ++a) _mm512_storeu_si512(q_at(k0 + 32 * h + 8 * a + u), v[a]);
+          }
+        for (int q = 0; q < 8; ++q) {   // groups 2q, 2q + 1: scales, and offset multipliers -32 sc
+          const __m512i P = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * 192 + 32 * q)));
+          _mm512_storeu_si512(&t.sc[(b * 16 + 2 * q) * kLanes], _mm512_srai_epi32(_mm512_slli_epi32(P, 16), 16));
+          _mm512_storeu_si512(&t.sc[(b * 16 + 2 * q + 1) * kLanes], _mm512_srai_epi32(P, 16));
+          _mm512_storeu_si512(&t.mo[(b * 8 + q) * kLanes], _mm512_mullo_epi16(P, _mm512_set1_epi16(-32)));
+        }
+        const __m512 d = lanes_h(s + 16 * 208);
+        _mm512_storeu_ps(&t.d[b * kLanes], d);
+        _mm512_storeu_ps(&t.m[b * kLanes], d);
+      } else {
+        for (int c = 0; c < 4; ++c)
+          for (int q = 0; q < 8; ++q) {
+            __m512i lo, hi;
+            q4k_unit<T == Q5_K>(s, c, q, &lo, &hi);
+            _mm512_storeu_si512(q_at(k0 + 16 * c + q), lo);
+            _mm512_storeu_si512(q_at(k0 + 16 * c + 8 + q), hi);
+          }
+        __m512i scw[2], mw[2];
+        q4k_scales(s, scw, mw);
+        for (int j = 0; j < 8; ++j) {   // sub-block j: groups 2j, 2j + 1 take its scale; its min twice
+          const __m512i sc = _mm512_shuffle_epi8(scw[j / 4], byte_ctrl(j % 4, false));
+          _mm512_storeu_si512(&t.sc[(b * 16 + 2 * j) * kLanes], sc);
+          _mm512_storeu_si512(&t.sc[(b * 16 + 2 * j + 1) * kLanes], sc);
+          _mm512_storeu_si512(&t.mo[(b * 8 + j) * kLanes], _mm512_shuffle_epi8(mw[j / 4], byte_ctrl(j % 4, true)));
+        }
+        _mm512_storeu_ps(&t.d[b * kLanes], lanes_h(s));
+        _mm512_storeu_ps(&t.m[b * kLanes], _mm512_sub_ps(_mm512_setzero_ps(), lanes_h(s + 32)));
+      }
+    }
+  } else {
+    const LaneUnits<T> lu;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* s = grp + b * seg;
+      const __m512i qh = lu.qh(s);
+      for (int u = 0; u < lu.kUnits; ++u) {
+        __m512i lo, hi;
+        lu.get(s, u, qh, &lo, &hi);
+        _mm512_storeu_si512(q_at(b * 8 + u), lo);
+        if constexpr (T != Q8_0) _mm512_storeu_si512(q_at(b * 8 + 4 + u), hi);
+      }
+      _mm512_storeu_ps(&t.d[b * kLanes], lu.d(s));
+      if constexpr (T == Q4_1 || T == Q5_1) _mm512_storeu_ps(&t.m[b * kLanes], lanes_h(s + 32));
+    }
+  }
+}
+
+InterleaveFn interleave_packed_fn(int64_t t) {
+  switch (t) {
+    case Q4_0: return interleave_packed<Q4_0>;
+    case Q4_1: return interleave_packed<Q4_1>;
+    case Q5_0: return interleave_packed<Q5_0>;
+    case Q5_1: return interleave_packed<Q5_1>;
+    case Q8_0: return interleave_packed<Q8_0>;
+    case IQ4_NL: return interleave_packed<IQ4_NL>;
+    case MXFP4: return interleave_packed<MXFP4>;
+    case Q4_K: return interleave_packed<Q4_K>;
+    case Q5_K: return interleave_packed<Q5_K>;
+    default: return interleave_packed<Q6_K>;
+  }
+}
+
+// The lanes-format kernels by activation-row count (1..kPackedN) and their pass width.
+using PackedFn = void (*)(const Problem&, const XQ&, int64_t, int64_t, int64_t);
+constexpr int kPackedN = 4;
+template <int64_t T>
+constexpr PackedFn kPackedUnit[kPackedN] = {packed_unit<1, T>, packed_unit<2, T>, packed_unit<3, T>, packed_unit<4, T>};
+template <bool Q5>
+constexpr PackedFn kPackedQ4K[kPackedN] = {packed_q4k<1, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>};
+constexpr PackedFn kPackedQ6K[kPackedN] = {packed_q6k<1>, packed_q6k<2>, packed_q6k<2>, packed_q6k<2>};
+
+// Weight rows [m0, m1) (whole lane groups) times every activation row, from the lanes format.
+void rows_packed(const Problem& p, int64_t m0, int64_t m1) {
+  const PackedFn* fns;
+  int width = kPackedN;   // activation rows per pass (k-quants: 2, their registers)
+  switch (p.type) {
+    case Q4_0: fns = kPackedUnit<Q4_0>; break;
+    case Q4_1: fns = kPackedUnit<Q4_1>; break;
+    case Q5_0: fns = kPackedUnit<Q5_0>; break;
+    case Q5_1: fns = kPackedUnit<Q5_1>; break;
+    case Q8_0: fns = kPackedUnit<Q8_0>; break;
+    case IQ4_NL: fns = kPackedUnit<IQ4_NL>; break;
+    case MXFP4: fns = kPackedUnit<MXFP4>; break;
+    case Q4_K: fns = kPackedQ4K<false>; width = 2; break;
+    case Q5_K: fns = kPackedQ4K<true>; width = 2; break;
+    default: fns = kPackedQ6K; width = 2; break;
+  }
+  const XQ& x = *p.xq;
+  for (int64_t n0 = 0; n0 < x.N; n0 += width) fns[std::min<int64_t>(width, x.N - n0) - 1](p, x, n0, m0 / kLanes, m1 / kLanes);
 }
 
 // quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
@@ -1397,7 +1862,7 @@ GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
   const int64_t N = p.xq->N;
   for (int64_t m = m0; m < m1; m += 32) {
     const int nm = static_cast<int>(std::min<int64_t>(32, m1 - m));
-    for (int r = 0; r < nm; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
+    for (int r = 0; r < nm; ++r) unpack_row(p.type, p.ti, row_at(p, m + r), p.K, buf.rows[r]);
     make_wtile(p, buf, nm, wt);
     for (int64_t n0 = 0; n0 < N; n0 += 32) amx_block(p, wt, n0, static_cast<int>(std::min<int64_t>(32, N - n0)), m, nm);
   }
@@ -1407,8 +1872,30 @@ GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
 int64_t cpu_isa() { return kPlain; }
 #endif  // GGMLX_X86
 
+void run_rows(const Problem& p, int64_t m0, int64_t m1);
+
+// Weight rows [m0, m1) (whole lane groups) held in the lanes format: a few activation rows read
+// it in place (AVX-512); every other path takes each group's rows back as GGUF blocks.
+void run_rows_packed(const Problem& p, int64_t m0, int64_t m1) {
+#ifdef GGMLX_X86
+  if (p.xq->N <= kFusedN && p.isa >= kAvx512) return rows_packed(p, m0, m1);
+  if (use_lanes(p)) return run_rows_lanes(p, m0, m1);   // tiles straight from the lane groups
+#endif
+  thread_local std::vector<uint8_t> rows;
+  rows.resize(kLanes * p.row_bytes);
+  Problem q = p;
+  q.lanes = false;
+  q.w = rows.data();
+  for (int64_t m = m0; m < m1; m += kLanes) {
+    lanes_rows(p, m / kLanes, rows.data());
+    q.row0 = m;
+    run_rows(q, m, std::min(m + kLanes, m1));
+  }
+}
+
 // Weight rows [m0, m1): unpacked kRows at a time, each tile dotted with every activation row.
 void run_rows(const Problem& p, int64_t m0, int64_t m1) {
+  if (p.lanes) return run_rows_packed(p, m0, m1);
 #ifdef GGMLX_X86
   if (p.xq->N <= kFusedN && p.isa >= kAvx512) return rows_fused(p, m0, m1);
   if (use_lanes(p)) return run_rows_lanes(p, m0, m1);
@@ -1416,7 +1903,7 @@ void run_rows(const Problem& p, int64_t m0, int64_t m1) {
   Buffers buf(p, kRows);
   for (int64_t m = m0; m < m1; m += kRows) {
     const int nrows = static_cast<int>(std::min<int64_t>(kRows, m1 - m));
-    for (int r = 0; r < nrows; ++r) unpack_row(p.type, p.ti, p.w + (m + r) * p.row_bytes, p.K, buf.rows[r]);
+    for (int r = 0; r < nrows; ++r) unpack_row(p.type, p.ti, row_at(p, m + r), p.K, buf.rows[r]);
 #ifdef GGMLX_X86
     if (p.isa >= kAvx2) {
       (p.isa >= kAvx512 ? kTileVnni : kTileAvx2)[nrows - 1](p, buf, m);
@@ -1428,7 +1915,7 @@ void run_rows(const Problem& p, int64_t m0, int64_t m1) {
 }
 
 ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                       ffi::ResultBuffer<ffi::F32> y, int64_t type, int64_t isa) {
+                       ffi::ResultBuffer<ffi::F32> y, int64_t type, int64_t isa, int64_t lanes) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("block_matmul: x, w and y must be 2-d");
@@ -1437,12 +1924,17 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t N = xd[0], K = xd[1], M = wd[0];
   if (K % ti.block || wd[1] != K / ti.block * ti.bytes || yd[0] != N || yd[1] != M)
     return ffi::Error::InvalidArgument("block_matmul: shapes of x [N, K], w [M, K / block * bytes], y [N, M] disagree");
+  LanePiece lp[kMaxPieces];
+  if (lanes && (M % kLanes || lane_pieces(type, lp) == 0))
+    return ffi::Error::InvalidArgument("block_matmul: the lanes format takes " + std::to_string(kLanes) +
+                                       "-row groups of a type with a lane layout, got type " + std::to_string(type) +
+                                       " and " + std::to_string(M) + " rows");
   isa = std::min(isa, cpu_isa());
   thread_local XQ xq;
   QuantK qk = quantize_q8_K;
   Quant0 q0 = quantize_q8_0;
 #ifdef GGMLX_X86
-  const bool amx = isa == kAmx && N > kFusedN;
+  const bool amx = isa == kAmx && N > kFusedN && !lanes;
   xq.pad_rows = amx ? 32 : 1;
   if (isa >= kAvx512) {
     qk = quantize_q8_K_avx512;
@@ -1458,12 +1950,12 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   ggmlx_native::parallel_for(pool, threads, (N + x_rows - 1) / x_rows, [=, &ti](int64_t c) {
     quantize_rows(xs, c * x_rows, std::min(N, (c + 1) * x_rows), ti, *xp, qk, q0);
   });
-  Problem p{isa, type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data()};
+  Problem p{isa, type, M, K, xq.Kp, K / ti.block, wd[1], ti, w.typed_data(), &xq, y->typed_data(), lanes != 0};
   int64_t chunk = std::max<int64_t>(16, (M + 4 * threads - 1) / (4 * threads));
 #ifdef GGMLX_X86
-  const int64_t align = !amx && use_lanes(p) ? kLanes : kRows;
+  const int64_t align = p.lanes || (!amx && use_lanes(p)) ? kLanes : kRows;
 #else
-  const int64_t align = kRows;
+  const int64_t align = p.lanes ? kLanes : kRows;
 #endif
   chunk = (chunk + align - 1) / align * align;
   const int64_t n_chunks = (M + chunk - 1) / chunk;
@@ -1497,4 +1989,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GgmlxBlockMatmul, BlockMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("type")
-                                  .Attr<int64_t>("isa"));
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("lanes"));
+
+// GGUF blocks uint8 [M, row_bytes] of type t into the lanes format (dst, the same size), for
+// ggmlx.weights.pack_lanes at load. Returns 0, or -1 when t has no lane layout or M is not
+// whole 16-row groups (nothing written).
+extern "C" int64_t ggmlx_pack_lanes(const uint8_t* src, uint8_t* dst, int64_t M, int64_t row_bytes, int64_t t) {
+  LanePiece pc[kMaxPieces];
+  const int np = lane_pieces(t, pc);
+  TypeInfo ti;
+  if (np == 0 || M % kLanes || !type_info(t, &ti) || row_bytes % ti.bytes) return -1;
+  const int64_t bytes = ti.bytes, nb = row_bytes / bytes;
+  for (int64_t g = 0; g < M / kLanes; ++g) {
+    const uint8_t* rows = src + g * kLanes * row_bytes;
+    uint8_t* out = dst + g * kLanes * row_bytes;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int i = 0; i < np; ++i) {
+        const uint8_t* in = rows + b * bytes + pc[i].off;
+        if (pc[i].elem == 4) {
+          for (int r = 0; r < kLanes; ++r, out += 4) std::memcpy(out, in + r * row_bytes, 4);
+        } else if (pc[i].elem == 2) {
+          for (int r = 0; r < kLanes; ++r, out += 2) std::memcpy(out, in + r * row_bytes, 2);
+        } else {
+          for (int r = 0; r < kLanes; ++r, out += pc[i].elem) std::memcpy(out, in + r * row_bytes, pc[i].elem);
+        }
+      }
+  }
+  return 0;
+}
+
+// The widest instruction set block_matmul finds on this CPU (BLOCK_ISAS' index), for the Python
+// side's choice of held format (the lanes format where AVX-512 VNNI reads it in place).
+extern "C" int64_t ggmlx_block_cpu_isa() { return cpu_isa(); }
