@@ -134,7 +134,8 @@ LANE_TYPES = [t for t in TYPES if int(t) in native.LANE_TYPES]
 
 
 @needs_native
-@pytest.mark.parametrize("isa", native.BLOCK_ISAS)
+@pytest.mark.parametrize("isa", [pytest.param(i, marks=pytest.mark.slow) if i in ("plain", "avx2") else i
+                                 for i in native.BLOCK_ISAS])   # (their paths unpack the groups: slow tier)
 @pytest.mark.parametrize("t", LANE_TYPES, ids=lambda t: t.name)
 def test_lanes_format_is_the_same_product(t, isa, monkeypatch):
     """A weight in the lanes format (16-row groups packed across the lanes): the few-row kernels

@@ -112,7 +112,9 @@ needs_lanes = pytest.mark.skipif(not weights.lanes_ok(GGMLType.Q4_K, (256, 16, 1
 
 
 @needs_lanes
-@pytest.mark.parametrize("t", list(weights.LANE_FIELDS), ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [t if t in (GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K) else
+                               pytest.param(t, marks=pytest.mark.slow) for t in weights.LANE_FIELDS],
+                         ids=lambda t: t.name)   # three layouts in the quick tier, every one in the slow
 def test_lanes_format_reads_as_the_blocks(t):
     """A weight held in the lanes format (numerics "ggml", to_device(lanes=True)): the same
     values (materialize, get_rows by gathering its rows from the groups) and products as the
