@@ -1864,9 +1864,17 @@ GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
   Buffers buf(p, 32);
   WTile wt;
   const int64_t N = p.xq->N;
+  std::vector<uint8_t> rows(p.lanes ? 32 * p.row_bytes : 0);
+  Problem q = p;   // where the tile's GGUF rows are: the lanes format's groups taken back first
+  q.lanes = false;
   for (int64_t m = m0; m < m1; m += 32) {
     const int nm = static_cast<int>(std::min<int64_t>(32, m1 - m));
-    for (int r = 0; r < nm; ++r) unpack_row(p.type, p.ti, row_at(p, m + r), p.K, buf.rows[r]);
+    if (p.lanes) {   // m is a multiple of 32 and M of 16: whole groups
+      for (int64_t g = m / kLanes; g * kLanes < m + nm; ++g) lanes_rows(p, g, rows.data() + (g * kLanes - m) * p.row_bytes);
+      q.w = rows.data();
+      q.row0 = m;
+    }
+    for (int r = 0; r < nm; ++r) unpack_row(p.type, p.ti, row_at(q, m + r), p.K, buf.rows[r]);
     make_wtile(p, buf, nm, wt);
     for (int64_t n0 = 0; n0 < N; n0 += 32) amx_block(p, wt, n0, static_cast<int>(std::min<int64_t>(32, N - n0)), m, nm);
   }
@@ -1938,7 +1946,7 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   QuantK qk = quantize_q8_K;
   Quant0 q0 = quantize_q8_0;
 #ifdef GGMLX_X86
-  const bool amx = isa == kAmx && N > kFusedN && !lanes;
+  const bool amx = isa == kAmx && N > kFusedN;
   xq.pad_rows = amx ? 32 : 1;
   if (isa >= kAvx512) {
     qk = quantize_q8_K_avx512;
