@@ -82,7 +82,7 @@ def main() -> int:
             for isa in isas:
                 os.environ["GGMLX_BLOCK_ISA"] = isa
                 errs.append(_rel_err(x, blocks, t.type, ref, lanes=False))
-            lanes = int(t.type) in native.LANE_TYPES and M % weights.LANE_ROWS == 0
+            lanes = t.type in weights.LANE_FIELDS and M % weights.LANE_ROWS == 0
             if lanes:     # under the widest instruction set allowed (the last of isas)
                 errs.append(_rel_err(x, weights.pack_lanes(blocks, t.type), t.type, ref, lanes=True))
             worst = max(worst, *errs)

@@ -323,8 +323,6 @@ def _held(raw: np.ndarray, t: GGMLType, ne4: tuple[int, int, int, int], fmt: str
         arr = raw.view(dt) if raw.dtype == np.uint8 else raw.astype(dt, copy=False)
         return WeightSpec(FORMAT_PLAIN, t, ne4), [arr.reshape(tuple(reversed(ne4)))]
     blocks = raw.view(np.uint8).reshape(rows, types.row_size(t, ne4[0]))
-    if fmt == FORMAT_LANES:
-        return WeightSpec(FORMAT_LANES, t, ne4), [blocks]   # packed as it is placed (to_device)
     if fmt == FORMAT_INT8:
         q, scale, offset = to_int8(blocks, t, rows)
         if t in F16_SCALES:
@@ -404,16 +402,14 @@ def to_device(data: np.ndarray, t: GGMLType, ne, device=None, weight_format: str
     if raw.dtype == np.uint8 and raw.size != types.nbytes(t, ne4):
         raise ValueError(f"to_device: {t.name} tensor of ne={tuple(ne)} needs {types.nbytes(t, ne4)} bytes, "
                          f"got {raw.size}")
+    if ggml_numerics(t, numerics) and raw.dtype == np.uint8 and lanes and lanes_ok(t, ne4, device):
+        blocks = raw.reshape(-1, types.row_size(t, ne4[0]))
+        host = huge_page_array(blocks.shape, np.uint8) if _huge(blocks.nbytes, device) else np.empty_like(blocks)
+        native.pack_lanes(blocks, int(t), host)
+        return DeviceWeight(WeightSpec(FORMAT_LANES, t, ne4, numerics="ggml"), jax.device_put(host, device))
     if ggml_numerics(t, numerics) and raw.dtype == np.uint8:
-        packed = lanes and lanes_ok(t, ne4, device)
-        spec, arrs = _held(raw, t, ne4, FORMAT_LANES if packed else FORMAT_BLOCKS)
+        spec, arrs = _held(raw, t, ne4, FORMAT_BLOCKS)
         spec = dataclasses.replace(spec, numerics="ggml")
-        if packed:
-            blocks = arrs[0]
-            host = huge_page_array(blocks.shape, np.uint8) if _huge(blocks.nbytes, device) else np.empty_like(blocks)
-            if not native.pack_lanes(blocks, int(t), host):   # (lanes_ok: it is loaded)
-                pack_lanes(blocks, t, host)
-            return DeviceWeight(spec, jax.device_put(host, device))
     else:
         spec, arrs = _held(raw, t, ne4, resolve_format(weight_format, t))
     q, scale, offset = (arrs + [None, None])[:3]

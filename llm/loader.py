@@ -43,13 +43,13 @@ def _is_kind(value: object, kind: type) -> bool:
     return isinstance(value, str)
 
 
-
 # The matrices held in the lanes format under numerics "ggml" (weights.lanes_ok): the projections
 # of attention and the FFN and the output head, which only mul_mat reads, and the token embedding,
 # which the output head often is too (get_rows gathers its rows from the lane groups).
 _LANE_WEIGHTS = re.compile("(?:" + "|".join(re.escape(tt.value).replace("%d", r"\d+") for tt in (
     LLMTensor.ATTN_Q, LLMTensor.ATTN_K, LLMTensor.ATTN_V, LLMTensor.ATTN_QKV, LLMTensor.ATTN_OUT,
     LLMTensor.FFN_GATE, LLMTensor.FFN_UP, LLMTensor.FFN_DOWN, LLMTensor.OUTPUT, LLMTensor.TOKEN_EMBD)) + r")\.weight")
+
 
 class TensorFlag(enum.IntFlag):
     """llama_model_loader's TENSOR_NOT_REQUIRED and TENSOR_DUPLICATED."""

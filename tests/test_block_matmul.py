@@ -130,7 +130,7 @@ def test_block_matmul_reads_every_bit_pattern(t, isa, monkeypatch):
         assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), N
 
 
-LANE_TYPES = [t for t in TYPES if int(t) in native.LANE_TYPES]
+LANE_TYPES = [t for t in TYPES if t in weights.LANE_FIELDS]
 
 
 @needs_native

@@ -121,17 +121,11 @@ def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int, lanes: bool = 
     to the type's vec_dot_type (Q8_0, Q8_1 or Q8_K) as ggml-cpu does, integer dot products
     (AMX tiles for more than 16 rows where the CPU has them; GGMLX_BLOCK_ISA caps the instruction set).
     `lanes`: the blocks are in the lanes format (ggmlx.weights.pack_lanes: 16-row groups, M a
-    multiple of 16, a type of LANE_TYPES), read in place by the few-row AVX-512 kernels.
+    multiple of 16, a type of weights.LANE_FIELDS), read in place by the few-row AVX-512 kernels.
     CPU only."""
     out = jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_BLOCKS, out)(x, blocks, type=np.int64(ggml_type), isa=np.int64(block_isa()),
                                                 lanes=np.int64(lanes))
-
-
-# The types block_matmul also reads in the lanes format (block_matmul.cc's lane_pieces).
-LANE_TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                                        GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL,
-                                        GGMLType.MXFP4))
 
 
 @functools.cache
@@ -152,13 +146,13 @@ def block_cpu_isa() -> int:
     return int(lib.ggmlx_block_cpu_isa())
 
 
-def pack_lanes(blocks: np.ndarray, ggml_type: int, out: np.ndarray) -> bool:
+def pack_lanes(blocks: np.ndarray, ggml_type: int, out: np.ndarray) -> None:
     """GGUF blocks uint8 [M, row_bytes] into `out` (the same shape, C-contiguous) in the lanes
-    format by the library (ggmlx.weights.pack_lanes is the definition); False when the library
-    is not loaded."""
+    format by the library (ggmlx.weights.pack_lanes is the definition). RuntimeError when the
+    library is not loaded (weights.lanes_ok checks available())."""
     lib = _lib()
     if lib is None:
-        return False
+        raise RuntimeError(f"pack_lanes: the native library is not loaded: {load_error()}")
     src = np.ascontiguousarray(blocks)
     fn = lib.ggmlx_pack_lanes
     fn.restype = ctypes.c_int64
@@ -167,7 +161,6 @@ def pack_lanes(blocks: np.ndarray, ggml_type: int, out: np.ndarray) -> bool:
             i64(ggml_type))
     if rc != 0:
         raise ValueError(f"pack_lanes: type {ggml_type} with {src.shape[0]} rows has no lanes layout")
-    return True
 
 
 # GGMLX_BLOCK_ISA's values, in block_matmul.cc's order (each includes the ones before it)

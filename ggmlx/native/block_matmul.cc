@@ -511,10 +511,21 @@ void lanes_rows(const Problem& p, int64_t g, uint8_t* out) {
   const uint8_t* grp = p.w + g * kLanes * p.row_bytes;
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* seg = grp + b * kLanes * bytes;
-    for (int i = 0; i < np; ++i, seg += kLanes * pc[i - 1].elem)
+    for (int i = 0; i < np; seg += kLanes * pc[i++].elem)
       for (int r = 0; r < kLanes; ++r)
         std::memcpy(out + r * p.row_bytes + b * bytes + pc[i].off, seg + r * pc[i].elem, pc[i].elem);
   }
+}
+
+// Rows [m, m + nm) (whole lane groups) of a lanes-format weight taken back as GGUF rows into
+// buf [nm][row_bytes]: the Problem that reads them there (for the paths that read GGUF rows).
+Problem group_rows(const Problem& p, int64_t m, int64_t nm, uint8_t* buf) {
+  for (int64_t g = m / kLanes; g * kLanes < m + nm; ++g) lanes_rows(p, g, buf + (g * kLanes - m) * p.row_bytes);
+  Problem q = p;
+  q.lanes = false;
+  q.w = buf;
+  q.row0 = m;
+  return q;
 }
 
 // Buffers for n (at most 32) unpacked weight rows.
@@ -1865,15 +1876,10 @@ GGMLX_AMX void run_rows_amx(const Problem& p, int64_t m0, int64_t m1) {
   WTile wt;
   const int64_t N = p.xq->N;
   std::vector<uint8_t> rows(p.lanes ? 32 * p.row_bytes : 0);
-  Problem q = p;   // where the tile's GGUF rows are: the lanes format's groups taken back first
-  q.lanes = false;
   for (int64_t m = m0; m < m1; m += 32) {
     const int nm = static_cast<int>(std::min<int64_t>(32, m1 - m));
-    if (p.lanes) {   // m is a multiple of 32 and M of 16: whole groups
-      for (int64_t g = m / kLanes; g * kLanes < m + nm; ++g) lanes_rows(p, g, rows.data() + (g * kLanes - m) * p.row_bytes);
-      q.w = rows.data();
-      q.row0 = m;
-    }
+    // a lanes-format weight's groups taken back first (m a multiple of 32, M of 16: whole groups)
+    const Problem q = p.lanes ? group_rows(p, m, nm, rows.data()) : p;
     for (int r = 0; r < nm; ++r) unpack_row(p.type, p.ti, row_at(q, m + r), p.K, buf.rows[r]);
     make_wtile(p, buf, nm, wt);
     for (int64_t n0 = 0; n0 < N; n0 += 32) amx_block(p, wt, n0, static_cast<int>(std::min<int64_t>(32, N - n0)), m, nm);
@@ -1895,14 +1901,7 @@ void run_rows_packed(const Problem& p, int64_t m0, int64_t m1) {
 #endif
   thread_local std::vector<uint8_t> rows;
   rows.resize(kLanes * p.row_bytes);
-  Problem q = p;
-  q.lanes = false;
-  q.w = rows.data();
-  for (int64_t m = m0; m < m1; m += kLanes) {
-    lanes_rows(p, m / kLanes, rows.data());
-    q.row0 = m;
-    run_rows(q, m, std::min(m + kLanes, m1));
-  }
+  for (int64_t m = m0; m < m1; m += kLanes) run_rows(group_rows(p, m, kLanes, rows.data()), m, std::min(m + kLanes, m1));
 }
 
 // Weight rows [m0, m1): unpacked kRows at a time, each tile dotted with every activation row.
