@@ -113,6 +113,42 @@ def test_attn_decode_interleaved_sequences(cache, n_prompt):
 
 
 @needs_native
+@pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_q", [1, 2])
+def test_attn_decode_long_rows_split_into_runs(cache, n_q):
+    """Rows of hundreds of cells split into runs across threads (flash-decoding) and into blocks
+    within a run: the scores rise along the cells in one row (each block a new maximum, what was
+    summed before rescaled) and fall in the other, a run of masked cells lies inside the row, and a
+    row of fewer live cells than a block ends the batch; the merged softmax is the float64 one."""
+    rng = np.random.default_rng(n_q)
+    H, Hkv, D, n_kv = 8, 2, 64, 1000
+    kc, vc = (rng.standard_normal((n_kv, Hkv * D)).astype(np.float32) for _ in range(2))
+    kc *= np.linspace(0.2, 3.0, n_kv, dtype=np.float32)[:, None]       # later cells score further from 0
+    if cache == GGMLType.Q8_0:
+        kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
+        kv = [quants.dequantize(c, cache, (Hkv * D, n_kv)).astype(np.float64) for c in (kc, vc)]
+    else:
+        dtype = np.float16 if cache == GGMLType.F16 else np.float32
+        kc, vc = kc.astype(dtype), vc.astype(dtype)
+        kv = [c.astype(np.float64) for c in (kc, vc)]
+    k64 = kv[0].reshape(n_kv, Hkv, D)
+    q = np.empty((n_q + 1, H, D), np.float32)
+    q[0] = k64[-1, np.arange(H) // (H // Hkv)]                          # row 0 aligned with the last cells
+    q[1:] = -q[0] if n_q > 1 else rng.standard_normal((1, H, D))
+    q *= 0.2
+    mask = np.zeros((n_q + 1, n_kv), np.float32)
+    mask[:, 300:420] = -np.inf
+    mask[-1, 40:] = -np.inf
+    row = kc.shape[1] * kc.dtype.itemsize
+    out = np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask),
+                                        kv_type=int(cache), n_kv=n_kv, n_head_kv=Hkv, k_off=0, k_cell=row,
+                                        k_head=row // Hkv, v_off=0, v_cell=row, v_head=row // Hkv, dv=D,
+                                        scale=0.125, softcap=0.0))
+    ref = _reference(q.astype(np.float64), k64, kv[1].reshape(n_kv, Hkv, D), mask.astype(np.float64), 0.125, 0.0)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
+
+
+@needs_native
 def test_attn_decode_fully_masked_row_is_zero():
     q = np.ones((2, 2, 16), np.float32)
     kc = np.ones((8, 32), np.float32)
