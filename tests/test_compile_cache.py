@@ -352,3 +352,34 @@ def test_stored_executables_of_a_reserve_load_side_by_side(tmp_path):
     second = run()
     assert second["disk_hits"] == 2 and second["on_main"] == [False, False]
     assert second["logits"] == first["logits"]
+
+
+def _norm_graph(n_embd: int, n_tokens: int):
+    x = new_input(T.F32, (n_embd, n_tokens), "inp_embd")
+    out = ops.rms_norm(x, 1e-5).set_name("norm")
+    return Graph().build_forward_expand(out), x, out
+
+
+def test_cpu_graphs_compile_without_library_fusions():
+    """A few rows' rms_norm stays in XLA's own loops: the jaxlib's YNNPACK reduce fusion cost
+    9-15 us a call against ~1.5 (compile._CPU_COMPILE_OPTIONS); the values are the same."""
+    cache = GraphCache()
+    g, x, out = _norm_graph(576, 8)
+    xv = np.random.default_rng(0).standard_normal((8, 576)).astype(np.float32)
+    res, _ = compute(g, {x: xv}, cache=cache)
+    (entry,) = cache._entries.values()
+    assert "__ynn_fusion" not in entry.executable.as_text()
+    ref = xv / np.sqrt(np.mean(xv.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(np.asarray(res[out]).reshape(8, 576), ref, rtol=2e-6, atol=2e-6)
+
+
+def test_cpu_compile_options_unknown_to_the_jaxlib_are_left_out(monkeypatch):
+    """A jaxlib without the option compiles as before (the error is XLA's 'No such compile
+    option'), and later compiles stop asking."""
+    from ggmlx import compile as compile_mod
+    monkeypatch.setattr(compile_mod, "_CPU_COMPILE_OPTIONS", {"xla_cpu_no_such_option_in_any_jaxlib": ""})
+    monkeypatch.setattr(compile_mod, "_cpu_options_known", True)
+    g, x, out = _norm_graph(64, 3)
+    res, _ = compute(g, {x: np.ones((3, 64), np.float32)}, cache=GraphCache())
+    np.testing.assert_allclose(np.asarray(res[out]), 1.0, rtol=1e-5)
+    assert compile_mod._cpu_options_known is False
