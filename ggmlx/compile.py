@@ -429,7 +429,8 @@ class GraphCache:
                 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                 out_shardings = (tuple(replicated for _ in program.outputs), tuple(a.sharding for a in abstract[2]))
             fn = program.make_fn(w_treedef, index)
-            on_cpu = (mesh.devices.flat[0] if mesh is not None else dev).platform == "cpu"
+            first = mesh.devices.flat[0] if mesh is not None else dev or jax.devices()[0]
+            on_cpu = first.platform == "cpu"
             executable = self._compile(
                 lambda: _on_cpu_options(jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract),
                                         on_cpu),
