@@ -314,27 +314,17 @@ _CPU_COMPILE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 _cpu_options_known = True
 
 
-class _Lowered:
-    """A jax Lowered whose compile() passes _CPU_COMPILE_OPTIONS, or plain compile() where the
-    jaxlib does not know them."""
-
-    def __init__(self, lowered):
-        self.lowered = lowered
-
-    def compile(self):
-        global _cpu_options_known
-        if _cpu_options_known:
-            try:
-                return self.lowered.compile(compiler_options=_CPU_COMPILE_OPTIONS)
-            except jax.errors.JaxRuntimeError as e:
-                if "No such compile option" not in str(e):
-                    raise
-                _cpu_options_known = False
-        return self.lowered.compile()
-
-
-def _on_cpu_options(lowered, on_cpu: bool):
-    return _Lowered(lowered) if on_cpu else lowered
+def _compiled(lowered, on_cpu: bool):
+    """lowered.compile(), with _CPU_COMPILE_OPTIONS on a CPU where the jaxlib knows them."""
+    global _cpu_options_known
+    if on_cpu and _cpu_options_known:
+        try:
+            return lowered.compile(compiler_options=_CPU_COMPILE_OPTIONS)
+        except jax.errors.JaxRuntimeError as e:
+            if "No such compile option" not in str(e):
+                raise
+            _cpu_options_known = False
+    return lowered.compile()
 
 
 class GraphCache:
@@ -432,8 +422,8 @@ class GraphCache:
             first = mesh.devices.flat[0] if mesh is not None else dev or jax.devices()[0]
             on_cpu = first.platform == "cpu"
             executable = self._compile(
-                lambda: _on_cpu_options(jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract),
-                                        on_cpu),
+                lambda: _compiled(jax.jit(fn, donate_argnums=(2,), out_shardings=out_shardings).lower(*abstract),
+                                  on_cpu),
                 xla_cache=path is None)
             _store_executable(path, executable)
         dt = time.perf_counter() - t0
@@ -447,9 +437,9 @@ class GraphCache:
             self.stats.evictions += 1
         return entry
 
-    def _compile(self, lower_fn, xla_cache: bool = True):
-        """Compile; when JAX reports a damaged persistent-cache entry, delete the damaged
-        entries and compile once more so the entry is written again (JAX never overwrites).
+    def _compile(self, compile_fn, xla_cache: bool = True):
+        """compile_fn() (lower and compile); when JAX reports a damaged persistent-cache entry,
+        delete the damaged entries and compile once more so the entry is written again (JAX never overwrites).
         Without xla_cache, XLA's on-disk cache is neither read nor written: an executable
         that is to be serialized must come from a real compilation (one loaded from XLA's
         cache serializes without some of its functions: "Function ... not found" when run)."""
@@ -463,14 +453,14 @@ class GraphCache:
             reset_cache()
             try:
                 with enable_compilation_cache(False):
-                    return lower_fn().compile()
+                    return compile_fn()
             finally:
                 reset_cache()
         if not cache_dir:
-            return lower_fn().compile()
+            return compile_fn()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            executable = lower_fn().compile()
+            executable = compile_fn()
         damaged = False
         for w in caught:
             if _CACHE_READ_ERROR in str(w.message):
@@ -486,7 +476,7 @@ class GraphCache:
         if not removed:
             return executable
         jax.clear_caches()      # else JAX hands back its in-memory executable and writes nothing
-        return lower_fn().compile()
+        return compile_fn()
 
     def _explain_miss(self, sig: list[tuple]) -> str:
         if not self._sigs:

@@ -36,6 +36,26 @@ def _reference(q, k, v, mask, scale, softcap):
     return np.einsum("qhk,khd->qhd", p, v[:, g])
 
 
+def _held(kc: np.ndarray, vc: np.ndarray, cache: GGMLType):
+    """f32 K and V cache rows [cells, Hkv * D] as the cache holds them (f32, f16, or a block type's
+    bytes) and the values they hold (float64, same shape)."""
+    if cache in (GGMLType.F32, GGMLType.F16):
+        dtype = np.float16 if cache == GGMLType.F16 else np.float32
+        held = [c.astype(dtype) for c in (kc, vc)]
+        return held, [c.astype(np.float64) for c in held]
+    held = [quants.quantize(c, cache) for c in (kc, vc)]
+    return held, [quants.dequantize(h, cache, kc.shape[::-1]).astype(np.float64) for h in held]
+
+
+def _attend_whole_cache(q, kc, vc, mask, cache: GGMLType, n_head_kv: int, dv: int, scale: float = 0.125):
+    """attn_decode over every cell of the caches kc, vc [cells, Hkv * row] (no offset)."""
+    row = kc.shape[1] * kc.dtype.itemsize
+    return np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask),
+                                         kv_type=int(cache), n_kv=kc.shape[0], n_head_kv=n_head_kv, k_off=0,
+                                         k_cell=row, k_head=row // n_head_kv, v_off=0, v_cell=row,
+                                         v_head=row // n_head_kv, dv=dv, scale=scale, softcap=0.0))
+
+
 @needs_native
 @pytest.mark.parametrize("cache", [GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
                                    GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.IQ4_NL], ids=lambda t: t.name)
@@ -49,14 +69,7 @@ def test_attn_decode_matches_float64(cache, softcap, n_q, H, Hkv, D):
         pytest.skip("block rows are whole blocks of 32")
     rng = np.random.default_rng(D + n_q)
     kv_size, first, n_kv = 48, 5, 30
-    kc, vc = (rng.standard_normal((kv_size, Hkv * D)).astype(np.float32) for _ in range(2))
-    if quantized:
-        kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
-        kv = [quants.dequantize(c, cache, (Hkv * D, kv_size)) for c in (kc, vc)]
-    else:
-        dtype = np.float16 if cache == GGMLType.F16 else np.float32
-        kc, vc = kc.astype(dtype), vc.astype(dtype)
-        kv = [c.astype(np.float64) for c in (kc, vc)]
+    (kc, vc), kv = _held(*(rng.standard_normal((kv_size, Hkv * D)).astype(np.float32) for _ in range(2)), cache)
     row = kc.shape[1] * kc.dtype.itemsize          # bytes of a cell's row
     head = row // Hkv
     q = rng.standard_normal((n_q, H, D)).astype(np.float32)
@@ -93,20 +106,9 @@ def test_attn_decode_interleaved_sequences(cache, n_prompt):
     first_prompt = n_seq * n_each
     rows += [(owner == n_seq) & (np.arange(n_kv) <= first_prompt + j) for j in range(n_prompt)]
     mask = np.where(np.stack(rows), 0.0, -np.inf).astype(np.float32)
-    kc, vc = (rng.standard_normal((n_kv, Hkv * D)).astype(np.float32) for _ in range(2))
-    if cache == GGMLType.Q8_0:
-        kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
-        kv = [quants.dequantize(c, cache, (Hkv * D, n_kv)).astype(np.float64) for c in (kc, vc)]
-    else:
-        dtype = np.float16 if cache == GGMLType.F16 else np.float32
-        kc, vc = kc.astype(dtype), vc.astype(dtype)
-        kv = [c.astype(np.float64) for c in (kc, vc)]
-    row = kc.shape[1] * kc.dtype.itemsize
+    (kc, vc), kv = _held(*(rng.standard_normal((n_kv, Hkv * D)).astype(np.float32) for _ in range(2)), cache)
     q = rng.standard_normal((len(rows), H, D)).astype(np.float32)
-    out = np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask),
-                                        kv_type=int(cache), n_kv=n_kv, n_head_kv=Hkv, k_off=0, k_cell=row,
-                                        k_head=row // Hkv, v_off=0, v_cell=row, v_head=row // Hkv, dv=D,
-                                        scale=0.125, softcap=0.0))
+    out = _attend_whole_cache(q, kc, vc, mask, cache, Hkv, D)
     ref = _reference(q.astype(np.float64), kv[0].reshape(n_kv, Hkv, D), kv[1].reshape(n_kv, Hkv, D),
                      mask.astype(np.float64), 0.125, 0.0)
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
@@ -124,13 +126,7 @@ def test_attn_decode_long_rows_split_into_runs(cache, n_q):
     H, Hkv, D, n_kv = 8, 2, 64, 1000
     kc, vc = (rng.standard_normal((n_kv, Hkv * D)).astype(np.float32) for _ in range(2))
     kc *= np.linspace(0.2, 3.0, n_kv, dtype=np.float32)[:, None]       # later cells score further from 0
-    if cache == GGMLType.Q8_0:
-        kc, vc = quants.quantize(kc, cache), quants.quantize(vc, cache)
-        kv = [quants.dequantize(c, cache, (Hkv * D, n_kv)).astype(np.float64) for c in (kc, vc)]
-    else:
-        dtype = np.float16 if cache == GGMLType.F16 else np.float32
-        kc, vc = kc.astype(dtype), vc.astype(dtype)
-        kv = [c.astype(np.float64) for c in (kc, vc)]
+    (kc, vc), kv = _held(kc, vc, cache)
     k64 = kv[0].reshape(n_kv, Hkv, D)
     q = np.empty((n_q + 1, H, D), np.float32)
     q[0] = k64[-1, np.arange(H) // (H // Hkv)]                          # row 0 aligned with the last cells
@@ -139,11 +135,7 @@ def test_attn_decode_long_rows_split_into_runs(cache, n_q):
     mask = np.zeros((n_q + 1, n_kv), np.float32)
     mask[:, 300:420] = -np.inf
     mask[-1, 40:] = -np.inf
-    row = kc.shape[1] * kc.dtype.itemsize
-    out = np.asarray(native.attn_decode(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mask),
-                                        kv_type=int(cache), n_kv=n_kv, n_head_kv=Hkv, k_off=0, k_cell=row,
-                                        k_head=row // Hkv, v_off=0, v_cell=row, v_head=row // Hkv, dv=D,
-                                        scale=0.125, softcap=0.0))
+    out = _attend_whole_cache(q, kc, vc, mask, cache, Hkv, D)
     ref = _reference(q.astype(np.float64), k64, kv[1].reshape(n_kv, Hkv, D), mask.astype(np.float64), 0.125, 0.0)
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
 

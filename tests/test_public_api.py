@@ -100,7 +100,7 @@ MODULE_NAMES = {
     "llm.memory_recurrent": ["MemoryRecurrent"],
     "llm.memory_hybrid": ["MemoryHybrid", "memory_kind"],
     # issue 33: ggml numerics
-    "ggmlx.native": ["block_matmul", "BLOCK_TYPES", "BLOCK_ISAS"],
+    "ggmlx.native": ["block_matmul", "BLOCK_TYPES", "BLOCK_ISAS", "LANE_TYPES"],
     "ggmlx.weights": ["NUMERICS", "FORMAT_LANES", "pack_lanes", "unpack_lanes"],
 }
 

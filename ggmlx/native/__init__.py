@@ -128,6 +128,16 @@ def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int, lanes: bool = 
                                                 lanes=np.int64(lanes))
 
 
+def __getattr__(name: str):
+    """LANE_TYPES: the ggml type ids block_matmul also reads in the lanes format (issue 33's
+    pinned name), the keys of ggmlx.weights.LANE_FIELDS, which defines the layouts (imported
+    here, on use: ggmlx.weights imports this module)."""
+    if name == "LANE_TYPES":
+        from ggmlx import weights
+        return frozenset(int(t) for t in weights.LANE_FIELDS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     """The library for plain ctypes calls (nothing registered with XLA), once loaded for FFI."""

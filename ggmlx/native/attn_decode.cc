@@ -88,9 +88,8 @@ struct Attn {
   const uint8_t* k;     // the K cache's memory
   const uint8_t* v;     // the V cache's memory
   const float* mask;    // [n_q, n_kv]
-  const int32_t* cells;    // [n_q, n_kv]: row i's cells whose mask is not -inf, the first n_cells[i] of its row
-  const int64_t* n_cells;  // [n_q]
-  int64_t n_q, H, Hkv, D, Dv, n_kv;
+  const int32_t* cells;  // [n_q, n_kv]: row i's cells whose mask is not -inf, first in its row
+  int64_t H, Hkv, D, Dv, n_kv;
   int64_t k_off, k_cell, k_head;  // byte offset and strides of K (cell, KV head)
   int64_t v_off, v_cell, v_head;
   float scale, softcap;
@@ -662,7 +661,7 @@ ffi::Error AttnDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuf
   for (int64_t i = 0; i < n_q; ++i) n_cells[i] = live_cells(mask.typed_data() + i * n_kv, n_kv, cells.data() + i * n_kv);
   const Attn p{q.typed_data(), static_cast<const uint8_t*>(k.untyped_data()),
                static_cast<const uint8_t*>(v.untyped_data()),
-               mask.typed_data(), cells.data(), n_cells.data(), n_q, H, n_head_kv, D, Dv, n_kv,
+               mask.typed_data(), cells.data(), H, n_head_kv, D, Dv, n_kv,
                k_off, k_cell, k_head, v_off, v_cell, v_head, scale, softcap};
   const int level = simd_level(D, Dv);
   const UnitFn fn = kv_type == Q8_0::id     ? pick<Q8_0>(level)
