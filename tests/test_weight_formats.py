@@ -139,6 +139,12 @@ def test_lanes_format_reads_as_the_blocks(t):
                                atol=2e-6 * np.abs(want).max())
 
 
+def test_lanes_types_are_the_laid_out_types():
+    """native.LANE_TYPES (what block_matmul reads in the lanes format) and weights.LANE_FIELDS
+    (their layouts) name the same types."""
+    assert native.LANE_TYPES == frozenset(int(t) for t in weights.LANE_FIELDS)
+
+
 @needs_lanes
 def test_lanes_format_only_where_it_applies(monkeypatch):
     """Whole 16-row groups of a lane type, 2-d, numerics "ggml", GGMLX_LANES on; otherwise the blocks."""

@@ -128,14 +128,12 @@ def block_matmul(x: jax.Array, blocks: jax.Array, ggml_type: int, lanes: bool = 
                                                 lanes=np.int64(lanes))
 
 
-def __getattr__(name: str):
-    """LANE_TYPES: the ggml type ids block_matmul also reads in the lanes format (issue 33's
-    pinned name), the keys of ggmlx.weights.LANE_FIELDS, which defines the layouts (imported
-    here, on use: ggmlx.weights imports this module)."""
-    if name == "LANE_TYPES":
-        from ggmlx import weights
-        return frozenset(int(t) for t in weights.LANE_FIELDS)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The types block_matmul also reads in the lanes format (block_matmul.cc's lane_pieces; issue
+# 33's pinned name). ggmlx.weights.LANE_FIELDS gives their layouts, for the same types (a test
+# holds the two equal; weights imports this module, so this one cannot derive from it).
+LANE_TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+                                        GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL,
+                                        GGMLType.MXFP4))
 
 
 @functools.cache
