@@ -147,7 +147,7 @@ def test_lanes_format_is_the_same_product(t, isa, monkeypatch):
     for seed, blocks in enumerate((_blocks(t, 48, K, 5), _random_blocks(t, 48, K, int(t)))):
         packed = weights.pack_lanes(blocks, t)
         assert not np.array_equal(packed, blocks) and np.array_equal(np.sort(packed, None), np.sort(blocks, None))
-        for N in (1, 2, 3, 4, 5, 16, 21, 40):
+        for N in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 21, 40):
             x = (np.random.default_rng(N + seed).standard_normal((N, K)) * 3).astype(np.float32)
             y = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(packed), int(t), lanes=True))
             ref = reference(t, blocks, x)
