@@ -277,6 +277,11 @@ def test_state_buffer_with_wrong_shape_or_type_is_named():
     outs, state, completed = sched.compute(plan, inputs, {st: jax.device_put(np.zeros(st.shape, np.float32))})
     assert completed
     np.testing.assert_array_equal(np.asarray(state[st])[0, 0], [[1] * 4, [0] * 4, [1] * 4])
+    # the state the run returned goes back unchecked; any other buffer is checked again
+    outs, state, completed = sched.compute(plan, inputs, state)
+    assert completed
+    with pytest.raises(ValueError, match=r"state 'cache_k_l0'.*float32\[3, 4\]"):
+        sched.compute(plan, inputs, {st: jax.device_put(np.zeros((3, 4), np.float32))})
 
 
 def test_scheduler_uses_the_backend_list_given():
