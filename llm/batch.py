@@ -9,6 +9,7 @@ s), so at most `MAX_SEQ` = 64 sequences.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import numpy as np
@@ -141,7 +142,7 @@ class UBatch:
     idxs: np.ndarray              # int32 [n_tokens], index of each token in the batch
     pos_sections: np.ndarray | None = None   # int32 [4, n_tokens]: t (= pos), y, x, e of 2-D positions
 
-    @property
+    @functools.cached_property
     def n_outputs(self) -> int:
         return int(self.output.sum())
 
