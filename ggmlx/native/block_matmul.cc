@@ -1520,20 +1520,14 @@ InterleaveFn interleave_packed_fn(int64_t t) {
   }
 }
 
-// The lanes-format kernels by activation-row count (1..kPackedN) and their pass width. The
-// 32-element types take up to 8 rows a pass: each unpacked unit feeds 16 vpdpbusd instead of 8
-// (an 8-row serving step's 1536 x 576 Q4_1 product 66-67 -> 55-60 us, 576 x 576 30-42 -> 28-31,
-// Zen 4, 2 threads); the k-quants' registers hold 2 rows.
+// The lanes-format kernels by activation-row count (1..kPackedN) and their pass width.
 using PackedFn = void (*)(const Problem&, const XQ&, int64_t, int64_t, int64_t);
-constexpr int kPackedN = 8;
+constexpr int kPackedN = 4;
 template <int64_t T>
-constexpr PackedFn kPackedUnit[kPackedN] = {packed_unit<1, T>, packed_unit<2, T>, packed_unit<3, T>, packed_unit<4, T>,
-                                            packed_unit<5, T>, packed_unit<6, T>, packed_unit<7, T>, packed_unit<8, T>};
+constexpr PackedFn kPackedUnit[kPackedN] = {packed_unit<1, T>, packed_unit<2, T>, packed_unit<3, T>, packed_unit<4, T>};
 template <bool Q5>
-constexpr PackedFn kPackedQ4K[kPackedN] = {packed_q4k<1, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>,
-                                           packed_q4k<2, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>};
-constexpr PackedFn kPackedQ6K[kPackedN] = {packed_q6k<1>, packed_q6k<2>, packed_q6k<2>, packed_q6k<2>,
-                                           packed_q6k<2>, packed_q6k<2>, packed_q6k<2>, packed_q6k<2>};
+constexpr PackedFn kPackedQ4K[kPackedN] = {packed_q4k<1, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>};
+constexpr PackedFn kPackedQ6K[kPackedN] = {packed_q6k<1>, packed_q6k<2>, packed_q6k<2>, packed_q6k<2>};
 
 // Weight rows [m0, m1) (whole lane groups) times every activation row, from the lanes format.
 void rows_packed(const Problem& p, int64_t m0, int64_t m1) {
