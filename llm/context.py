@@ -98,6 +98,12 @@ def rank_head(model, v: np.ndarray) -> np.ndarray:
     return v
 
 
+# The KV cache type of a context that names none, by the model's numerics: llama.cpp's own (f16)
+# under "ggml", whose runs follow llama.cpp's default ones; f32 under "exact" (research,
+# gradients, the parity tests' F32 caches).
+DEFAULT_KV_TYPE = {"exact": "f32", "ggml": "f16"}
+
+
 @dataclass
 class ContextParams:
     """llama_context_params (with common's flags): how a Context is sized and what it computes."""
@@ -107,10 +113,11 @@ class ContextParams:
     n_ubatch: int = param(512, flags=("-ub", "--ubatch-size"), lo=1, help="physical maximum batch size")
     n_seq_max: int = param(1, flags=("-np", "--parallel"), lo=1,
                            help="number of parallel sequences (server slots)")
-    type_k: str = param("f32", flags=("-ctk", "--cache-type-k"), choices=tuple(KV_TYPES),
-                        help="KV cache data type for K")
-    type_v: str = param("f32", flags=("-ctv", "--cache-type-v"), choices=tuple(KV_TYPES),
-                        help="KV cache data type for V (a quantized one needs flash_attn)")
+    type_k: str | None = param(None, flags=("-ctk", "--cache-type-k"), choices=tuple(KV_TYPES),
+                               help="KV cache data type for K; unset: f16 under numerics ggml (llama.cpp's "
+                                    "default), f32 under exact")
+    type_v: str | None = param(None, flags=("-ctv", "--cache-type-v"), choices=tuple(KV_TYPES),
+                               help="KV cache data type for V (a quantized one needs flash_attn); unset: as for K")
     kv_bucket: int = param(256, lo=1, help="KV lengths are padded to a multiple of this (one graph per bucket)")
     swa_full: bool = param(True, flags=("--swa-full",),
                            help="full-size cache for sliding-window layers (needed to save/restore state)")
@@ -123,6 +130,12 @@ class ContextParams:
     reserve: tuple[int, ...] = param((), help="ubatch sizes to compile ahead when the context is made")
 
 
+def kv_types(p: ContextParams, numerics: str) -> tuple[str, str]:
+    """The K and V cache types of p, DEFAULT_KV_TYPE[numerics] where it names none."""
+    default = DEFAULT_KV_TYPE[numerics]
+    return p.type_k or default, p.type_v or default
+
+
 def create_memory(model: Model, p: ContextParams, n_ubatch: int) -> KVCache | MemoryRecurrent | MemoryHybrid:
     """The memory the architecture needs (llama_model::create_memory): a recurrent memory for
     Mamba-style models, a hybrid one for models mixing attention and recurrent layers, else
@@ -130,10 +143,11 @@ def create_memory(model: Model, p: ContextParams, n_ubatch: int) -> KVCache | Me
     arch = model.hparams.arch
     if llm_arch_is_recurrent(arch):
         return MemoryRecurrent(model, p.n_seq_max)
+    type_k, type_v = kv_types(p, model.numerics)
     if llm_arch_is_hybrid(arch):
-        return MemoryHybrid(model, p.n_ctx, p.n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=n_ubatch,
+        return MemoryHybrid(model, p.n_ctx, p.n_seq_max, type_k, type_v, p.kv_bucket, n_ubatch=n_ubatch,
                             swa_full=p.swa_full)
-    return KVCache(model, p.n_ctx, p.n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=n_ubatch,
+    return KVCache(model, p.n_ctx, p.n_seq_max, type_k, type_v, p.kv_bucket, n_ubatch=n_ubatch,
                    swa_full=p.swa_full)
 
 
@@ -159,6 +173,8 @@ class Context:
             raise ValueError("the model was loaded with vocab_only=True: it has no weights to decode with")
         p = params_mod.from_kwargs(ContextParams, kwargs, where="Context", base=params or ContextParams())
         params_mod.check(p)
+        type_k, type_v = kv_types(p, model.numerics)
+        p = dataclasses.replace(p, type_k=type_k, type_v=type_v)
         self.params = p
         n_ctx, n_batch, n_ubatch, n_seq_max = p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max
         embeddings, pooling_type, flash_attn = p.embeddings, p.pooling_type, p.flash_attn
@@ -166,8 +182,8 @@ class Context:
             raise ValueError(f"n_ctx = {n_ctx} is more than the {POS_MAX + 1} cells a KV cache can index "
                              f"(int32 positions; the model was trained with {model.hparams.n_ctx_train})")
         hp = model.hparams
-        if not flash_attn and types.traits(KV_TYPES[p.type_v]).is_quantized:
-            raise ParamError("type_v", f"type_v = {p.type_v}: a quantized V cache needs flash_attn "
+        if not flash_attn and types.traits(KV_TYPES[type_v]).is_quantized:
+            raise ParamError("type_v", f"type_v = {type_v}: a quantized V cache needs flash_attn "
                                        f"(as llama.cpp: the unfused path multiplies by V transposed)")
         self.embeddings = bool(embeddings)
         self.pooling_type = hp.pooling_type if pooling_type is None else PoolingType.parse(pooling_type)

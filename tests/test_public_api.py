@@ -34,7 +34,8 @@ MODULE_NAMES = {
     "llm.hub": ["resolve", "DEFAULT_MODEL"],
     "llm.loader": ["GGUFMeta", "ModelLoader"],
     "llm.errors": ["MetadataError", "ModelLoadError", "GrammarError", "StateError", "LoadCancelled"],
-    "llm.context": ["Context", "ContextParams", "bucket", "DecodeStatus"],
+    "llm.context": ["Context", "ContextParams", "bucket", "DecodeStatus",
+                    "DEFAULT_KV_TYPE", "kv_types"],     # (the last two: issue 33, the numerics' cache type)
     # issue 27: one declaration per parameter, the generation core, block-option enums, the server's routes
     "llm.params": ["param", "Arg", "ParamError", "add_arguments", "from_namespace", "from_kwargs", "from_json",
                    "with_parameters", "fields_of", "MediaParams", "ServerGeneration"],

@@ -186,6 +186,22 @@ def test_model_in_the_lanes_format(tmp_path, monkeypatch):
     np.testing.assert_allclose(logits["1"], logits["0"], rtol=0, atol=1e-4 * np.abs(logits["0"]).max())
 
 
+def test_cache_type_follows_the_numerics(tmp_path):
+    """A context that names no cache type takes DEFAULT_KV_TYPE of its model's numerics: f16 under
+    "ggml" (llama.cpp's default), f32 under "exact"; a type it names wins either way."""
+    from llm.context import DEFAULT_KV_TYPE
+    path = write_model(tmp_path / "m.gguf", TinySpec(wtype="Q8_0"))
+    assert DEFAULT_KV_TYPE == {"exact": "f32", "ggml": "f16"}
+    for numerics, want in (("ggml", np.float16), ("exact", np.float32)):
+        model = llm.load_model(path, numerics=numerics)
+        ctx = llm.Context(model, n_ctx=64)
+        assert (ctx.params.type_k, ctx.params.type_v) == (DEFAULT_KV_TYPE[numerics],) * 2
+        assert {t.data.dtype for t in ctx.memory.mem_attn.k_l + ctx.memory.mem_attn.v_l} == {np.dtype(want)}
+        assert ctx.decode(llm.Batch(prompt_tokens(4))) == 0
+        named = llm.Context(model, n_ctx=64, type_k="bf16", type_v="f32")
+        assert (named.params.type_k, named.params.type_v) == ("bf16", "f32")
+
+
 def _real_tensors(path) -> dict[GGMLType, tuple[str, np.ndarray, tuple[int, int]]]:
     """One tensor per block type in a GGUF file, cut to its first 64 rows."""
     r = gguf.GGUFReader(str(path))

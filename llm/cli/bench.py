@@ -110,13 +110,13 @@ def _summary(model: str, fmt: str, test: str, n: int, times: list[float], compil
 
 def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: int = 5,
                 n_ubatch: int = 512, n_ctx: int = 2048, weight_format: str = "auto",
-                abort_callback: Callable[[], bool] | None = None, n_depth: int = 0, type_k: str = "f32",
-                type_v: str = "f32", numerics: str = "exact") -> list[BenchResult]:
+                abort_callback: Callable[[], bool] | None = None, n_depth: int = 0, type_k: str | None = None,
+                type_v: str | None = None, numerics: str = "exact") -> list[BenchResult]:
     """pp{n_prompt} and tg{n_gen} results for one model (a test with 0 tokens is skipped), each
     after n_depth cached tokens (llama-bench's -d: "tg128 @ d4096"), with the cache types
-    type_k / type_v. SizeError when the depth, prompt and generation do not fit the model's
-    training context (a pp100000 would run for many minutes); abort_callback stops loading and
-    decoding."""
+    type_k / type_v (None: the numerics' default, context.DEFAULT_KV_TYPE). SizeError when the
+    depth, prompt and generation do not fit the model's training context (a pp100000 would run
+    for many minutes); abort_callback stops loading and decoding."""
     t0 = time.perf_counter()
     model = load_model(model_path, weight_format=weight_format, numerics=numerics,
                        progress_callback=None if abort_callback is None else lambda f: not abort_callback())

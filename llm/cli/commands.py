@@ -358,6 +358,7 @@ def cmd_info(a) -> int:
     import numpy as np
 
     from ggmlx import gguf
+    from llm.context import DEFAULT_KV_TYPE
     from llm.kv_cache import estimate_bytes, mla_per_head_bytes, swa_cache_size
     from llm.model import load_model
     if a.archs:
@@ -382,7 +383,8 @@ def cmd_info(a) -> int:
     print(f"arch: {model.arch}, n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head(0)}, "
           f"n_head_kv {hp.n_head_kv(0)}, head_dim {hp.n_embd_head_k}, n_ff {hp.n_ff(0)}, "
           f"n_vocab {hp.n_vocab}, n_ctx_train {hp.n_ctx_train}")
-    types_kv = dict(type_k=a.type_k, type_v=a.type_v)
+    kv_default = DEFAULT_KV_TYPE["exact"]      # (a context of numerics "ggml" defaults to f16)
+    types_kv = dict(type_k=a.type_k or kv_default, type_v=a.type_v or kv_default)
     kv_per_token = estimate_bytes(hp, 1, swa_full=True, **types_kv)
     n_shared = sum(not hp.has_kv(il) for il in range(hp.n_layer))
     n_ctx = a.n_ctx
@@ -402,7 +404,8 @@ def cmd_info(a) -> int:
         print(f"recurrent states (f32): {per_seq / 2**20:.2f} MiB per sequence over {n_recurrent} layers "
               f"(conv {hp.n_embd_r()} + SSM {hp.n_embd_s()} values each), the same at any position")
     if kind != "recurrent":
-        print(f"KV cache (K {a.type_k}, V {a.type_v}): {kv_per_token / 1024:.1f} KiB per token at full attention, "
+        print(f"KV cache (K {types_kv['type_k']}, V {types_kv['type_v']}): {kv_per_token / 1024:.1f} KiB per token "
+              f"at full attention, "
               f"{full / 2**20:.1f} MiB ({full} bytes) at n_ctx {n_ctx}{swa}"
               + (f"; {n_shared} layers read an earlier layer's cache" if n_shared else ""))
     if hp.is_mla:
