@@ -359,7 +359,7 @@ class Scheduler:
             outs, new_st = s.compiled(s.w_args, i, st)
             for t, v in zip(prog.outputs, outs, strict=False):
                 values[t.id] = v
-            s.st_returned = [weakref.ref(v) for v in new_st] + [None] * (len(prog.states) - len(new_st))
+            s.st_returned = [weakref.ref(v) for v in new_st]   # (one per state: Program.make_fn)
             copied = {c.id for c in s.copies}
             for t, v in zip(prog.states, new_st, strict=False):
                 if t.id not in copied:      # a copied-in state is only read here; its home keeps it

@@ -186,12 +186,8 @@ class KVCells:
     def prepare(self, ubatches: list[UBatch], cont: bool = False) -> list[SlotInfo] | None:
         """Slots for ALL ubatches of a batch, each placed as if the earlier ones were applied
         (llama_kv_cache::prepare). The cells are left unchanged either way; None if any fails."""
-        if len(ubatches) == 1:     # (a decode step: nothing to place after it, so nothing to undo)
-            slot = self.find_slot(ubatches[0], cont=cont)
-            return None if slot is None else [slot]
-        saved = (self.pos.copy(), self.seq.copy(), self.shift.copy(), self.ext_y.copy(), self.ext_x.copy(),
-                 self.head, self.has_shift)
         slots: list[SlotInfo] = []
+        saved = None    # the cells before the first apply: only a later ubatch needs one
         try:
             for i, ubatch in enumerate(ubatches):
                 slot = self.find_slot(ubatch, cont=cont)
@@ -199,9 +195,13 @@ class KVCells:
                     return None
                 slots.append(slot)
                 if i + 1 < len(ubatches):
+                    if saved is None:
+                        saved = (self.pos.copy(), self.seq.copy(), self.shift.copy(), self.ext_y.copy(),
+                                 self.ext_x.copy(), self.head, self.has_shift)
                     self.apply(slot, ubatch)
         finally:
-            self.pos, self.seq, self.shift, self.ext_y, self.ext_x, self.head, self.has_shift = saved
+            if saved is not None:
+                self.pos, self.seq, self.shift, self.ext_y, self.ext_x, self.head, self.has_shift = saved
         return slots
 
     # --- sequence operations (llama_memory_seq_*) ---

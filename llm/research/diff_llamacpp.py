@@ -302,7 +302,7 @@ def diff(model_path: str, prompt: str | list[int], patterns: list[str], flash_at
     """(rows, names only here, names only in llama.cpp, extra: logits diff and tokens); our side
     runs with `numerics` (load_model's)."""
     import llm as llm_mod
-    m = llm_mod.LLM(model_path, n_ctx=512, numerics=numerics, type_k="f32", type_v="f32")   # llama.cpp's side's
+    m = llm_mod.LLM(model_path, n_ctx=512, numerics=numerics, type_k="f32", type_v="f32")   # as llama.cpp's side
     tokens = m.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     table = m.node_table(flash_attn)
     ours_names = [lb for lb in table if any(fnmatch.fnmatchcase(lb, p) for p in patterns)
