@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=None, help="tokens generated (default 128; --cli: 32)")
     ap.add_argument("-d", "--depth", type=int, default=0, help="cached tokens before each test (llama-bench's -d)")
     ap.add_argument("-ctk", "--cache-type-k", dest="type_k", default=DEFAULT, choices=(DEFAULT, *KV_TYPES),
-                    help="KV cache type of K, both engines (default: each engine's own, ours f32, llama.cpp f16)")
+                    help="KV cache type of K, both engines (default: each engine's own: ours that of its "
+                         "numerics, f16 under ggml and f32 under exact; llama.cpp f16)")
     ap.add_argument("-ctv", "--cache-type-v", dest="type_v", default=DEFAULT, choices=(DEFAULT, *KV_TYPES),
                     help="KV cache type of V, both engines (default: each engine's own)")
     ap.add_argument("--numerics", choices=("exact", "ggml"), default="exact",
