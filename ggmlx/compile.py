@@ -191,11 +191,12 @@ class CompiledProgram:
     distinct arrays among the flat leaves of their DeviceWeights (`weight_args`: the leaves at
     positions `keep`, see shared_leaves), which callers make once and keep."""
 
-    def __init__(self, executable, key: str, compile_seconds: float, keep: tuple[int, ...]):
+    def __init__(self, executable, key: str, compile_seconds: float, keep: tuple[int, ...], on_disk: bool = False):
         self.executable = executable
         self.key = key
         self.compile_seconds = compile_seconds
         self.keep = keep
+        self.on_disk = on_disk      # stored on disk: dropping it costs a reload, not a compile
 
     def weight_args(self, w_vals) -> tuple:
         leaves = jax.tree.leaves(tuple(w_vals))
@@ -428,7 +429,7 @@ class GraphCache:
             _store_executable(path, executable)
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
-        entry = CompiledProgram(executable, key, dt, keep)
+        entry = CompiledProgram(executable, key, dt, keep, on_disk=path is not None and os.path.exists(path))
         self._entries[key] = entry
         self._sigs[key] = sig
         while len(self._entries) > self.max_entries:
@@ -436,6 +437,13 @@ class GraphCache:
             del self._sigs[old]
             self.stats.evictions += 1
         return entry
+
+    def discard(self, key: str) -> None:
+        """Forget the executable of signature key, so that XLA frees it once its last holder
+        lets go (a later get reads it from disk again, or compiles it)."""
+        if self._entries.pop(key, None) is not None:
+            del self._sigs[key]
+        self._preloaded.pop(key, None)
 
     def _compile(self, compile_fn, xla_cache: bool = True):
         """compile_fn() (lower and compile); when JAX reports a damaged persistent-cache entry,

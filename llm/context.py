@@ -42,6 +42,12 @@ from llm.params import ParamError, param, with_parameters
 logger = logging.getLogger(__name__)
 
 GRAPHS_KEPT = 32    # built graphs a context keeps by shape (ubatch size, outputs, KV length)
+# A loaded executable of a big ubatch holds XLA memory in proportion to its rows (SmolLM2 at 512
+# rows: 82 MB, at 128: 16 MB), and a long prompt crosses a KV bucket with nearly every ubatch:
+# of the graphs of at least LARGE_UBATCH tokens a context keeps only the LARGE_GRAPHS_KEPT used
+# last, the others dropped once their executables are on disk (reading one back: ~0.1 s).
+LARGE_UBATCH = 256
+LARGE_GRAPHS_KEPT = 2
 
 
 class DecodeStatus(IntEnum):
@@ -346,10 +352,16 @@ class Context:
     def _reserve(self, shapes: list[GraphParams]) -> int:
         stats = self.sched.cache.stats
         misses, t_comp = stats.misses, stats.compile_seconds
-        plans = [(params, self._build(params)[1]) for params in shapes if params not in self._graphs]
+        todo = [params for params in shapes if params not in self._graphs]
+        # the small graphs' executables read side by side; the large ones one at a time, each
+        # build dropping an older one (_drop_large_graphs), so a long prompt's never all load
+        plans = [(params, self._build(params)[1]) for params in todo if params.n_tokens < LARGE_UBATCH]
         self.sched.preload([plan for _, plan in plans], {}, self.memory.state())
         for params, plan in plans:
             self.sched.reserve(plan, {}, self.memory.state(), self._progress(params))
+        for params in todo:
+            if params.n_tokens >= LARGE_UBATCH:
+                self.sched.reserve(self._build(params)[1], {}, self.memory.state(), self._progress(params))
         self._perf.n_compiles += stats.misses - misses
         self._perf.t_compile += stats.compile_seconds - t_comp
         return stats.misses - misses
@@ -489,7 +501,32 @@ class Context:
         self._graphs[params] = (g, plan)
         while len(self._graphs) > GRAPHS_KEPT:
             self._graphs.popitem(last=False)
+        if params.n_tokens >= LARGE_UBATCH:
+            self._drop_large_graphs()
         return g, plan
+
+    def _drop_large_graphs(self) -> None:
+        """Keep LARGE_GRAPHS_KEPT graphs of large ubatches (the last built and the one in use
+        first): the older ones whose executables are all on disk leave the context and the
+        shared cache, unless a kept graph runs the same executable."""
+        in_use = self._prev[0].params if self._prev is not None else None
+        large = [p for p in self._graphs if p.n_tokens >= LARGE_UBATCH and p != in_use]
+        n_drop = len(large) + (in_use is not None and in_use.n_tokens >= LARGE_UBATCH) - LARGE_GRAPHS_KEPT
+        dropped = []
+        for p in large[:-1]:                 # oldest first; never the one just built
+            if n_drop <= 0:
+                break
+            splits = self._graphs[p][1].splits
+            if all(sp.compiled is None or sp.compiled.on_disk for sp in splits):
+                dropped.append(self._graphs.pop(p))
+                n_drop -= 1
+        if not dropped:
+            return
+        kept = {sp.compiled.key for _, plan in self._graphs.values() for sp in plan.splits if sp.compiled is not None}
+        for _, plan in dropped:
+            for sp in plan.splits:
+                if sp.compiled is not None and sp.compiled.key not in kept:
+                    self.sched.cache.discard(sp.compiled.key)
 
     def _process_ubatch(self, ub: UBatch, slot) -> bool:
         t0 = time.perf_counter()

@@ -217,6 +217,38 @@ def test_reserve_generation_compiles_every_bucket_before_the_first_token(llama):
         ctx.reserve((1,), n_kv=(65,))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("on_disk", [True, False], ids=["exe_cache", "no_exe_cache"])
+def test_a_long_prompt_keeps_only_the_last_large_graphs(llama, ref, monkeypatch, on_disk):
+    """A prompt whose big ubatches cross a KV bucket each keeps the graphs of the last
+    LARGE_GRAPHS_KEPT of them: the older ones leave the context and the shared cache (XLA holds
+    memory per row of a loaded executable), to be read back from disk, never compiled again;
+    without the executable cache on disk every graph stays."""
+    import llm.context as context_mod
+    from ggmlx.compile import GraphCache
+    monkeypatch.setattr(context_mod, "LARGE_UBATCH", 8)
+    monkeypatch.delenv("GGMLX_NO_PERSISTENT_CACHE", raising=False)
+    monkeypatch.setenv("GGMLX_EXE_CACHE", "1" if on_disk else "0")
+    ctx = new_ctx(llama, n_ubatch=8, kv_bucket=8)
+    ctx.sched.cache = cache = GraphCache()
+    kept = [(8, 24), (8, 32)] if on_disk else [(8, 8), (8, 16), (8, 24), (8, 32)]
+
+    def large() -> list:
+        return [(p.n_tokens, p.n_kv) for p in ctx._graphs if p.n_tokens >= 8]
+
+    assert ctx.reserve_generation(32, 1) == 4         # 4 ubatches of 8 at n_kv 8, 16, 24 and 32
+    assert large() == kept and len(cache._entries) == len(kept)
+    compiled = cache.stats.misses - cache.stats.disk_hits
+    for _ in range(2):            # each pass reads back the graphs it dropped, compiles none
+        disk_hits = cache.stats.disk_hits
+        ctx.memory_clear()
+        decode_ok(ctx, llm.Batch(TOKENS))              # the last token's logits, as reserved
+        np.testing.assert_allclose(ctx.get_logits_ith(-1), ref[-1], atol=TOL)
+        assert large() == kept and len(cache._entries) == len(kept)
+        assert cache.stats.disk_hits == disk_hits + (4 if on_disk else 0)
+        assert cache.stats.misses - cache.stats.disk_hits == compiled
+
+
 # ---- return codes ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch", [
