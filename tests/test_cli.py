@@ -70,6 +70,15 @@ def test_bench_prompt_beyond_the_training_context_is_refused(capsys, tiny):
     assert time.monotonic() - t0 < 60
 
 
+def test_bench_prompt_test_that_fills_the_context(capsys, tiny):
+    """A pp test alone may end exactly at -c (its timed first token takes one cell more), on a
+    vocabulary of fewer than 1000 tokens (the bench's tokens start at half of it)."""
+    rc, out, err = run(capsys, "bench", "-m", str(tiny), "-p", "16", "-n", "0", "-d", "16", "-c", "32", "-r", "1",
+                       "-ub", "16", "-o", "csv")
+    assert rc == 0, err
+    assert "pp16 @ d16" in out
+
+
 @pytest.mark.parametrize("argv, match", [
     (["-c", "0"], "-c must be >= 1"), (["-n", "-2"], "-n must be >= 0, or -1"), (["-s", "-2"], "-s must be"),
     (["-ub", "0"], "-ub must be >= 1")])

@@ -46,9 +46,15 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _low(n_vocab: int) -> int:
+    """The first id the bench's tokens use: above the low ids where special tokens usually sit."""
+    return min(1000, n_vocab // 2)
+
+
 def _prompt(n: int, n_vocab: int) -> list[int]:
     """Deterministic tokens avoiding the low ids where special tokens usually sit."""
-    return [int(t) for t in (np.arange(n) * 7919 % (n_vocab - 1000) + 1000)]
+    lo = _low(n_vocab)
+    return [int(t) for t in (np.arange(n) * 7919 % (n_vocab - lo) + lo)]
 
 
 def _decode(ctx: Context, batch: Batch) -> None:
@@ -89,9 +95,10 @@ def _run_tg(ctx: Context, n_gen: int, n_vocab: int, n_depth: int = 0) -> float:
     """n_gen single-token decodes after n_depth cached tokens (none: an empty cache), as
     llama-bench's tg test."""
     _keep_depth(ctx, n_depth)
+    lo = _low(n_vocab)
     t0 = time.perf_counter()
     for i in range(n_gen):
-        _decode(ctx, Batch(tokens=[1000 + (i * 31) % (n_vocab - 1000)], pos=[n_depth + i], logits=[True]))
+        _decode(ctx, Batch(tokens=[lo + (i * 31) % (n_vocab - lo)], pos=[n_depth + i], logits=[True]))
     return time.perf_counter() - t0
 
 
@@ -127,7 +134,8 @@ def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: in
         raise SizeError(f"bench: -d {n_depth} + -p {n_prompt} + -n {n_gen} = {n_total} tokens, more than the "
                         f"model's training context ({n_train})")
     n_batch = max(n_ubatch, min(max(n_prompt, n_depth), n_ctx)) if n_prompt or n_depth else n_ubatch
-    ctx = Context(model, n_ctx=max(n_ctx, n_total), n_batch=n_batch, n_ubatch=n_ubatch,
+    # (one cell more than n_total without a tg test: the first token after the prompt, timed as TTFT)
+    ctx = Context(model, n_ctx=max(n_ctx, n_depth + n_prompt + max(n_gen, 1)), n_batch=n_batch, n_ubatch=n_ubatch,
                   abort_callback=abort_callback, type_k=type_k, type_v=type_v)
     n_vocab = model.n_vocab
     name = str(model_path)
@@ -139,7 +147,7 @@ def bench_model(model_path: str, n_prompt: int = 512, n_gen: int = 128, reps: in
         _fill_depth(ctx, n_depth, n_vocab)
     if n_prompt:
         _run_pp(ctx, _prompt(n_prompt, n_vocab), n_depth)               # warm-up: compiles
-    _decode(ctx, Batch(tokens=[1000], pos=[n_depth + n_prompt], logits=[True]))
+    _decode(ctx, Batch(tokens=[_low(n_vocab)], pos=[n_depth + n_prompt], logits=[True]))
     ttft_s = time.perf_counter() - t_first
     if n_prompt:
         comp = _compile_seconds(ctx)
