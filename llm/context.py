@@ -145,15 +145,15 @@ def kv_types(p: ContextParams, numerics: str) -> tuple[str, str]:
 def create_memory(model: Model, p: ContextParams, n_ubatch: int) -> KVCache | MemoryRecurrent | MemoryHybrid:
     """The memory the architecture needs (llama_model::create_memory): a recurrent memory for
     Mamba-style models, a hybrid one for models mixing attention and recurrent layers, else
-    the KV cache."""
+    the KV cache. p's cache types are resolved (kv_types), as the Context's own params are."""
     arch = model.hparams.arch
     if llm_arch_is_recurrent(arch):
         return MemoryRecurrent(model, p.n_seq_max)
-    type_k, type_v = kv_types(p, model.numerics)
+    assert p.type_k is not None and p.type_v is not None
     if llm_arch_is_hybrid(arch):
-        return MemoryHybrid(model, p.n_ctx, p.n_seq_max, type_k, type_v, p.kv_bucket, n_ubatch=n_ubatch,
+        return MemoryHybrid(model, p.n_ctx, p.n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=n_ubatch,
                             swa_full=p.swa_full)
-    return KVCache(model, p.n_ctx, p.n_seq_max, type_k, type_v, p.kv_bucket, n_ubatch=n_ubatch,
+    return KVCache(model, p.n_ctx, p.n_seq_max, p.type_k, p.type_v, p.kv_bucket, n_ubatch=n_ubatch,
                    swa_full=p.swa_full)
 
 
@@ -502,24 +502,24 @@ class Context:
         while len(self._graphs) > GRAPHS_KEPT:
             self._graphs.popitem(last=False)
         if params.n_tokens >= LARGE_UBATCH:
-            self._drop_large_graphs()
+            self._drop_large_graphs(built=params)
         return g, plan
 
-    def _drop_large_graphs(self) -> None:
-        """Keep LARGE_GRAPHS_KEPT graphs of large ubatches (the last built and the one in use
-        first): the older ones whose executables are all on disk leave the context and the
-        shared cache, unless a kept graph runs the same executable."""
-        in_use = self._prev[0].params if self._prev is not None else None
-        large = [p for p in self._graphs if p.n_tokens >= LARGE_UBATCH and p != in_use]
-        n_drop = len(large) + (in_use is not None and in_use.n_tokens >= LARGE_UBATCH) - LARGE_GRAPHS_KEPT
-        dropped = []
-        for p in large[:-1]:                 # oldest first; never the one just built
-            if n_drop <= 0:
+    def _drop_large_graphs(self, built: GraphParams) -> None:
+        """Keep LARGE_GRAPHS_KEPT graphs of large ubatches (the one just built and the one in use
+        first, counted kept or not): the oldest others whose executables are all on disk leave
+        the context and the shared cache, unless a kept graph runs the same executable."""
+        held = {built}
+        if self._prev is not None and self._prev[0].params.n_tokens >= LARGE_UBATCH:
+            held.add(self._prev[0].params)
+        others = [p for p in self._graphs if p.n_tokens >= LARGE_UBATCH and p not in held]
+        n_drop = len(others) + len(held) - LARGE_GRAPHS_KEPT
+        dropped: list[tuple[GraphBuilder, Plan]] = []
+        for p in others:                     # oldest first
+            if len(dropped) >= n_drop:
                 break
-            splits = self._graphs[p][1].splits
-            if all(sp.compiled is None or sp.compiled.on_disk for sp in splits):
+            if all(sp.compiled is None or sp.compiled.on_disk for sp in self._graphs[p][1].splits):
                 dropped.append(self._graphs.pop(p))
-                n_drop -= 1
         if not dropped:
             return
         kept = {sp.compiled.key for _, plan in self._graphs.values() for sp in plan.splits if sp.compiled is not None}

@@ -10,7 +10,14 @@ from pathlib import Path
 # cheap to redo (the gemma fixture writes its file there).
 os.environ["GGMLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="ggmlx-test-cache-")
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
+
+if importlib.util.find_spec("jax") is None:     # an interpreter without the project installed
+    pytest.exit("these tests need the project's dependencies, and this Python has no jax: install them as "
+                "the README's test command does (a virtualenv, pip install -e '.[test]') and run pytest with "
+                "that virtualenv's python", returncode=pytest.ExitCode.USAGE_ERROR)
 
 import ggmlx  # noqa: E402
 

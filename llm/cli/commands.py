@@ -358,7 +358,7 @@ def cmd_info(a) -> int:
     import numpy as np
 
     from ggmlx import gguf
-    from llm.context import DEFAULT_KV_TYPE
+    from llm.context import ContextParams, kv_types
     from llm.kv_cache import estimate_bytes, mla_per_head_bytes, swa_cache_size
     from llm.model import load_model
     if a.archs:
@@ -383,8 +383,9 @@ def cmd_info(a) -> int:
     print(f"arch: {model.arch}, n_layer {hp.n_layer}, n_embd {hp.n_embd}, n_head {hp.n_head(0)}, "
           f"n_head_kv {hp.n_head_kv(0)}, head_dim {hp.n_embd_head_k}, n_ff {hp.n_ff(0)}, "
           f"n_vocab {hp.n_vocab}, n_ctx_train {hp.n_ctx_train}")
-    kv_default = DEFAULT_KV_TYPE["exact"]      # (a context of numerics "ggml" defaults to f16)
-    types_kv = dict(type_k=a.type_k or kv_default, type_v=a.type_v or kv_default)
+    # (as a context of the exact numerics, which llm info assumes; under "ggml" unset types are f16)
+    type_k, type_v = kv_types(ContextParams(type_k=a.type_k, type_v=a.type_v), "exact")
+    types_kv = dict(type_k=type_k, type_v=type_v)
     kv_per_token = estimate_bytes(hp, 1, swa_full=True, **types_kv)
     n_shared = sum(not hp.has_kv(il) for il in range(hp.n_layer))
     n_ctx = a.n_ctx
