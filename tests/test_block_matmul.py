@@ -138,10 +138,10 @@ LANE_TYPES = [t for t in TYPES if t in weights.LANE_FIELDS]
                                  for i in native.BLOCK_ISAS])   # (their paths unpack the groups: slow tier)
 @pytest.mark.parametrize("t", LANE_TYPES, ids=lambda t: t.name)
 def test_lanes_format_is_the_same_product(t, isa, monkeypatch):
-    """A weight in the lanes format (16-row groups packed across the lanes): the few-row kernels
-    that read it in place (1-16 rows, AVX-512) and the paths that take its groups back (the lane
-    tiles from 17 rows; AVX2 and plain loops) give ggml's product, on quantized and random-byte
-    blocks; off AVX-512 the same bits as from the GGUF blocks."""
+    """A weight in the lanes format (16-row groups packed across the lanes): the kernels that
+    read it in place (AVX-512: any row count, Q6_K's up to 16) and the paths that take its groups
+    back (Q6_K's lane tiles from 17 rows; AVX2 and plain loops) give ggml's product, on quantized
+    and random-byte blocks; off AVX-512 the same bits as from the GGUF blocks."""
     monkeypatch.setenv("GGMLX_BLOCK_ISA", isa)
     K = 512 if t in KQUANTS else 576      # 576: rows ending in half a 64-element chunk
     for seed, blocks in enumerate((_blocks(t, 48, K, 5), _random_blocks(t, 48, K, int(t)))):
@@ -155,6 +155,22 @@ def test_lanes_format_is_the_same_product(t, isa, monkeypatch):
             if isa in ("plain", "avx2") or native.block_cpu_isa() < native.BLOCK_ISAS.index("avx512"):
                 y0 = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(blocks), int(t)))
                 np.testing.assert_array_equal(y, y0)
+
+
+@needs_native
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_lanes_format_rows_wider_than_a_cache_block(t):
+    """Rows so long that one 16-row group exceeds the bytes the in-place kernels keep in L2 across
+    their passes over the activation rows (block_matmul.cc's kPackedBlockBytes): the groups are
+    taken one at a time, every pass over each, and the product is still ggml's."""
+    M, K = 64, 12288       # a Q8_0 group: 16 x 13056 bytes
+    blocks = _blocks(t, M, K, 3)
+    packed = weights.pack_lanes(blocks, t)
+    for N in (3, 21):
+        x = (np.random.default_rng(N).standard_normal((N, K)) * 3).astype(np.float32)
+        y = np.asarray(native.block_matmul(jnp.asarray(x), jnp.asarray(packed), int(t), lanes=True))
+        ref = reference(t, blocks, x)
+        assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max(), N
 
 
 @needs_native

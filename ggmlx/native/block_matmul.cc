@@ -21,8 +21,10 @@
 //   block;
 // - AMX-INT8, more rows (prefill), where Linux grants the tile state: 32 x 32 tiles, one TDPBSUD
 //   per scale group, the integer sums scaled by AVX-512;
-// - AVX-512 VNNI without AMX, more rows: 16 weight rows unpacked and interleaved across the
-//   lanes (run_rows_lanes), one vpdpbusd by broadcast activations per 4 values of all 16;
+// - AVX-512 VNNI without AMX, more rows: a weight in the lanes format (below) read in place
+//   by the few-row kernels, a few activation rows per pass over L2-sized runs of its groups (all
+//   row counts; Q6_K's from 17 rows take the tiles); GGUF rows, 16 unpacked and interleaved across
+//   the lanes (run_rows_lanes), one vpdpbusd by broadcast activations per 4 values of all 16;
 // - otherwise (and IQ4_XS's signed values) each weight row is unpacked into a small buffer and
 //   dotted with every activation row, kRows weight rows at a time: AVX-512 VNNI, AVX2
 //   (vpmaddubsw + vpmaddwd, ggml's AVX2 forms) or plain loops (any CPU; the same integers).
@@ -1529,6 +1531,11 @@ template <bool Q5>
 constexpr PackedFn kPackedQ4K[kPackedN] = {packed_q4k<1, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>, packed_q4k<2, Q5>};
 constexpr PackedFn kPackedQ6K[kPackedN] = {packed_q6k<1>, packed_q6k<2>, packed_q6k<2>, packed_q6k<2>};
 
+// Lane groups of at most this many bytes take every activation pass before the next ones are
+// read, so that the passes find them in L2 (Zen 4's 1 MB; a thread's chunk of a 49152 x 576
+// Q8_0 output head is 3.7 MB): 512 rows of that head 89 -> 78 ms.
+constexpr int64_t kPackedBlockBytes = 256 << 10;
+
 // Weight rows [m0, m1) (whole lane groups) times every activation row, from the lanes format.
 void rows_packed(const Problem& p, int64_t m0, int64_t m1) {
   const PackedFn* fns;
@@ -1546,8 +1553,16 @@ void rows_packed(const Problem& p, int64_t m0, int64_t m1) {
     default: fns = kPackedQ6K; width = 2; break;
   }
   const XQ& x = *p.xq;
-  for (int64_t n0 = 0; n0 < x.N; n0 += width) fns[std::min<int64_t>(width, x.N - n0) - 1](p, x, n0, m0 / kLanes, m1 / kLanes);
+  const int64_t g1 = m1 / kLanes, per = std::max<int64_t>(1, kPackedBlockBytes / (kLanes * p.row_bytes));
+  for (int64_t g = m0 / kLanes; g < g1; g += per)
+    for (int64_t n0 = 0; n0 < x.N; n0 += width) fns[std::min<int64_t>(width, x.N - n0) - 1](p, x, n0, g, std::min(g + per, g1));
 }
+
+// Does rows_packed take this many activation rows? On AVX-512 the few-row kernels beat the
+// interleaved tiles (run_rows_lanes) at every row count for all but Q6_K, whose two-row passes
+// lose from 64 rows (Zen 4, us per row, few-row vs tiles: 1536 x 576 Q4_1 at 64 rows 3.3 vs 4.4,
+// at 512 3.2 vs 3.7; 8192 x 2048 Q4_K 61 vs 74 and 64 vs 69; 2048 x 8192 Q6_K 92 vs 71 and 86 vs 59).
+bool packed_takes(const Problem& p) { return p.isa >= kAvx512 && (p.xq->N <= kFusedN || p.type != Q6_K); }
 
 // quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
 // magnitude found by a compare and a bit scan, products rounded to nearest even by vcvtps2dq.
@@ -1896,7 +1911,7 @@ void run_rows(const Problem& p, int64_t m0, int64_t m1);
 // it in place (AVX-512); every other path takes each group's rows back as GGUF blocks.
 void run_rows_packed(const Problem& p, int64_t m0, int64_t m1) {
 #ifdef GGMLX_X86
-  if (p.xq->N <= kFusedN && p.isa >= kAvx512) return rows_packed(p, m0, m1);
+  if (packed_takes(p)) return rows_packed(p, m0, m1);
   if (use_lanes(p)) return run_rows_lanes(p, m0, m1);   // tiles straight from the lane groups
 #endif
   thread_local std::vector<uint8_t> rows;
