@@ -113,18 +113,20 @@ def _sort_desc(logits: np.ndarray) -> np.ndarray:
 def _top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
     """Positions of the k largest logits, largest first, without sorting the whole row.
 
-    A bound is taken from per-chunk maxima: the k-th largest chunk maximum is at most the
-    k-th largest logit, so every logit >= bound is a candidate and there are at least k of
-    them (typically about k). Only the candidates get sorted.
+    A bound is taken from the maxima of groups of logits: the k-th largest group maximum is at
+    most the k-th largest logit, so every logit >= bound is a candidate and there are at least k
+    of them (typically about k). Only the candidates get sorted. The groups are strided (logit
+    i in group i mod n_groups), so their maxima are one vectorized max over rows (contiguous
+    groups reduced each on its own took half the sampler's time for SmolLM2's vocabulary).
     """
     n = logits.size
     if k >= n:
         return _sort_desc(logits)
-    chunk = n // (8 * k)
-    if chunk >= 16:
-        n_chunks = n // chunk
-        maxima = logits[: n_chunks * chunk].reshape(n_chunks, chunk).max(axis=1)
-        bound = np.partition(maxima, n_chunks - k)[n_chunks - k]
+    size = n // (8 * k)
+    if size >= 16:
+        n_groups = n // size
+        maxima = logits[: n_groups * size].reshape(size, n_groups).max(axis=0)
+        bound = np.partition(maxima, n_groups - k)[n_groups - k]
     else:
         bound = np.partition(logits, n - k)[n - k]
     cand = np.flatnonzero(logits >= bound)
