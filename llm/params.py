@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -72,9 +73,17 @@ def default_of(f: Field) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The class's annotations evaluated, once per class: get_type_hints compiles every string
+    annotation of the class on each call (building the CLI's parser made 2127 such compiles, 60
+    of its 83 ms; the server checks each request's fields with them)."""
+    return typing.get_type_hints(cls)
+
+
 def _kind(cls: type, f: Field) -> Any:
     """The field's value type, without `| None`."""
-    hint = typing.get_type_hints(cls)[f.name]
+    hint = _hints(cls)[f.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = args[0] if len(args) == 1 else hint
@@ -82,7 +91,7 @@ def _kind(cls: type, f: Field) -> Any:
 
 
 def _optional(cls: type, f: Field) -> bool:
-    hint = typing.get_type_hints(cls)[f.name]
+    hint = _hints(cls)[f.name]
     return type(None) in typing.get_args(hint)
 
 
@@ -185,7 +194,7 @@ def from_kwargs(cls: type[T], kwargs: dict[str, Any], *, where: str, base: T | N
 
 def keyword_parameters(cls: type) -> list[inspect.Parameter]:
     """The declared fields as keyword-only parameters with their defaults (for __signature__)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     return [inspect.Parameter(name_of(f, arg), inspect.Parameter.KEYWORD_ONLY, default=default_of(f),
                               annotation=hints[f.name]) for f, arg in fields_of(cls)]
 
