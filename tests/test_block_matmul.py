@@ -139,9 +139,10 @@ LANE_TYPES = [t for t in TYPES if t in weights.LANE_FIELDS]
 @pytest.mark.parametrize("t", LANE_TYPES, ids=lambda t: t.name)
 def test_lanes_format_is_the_same_product(t, isa, monkeypatch):
     """A weight in the lanes format (16-row groups packed across the lanes): the kernels that
-    read it in place (AVX-512: any row count, Q6_K's up to 16) and the paths that take its groups
-    back (Q6_K's lane tiles from 17 rows; AVX2 and plain loops) give ggml's product, on quantized
-    and random-byte blocks; off AVX-512 the same bits as from the GGUF blocks."""
+    read it in place (AVX-512: 1-16 rows, any row count for Q4_0, Q4_1, Q8_0 and Q4_K) and the
+    paths that take its groups back (the lane tiles from 17 rows for the other types; AVX2 and
+    plain loops) give ggml's product, on quantized and random-byte blocks; off AVX-512 the same
+    bits as from the GGUF blocks."""
     monkeypatch.setenv("GGMLX_BLOCK_ISA", isa)
     K = 512 if t in KQUANTS else 576      # 576: rows ending in half a 64-element chunk
     for seed, blocks in enumerate((_blocks(t, 48, K, 5), _random_blocks(t, 48, K, int(t)))):

@@ -23,8 +23,9 @@
 //   per scale group, the integer sums scaled by AVX-512;
 // - AVX-512 VNNI without AMX, more rows: a weight in the lanes format (below) read in place
 //   by the few-row kernels, a few activation rows per pass over L2-sized runs of its groups (all
-//   row counts; Q6_K's from 17 rows take the tiles); GGUF rows, 16 unpacked and interleaved across
-//   the lanes (run_rows_lanes), one vpdpbusd by broadcast activations per 4 values of all 16;
+//   row counts for Q4_0, Q4_1, Q8_0, Q4_K; the other types take the tiles from 17 rows); GGUF rows,
+//   16 unpacked and interleaved across the lanes (run_rows_lanes), one vpdpbusd by broadcast
+//   activations per 4 values of all 16;
 // - otherwise (and IQ4_XS's signed values) each weight row is unpacked into a small buffer and
 //   dotted with every activation row, kRows weight rows at a time: AVX-512 VNNI, AVX2
 //   (vpmaddubsw + vpmaddwd, ggml's AVX2 forms) or plain loops (any CPU; the same integers).
@@ -1559,10 +1560,15 @@ void rows_packed(const Problem& p, int64_t m0, int64_t m1) {
 }
 
 // Does rows_packed take this many activation rows? On AVX-512 the few-row kernels beat the
-// interleaved tiles (run_rows_lanes) at every row count for all but Q6_K, whose two-row passes
-// lose from 64 rows (Zen 4, us per row, few-row vs tiles: 1536 x 576 Q4_1 at 64 rows 3.3 vs 4.4,
-// at 512 3.2 vs 3.7; 8192 x 2048 Q4_K 61 vs 74 and 64 vs 69; 2048 x 8192 Q6_K 92 vs 71 and 86 vs 59).
-bool packed_takes(const Problem& p) { return p.isa >= kAvx512 && (p.xq->N <= kFusedN || p.type != Q6_K); }
+// interleaved tiles (run_rows_lanes) at every row count for Q4_0, Q4_1, Q8_0 and Q4_K (Zen 4, us
+// per row, few-row vs tiles: 1536 x 576 Q4_1 at 64 rows 3.3 vs 4.4, at 512 3.2 vs 3.7; 8192 x 2048
+// Q4_K 61 vs 74 and 64 vs 69); from 17 rows the others take the tiles, which unpack each group
+// once for all rows: the few-row passes unpack it again per few rows, and Q5_0's high bits, Q6_K's
+// two-row passes (4096 x 640 Q5_0 at 512 rows 9.8-10.6 vs 9.3-9.6; 2048 x 8192 Q6_K 86 vs 59) lose.
+bool packed_takes(const Problem& p) {
+  const bool many = p.type == Q4_0 || p.type == Q4_1 || p.type == Q8_0 || p.type == Q4_K;
+  return p.isa >= kAvx512 && (p.xq->N <= kFusedN || many);
+}
 
 // quantize_q8_K and quantize_q8_0 in AVX-512, the same values: the first element of largest
 // magnitude found by a compare and a bit scan, products rounded to nearest even by vcvtps2dq.
