@@ -620,8 +620,8 @@ def concat_rows(ws: list[DeviceWeight]) -> DeviceWeight | None:
             # (jnp.concatenate compiled a program per shape and ran one per layer: SmolLM2's 60
             # groups took 75 ms of its 330 ms load)
             shape = (sum(p.shape[0] for p in flat), flat[0].shape[1])
-            nbytes = shape[0] * shape[1] * flat[0].dtype.itemsize
-            host = huge_page_array(shape, flat[0].dtype) if _huge(nbytes, device) else np.empty(shape, flat[0].dtype)
+            huge = _huge(sum(p.nbytes for p in flat), device)
+            host = huge_page_array(shape, flat[0].dtype) if huge else np.empty(shape, flat[0].dtype)
             out = jax.device_put(np.concatenate([np.asarray(p) for p in flat], out=host), device)
         else:
             out = jnp.concatenate(flat)
