@@ -439,3 +439,42 @@ def test_load_vocab_only_model(smollm2_path):
     import llm
     model = llm.load_model(smollm2_path, vocab_only=True)
     assert model.vocab.tokenize("Hello world") == _vocab_from_file(str(smollm2_path)).tokenize("Hello world")
+
+
+def _cut_bytes_one_by_one(texts: list[bytes]) -> set[int]:
+    """The bytes that precede a "▁" inside a token, found token by token (the definition)."""
+    esc = "\u2581".encode()
+    before = set()
+    for text in texts:
+        i = text.find(esc, 1)
+        while i != -1:
+            before.add(text[i - 1])
+            i = text.find(esc, i + 1)
+    return before
+
+
+def test_spm_cut_pattern_matches_the_token_by_token_definition():
+    """_cut_pattern scans all the texts joined at once; the bytes it finds before an inner "▁"
+    are those of a scan token by token, with newlines, "▁▁" and "▁" at a text's start."""
+    import re
+
+    from llm.tokenizers.spm import _cut_pattern
+    esc = "\u2581".encode()
+    rng = np.random.default_rng(7)
+    alphabet = [b"a", b"\n", b"\xe2", b"\x96", b"\x81", esc, b"x", b"\x00"]
+    for _ in range(100):
+        texts = list(dict.fromkeys(b"".join(alphabet[k] for k in rng.integers(0, len(alphabet), rng.integers(0, 6)))
+                                   for _ in range(rng.integers(0, 40))))
+        want = _cut_bytes_one_by_one(texts)
+        klass = b"".join(re.escape(bytes([b])) for b in sorted(want))
+        expected = b"(?<![" + klass + b"])" + re.escape(esc) if want else re.escape(esc)
+        assert _cut_pattern(dict.fromkeys(texts, 0)).pattern == expected, texts
+
+
+def test_token_types_map_to_attributes_and_others_to_undefined():
+    from llm.vocab import TokenType, _attrs_of_types
+    types = [int(t) for t in TokenType] + [7, -1, 2**31 - 1]
+    want = [0, TokenAttr.NORMAL, TokenAttr.UNKNOWN, TokenAttr.CONTROL, TokenAttr.USER_DEFINED, TokenAttr.UNUSED,
+            TokenAttr.BYTE, 0, 0, 0]
+    assert _attrs_of_types(types) == [int(a) for a in want]
+    assert _attrs_of_types([]) == []

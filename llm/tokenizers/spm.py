@@ -19,6 +19,8 @@ import heapq
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from llm.tokenizers.unicode import utf8_len
 
 ESCAPED_SPACE = "\u2581".encode()
@@ -33,7 +35,7 @@ class SPMTokenizer:
         """`byte_tokens[b]` is the token of byte b (-1 if the vocabulary has none; then the
         unknown token `unk` stands for it, or nothing when `unk` is -1 too)."""
         self.token_to_id = token_to_id
-        self.scores = [float(s) for s in scores]
+        self.scores = np.asarray(scores, dtype=np.float64).tolist()
         fallback = [t if t >= 0 else unk for t in byte_tokens]
         self.byte_fallback = [() if t < 0 else (t,) for t in fallback]
         self.cut = _cut_pattern(token_to_id)
@@ -119,12 +121,16 @@ class SPMTokenizer:
 def _cut_pattern(token_to_id: dict[bytes, int]) -> re.Pattern:
     """Matches each "▁" that no token spans: one whose preceding byte never precedes "▁"
     inside a token."""
-    before = set()
-    for text in token_to_id:
-        i = text.find(ESCAPED_SPACE, 1)
-        while i != -1:
-            before.add(text[i - 1])
-            i = text.find(ESCAPED_SPACE, i + 1)
+    # over all the texts joined at once (a find per token took 45 ms for 262144 tokens): every
+    # "▁" not at the start of its text, and the byte before it (no "▁" spans the separator)
+    joined = np.frombuffer(b"\n".join(token_to_id), dtype=np.uint8)
+    lengths = np.fromiter(map(len, token_to_id), dtype=np.int64, count=len(token_to_id))
+    first = np.zeros(len(joined) + 1, dtype=bool)
+    first[np.cumsum(lengths + 1) - lengths - 1] = True        # each text's first byte
+    e0, e1, e2 = ESCAPED_SPACE
+    at = np.flatnonzero((joined[:-2] == e0) & (joined[1:-1] == e1) & (joined[2:] == e2))
+    at = at[~first[at]]
+    before = set(np.unique(joined[at - 1]).tolist())
     if not before:
         return re.compile(re.escape(ESCAPED_SPACE))
     klass = b"".join(re.escape(bytes([b])) for b in sorted(before))
