@@ -13,6 +13,12 @@ first runs --warmup seconds unmeasured, so compiles of new batch shapes stay out
 numbers. Targets (issue 13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8
 clients < 2 s with 64-token prompts.
 
+--engine runs the same closed-loop clients on the server's engine in this process, without HTTP
+(the server's context settings: -np slots, n_outputs_min = -np, its KV bucket; the Batcher's
+warmup), and prints per N the steps by their token count (count, ms each, share of the run), so
+HTTP and SSE costs can be told from the engine's:
+  python benchmarks/bench_serve.py --engine -np 8 --clients 1,8 --numerics ggml
+
 --soak S runs the clients for S seconds once, with disconnects (issue 35): --disconnect-frac of
 the clients (default 0.25) leave each of their requests, half of them streamed and closed after
 a random number of tokens, half not streamed and hung up after a random 0.2-3 s. It reports
@@ -234,6 +240,79 @@ def wait_idle(url: str, timeout: float = 60) -> dict:
         time.sleep(0.2)
 
 
+def engine_bench(a, ns: list[int]) -> int:
+    """--engine: N closed-loop clients on a Batcher in this process (no HTTP). Each client's
+    requests follow one another (a new prompt of --prompt-tokens distinct tokens when its last
+    request ends); the clients start spread over --stagger seconds."""
+    import collections
+
+    from llm import hub
+    from llm.api import LLM
+    from llm.context import ContextParams
+    from llm.generation.batcher import Batcher, Done, Job
+    from llm.generation.core import GenParams
+    from llm.sampling.samplers import SamplingParams
+    # the server's context (llm.cli.commands.cmd_serve)
+    cparams = ContextParams(n_ctx=a.ctx_size, n_batch=a.batch_size, n_seq_max=a.parallel, n_outputs_min=a.parallel,
+                            kv_bucket=max(256, a.ctx_size // 4))
+    llm = LLM(hub.model_file(a.model), params=cparams, numerics=a.numerics)
+    batcher = Batcher(llm.ctx, llm.vocab, a.parallel)
+    batcher.warmup()
+    rng = np.random.default_rng(0)
+    n_vocab = llm.model.n_vocab
+    counter = [0]
+    tokens = [0]
+
+    def new_job() -> Job:
+        counter[0] += 1
+        prompt = rng.integers(n_vocab // 8, n_vocab // 2, a.prompt_tokens).tolist()
+        params = GenParams(max_tokens=a.max_tokens, sampling=SamplingParams(temp=0.8, seed=counter[0]))
+        return Job(prompt, params, lambda ev: None if isinstance(ev, Done) else tokens.__setitem__(0, tokens[0] + 1))
+
+    def run_for(n: int, seconds: float) -> tuple[float, collections.Counter, collections.Counter]:
+        steps: collections.Counter = collections.Counter()
+        step_s: collections.Counter = collections.Counter()
+        t0 = time.perf_counter()
+        starts = [t0 + a.stagger * i / n for i in range(n)]
+        active: list[Job] = []
+        tokens[0] = 0
+        while time.perf_counter() < t0 + seconds:
+            now = time.perf_counter()
+            while starts and starts[0] <= now:
+                starts.pop(0)
+                active.append(new_job())
+                batcher.submit(active[-1])
+            for i, job in enumerate(active):
+                if job.finished:
+                    active[i] = new_job()
+                    batcher.submit(active[i])
+            ts = time.perf_counter()
+            k = batcher.step()
+            steps[k] += 1
+            step_s[k] += time.perf_counter() - ts
+        elapsed = time.perf_counter() - t0
+        for job in active:
+            batcher.cancel(job)
+        while batcher.running or batcher.waiting:
+            batcher.step()
+        return tokens[0] / elapsed, steps, step_s
+
+    print(f"engine only: {hub.model_file(a.model).name}, -np {a.parallel}, prompts of {a.prompt_tokens} tokens, "
+          f"{a.max_tokens} generated, {a.duration:g} s per run after {a.warmup:g} s warmup")
+    base = None
+    for n in ns:
+        if a.warmup:
+            run_for(n, a.warmup)
+        tps, steps, step_s = run_for(n, a.duration)
+        base = base or tps
+        print(f"N {n}: {tps:.1f} tok/s, x1 {tps / base:.2f}")
+        total = sum(step_s.values())
+        for k in sorted(steps, key=lambda k: -step_s[k])[:6]:
+            print(f"   steps of {k:3d} tokens: {steps[k]:5d} x {step_s[k] / steps[k] * 1e3:6.2f} ms = "
+                  f"{step_s[k] / total * 100:5.1f}%")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default="smollm2-135m")
@@ -256,7 +335,11 @@ def main() -> int:
     ap.add_argument("--max-rss-growth", type=float, default=20.0,
                     help="soak: FAIL when the server's RSS grows more than this many percent")
     ap.add_argument("--server-log", default="/tmp/bench_serve_server.log")
+    ap.add_argument("--engine", action="store_true",
+                    help="the clients on the server's engine in this process, without HTTP (no server)")
     a = ap.parse_args()
+    if a.engine:
+        return engine_bench(a, [int(x) for x in a.clients.split(",")])
     proc = None
     if a.url:
         url = a.url.rstrip("/")
