@@ -13,6 +13,12 @@ first runs --warmup seconds unmeasured, so compiles of new batch shapes stay out
 numbers. Targets (issue 13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8
 clients < 2 s with 64-token prompts.
 
+--rounds R measures each N R times, the Ns alternating within each round (1, 8, 1, 8, ...), and
+reports each N over all its rounds, so a drift of the host's speed during the run reaches every N
+alike (on a shared VM, a slow minute during the one-client run alone moved the 8/1 ratio from 2.6
+to 3.1):
+  python benchmarks/bench_serve.py -np 8 --clients 1,8 --rounds 3 --duration 15 --numerics ggml
+
 --engine runs the same closed-loop clients on the server's engine in this process, without HTTP
 (the server's context settings: -np slots, n_outputs_min = -np, its KV bucket; the Batcher's
 warmup), and prints per N the steps by their token count (count, ms each, share of the run), so
@@ -227,6 +233,20 @@ def run(url: str, model: str, a, n_clients: int, seconds: float, counter: list[i
     return stats
 
 
+def merged(runs: list[Stats]) -> Stats:
+    """The runs of one N as one: their tokens, requests, errors and latencies together."""
+    out = Stats()
+    for s in runs:
+        out.tokens += s.tokens
+        out.requests += s.requests
+        out.left.update(s.left)
+        out.error_kinds.update(s.error_kinds)
+        out.errors += s.errors
+        out.ttft += s.ttft
+        out.itl += s.itl
+    return out
+
+
 def pct(x: list[float], q: float) -> float:
     return float(np.percentile(x, q)) if x else float("nan")
 
@@ -298,12 +318,21 @@ def engine_bench(a, ns: list[int]) -> int:
         return tokens[0] / elapsed, steps, step_s
 
     print(f"engine only: {hub.model_file(a.model).name}, -np {a.parallel}, prompts of {a.prompt_tokens} tokens, "
-          f"{a.max_tokens} generated, {a.duration:g} s per run after {a.warmup:g} s warmup")
+          f"{a.max_tokens} generated, {a.duration:g} s per run after {a.warmup:g} s warmup, {a.rounds} round(s)")
+    if a.warmup:
+        for n in ns:
+            run_for(n, a.warmup)
+    rounds: dict[int, list] = {n: [] for n in ns}
+    for _ in range(a.rounds):
+        for n in ns:
+            rounds[n].append(run_for(n, a.duration))
     base = None
     for n in ns:
-        if a.warmup:
-            run_for(n, a.warmup)
-        tps, steps, step_s = run_for(n, a.duration)
+        tps = sum(r[0] for r in rounds[n]) / len(rounds[n])
+        steps, step_s = collections.Counter(), collections.Counter()
+        for _, st, sec in rounds[n]:
+            steps.update(st)
+            step_s.update(sec)
         base = base or tps
         print(f"N {n}: {tps:.1f} tok/s, x1 {tps / base:.2f}")
         total = sum(step_s.values())
@@ -326,6 +355,8 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=15.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure each N this many times, the Ns alternating within each round")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--stagger", type=float, default=2.0, help="clients start spread over this many seconds")
@@ -338,6 +369,8 @@ def main() -> int:
     ap.add_argument("--engine", action="store_true",
                     help="the clients on the server's engine in this process, without HTTP (no server)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {a.rounds}")
     if a.engine:
         return engine_bench(a, [int(x) for x in a.clients.split(",")])
     proc = None
@@ -352,17 +385,22 @@ def main() -> int:
         if a.soak:
             return soak(url, model, a, ns[0], proc, counter)
         print(f"model {model}, -np {a.parallel}, prompts of {a.prompt_tokens} tokens, {a.max_tokens} generated, "
-              f"{a.duration:g} s per run after {a.warmup:g} s warmup")
+              f"{a.duration:g} s per run after {a.warmup:g} s warmup, {a.rounds} round(s)")
         print(f"{'N':>3} {'reqs':>5} {'err':>4} {'tok/s':>7} {'x1':>5} {'TTFT p50':>9} {'TTFT p95':>9} "
               f"{'ITL p50':>8} {'ITL p95':>8}")
-        base = None
-        for n in ns:
-            if a.warmup:
+        if a.warmup:
+            for n in ns:
                 run(url, model, a, n, a.warmup, counter)
                 wait_idle(url)
-            s = run(url, model, a, n, a.duration, counter)
-            wait_idle(url)
-            tps = s.tokens / a.duration
+        runs: dict[int, list[Stats]] = {n: [] for n in ns}
+        for _ in range(a.rounds):
+            for n in ns:
+                runs[n].append(run(url, model, a, n, a.duration, counter))
+                wait_idle(url)
+        base = None
+        for n in ns:
+            s = merged(runs[n])
+            tps = s.tokens / (a.duration * a.rounds)
             base = base or tps
             print(f"{n:>3} {s.requests:>5} {len(s.errors):>4} {tps:>7.1f} {tps / base:>5.2f} "
                   f"{pct(s.ttft, 50):>8.3f}s {pct(s.ttft, 95):>8.3f}s {pct(s.itl, 50) * 1e3:>6.0f}ms "
