@@ -272,9 +272,8 @@ def engine_bench(a, ns: list[int]) -> int:
     from llm.generation.batcher import Batcher, Done, Job
     from llm.generation.core import GenParams
     from llm.sampling.samplers import SamplingParams
-    # the server's context (llm.cli.commands.cmd_serve)
-    cparams = ContextParams(n_ctx=a.ctx_size, n_batch=a.batch_size, n_seq_max=a.parallel, n_outputs_min=a.parallel,
-                            kv_bucket=max(256, a.ctx_size // 4))
+    from llm.serving.engine import slot_context
+    cparams = ContextParams(n_ctx=a.ctx_size, n_batch=a.batch_size, **slot_context(a.parallel, a.ctx_size))
     llm = LLM(hub.model_file(a.model), params=cparams, numerics=a.numerics)
     batcher = Batcher(llm.ctx, llm.vocab, a.parallel)
     batcher.warmup()
@@ -289,7 +288,8 @@ def engine_bench(a, ns: list[int]) -> int:
         params = GenParams(max_tokens=a.max_tokens, sampling=SamplingParams(temp=0.8, seed=counter[0]))
         return Job(prompt, params, lambda ev: None if isinstance(ev, Done) else tokens.__setitem__(0, tokens[0] + 1))
 
-    def run_for(n: int, seconds: float) -> tuple[float, collections.Counter, collections.Counter]:
+    def run_for(n: int, seconds: float) -> tuple[int, float, collections.Counter, collections.Counter]:
+        """(tokens, seconds, steps by token count, their seconds) of n clients for `seconds`."""
         steps: collections.Counter = collections.Counter()
         step_s: collections.Counter = collections.Counter()
         t0 = time.perf_counter()
@@ -315,7 +315,7 @@ def engine_bench(a, ns: list[int]) -> int:
             batcher.cancel(job)
         while batcher.running or batcher.waiting:
             batcher.step()
-        return tokens[0] / elapsed, steps, step_s
+        return tokens[0], elapsed, steps, step_s
 
     print(f"engine only: {hub.model_file(a.model).name}, -np {a.parallel}, prompts of {a.prompt_tokens} tokens, "
           f"{a.max_tokens} generated, {a.duration:g} s per run after {a.warmup:g} s warmup, {a.rounds} round(s)")
@@ -328,9 +328,9 @@ def engine_bench(a, ns: list[int]) -> int:
             rounds[n].append(run_for(n, a.duration))
     base = None
     for n in ns:
-        tps = sum(r[0] for r in rounds[n]) / len(rounds[n])
+        tps = sum(r[0] for r in rounds[n]) / sum(r[1] for r in rounds[n])
         steps, step_s = collections.Counter(), collections.Counter()
-        for _, st, sec in rounds[n]:
+        for _, _, st, sec in rounds[n]:
             steps.update(st)
             step_s.update(sec)
         base = base or tps

@@ -508,7 +508,7 @@ def cmd_serve(a) -> int:
 
     from llm.api import LLM
     from llm.serving.app import create_app, model_name_of
-    from llm.serving.engine import Engine
+    from llm.serving.engine import Engine, slot_context
     from llm.serving.protocol import header_timeout_protocol
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.parallel < 1:
@@ -518,8 +518,7 @@ def cmd_serve(a) -> int:
     reasoning = params.from_namespace(params.ReasoningParams, a)
     media = params.from_namespace(params.MediaParams, a)
     gen = params.from_namespace(params.ServerGeneration, a)
-    llm = LLM(a.model, params=_ctx_params(a, n_seq_max=a.parallel, n_outputs_min=a.parallel,
-                                          kv_bucket=a.kv_bucket or max(256, a.n_ctx // 4)),
+    llm = LLM(a.model, params=_ctx_params(a, **slot_context(a.parallel, a.n_ctx, a.kv_bucket)),
               weight_format=a.weight_format, numerics=a.numerics, progress_callback=_progress(a), lora=_lora(a),
               mmproj=media.mmproj)
     engine = Engine(llm.ctx, llm.vocab, n_slots=a.parallel, max_queue=a.queue_size, mtmd=llm.mtmd,

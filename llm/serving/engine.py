@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def slot_context(n_slots: int, n_ctx: int, kv_bucket: int = 0) -> dict:
+    """The ContextParams fields a server of n_slots slots sets: a sequence per slot, every graph
+    outputting n_slots rows (one output size per ubatch size) and KV lengths padded to kv_bucket
+    (0: a quarter of the context, at least 256, so few shapes get compiled)."""
+    return {"n_seq_max": n_slots, "n_outputs_min": n_slots, "kv_bucket": kv_bucket or max(256, n_ctx // 4)}
+
+
 class QueueFull(RuntimeError):
     """The engine's queue of waiting requests is full; try again later."""
 
