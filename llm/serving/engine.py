@@ -152,10 +152,12 @@ class Engine:
                 log.exception("engine step failed")
                 for job in list(b.running):
                     b._fail(job, "internal error in the engine step")
-            self._flush()
             with self._lock:
                 self._queued = {j for j in self._queued if j.state == "queued"}
+            # the state after the step first, then its events: a client that has its answer finds
+            # its slot free in /health and /slots (sent first, a read could still see it processing)
             self.snapshot = self._snapshot()
+            self._flush()
 
     def _snapshot(self) -> dict:
         b = self.batcher
