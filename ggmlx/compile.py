@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -294,6 +295,67 @@ def _load_executable(path: str | None):
         return None
 
 
+# Stored executables being read in the background, by path (prefetch_executables): a model's
+# start reads those its last run with the same settings used while the model loads, on the
+# core the loading leaves idle; GraphCache.get and preload take them from here.
+_prefetched: dict[str, concurrent.futures.Future] = {}
+
+
+def prefetch_executables(paths: Sequence[str]) -> None:
+    """Start reading the stored executables at these paths in the background (two at a time;
+    absent ones are skipped), for the GraphCache lookups that will ask for them."""
+    todo = [p for p in paths if p not in _prefetched and os.path.exists(p)]
+    if not todo:
+        return
+    native.available()      # their FFI targets must be registered before XLA loads them
+    pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), 2), thread_name_prefix="ggmlx-prefetch")
+    for p in todo:
+        _prefetched[p] = pool.submit(_load_executable, p)
+    pool.shutdown(wait=False)
+
+
+def _take_prefetched(path: str | None):
+    """The executable prefetch_executables read from path (waiting for it), or None."""
+    fut = _prefetched.pop(path, None) if path is not None else None
+    return fut.result() if fut is not None else None
+
+
+def _run_manifest_path(run_key: str) -> str:
+    return os.path.join(flags.cache_root(), "runs", hashlib.sha256(run_key.encode()).hexdigest() + ".json")
+
+
+def prefetch_run(run_key: str) -> list[str]:
+    """Prefetch the executables that the last run under run_key (a caller's string naming a
+    model file and every setting its graphs depend on) used; returns their paths ([] when there
+    is no record, or the persistent cache is off)."""
+    if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
+        return []
+    try:
+        with open(_run_manifest_path(run_key)) as f:
+            paths = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        return []
+    prefetch_executables(paths)
+    return paths
+
+
+def remember_run(run_key: str, paths: Sequence[str]) -> None:
+    """Record the executables a run under run_key used, for the next one's prefetch_run."""
+    if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
+        return
+    path = _run_manifest_path(run_key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(list(paths), f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache only costs the next start its prefetch
+        log.warning("could not record the run's executables in %s: %s", path, e)
+
+
 def _store_executable(path: str | None, executable) -> None:
     if path is None:
         return
@@ -340,6 +402,7 @@ class GraphCache:
         self._entries: OrderedDict[str, CompiledProgram] = OrderedDict()
         self._sigs: dict[str, list[tuple]] = {}
         self._preloaded: dict[str, object] = {}    # key -> executable read by preload, for get
+        self.disk_paths: list[str] = []     # the stored executables got (read or written), in order: remember_run
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
 
@@ -381,7 +444,7 @@ class GraphCache:
             if key in self._entries or key in self._preloaded or program.mesh is not None:
                 continue
             path = _disk_path(key, program, args)
-            if path is not None and os.path.exists(path):
+            if path is not None and path not in _prefetched and os.path.exists(path):     # prefetched: get takes it
                 todo[key] = path
         if len(todo) < 2:
             return
@@ -405,7 +468,7 @@ class GraphCache:
         dev, mesh = program.device, program.mesh
         t0 = time.perf_counter()
         path = _disk_path(key, program, args) if mesh is None else None     # mesh programs: XLA's cache only
-        executable = self._preloaded.pop(key, None) or _load_executable(path)
+        executable = self._preloaded.pop(key, None) or _take_prefetched(path) or _load_executable(path)
         if executable is not None:
             self.stats.disk_hits += 1
         else:
@@ -429,7 +492,10 @@ class GraphCache:
             _store_executable(path, executable)
         dt = time.perf_counter() - t0
         self.stats.compile_seconds += dt
-        entry = CompiledProgram(executable, key, dt, keep, on_disk=path is not None and os.path.exists(path))
+        on_disk = path is not None and os.path.exists(path)
+        if path is not None and on_disk:
+            self.disk_paths.append(path)
+        entry = CompiledProgram(executable, key, dt, keep, on_disk=on_disk)
         self._entries[key] = entry
         self._sigs[key] = sig
         while len(self._entries) > self.max_entries:

@@ -19,6 +19,9 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+import ggmlx
+from ggmlx import compile as compile_mod
+from ggmlx.compile import get_default_cache
 from llm import cvec, distributed, hub
 from llm import mtmd as mtmd_mod
 from llm import params as params_mod
@@ -131,6 +134,17 @@ class LLM:
         path = hub.resolve(model)
         cparams = params_mod.from_kwargs(ContextParams, kwargs, where="LLM", base=params or ContextParams())
         t0 = time.perf_counter()
+        # the executables the last start with these settings used are read while the model loads
+        self._run_key: str | None = None
+        self._prefetched: list[str] = []
+        ggmlx.init()        # before JAX's first call (process_count creates the client)
+        if jax.process_count() == 1 and path.is_file():
+            st = path.stat()
+            self._run_key = repr((str(path.resolve()), st.st_size, st.st_mtime_ns, n_gpu_layers, devices, split_mode,
+                                  tensor_split, row_plan, weight_format, numerics,
+                                  [(str(f), s) for f, s in lora], None if mmproj is None else str(mmproj), cparams))
+            self._prefetched = compile_mod.prefetch_run(self._run_key)
+        self._paths_from = len(get_default_cache().disk_paths)
         self.model: Model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, tensor_split=tensor_split,
                                        progress_callback=progress_callback, weight_format=weight_format,
                                        split_mode=split_mode, row_plan=row_plan, numerics=numerics)
@@ -371,6 +385,11 @@ class LLM:
         self._batcher.keep_prefix(slot, n_keep)
         verify = () if params.speculative is None else tuple(1 + d for d in draft_lengths(max_draft(self.ctx)))
         self.ctx.reserve_generation(len(tokens) - n_keep, params.max_tokens or 0, verify=verify)
+        if self._run_key is not None:     # the first generation's executables: the next start's prefetch
+            used = list(dict.fromkeys(get_default_cache().disk_paths[self._paths_from:]))
+            if used and used != self._prefetched:
+                compile_mod.remember_run(self._run_key, used)
+            self._run_key = None
         return n_keep
 
     def save_prompt_cache(self) -> None:

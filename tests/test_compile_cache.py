@@ -383,3 +383,65 @@ def test_cpu_compile_options_unknown_to_the_jaxlib_are_left_out(monkeypatch):
     res, _ = compute(g, {x: np.ones((3, 64), np.float32)}, cache=GraphCache())
     np.testing.assert_allclose(np.asarray(res[out]), 1.0, rtol=1e-5)
     assert compile_mod._cpu_options_known is False
+
+
+PREFETCH_SCRIPT = textwrap.dedent("""
+    import json, sys, threading
+    import llm
+    from ggmlx import compile as C
+    loads = []
+    real = C._load_executable
+    def counting(path):
+        loads.append(threading.current_thread() is threading.main_thread())
+        return real(path)
+    C._load_executable = counting
+    m = llm.LLM(sys.argv[1], n_ctx=64, n_ubatch=8)
+    prefetched = list(m._prefetched)
+    out = m.generate([1, 2, 3, 4, 5], max_tokens=6, temperature=0.0)
+    print(json.dumps({"prefetched": prefetched, "disk_hits": C.get_default_cache().stats.disk_hits,
+                      "on_main": loads, "tokens": out.tokens}))
+""")
+
+
+@pytest.mark.slow
+def test_a_start_reads_the_last_runs_executables_while_the_model_loads(tmp_path):
+    """LLM records the stored executables its first generation used (compile.remember_run);
+    the next process with the same model and settings reads them in worker threads from its
+    start (prefetch_run), uses every one of them, and generates the same tokens. A damaged
+    record is ignored (the executables load as before) and written again."""
+    from tests import tiny_model
+    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
+
+    def run() -> dict:
+        res = subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT, str(path)], env=env, capture_output=True,
+                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = run()
+    (record,) = (tmp_path / "c" / "runs").glob("*.json")
+    stored = json.loads(record.read_text())
+    assert first["prefetched"] == [] and first["disk_hits"] == 0
+    assert sorted(stored) == sorted(str(p) for p in (tmp_path / "c" / "exe").glob("*.bin")) and len(stored) >= 2
+    second = run()
+    assert second["prefetched"] == stored and second["disk_hits"] == len(stored)
+    assert second["on_main"] == [False] * len(stored) and second["tokens"] == first["tokens"]
+    record.write_text("{not json")
+    third = run()
+    assert third["prefetched"] == [] and third["disk_hits"] == len(stored) and third["tokens"] == first["tokens"]
+    assert json.loads(record.read_text()) == stored
+
+
+def test_prefetch_skips_what_is_not_there_and_ignores_bad_records(tmp_path, monkeypatch):
+    """A record naming files that are gone, or not a list of paths, prefetches nothing."""
+    from ggmlx import compile as C
+    monkeypatch.setenv("GGMLX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GGMLX_NO_PERSISTENT_CACHE", raising=False)
+    C.remember_run("run", [str(tmp_path / "gone.bin")])
+    assert C.prefetch_run("run") == [str(tmp_path / "gone.bin")]
+    assert str(tmp_path / "gone.bin") not in C._prefetched
+    Path(C._run_manifest_path("other")).write_text('{"not": "a list"}')
+    assert C.prefetch_run("other") == []
+    assert C.prefetch_run("never recorded") == []
