@@ -23,7 +23,7 @@ from llm.hparams import HParams, load_hparams
 from llm.layer import Layer
 from llm.loader import ModelLoader
 from llm.models import get_arch
-from llm.vocab import Vocab, load_vocab
+from llm.vocab import Vocab, load_vocab_cached
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
         except ModelLoadError as e:
             raise ModelLoadError(f"{ml.path}: {e}") from None
         hp = load_hparams(ml, builder)
-        vocab = load_vocab(ml)
+        vocab = load_vocab_cached(ml)
         meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
         model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta,
                       weight_format=weight_format)

@@ -478,3 +478,57 @@ def test_token_types_map_to_attributes_and_others_to_undefined():
             TokenAttr.BYTE, 0, 0, 0]
     assert _attrs_of_types(types) == [int(a) for a in want]
     assert _attrs_of_types([]) == []
+
+
+def test_a_vocabulary_is_read_back_from_the_cache_until_its_file_changes(tmp_path, monkeypatch, caplog):
+    """load_vocab_cached stores what load_vocab built and gives it back for the same file (the
+    same tokens, ids and tokenization, load_vocab not called); a rewritten file, or a damaged
+    entry (a warning), builds it again."""
+    import os
+
+    from llm import vocab as vocab_mod
+    from tests import tiny_model
+    monkeypatch.setenv("GGMLX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv("GGMLX_NO_PERSISTENT_CACHE", raising=False)
+    path = tiny_model.write_model(tmp_path / "tiny.gguf")
+    built = []
+    real = vocab_mod.load_vocab
+
+    def counting(ml):
+        built.append(ml.path)
+        return real(ml)
+
+    monkeypatch.setattr(vocab_mod, "load_vocab", counting)
+
+    def load():
+        return vocab_mod.load_vocab_cached(GGUFMeta(GGUFReader(path).kv, str(path)))
+
+    first = load()
+    (entry,) = (tmp_path / "c" / "vocab").glob("*.pkl")
+    second = load()
+    assert len(built) == 1
+    assert second.texts == first.texts and second.token_to_id == first.token_to_id
+    assert second.special == first.special and second.eog_ids == first.eog_ids
+    text = "the quick brown fox"
+    assert second.tokenize(text) == first.tokenize(text)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))      # the file changed: built again
+    load()
+    assert len(built) == 2 and len(list((tmp_path / "c" / "vocab").glob("*.pkl"))) == 2
+    new_entry = next(p for p in (tmp_path / "c" / "vocab").glob("*.pkl") if p != entry)
+    new_entry.write_bytes(b"not a pickle")
+    with caplog.at_level("WARNING", logger="llm.vocab"):
+        again = load()
+    assert len(built) == 3 and again.texts == first.texts
+    assert "unreadable cached vocabulary" in caplog.text
+    assert load().texts == first.texts and len(built) == 3        # written again by the rebuild
+
+
+def test_the_vocabulary_cache_is_off_with_the_persistent_caches(tmp_path, monkeypatch):
+    from llm import vocab as vocab_mod
+    from tests import tiny_model
+    monkeypatch.setenv("GGMLX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv("GGMLX_NO_PERSISTENT_CACHE", "1")
+    path = tiny_model.write_model(tmp_path / "tiny.gguf")
+    vocab_mod.load_vocab_cached(GGUFMeta(GGUFReader(path).kv, str(path)))
+    assert not (tmp_path / "c").exists()
