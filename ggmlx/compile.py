@@ -402,7 +402,8 @@ class GraphCache:
         self._entries: OrderedDict[str, CompiledProgram] = OrderedDict()
         self._sigs: dict[str, list[tuple]] = {}
         self._preloaded: dict[str, object] = {}    # key -> executable read by preload, for get
-        self.disk_paths: list[str] = []     # the stored executables got (read or written), in order: remember_run
+        # the stored executables got (read or written), each once, in order: LLM's remember_run
+        self.disk_paths: dict[str, None] = {}
         self.stats = CacheStats()
         self.last_miss_reason: str | None = None
 
@@ -494,7 +495,7 @@ class GraphCache:
         self.stats.compile_seconds += dt
         on_disk = path is not None and os.path.exists(path)
         if path is not None and on_disk:
-            self.disk_paths.append(path)
+            self.disk_paths[path] = None
         entry = CompiledProgram(executable, key, dt, keep, on_disk=on_disk)
         self._entries[key] = entry
         self._sigs[key] = sig

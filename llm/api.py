@@ -386,7 +386,7 @@ class LLM:
         verify = () if params.speculative is None else tuple(1 + d for d in draft_lengths(max_draft(self.ctx)))
         self.ctx.reserve_generation(len(tokens) - n_keep, params.max_tokens or 0, verify=verify)
         if self._run_key is not None:     # the first generation's executables: the next start's prefetch
-            used = list(dict.fromkeys(get_default_cache().disk_paths[self._paths_from:]))
+            used = list(get_default_cache().disk_paths)[self._paths_from:]
             if used and used != self._prefetched:
                 compile_mod.remember_run(self._run_key, used)
             self._run_key = None

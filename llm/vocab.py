@@ -19,6 +19,7 @@ order; we take the lowest id, which is what llama.cpp picked for the reference m
 from __future__ import annotations
 
 import codecs
+import contextlib
 import enum
 import functools
 import gc
@@ -674,14 +675,16 @@ def load_vocab_cached(ml: GGUFMeta) -> Vocab:
             log.warning("ignoring unreadable cached vocabulary %s: %s", path, e)
     vocab = load_vocab(ml)
     if path is not None:
+        tmp = f"{path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
                 pickle.dump(vocab, f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(tmp, path)          # atomic: a concurrent reader sees all or nothing
-        except (OSError, pickle.PicklingError) as e:  # only the next load's time is lost
+        except Exception as e:  # a full disk or an unpicklable tokenizer only costs the next load its time
             log.warning("could not store the vocabulary in %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return vocab
 
 

@@ -408,7 +408,8 @@ def test_a_start_reads_the_last_runs_executables_while_the_model_loads(tmp_path)
     """LLM records the stored executables its first generation used (compile.remember_run);
     the next process with the same model and settings reads them in worker threads from its
     start (prefetch_run), uses every one of them, and generates the same tokens. A damaged
-    record is ignored (the executables load as before) and written again."""
+    record is ignored (the executables load as before) and written again; a damaged executable
+    among the prefetched ones is compiled again."""
     from tests import tiny_model
     path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
     env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
@@ -432,6 +433,10 @@ def test_a_start_reads_the_last_runs_executables_while_the_model_loads(tmp_path)
     third = run()
     assert third["prefetched"] == [] and third["disk_hits"] == len(stored) and third["tokens"] == first["tokens"]
     assert json.loads(record.read_text()) == stored
+    Path(stored[0]).write_bytes(b"not a pickle")       # a prefetched executable that does not load: compiled
+    fourth = run()
+    assert fourth["prefetched"] == stored and fourth["disk_hits"] == len(stored) - 1
+    assert fourth["tokens"] == first["tokens"]
 
 
 def test_prefetch_skips_what_is_not_there_and_ignores_bad_records(tmp_path, monkeypatch):

@@ -532,3 +532,26 @@ def test_the_vocabulary_cache_is_off_with_the_persistent_caches(tmp_path, monkey
     path = tiny_model.write_model(tmp_path / "tiny.gguf")
     vocab_mod.load_vocab_cached(GGUFMeta(GGUFReader(path).kv, str(path)))
     assert not (tmp_path / "c").exists()
+
+
+FIXTURE_DIR = Path(__file__).parent / "data" / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["apertus-F32.gguf", "bert-F32.gguf", "tokenizer-gemma4.gguf", "tokenizer-ugm.gguf",
+                                  pytest.param("smollm2_path", marks=pytest.mark.slow)])
+def test_every_tokenizer_comes_back_from_the_cache_the_same(name, tmp_path, monkeypatch, request):
+    """SPM, WPM, Gemma 4's BPE, UGM and byte-level BPE (SmolLM2) vocabularies: the cached copy has
+    the same tokens and tokenizes and detokenizes the same."""
+    from llm import vocab as vocab_mod
+    monkeypatch.setenv("GGMLX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv("GGMLX_NO_PERSISTENT_CACHE", raising=False)
+    path = request.getfixturevalue(name) if name.endswith("_path") else FIXTURE_DIR / name
+    meta = GGUFMeta(GGUFReader(path).kv, str(path))
+    built = vocab_mod.load_vocab_cached(meta)
+    monkeypatch.setattr(vocab_mod, "load_vocab", lambda ml: pytest.fail("built again instead of read back"))
+    cached = vocab_mod.load_vocab_cached(meta)
+    assert cached.texts == built.texts and cached.type == built.type and cached.special == built.special
+    for text in ("Hello world, the quick brown fox!", "  spaces\tand\nlines 12345", "ümlaut café 日本語"):
+        ids = built.tokenize(text, add_special=True, parse_special=True)
+        assert cached.tokenize(text, add_special=True, parse_special=True) == ids
+        assert cached.detokenize(ids) == built.detokenize(ids)
