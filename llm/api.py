@@ -385,12 +385,19 @@ class LLM:
         self._batcher.keep_prefix(slot, n_keep)
         verify = () if params.speculative is None else tuple(1 + d for d in draft_lengths(max_draft(self.ctx)))
         self.ctx.reserve_generation(len(tokens) - n_keep, params.max_tokens or 0, verify=verify)
-        if self._run_key is not None:     # the first generation's executables: the next start's prefetch
-            used = list(get_default_cache().disk_paths)[self._paths_from:]
-            if used and used != self._prefetched:
-                compile_mod.remember_run(self._run_key, used)
-            self._run_key = None
+        self.remember_executables()     # the first generation's: what the next start reads ahead
         return n_keep
+
+    def remember_executables(self) -> None:
+        """Record the stored executables this LLM has used so far (once: the first generation's,
+        or a server's warmup), so that the next LLM with the same model file and settings reads
+        them while its model loads (ggmlx.compile.prefetch_run)."""
+        if self._run_key is None:
+            return
+        used = list(get_default_cache().disk_paths)[self._paths_from:]
+        if used and used != self._prefetched:
+            compile_mod.remember_run(self._run_key, used)
+        self._run_key = None
 
     def save_prompt_cache(self) -> None:
         """Save what the KV cache holds now (prompt and generated tokens of the last one-prompt

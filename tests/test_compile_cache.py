@@ -450,3 +450,40 @@ def test_prefetch_skips_what_is_not_there_and_ignores_bad_records(tmp_path, monk
     Path(C._run_manifest_path("other")).write_text('{"not": "a list"}')
     assert C.prefetch_run("other") == []
     assert C.prefetch_run("never recorded") == []
+
+
+WARMUP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import llm
+    from ggmlx import compile as C
+    from llm.generation.batcher import Batcher
+    m = llm.LLM(sys.argv[1], n_ctx=64, n_ubatch=8, n_seq_max=2)
+    prefetched = list(m._prefetched)
+    Batcher(m.ctx, m.vocab, 2).warmup()
+    m.remember_executables()
+    m.remember_executables()        # once: a second call records nothing new
+    print(json.dumps({"prefetched": prefetched, "disk_hits": C.get_default_cache().stats.disk_hits,
+                      "got": list(C.get_default_cache().disk_paths)}))
+""")
+
+
+@pytest.mark.slow
+def test_a_servers_warmup_is_read_ahead_by_the_next_start(tmp_path):
+    """`llm serve` records what its Batcher's warmup used (LLM.remember_executables); the next
+    start with the same settings prefetches all of it and loads every graph from disk."""
+    from tests import tiny_model
+    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
+
+    def run() -> dict:
+        res = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, str(path)], env=env, capture_output=True,
+                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = run()
+    (record,) = (tmp_path / "c" / "runs").glob("*.json")
+    assert json.loads(record.read_text()) == first["got"] and len(first["got"]) >= 3
+    second = run()
+    assert second["prefetched"] == first["got"] and second["disk_hits"] == len(first["got"])

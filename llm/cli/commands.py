@@ -527,6 +527,7 @@ def cmd_serve(a) -> int:
     if a.warmup:
         t0 = time.perf_counter()
         n = engine.batcher.warmup()
+        llm.remember_executables()      # the next start with these settings reads them while loading
         print(f"llm server: warmup compiled {n} graphs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     engine.start()
