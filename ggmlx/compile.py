@@ -10,6 +10,7 @@ executable, like llama.cpp reusing a graph when `can_reuse` holds.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
@@ -223,19 +224,44 @@ class CacheStats:
 DEFAULT_MAX_ENTRIES = 64
 
 
+def hash_sources(paths: Sequence[str]) -> str:
+    """A hash of these files' names and contents, in this order: what a cache entry derived by
+    that code is keyed by, so an upgraded (or edited) engine never reads an older entry."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + f.read())
+    return h.hexdigest()
+
+
 @functools.cache
 def _code_version() -> str:
-    """A hash of ggmlx's own sources (with the native kernels' C++, whose custom calls an
-    executable names): a signature means the same program only under the same lowering code,
-    so an upgraded (or edited) ggmlx never loads an older executable."""
+    """hash_sources of ggmlx's own sources (with the native kernels' C++, whose custom calls an
+    executable names): a signature means the same program only under the same lowering code."""
     root = os.path.dirname(__file__)
-    h = hashlib.sha256()
-    for d, _, files in sorted(os.walk(root)):
-        for name in sorted(files):
-            if name.endswith((".py", ".cc", ".h")):
-                with open(os.path.join(d, name), "rb") as f:
-                    h.update(name.encode() + f.read())
-    return h.hexdigest()
+    return hash_sources([os.path.join(d, name) for d, _, files in sorted(os.walk(root)) for name in sorted(files)
+                         if name.endswith((".py", ".cc", ".h"))])
+
+
+def _exe_cache_on() -> bool:
+    """Whether executables are stored on disk (GGMLX_EXE_CACHE, and persistent caching on)."""
+    return flags.EXE_CACHE.on() and not flags.NO_PERSISTENT_CACHE.on()
+
+
+def write_cache_file(path: str, data: bytes, what: str) -> None:
+    """data as the file at path, whole or not at all (a temporary file renamed over it: a
+    concurrent reader sees either); a failure (a full disk, a read-only cache) only warns:
+    the entry is built again next time."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not store %s in %s: %s", what, path, e)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 @functools.cache
@@ -266,7 +292,7 @@ def _disk_path(key: str, program: Program, args) -> str | None:
     arguments' shapes and dtypes). None when GGMLX_EXE_CACHE or persistent caching is off,
     the process has several devices, or the program holds a Python callable (map_custom1:
     identified by address only)."""
-    if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
+    if not _exe_cache_on():
         return None
     if len(jax.devices()) != 1:
         # a deserialized executable is loaded for every local device ("Expected args to have
@@ -295,20 +321,22 @@ def _load_executable(path: str | None):
         return None
 
 
-# Stored executables being read in the background, by path (prefetch_executables): a model's
-# start reads those its last run with the same settings used while the model loads, on the
-# core the loading leaves idle; GraphCache.get and preload take them from here.
+# Stored executables being read in worker threads, by path (prefetch_executables): the ones a
+# reserve is about to use (GraphCache.preload), and at a model's start those its last run with
+# the same settings used, while the model loads; GraphCache.get takes them from here.
 _prefetched: dict[str, concurrent.futures.Future] = {}
 
 
 def prefetch_executables(paths: Sequence[str]) -> None:
-    """Start reading the stored executables at these paths in the background (two at a time;
-    absent ones are skipped), for the GraphCache lookups that will ask for them."""
-    todo = [p for p in paths if p not in _prefetched and os.path.exists(p)]
+    """Start reading the stored executables at these paths side by side (up to a thread per
+    core; absent ones are skipped), for the GraphCache lookups that will ask for them: XLA
+    releases the GIL for part of a deserialization."""
+    todo = [p for p in dict.fromkeys(paths) if p not in _prefetched and os.path.exists(p)]
     if not todo:
         return
     native.available()      # their FFI targets must be registered before XLA loads them
-    pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), 2), thread_name_prefix="ggmlx-prefetch")
+    pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1),
+                                                 thread_name_prefix="ggmlx-prefetch")
     for p in todo:
         _prefetched[p] = pool.submit(_load_executable, p)
     pool.shutdown(wait=False)
@@ -328,7 +356,7 @@ def prefetch_run(run_key: str) -> list[str]:
     """Prefetch the executables that the last run under run_key (a caller's string naming a
     model file and every setting its graphs depend on) used; returns their paths ([] when there
     is no record, or the persistent cache is off)."""
-    if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
+    if not _exe_cache_on():
         return []
     try:
         with open(_run_manifest_path(run_key)) as f:
@@ -343,30 +371,19 @@ def prefetch_run(run_key: str) -> list[str]:
 
 def remember_run(run_key: str, paths: Sequence[str]) -> None:
     """Record the executables a run under run_key used, for the next one's prefetch_run."""
-    if flags.NO_PERSISTENT_CACHE.on() or not flags.EXE_CACHE.on():
-        return
-    path = _run_manifest_path(run_key)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(list(paths), f)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache only costs the next start its prefetch
-        log.warning("could not record the run's executables in %s: %s", path, e)
+    if _exe_cache_on():
+        write_cache_file(_run_manifest_path(run_key), json.dumps(list(paths)).encode(), "the run's executables")
 
 
 def _store_executable(path: str | None, executable) -> None:
     if path is None:
         return
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(serialize(executable), f)
-        os.replace(tmp, path)          # atomic: a concurrent reader sees all or nothing
-    except Exception as e:  # a full disk or an unserializable executable only costs the next start
-        log.warning("could not store the executable in %s: %s", path, e)
+        data = pickle.dumps(serialize(executable))
+    except Exception as e:  # an unserializable executable only costs the next start its compile
+        log.warning("could not serialize the executable for %s: %s", path, e)
+        return
+    write_cache_file(path, data, "the executable")
 
 
 # XLA:CPU (jaxlib 0.10) hands the rms_norm reductions of a few rows to YNNPACK, at 9-15 us a call
@@ -401,7 +418,6 @@ class GraphCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, CompiledProgram] = OrderedDict()
         self._sigs: dict[str, list[tuple]] = {}
-        self._preloaded: dict[str, object] = {}    # key -> executable read by preload, for get
         # the stored executables got (read or written), each once, in order: LLM's remember_run
         self.disk_paths: dict[str, None] = {}
         self.stats = CacheStats()
@@ -436,23 +452,19 @@ class GraphCache:
         return self.key_of(sig), sig, args, (w_treedef, index, keep)
 
     def preload(self, requests: Sequence[tuple[Program, object, object, object]]) -> None:
-        """Read the executables on disk of those (program, w_vals, in_vals, st_vals) not in
-        memory side by side, for the get calls that follow: XLA releases the GIL for part of a
-        deserialization (Gemma3's two executables of a short generation: 0.31 -> 0.22 s)."""
-        todo: dict[str, str] = {}
+        """Start reading the executables on disk of those (program, w_vals, in_vals, st_vals)
+        not in memory side by side (prefetch_executables), for the get calls that follow
+        (Gemma3's two executables of a short generation: 0.31 -> 0.22 s)."""
+        todo = []
         for program, w_vals, in_vals, st_vals in requests:
             key, _, args, _ = self._identify(program, w_vals, in_vals, st_vals)
-            if key in self._entries or key in self._preloaded or program.mesh is not None:
+            if key in self._entries or program.mesh is not None:
                 continue
             path = _disk_path(key, program, args)
-            if path is not None and path not in _prefetched and os.path.exists(path):     # prefetched: get takes it
-                todo[key] = path
-        if len(todo) < 2:
-            return
-        with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
-            for key, executable in zip(todo, pool.map(_load_executable, todo.values()), strict=True):
-                if executable is not None:
-                    self._preloaded[key] = executable
+            if path is not None:
+                todo.append(path)
+        if len(todo) >= 2:      # one alone is read by get
+            prefetch_executables(todo)
 
     def get(self, program: Program, w_vals, in_vals, st_vals,
             on_compile: Callable[[], None] | None = None) -> CompiledProgram:
@@ -469,7 +481,7 @@ class GraphCache:
         dev, mesh = program.device, program.mesh
         t0 = time.perf_counter()
         path = _disk_path(key, program, args) if mesh is None else None     # mesh programs: XLA's cache only
-        executable = self._preloaded.pop(key, None) or _take_prefetched(path) or _load_executable(path)
+        executable = _take_prefetched(path) or _load_executable(path)
         if executable is not None:
             self.stats.disk_hits += 1
         else:
@@ -510,7 +522,6 @@ class GraphCache:
         lets go (a later get reads it from disk again, or compiles it)."""
         if self._entries.pop(key, None) is not None:
             del self._sigs[key]
-        self._preloaded.pop(key, None)
 
     def _compile(self, compile_fn, xla_cache: bool = True):
         """compile_fn() (lower and compile); when JAX reports a damaged persistent-cache entry,

@@ -19,7 +19,6 @@ order; we take the lowest id, which is what llama.cpp picked for the reference m
 from __future__ import annotations
 
 import codecs
-import contextlib
 import enum
 import functools
 import gc
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggmlx import flags
+from ggmlx.compile import hash_sources, write_cache_file
 from llm.arch import LLMKV
 from llm.loader import GGUFMeta
 from llm.tokenizers.bpe import BPETokenizer, parse_merges
@@ -625,18 +625,13 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _vocab_code_version() -> str:
-    """A hash of the sources that decide a Vocab's contents and its pickled classes (this module,
-    the tokenizers, the GGUF metadata reading): an edited or upgraded engine builds it afresh."""
+    """hash_sources of what decides a Vocab's contents and its pickled classes (this module, the
+    tokenizers, the GGUF metadata reading): an edited or upgraded engine builds it afresh."""
     here = os.path.dirname(__file__)
-    files = [os.path.join(here, "vocab.py"), os.path.join(here, "loader.py"), os.path.join(here, "arch.py"),
-             os.path.join(os.path.dirname(here), "ggmlx", "gguf.py")]
     tok = os.path.join(here, "tokenizers")
-    files += sorted(os.path.join(tok, n) for n in os.listdir(tok) if n.endswith(".py"))
-    h = hashlib.sha256()
-    for name in files:
-        with open(name, "rb") as f:
-            h.update(os.path.basename(name).encode() + f.read())
-    return h.hexdigest()
+    return hash_sources([os.path.join(here, "vocab.py"), os.path.join(here, "loader.py"),
+                         os.path.join(here, "arch.py"), os.path.join(os.path.dirname(here), "ggmlx", "gguf.py")]
+                        + sorted(os.path.join(tok, n) for n in os.listdir(tok) if n.endswith(".py")))
 
 
 def _vocab_cache_path(model_path: str) -> str | None:
@@ -675,16 +670,12 @@ def load_vocab_cached(ml: GGUFMeta) -> Vocab:
             log.warning("ignoring unreadable cached vocabulary %s: %s", path, e)
     vocab = load_vocab(ml)
     if path is not None:
-        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
-                pickle.dump(vocab, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)          # atomic: a concurrent reader sees all or nothing
-        except Exception as e:  # a full disk or an unpicklable tokenizer only costs the next load its time
-            log.warning("could not store the vocabulary in %s: %s", path, e)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            data = pickle.dumps(vocab, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # an unpicklable tokenizer only costs the next load its time
+            log.warning("could not pickle the vocabulary of %s: %s", ml.path, e)
+            return vocab
+        write_cache_file(path, data, "the vocabulary")
     return vocab
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -312,6 +313,22 @@ def test_exe_cache_second_process_loads_the_executable(tmp_path):
     assert third["disk_hits"] == 0 and third["out"] == first["out"]
 
 
+def _tiny_model_runs(script: str, tmp_path: Path) -> Callable[[], dict]:
+    """A function running `script` (argv[1]: a tiny llama GGUF written here) in a fresh process
+    with its caches under tmp_path / "c", returning the JSON its last line prints."""
+    from tests import tiny_model
+    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
+    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
+    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
+
+    def run() -> dict:
+        res = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True,
+                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    return run
+
+
 PRELOAD_SCRIPT = textwrap.dedent("""
     import json, sys, threading
     import numpy as np
@@ -336,16 +353,7 @@ PRELOAD_SCRIPT = textwrap.dedent("""
 def test_stored_executables_of_a_reserve_load_side_by_side(tmp_path):
     """A second process reserving two graph shapes reads both stored executables in worker
     threads (GraphCache.preload) before using them, with the first process's logits."""
-    from tests import tiny_model
-    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
-    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
-    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
-
-    def run() -> dict:
-        res = subprocess.run([sys.executable, "-c", PRELOAD_SCRIPT, str(path)], env=env, capture_output=True,
-                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout.strip().splitlines()[-1])
+    run = _tiny_model_runs(PRELOAD_SCRIPT, tmp_path)
 
     first = run()
     assert first["disk_hits"] == 0 and len(list((tmp_path / "c" / "exe").glob("*.bin"))) == 2
@@ -410,16 +418,7 @@ def test_a_start_reads_the_last_runs_executables_while_the_model_loads(tmp_path)
     start (prefetch_run), uses every one of them, and generates the same tokens. A damaged
     record is ignored (the executables load as before) and written again; a damaged executable
     among the prefetched ones is compiled again."""
-    from tests import tiny_model
-    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
-    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
-    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
-
-    def run() -> dict:
-        res = subprocess.run([sys.executable, "-c", PREFETCH_SCRIPT, str(path)], env=env, capture_output=True,
-                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout.strip().splitlines()[-1])
+    run = _tiny_model_runs(PREFETCH_SCRIPT, tmp_path)
 
     first = run()
     (record,) = (tmp_path / "c" / "runs").glob("*.json")
@@ -471,16 +470,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
 def test_a_servers_warmup_is_read_ahead_by_the_next_start(tmp_path):
     """`llm serve` records what its Batcher's warmup used (LLM.remember_executables); the next
     start with the same settings prefetches all of it and loads every graph from disk."""
-    from tests import tiny_model
-    path = tiny_model.write_model(tmp_path / "tiny.gguf", tiny_model.TinySpec(arch="llama", n_layer=2))
-    env = {k: v for k, v in os.environ.items() if k != "GGMLX_NO_PERSISTENT_CACHE"}
-    env.update(GGMLX_CACHE_DIR=str(tmp_path / "c"), GGMLX_EXE_CACHE="1")
-
-    def run() -> dict:
-        res = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, str(path)], env=env, capture_output=True,
-                             text=True, timeout=300, cwd=Path(__file__).parent.parent)
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout.strip().splitlines()[-1])
+    run = _tiny_model_runs(WARMUP_SCRIPT, tmp_path)
 
     first = run()
     (record,) = (tmp_path / "c" / "runs").glob("*.json")
