@@ -1250,15 +1250,26 @@ GGMLX_VNNI void packed_unit(const Problem& p, const XQ& x, int64_t n0, int64_t g
         si[n] = _mm512_set1_epi32(x.off[((n0 + n) * nc + b / 2) * 16 + (b % 2) * 8]);
         xb[n] = x.qs.data() + (n0 + n) * x.Kp + b * 32;
       }
+      // two accumulators per row (low and high nibbles; Q8_0: even and odd units), so that a
+      // row's chain of dependent vpdpbusd per block is 4 long, not 8 (N = 64: 4-5% faster)
       const __m512i qh = lu.qh(s);
+      __m512i sh[NR];
+      for (int n = 0; n < NR; ++n) sh[n] = _mm512_setzero_si512();
       for (int u = 0; u < lu.kUnits; ++u) {
         __m512i lo, hi;
         lu.get(s, u, qh, &lo, &hi);
         for (int n = 0; n < NR; ++n) {
-          si[n] = _mm512_dpbusd_epi32(si[n], lo, _mm512_set1_epi32(load_i32(xb[n] + 4 * u)));
-          if constexpr (T != Q8_0) si[n] = _mm512_dpbusd_epi32(si[n], hi, _mm512_set1_epi32(load_i32(xb[n] + 16 + 4 * u)));
+          const __m512i xl = _mm512_set1_epi32(load_i32(xb[n] + 4 * u));
+          if constexpr (T == Q8_0) {
+            if (u % 2) sh[n] = _mm512_dpbusd_epi32(sh[n], lo, xl);
+            else si[n] = _mm512_dpbusd_epi32(si[n], lo, xl);
+          } else {
+            si[n] = _mm512_dpbusd_epi32(si[n], lo, xl);
+            sh[n] = _mm512_dpbusd_epi32(sh[n], hi, _mm512_set1_epi32(load_i32(xb[n] + 16 + 4 * u)));
+          }
         }
       }
+      for (int n = 0; n < NR; ++n) si[n] = _mm512_add_epi32(si[n], sh[n]);
       const __m512 dw = lu.d(s);
       for (int n = 0; n < NR; ++n) {
         acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si[n]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(n0 + n) * p.nb + b])), acc[n]);
