@@ -34,7 +34,7 @@ setup(
     ext_modules=[Extension(
         "ggmlx.native._kernels",
         sources=["ggmlx/native/int8_matvec.cc", "ggmlx/native/attn_decode.cc", "ggmlx/native/quant_search.cc",
-                 "ggmlx/native/block_matmul.cc"],
+                 "ggmlx/native/block_matmul.cc", "ggmlx/native/top_k.cc"],
         depends=["ggmlx/native/half.h", "ggmlx/native/parallel.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],

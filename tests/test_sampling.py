@@ -496,6 +496,34 @@ def test_top_k_on_a_large_row_matches_a_full_sort_with_ties():
         np.testing.assert_array_equal(cur.ids, expected)
 
 
+def _top_k_rows():
+    rng = np.random.default_rng(5)
+    yield rng.normal(0, 3, 49152).astype(np.float32)
+    yield np.round(rng.normal(0, 1, 49152), 0).astype(np.float32)              # a few values, all tied
+    masked = rng.normal(0, 1, 49152).astype(np.float32)
+    masked[rng.random(49152) < 0.999] = -np.inf                               # a grammar's mask: ~50 left
+    yield masked
+    yield np.full(3000, -np.inf, np.float32)
+    yield np.sort(rng.normal(0, 1, 5000).astype(np.float32))                  # ascending: the worst order
+    yield rng.normal(0, 1, 7).astype(np.float32)
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+def test_top_k_order_is_a_stable_descending_sort(native_on, monkeypatch):
+    """_top_k_order in C (ggmlx.native.topk, when built) and in numpy: the first k positions of a
+    stable descending sort, ties by position, -inf completing a row with fewer finite values."""
+    from ggmlx.native import topk
+    from llm.sampling.samplers import _top_k_order
+    monkeypatch.setenv("GGMLX_NATIVE", native_on)
+    if native_on == "1" and topk.top_k(np.zeros(2, np.float32), 1) is None:
+        pytest.skip("the native library is not built")
+    for row in _top_k_rows():
+        for k in (1, 3, 40, 64, 1000):
+            if k >= row.size:
+                continue
+            np.testing.assert_array_equal(_top_k_order(row, k), np.argsort(-row, kind="stable")[:k])
+
+
 @pytest.mark.parametrize("p", [0.5, 0.95, 0.9999])
 def test_top_p_on_a_large_unsorted_row(p):
     rng = np.random.default_rng(4)
