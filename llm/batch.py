@@ -257,8 +257,11 @@ class BatchAllocator:
         else:
             output = batch.logits
 
-        seq_pos = {int(s): pos[((seq_set >> np.uint64(s)) & np.uint64(1)) == 1]
-                   for s in seq_id_unq}
+        rows: dict[int, list[int]] = {}
+        for i, ids in enumerate(seq_id):
+            for s in ids:
+                rows.setdefault(int(s), []).append(i)
+        seq_pos = {s: pos[rows[s]] for s in sorted(rows)}
         self._check_positions(seq_pos, memory, mrope=mrope, embd=batch.embd is not None)
         self._check_coupled(seq_id, memory)
 
@@ -298,7 +301,8 @@ class BatchAllocator:
         (mrope) they may jump forward and embeddings may start at the cache's last position (an
         image's tokens share their first position)."""
         for s, p in seq_pos.items():
-            p_min, p_max = int(p.min()), int(p.max())
+            single = p.size == 1       # a decoding sequence's one token: nothing to compare within the batch
+            p_min, p_max = (int(p[0]), int(p[0])) if single else (int(p.min()), int(p.max()))
             p0 = memory.seq_pos_max(s) if memory is not None else -1
             if mrope and p0 >= 0 and (p_min < p0 if embd else p_min <= p0):
                 first = p0 if embd else p0 + 1
@@ -308,6 +312,8 @@ class BatchAllocator:
             if not mrope and p0 >= 0 and p_min != p0 + 1:
                 raise BatchError(f"sequence {s}: the cache holds positions up to {p0}, so the "
                                  f"batch must continue at {p0 + 1}, but it starts at {p_min}")
+            if single:
+                continue
             if not mrope and p_max - p_min + 1 > len(np.unique(p)):
                 raise BatchError(f"sequence {s}: positions are not continuous "
                                  f"({len(np.unique(p))} distinct values in [{p_min}, {p_max}])")
