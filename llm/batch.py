@@ -229,13 +229,15 @@ class BatchAllocator:
                              f"the model's n_embd is {n_embd}")
 
         seq_id = batch.seq_id if batch.seq_id is not None else ((0,),) * n
+        rows: dict[int, list[int]] = {}     # each sequence's tokens
         for i, ids in enumerate(seq_id):
             for j, s in enumerate(ids):
                 if not 0 <= s < n_seq_max:
                     raise BatchError(f"seq_id[{i}][{j}] = {s} is out of range "
                                      f"[0, n_seq_max = {n_seq_max})")
+                rows.setdefault(int(s), []).append(i)
         seq_set = np.array([_seq_bits(ids) for ids in seq_id], dtype=np.uint64)
-        seq_id_unq = np.array(sorted({s for ids in seq_id for s in ids}), dtype=np.int32)
+        seq_id_unq = np.array(sorted(rows), dtype=np.int32)
 
         if batch.pos_sections is not None and not mrope:
             raise BatchError("pos has M-RoPE sections, but the model takes one position per token")
@@ -257,11 +259,7 @@ class BatchAllocator:
         else:
             output = batch.logits
 
-        rows: dict[int, list[int]] = {}
-        for i, ids in enumerate(seq_id):
-            for s in ids:
-                rows.setdefault(int(s), []).append(i)
-        seq_pos = {s: pos[rows[s]] for s in sorted(rows)}
+        seq_pos = {s: pos[r] for s, r in sorted(rows.items())}
         self._check_positions(seq_pos, memory, mrope=mrope, embd=batch.embd is not None)
         self._check_coupled(seq_id, memory)
 

@@ -510,12 +510,12 @@ def _top_k_rows():
 
 @pytest.mark.parametrize("native_on", ["1", "0"])
 def test_top_k_order_is_a_stable_descending_sort(native_on, monkeypatch):
-    """_top_k_order in C (ggmlx.native.topk, when built) and in numpy: the first k positions of a
+    """_top_k_order in C (ggmlx.native.top_k, when built) and in numpy: the first k positions of a
     stable descending sort, ties by position, -inf completing a row with fewer finite values."""
-    from ggmlx.native import topk
+    from ggmlx import native
     from llm.sampling.samplers import _top_k_order
     monkeypatch.setenv("GGMLX_NATIVE", native_on)
-    if native_on == "1" and topk.top_k(np.zeros(2, np.float32), 1) is None:
+    if native_on == "1" and native.top_k(np.zeros(2, np.float32), 1) is None:
         pytest.skip("the native library is not built")
     for row in _top_k_rows():
         for k in (1, 3, 40, 64, 1000):

@@ -10,6 +10,8 @@ dequantized f32 chunk and reads it back for the dot. `int4_matvec` does the same
 "int4" weight from its packed nibbles. Scales and offsets are f32, or f16 where they are the
 block's own fields (0.56-1.25 bytes per weight element in all).
 
+`top_k` (plain ctypes, like `pack_lanes`) is the samplers' top-k selection over a logits row.
+
 The library (`_kernels`) is compiled by setup.py at install when a C++ compiler is present.
 It is on by default for MIN_N..MAX_N rows (GGMLX_NATIVE=0 turns it off); when off or not
 built, `available()` is False and the lowerings keep the pure-XLA paths. Nothing is loaded at
@@ -169,6 +171,32 @@ def pack_lanes(blocks: np.ndarray, ggml_type: int, out: np.ndarray) -> None:
             i64(ggml_type))
     if rc != 0:
         raise ValueError(f"pack_lanes: type {ggml_type} with {src.shape[0]} rows has no lanes layout")
+
+
+@functools.cache
+def _top_k_fn():
+    """ggmlx_top_k of the loaded library, its argument types set once (None without it)."""
+    lib = _lib()
+    if lib is None:
+        return None
+    fn = lib.ggmlx_top_k
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+def top_k(logits: np.ndarray, k: int) -> np.ndarray | None:
+    """The samplers' top-k in C (top_k.cc): positions (int64) of the min(k, n) largest of logits
+    (a 1-D float32 row without NaN), largest first and ties by position, as
+    llm.sampling.samplers._top_k_order's numpy selection gives them; None when the library is off
+    or not built (the caller then takes the numpy path)."""
+    fn = _top_k_fn() if available() else None
+    if fn is None:
+        return None
+    row = np.ascontiguousarray(logits, dtype=np.float32)
+    out = np.empty(min(k, row.size), np.int32)
+    got = fn(row.ctypes.data, row.size, k, out.ctypes.data)
+    return out[:got].astype(np.int64)
 
 
 # GGMLX_BLOCK_ISA's values, in block_matmul.cc's order (each includes the ones before it)

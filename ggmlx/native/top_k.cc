@@ -8,7 +8,7 @@
 // the top k is >= it, and at least k values are), then one pass keeps the values >= the bound
 // and only those are sorted.
 //
-// Plain C++ called through ctypes (ggmlx/native/topk.py), no XLA FFI. No NaN may be passed
+// Plain C++ called through ctypes (ggmlx.native.top_k), no XLA FFI. No NaN may be passed
 // (the samplers reject a row with NaN first).
 #include <algorithm>
 #include <cstdint>
@@ -78,13 +78,15 @@ extern "C" {
 int64_t ggmlx_top_k(const float* x, int64_t n, int64_t k, int32_t* out) {
   k = std::min(k, n);
   if (k < 1) return 0;
+#ifdef GGMLX_X86
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+#endif
   float lo = kNegInf;
   const int64_t size = n / (8 * k);
   if (size >= 16) {
     const int64_t groups = n / size;
     std::vector<float> mx(groups);
 #ifdef GGMLX_X86
-    static const bool avx512 = __builtin_cpu_supports("avx512f");
     if (avx512) group_maxima_avx512(x, size, groups, mx.data());
     else
 #endif
@@ -96,7 +98,7 @@ int64_t ggmlx_top_k(const float* x, int64_t n, int64_t k, int32_t* out) {
   c.reserve(4 * k);
   int64_t i = 0;
 #ifdef GGMLX_X86
-  if (__builtin_cpu_supports("avx512f")) i = keep_avx512(x, n, lo, c);
+  if (avx512) i = keep_avx512(x, n, lo, c);
 #endif
   for (; i < n; ++i)
     if (x[i] >= lo && x[i] != kNegInf) c.push_back({x[i], static_cast<int32_t>(i)});
