@@ -506,6 +506,9 @@ def _top_k_rows():
     yield np.full(3000, -np.inf, np.float32)
     yield np.sort(rng.normal(0, 1, 5000).astype(np.float32))                  # ascending: the worst order
     yield rng.normal(0, 1, 7).astype(np.float32)
+    tail = rng.normal(0, 1, 50021).astype(np.float32)
+    tail[-20:] += 10                                                           # the best after the last group
+    yield tail
 
 
 @pytest.mark.parametrize("native_on", ["1", "0"])
@@ -522,6 +525,27 @@ def test_top_k_order_is_a_stable_descending_sort(native_on, monkeypatch):
             if k >= row.size:
                 continue
             np.testing.assert_array_equal(_top_k_order(row, k), np.argsort(-row, kind="stable")[:k])
+
+
+def test_a_view_of_logits_samples_as_a_copy():
+    """view_logits leaves the row alone: a first top-k takes its candidates from the row, a
+    sampler that reads the whole array gets a copy; the tokens and arrays match from_logits'."""
+    rng = np.random.default_rng(6)
+    row = rng.normal(0, 3, 49152).astype(np.float32)
+    before = row.copy()
+    for chain in (lambda: [sampling.top_k(40), sampling.top_p(0.9, 1), sampling.dist(3)],
+                  lambda: [sampling.logit_bias(row.size, {7: 50.0}), sampling.top_k(5), sampling.dist(3)],
+                  lambda: [sampling.temp(0.7), sampling.dist(3)]):
+        view, copied = TokenDataArray.view_logits(row), TokenDataArray.from_logits(row)
+        for cur in (view, copied):
+            for smpl in chain():
+                smpl.apply(cur)
+        assert view.selected == copied.selected and view.sorted == copied.sorted
+        for name in ("ids", "logits", "p"):
+            np.testing.assert_array_equal(getattr(view, name), getattr(copied, name))
+        np.testing.assert_array_equal(row, before)
+    with pytest.raises(ValueError, match="NaN"):
+        TokenDataArray.view_logits(np.array([0.0, np.nan], np.float32))
 
 
 @pytest.mark.parametrize("p", [0.5, 0.95, 0.9999])

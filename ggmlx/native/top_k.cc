@@ -3,10 +3,10 @@
 // (llm/sampling/samplers.py), which took ~43 us a row of SmolLM2's 49152 logits in numpy, 8 rows
 // a step for 8 decoding sequences.
 //
-// The same selection as the numpy code: a bound from the maxima of ~8k strided groups of the
-// values (the k-th largest group maximum is at most the k-th largest value, so every value of
-// the top k is >= it, and at least k values are), then one pass keeps the values >= the bound
-// and only those are sorted.
+// The selection of the numpy code with contiguous groups: a bound from the maxima of ~8k groups
+// of the values (the k-th largest group maximum is at most the k-th largest value, so every
+// value of the top k is >= it, and at least k values are), then the groups that reach the bound
+// are scanned again for the values >= it, and only those are sorted.
 //
 // Plain C++ called through ctypes (ggmlx.native.top_k), no XLA FFI. No NaN may be passed
 // (the samplers reject a row with NaN first).
@@ -32,33 +32,32 @@ struct Cand {
 // The ranking: larger value first, then the lower position.
 inline bool before(const Cand& a, const Cand& b) { return a.v > b.v || (a.v == b.v && a.i < b.i); }
 
-// mx[g] = the largest of x[r * groups + g] over rows r < size (each group strided, so that the
-// maxima are one elementwise pass; the compiler vectorizes the inner loop).
+// mx[g] = the largest of the size values x[g * size ..] (size a multiple of 16).
 void group_maxima(const float* x, int64_t size, int64_t groups, float* mx) {
-  std::copy(x, x + groups, mx);
-  for (int64_t r = 1; r < size; ++r) {
-    const float* row = x + r * groups;
-    for (int64_t g = 0; g < groups; ++g) mx[g] = std::max(mx[g], row[g]);
-  }
+  for (int64_t g = 0; g < groups; ++g) mx[g] = *std::max_element(x + g * size, x + (g + 1) * size);
+}
+
+// Positions i in [i0, i1) of x[i] >= lo and > -inf appended to c.
+void keep_range(const float* x, int64_t i0, int64_t i1, float lo, std::vector<Cand>& c) {
+  for (int64_t i = i0; i < i1; ++i)
+    if (x[i] >= lo && x[i] != kNegInf) c.push_back({x[i], static_cast<int32_t>(i)});
 }
 
 #ifdef GGMLX_X86
 __attribute__((target("avx512f"))) void group_maxima_avx512(const float* x, int64_t size, int64_t groups, float* mx) {
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 live = groups - g >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                            : static_cast<__mmask16>((1u << (groups - g)) - 1);
-    __m512 m = _mm512_maskz_loadu_ps(live, x + g);
-    for (int64_t r = 1; r < size; ++r) m = _mm512_max_ps(m, _mm512_maskz_loadu_ps(live, x + r * groups + g));
-    _mm512_mask_storeu_ps(mx + g, live, m);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * size;
+    __m512 m = _mm512_loadu_ps(xg);
+    for (int64_t j = 16; j < size; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(xg + j));
+    mx[g] = _mm512_reduce_max_ps(m);
   }
 }
 
-// Positions i < n (from 0, 16 at a time) of x[i] >= lo (and > -inf) appended to c; returns
-// where the scalar loop goes on.
-__attribute__((target("avx512f"))) int64_t keep_avx512(const float* x, int64_t n, float lo, std::vector<Cand>& c) {
+// keep_range, 16 at a time (i1 - i0 a multiple of 16).
+__attribute__((target("avx512f"))) void keep_avx512(const float* x, int64_t i0, int64_t i1, float lo,
+                                                    std::vector<Cand>& c) {
   const __m512 lv = _mm512_set1_ps(lo), ninf = _mm512_set1_ps(kNegInf);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
+  for (int64_t i = i0; i < i1; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     uint32_t m = _mm512_cmp_ps_mask(v, lv, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
     for (; m; m &= m - 1) {
@@ -66,7 +65,6 @@ __attribute__((target("avx512f"))) int64_t keep_avx512(const float* x, int64_t n
       c.push_back({x[i + b], static_cast<int32_t>(i + b)});
     }
   }
-  return i;
 }
 #endif
 
@@ -81,27 +79,34 @@ int64_t ggmlx_top_k(const float* x, int64_t n, int64_t k, int32_t* out) {
 #ifdef GGMLX_X86
   static const bool avx512 = __builtin_cpu_supports("avx512f");
 #endif
-  float lo = kNegInf;
-  const int64_t size = n / (8 * k);
+  std::vector<Cand> c;
+  c.reserve(4 * k);
+  // contiguous groups of `size` values (a multiple of 16), about 8k of them; only the groups whose
+  // maximum reaches the bound (about k) and the values after the last group are scanned again
+  const int64_t size = n / (8 * k) / 16 * 16;
   if (size >= 16) {
     const int64_t groups = n / size;
-    std::vector<float> mx(groups);
+    std::vector<float> mx(groups), sel;
 #ifdef GGMLX_X86
     if (avx512) group_maxima_avx512(x, size, groups, mx.data());
     else
 #endif
       group_maxima(x, size, groups, mx.data());
-    std::nth_element(mx.begin(), mx.begin() + (groups - k), mx.end());
-    lo = mx[groups - k];
-  }
-  std::vector<Cand> c;
-  c.reserve(4 * k);
-  int64_t i = 0;
+    sel = mx;
+    std::nth_element(sel.begin(), sel.begin() + (groups - k), sel.end());
+    const float lo = sel[groups - k];
+    for (int64_t g = 0; g < groups; ++g) {
+      if (mx[g] < lo) continue;
 #ifdef GGMLX_X86
-  if (avx512) i = keep_avx512(x, n, lo, c);
+      if (avx512) keep_avx512(x, g * size, (g + 1) * size, lo, c);
+      else
 #endif
-  for (; i < n; ++i)
-    if (x[i] >= lo && x[i] != kNegInf) c.push_back({x[i], static_cast<int32_t>(i)});
+        keep_range(x, g * size, (g + 1) * size, lo, c);
+    }
+    keep_range(x, groups * size, n, lo, c);
+  } else {
+    keep_range(x, 0, n, kNegInf, c);
+  }
   // fewer than k values above -inf: the -inf ones complete the list, lowest positions first
   for (int64_t j = 0; j < n && static_cast<int64_t>(c.size()) < k; ++j)
     if (x[j] == kNegInf) c.push_back({x[j], static_cast<int32_t>(j)});

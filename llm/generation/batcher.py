@@ -715,7 +715,7 @@ class Batcher:
 
         def sample(k: int) -> int:
             logits = self.ctx.get_logits_ith(rows[k])
-            cur = TokenDataArray.from_logits(logits)
+            cur = TokenDataArray.view_logits(logits)
             s.sampler.apply(cur)
             token = int(cur.ids[cur.selected])
             s.sampler.accept(token)

@@ -13,7 +13,8 @@ Conventions (the same as llama.cpp's):
 - `sorted` says the candidates are in descending logit order; samplers that need order
   sort only as much as they need (a partial sort for top-k, a 256-candidate try for top-p).
   Ties keep the lower position first.
-- `apply` mutates the arrays of the `TokenDataArray` it is given; `from_logits` copies.
+- `apply` mutates the arrays of the `TokenDataArray` it is given; `from_logits` copies
+  (`view_logits` copies only when a sampler reads the whole row).
 - Random numbers: std::mt19937 seeded as llama.cpp does, mapped to uniform doubles/floats
   and discrete draws the way GCC's libstdc++ does, so a seed gives the same draws as a
   llama.cpp built with GCC (and the same tokens in every process). `LLAMA_DEFAULT_SEED`
@@ -70,40 +71,109 @@ def _token_ids(n: int) -> np.ndarray:
     return ids
 
 
-@dataclass(eq=False)
 class TokenDataArray:
     """Candidates for the next token: llama_token_data_array as parallel numpy arrays.
 
     ids (int32), logits (float32) and p (float32) have one entry per candidate;
     `selected` is an index into them (not a token id), -1 until a sampler chooses.
+
+    A view of a logits row (`view_logits`) builds the vocabulary-sized arrays only when a
+    sampler reads them: a first top-k takes its k candidates from the row itself (the copy,
+    the ids and the zero probabilities of 49152 tokens cost more than the top-k, once per
+    sequence and step).
     """
 
-    ids: np.ndarray
-    logits: np.ndarray
-    p: np.ndarray
-    sorted: bool = False
-    selected: int = -1
+    __slots__ = ("_ids", "_logits", "_p", "_row", "sorted", "selected")
+
+    def __init__(self, ids: np.ndarray, logits: np.ndarray, p: np.ndarray, sorted: bool = False,
+                 selected: int = -1) -> None:
+        self._ids, self._logits, self._p = ids, logits, p
+        self._row: np.ndarray | None = None
+        self.sorted = sorted
+        self.selected = selected
 
     @classmethod
     def from_logits(cls, logits) -> TokenDataArray:
         """All tokens of a vocabulary row, ids 0..n-1, p 0, unsorted (a copy of the row)."""
-        row = np.array(logits, dtype=_F32)
+        cur = cls.view_logits(np.array(logits, dtype=_F32))
+        cur._materialize()
+        return cur
+
+    @classmethod
+    def view_logits(cls, logits) -> TokenDataArray:
+        """As from_logits, for a row the caller leaves unchanged while the candidates are used
+        (a context's output row): the row is copied only if a sampler needs all of it."""
+        row = np.asarray(logits, dtype=_F32)
         if row.ndim != 1 or row.size == 0:
             raise ValueError(f"logits: expected a non-empty 1-D row, got shape {row.shape}")
         if np.isnan(row.max()):
             raise ValueError("logits: the row contains NaN")
-        return cls(ids=_token_ids(row.size), logits=row, p=np.zeros(row.size, dtype=_F32))
+        cur = cls.__new__(cls)
+        cur._row, cur.sorted, cur.selected = row, False, -1
+        return cur
+
+    def _materialize(self) -> None:
+        row, self._row = self._row, None
+        if row is not None:
+            self._ids, self._logits, self._p = _token_ids(row.size), np.array(row), np.zeros(row.size, dtype=_F32)
+
+    @property
+    def ids(self) -> np.ndarray:
+        self._materialize()
+        return self._ids
+
+    @ids.setter
+    def ids(self, value: np.ndarray) -> None:
+        self._materialize()
+        self._ids = value
+
+    @property
+    def logits(self) -> np.ndarray:
+        self._materialize()
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: np.ndarray) -> None:
+        self._materialize()
+        self._logits = value
+
+    @property
+    def p(self) -> np.ndarray:
+        self._materialize()
+        return self._p
+
+    @p.setter
+    def p(self, value: np.ndarray) -> None:
+        self._materialize()
+        self._p = value
 
     @property
     def size(self) -> int:
-        return int(self.ids.size)
+        return int(self._row.size if self._row is not None else self._ids.size)
 
     def keep(self, index, *, sorted: bool) -> None:
         """Keep only the candidates at `index` (a slice or positions), in that order."""
-        self.ids = self.ids[index]
-        self.logits = self.logits[index]
-        self.p = self.p[index]
+        self._materialize()
+        self._ids = self._ids[index]
+        self._logits = self._logits[index]
+        self._p = self._p[index]
         self.sorted = sorted
+
+    def keep_top(self, k: int) -> None:
+        """Keep the k highest logits, best first (ties by position): top-k's selection, taken
+        from the row of a view without building the full arrays."""
+        if self.sorted:
+            self.keep(slice(0, k), sorted=True)
+        elif self._row is not None:
+            order = _top_k_order(self._row, k)
+            self._ids, self._logits, self._p = order.astype(np.int32), self._row[order], np.zeros(order.size, _F32)
+            self._row, self.sorted = None, True
+        else:
+            self.keep(_top_k_order(self._logits, k), sorted=True)
+
+    def __repr__(self) -> str:
+        return (f"TokenDataArray(ids={self.ids!r}, logits={self.logits!r}, p={self.p!r}, sorted={self.sorted}, "
+                f"selected={self.selected})")
 
 
 def _sort_desc(logits: np.ndarray) -> np.ndarray:
@@ -305,7 +375,7 @@ class Sampler(abc.ABC):
 
     def sample(self, ctx: LogitsSource, idx: int = -1) -> int:
         """llama_sampler_sample: read logits row `idx` of `ctx`, apply, accept, return the token."""
-        cur = TokenDataArray.from_logits(ctx.get_logits_ith(idx))
+        cur = TokenDataArray.view_logits(ctx.get_logits_ith(idx))
         self.apply(cur)
         if not 0 <= cur.selected < cur.size:
             raise ValueError(f"{self.name}: no token selected; end the chain with greedy, dist, "
@@ -373,11 +443,7 @@ class TopK(Sampler):
     def apply(self, cur: TokenDataArray) -> None:
         if self.k <= 0:
             return
-        k = min(self.k, cur.size)
-        if cur.sorted:
-            cur.keep(slice(0, k), sorted=True)
-        else:
-            cur.keep(_top_k_order(cur.logits, k), sorted=True)
+        cur.keep_top(min(self.k, cur.size))
 
 
 class TopP(Sampler):
