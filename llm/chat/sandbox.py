@@ -15,7 +15,7 @@ import jinja2
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llm.chat.templates import ChatTemplateError, RenderLimits, _Deadline
+from llm.chat.template_limits import ChatTemplateError, Deadline, RenderLimits
 
 # str methods a template may call; those that can grow a string have their arguments
 # checked first (`_Env._check_str_method`), everything else on str is refused.
@@ -36,7 +36,7 @@ class _Env(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**", "+", "%", "-", "/", "//"})
 
-    def __init__(self, deadline: _Deadline, limits: RenderLimits):
+    def __init__(self, deadline: Deadline, limits: RenderLimits):
         super().__init__(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined, optimized=False)
         self.deadline = deadline
         self.limits = limits
@@ -279,7 +279,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def render(template: str, messages: list[dict], *, deadline: _Deadline, limits: RenderLimits,
+def render(template: str, messages: list[dict], *, deadline: Deadline, limits: RenderLimits,
            add_generation_prompt: bool, bos_token: str, eos_token: str, **extra) -> str:
     """llm.chat.templates.render's work, the messages checked: the template compiled in the
     sandbox and rendered under the deadline and limits."""

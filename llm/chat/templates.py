@@ -8,12 +8,9 @@ chunk, and caps on string/list products and on the output size (llm.chat.sandbox
 imported on the first render, not by `import llm`)."""
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from llm.chat.template_limits import ChatTemplateError, Deadline, RenderLimits
 
-
-class ChatTemplateError(ValueError):
-    """A template that fails, escapes the sandbox, runs too long or renders too much."""
+__all__ = ["BUILTIN_TEMPLATES", "CHATML", "GEMMA", "ChatTemplateError", "RenderLimits", "render", "template_for"]
 
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -29,34 +26,18 @@ GEMMA = ("{{ bos_token }}{% for message in messages %}{% set role = 'model' if m
 BUILTIN_TEMPLATES = {"chatml": CHATML, "gemma": GEMMA}
 
 
-@dataclass(frozen=True)
-class RenderLimits:
-    seconds: float = 1.5         # the deadline; with its checks' granularity, renders end within 2 s
-    max_output_chars: int = 1 << 20
-    max_product: int = 1 << 20      # longest string/list any one operation may build
-    max_built_bytes: int = 128 << 20    # all strings, lists and integers built during one render
-    max_int_bits: int = 1 << 16     # largest integer an arithmetic operation may build
-
-
-class _Deadline:
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-        self.seconds = seconds
-
-    def check(self) -> None:
-        if time.monotonic() > self.end:
-            raise ChatTemplateError(f"chat template took longer than {self.seconds:g} s to render")
+_LIMITS = RenderLimits()
 
 
 def render(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-           bos_token: str = "", eos_token: str = "", limits: RenderLimits = RenderLimits(),
+           bos_token: str = "", eos_token: str = "", limits: RenderLimits = _LIMITS,
            **extra) -> str:
     """Render a chat template for `messages` ([{"role", "content"}, ...])."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ChatTemplateError(f"messages[{i}] must be a dict with string 'role' and 'content'")
     from llm.chat import sandbox
-    return sandbox.render(template, messages, deadline=_Deadline(limits.seconds), limits=limits,
+    return sandbox.render(template, messages, deadline=Deadline(limits.seconds), limits=limits,
                           add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
                           **extra)
 
