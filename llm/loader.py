@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
@@ -159,6 +159,8 @@ def _as_list(value: object, kind: type[_V]) -> list[_V] | None:
         # widen first, so the values are the ones float64 holds (a float32 score stays exact)
         wide = np.bool_ if kind is bool else np.float64
         return value.astype(wide).tolist()
+    if isinstance(value, gguf.StringArray):
+        return cast(list[_V], list(value.tolist())) if kind is str else None
     if not isinstance(value, (list, tuple)):
         return None
     # the element types once, in C (a vocabulary's 262144 strings: a per-element check took 0.2 s)
@@ -177,7 +179,7 @@ class ModelLoader(GGUFMeta):
         if not os.path.isfile(str(path)):
             raise ModelLoadError(f"{path}: no such model file")
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            self.reader = gguf.GGUFReader(str(path), lazy_strings=True)
         except gguf.GGUFError as e:
             raise ModelLoadError(f"failed to read model file: {e}") from e
         super().__init__(self.reader.kv, str(path))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from ggmlx import types, weights
+from ggmlx import gguf, types, weights
 from ggmlx.backend import make_mesh
 from ggmlx.tensor import Tensor
 from ggmlx.types import GGMLType
@@ -374,7 +374,8 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
             raise ModelLoadError(f"{ml.path}: {e}") from None
         hp = load_hparams(ml, builder)
         vocab = load_vocab_cached(ml)
-        meta = {k: v for k, v in ml.kv.items() if not k.startswith("tokenizer.ggml.")}
+        meta = {k: v.tolist() if isinstance(v, gguf.StringArray) else v for k, v in ml.kv.items()
+                if not k.startswith("tokenizer.ggml.")}
         model = Model(path=ml.path, arch=arch, hparams=hp, vocab=vocab, builder=builder, meta=meta,
                       weight_format=weight_format)
         if vocab_only:

@@ -394,6 +394,36 @@ def test_non_utf8_string_value_survives_a_round_trip(tmp_path):
     assert (tmp_path / "b2.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
+def test_lazy_string_arrays(tmp_path):
+    """lazy_strings keeps a large string array as a StringArray that decodes to the eager list
+    (non-UTF-8 bytes included); small arrays stay lists; a truncated large array fails at open
+    with the same error either way; ModelLoader's get_arr reads it as a list."""
+    from llm.arch import LLMKV
+    from llm.loader import GGUFMeta
+    words = [f"tok{i}\u0120" for i in range(3000)] + ["\xff".encode("latin-1").decode("utf-8", "surrogateescape")]
+    w = GGUFWriter()
+    w.add_kv(LLMKV.TOKENIZER_LIST.value, words)
+    w.add_kv("small", ["a", "b"])
+    w.write(tmp_path / "s.gguf")
+    eager, lazy = GGUFReader(tmp_path / "s.gguf"), GGUFReader(tmp_path / "s.gguf", lazy_strings=True)
+    big = LLMKV.TOKENIZER_LIST.value
+    assert isinstance(lazy.kv[big], gguf.StringArray) and isinstance(lazy.kv["small"], list)
+    assert len(lazy.kv[big]) == len(words) and lazy.kv[big][5] == words[5]
+    assert lazy.kv[big] == eager.kv[big] == words and lazy.kv[big].tolist() == list(lazy.kv[big])
+    assert GGUFMeta(lazy.kv).get_arr(LLMKV.TOKENIZER_LIST, str) == words
+    lazy.close()
+    eager.close()
+    data = (tmp_path / "s.gguf").read_bytes()
+    cut = data.index(b"tok2999") + 2
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    messages = []
+    for lazy_strings in (False, True):
+        with pytest.raises(GGUFError) as info:
+            GGUFReader(tmp_path / "cut.gguf", lazy_strings=lazy_strings)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and "string 2999 of 3001" in messages[0]
+
+
 @pytest.mark.parametrize("value,vtype,etype", [
     (True, VT.BOOL, None), (7, VT.UINT32, None), (-7, VT.INT32, None), (2 ** 40, VT.INT64, None),
     (-2 ** 40, VT.INT64, None), (2 ** 63, VT.UINT64, None), (0.25, VT.FLOAT32, None),
