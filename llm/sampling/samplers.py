@@ -95,21 +95,15 @@ class TokenDataArray:
     @classmethod
     def from_logits(cls, logits) -> TokenDataArray:
         """All tokens of a vocabulary row, ids 0..n-1, p 0, unsorted (a copy of the row)."""
-        cur = cls.view_logits(np.array(logits, dtype=_F32))
-        cur._materialize()
-        return cur
+        row = _checked_row(np.array(logits, dtype=_F32))
+        return cls(ids=_token_ids(row.size), logits=row, p=np.zeros(row.size, dtype=_F32))
 
     @classmethod
     def view_logits(cls, logits) -> TokenDataArray:
         """As from_logits, for a row the caller leaves unchanged while the candidates are used
         (a context's output row): the row is copied only if a sampler needs all of it."""
-        row = np.asarray(logits, dtype=_F32)
-        if row.ndim != 1 or row.size == 0:
-            raise ValueError(f"logits: expected a non-empty 1-D row, got shape {row.shape}")
-        if np.isnan(row.max()):
-            raise ValueError("logits: the row contains NaN")
         cur = cls.__new__(cls)
-        cur._row, cur.sorted, cur.selected = row, False, -1
+        cur._row, cur.sorted, cur.selected = _checked_row(np.asarray(logits, dtype=_F32)), False, -1
         return cur
 
     def _materialize(self) -> None:
@@ -174,6 +168,15 @@ class TokenDataArray:
     def __repr__(self) -> str:
         return (f"TokenDataArray(ids={self.ids!r}, logits={self.logits!r}, p={self.p!r}, sorted={self.sorted}, "
                 f"selected={self.selected})")
+
+
+def _checked_row(row: np.ndarray) -> np.ndarray:
+    """A logits row: ValueError unless it is a non-empty 1-D row without NaN."""
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"logits: expected a non-empty 1-D row, got shape {row.shape}")
+    if np.isnan(row.max()):
+        raise ValueError("logits: the row contains NaN")
+    return row
 
 
 def _sort_desc(logits: np.ndarray) -> np.ndarray:
