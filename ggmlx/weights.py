@@ -23,9 +23,11 @@ rows at a time, so a large matrix (a 262144-row lm_head) never exists as f32 in 
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import mmap
+import os
 import sys
 from dataclasses import dataclass
 
@@ -363,6 +365,30 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
 
 def _huge(nbytes: int, device) -> bool:
     return nbytes >= HUGE_PAGE and flags.HUGE_PAGES.on() and _on_cpu(device)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None elsewhere (another C library, another OS)."""
+    try:
+        glibc = sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError):
+        glibc = False
+    if not glibc:
+        return None
+    fn = ctypes.CDLL(None).malloc_trim
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim). A load frees its
+    temporaries (the members of fused weights, the vocabulary's build) inside the heap, where
+    their pages stay resident and count in the process's peak: SmolLM2's `generate -n 32` peaked
+    at 500 MB without this after the load, 450 MB with it (4 alternated pairs). A no-op without glibc."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
 
 
 def host_array(shape: tuple[int, ...], dtype, device) -> np.ndarray:

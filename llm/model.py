@@ -413,6 +413,7 @@ def load_model(path: str | os.PathLike, devices: list[jax.Device] | None = None,
                 if t.data is not None and t.data.spec.rows is not None and t.name in ml.weights_map:
                     t.data.array.block_until_ready()
                     ml.reader.release(ml.weights_map[t.name].info)
+        weights.trim_heap()
         return model
     finally:
         ml.close()

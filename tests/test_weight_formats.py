@@ -381,3 +381,26 @@ def test_f16_scales_refuse_values_that_would_change():
     with pytest.raises(ValueError, match="not f16 values"):
         weights._as_f16(np.array([[1.0, 1.0 + 2.0 ** -20]], np.float32))
     assert weights._as_f16(np.array([[np.nan, -0.5]], np.float32)).dtype == np.float16
+
+
+def test_trim_heap_finds_glibc_malloc_trim():
+    """trim_heap calls glibc's malloc_trim where the C library is glibc (Linux here), and is a
+    no-op elsewhere; heap pages freed by a load go back to the OS (fewer resident pages)."""
+    import os
+    import sys
+    from ggmlx import weights
+    glibc = sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION") is not None
+    assert (weights._malloc_trim() is not None) == glibc
+    if not glibc:
+        return
+    def rss_kb() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+    # many blocks below the mmap threshold, touched, all but the last freed: heap pages glibc keeps
+    blocks = [bytearray(b"x" * 60000) for _ in range(600)]
+    keep = blocks[-1]
+    del blocks
+    before = rss_kb()
+    weights.trim_heap()
+    assert rss_kb() < before - 8 * 1024, (before, rss_kb())
+    assert keep[0] == ord("x")
