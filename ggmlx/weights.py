@@ -406,7 +406,7 @@ def host_array(shape: tuple[int, ...], dtype, device) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if _huge(nbytes, device):
         return huge_page_array(shape, dtype)
-    if nbytes >= _MAPPED_MIN:
+    if nbytes >= _MAPPED_MIN and sys.platform != "win32":    # (Windows' mmap takes no flags)
         mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return np.frombuffer(mm, np.uint8).view(dtype).reshape(shape)
     buf = np.empty(nbytes + 64, np.uint8)
