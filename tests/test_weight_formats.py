@@ -386,13 +386,11 @@ def test_f16_scales_refuse_values_that_would_change():
 def test_trim_heap_finds_glibc_malloc_trim():
     """trim_heap calls glibc's malloc_trim where the C library is glibc (Linux here), and is a
     no-op elsewhere; heap pages freed by a load go back to the OS (fewer resident pages)."""
-    import os
-    import sys
-    from ggmlx import weights
     glibc = sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION") is not None
     assert (weights._malloc_trim() is not None) == glibc
     if not glibc:
         return
+
     def rss_kb() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
