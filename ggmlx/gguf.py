@@ -156,7 +156,7 @@ class GGUFShard:
 class _Cursor:
     """Bounds-checked little-endian reads from a mapped file; `where` names what is read."""
 
-    def __init__(self, path: str, buf: mmap.mmap, size: int):
+    def __init__(self, path: str, buf: mmap.mmap | bytes, size: int):
         self.path = path
         self.buf = buf
         self.size = size
@@ -214,15 +214,8 @@ class StringArray(Sequence[str]):
         self._strings: list[str] | None = None
 
     def tolist(self) -> list[str]:
-        if self._strings is None:
-            data, pos = self._data, 0
-            out: list[str] = []
-            append, unpack = out.append, struct.Struct("<Q").unpack_from
-            for _ in range(self._n):        # checked when the array was read
-                (length,) = unpack(data, pos)
-                append(data[pos + 8:pos + 8 + length].decode("utf-8", "surrogateescape"))
-                pos += 8 + length
-            self._strings = out
+        if self._strings is None:       # (the lengths were checked when the array was read)
+            self._strings = _strings(_Cursor("<string array>", self._data, len(self._data)), self._n, decode=True)
         return self._strings
 
     def __len__(self) -> int:
@@ -255,6 +248,30 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType):
     return v
 
 
+def _strings(cur: _Cursor, n: int, decode: bool) -> list[str]:
+    """n GGUF strings from cur.pos on (cur.pos moves past them), decoded (or only walked, an
+    empty list: a StringArray decodes them later); GGUFError for a length past the end."""
+    buf, pos, size = cur.buf, cur.pos, cur.size
+    out: list[str] = []
+    append = out.append
+    unpack = struct.Struct("<Q").unpack_from
+    i = 0
+    try:        # the fewest operations per string: a 262144-token vocabulary's loop 93 -> 78 ms
+        for i in range(n):
+            (length,) = unpack(buf, pos)
+            end = pos + 8 + length
+            if end > size:
+                raise cur.error(f"string {i} of {n}: length {length} is larger than the "
+                                f"{size - pos - 8} bytes left", pos)
+            if decode:
+                append(buf[pos + 8:end].decode("utf-8", "surrogateescape"))
+            pos = end
+    except struct.error:        # fewer than 8 bytes left for the length
+        raise cur.error(f"truncated file: string {i} of {n} length needs 8 bytes", pos) from None
+    cur.pos = pos
+    return out
+
+
 def _read_array(cur: _Cursor, etype: GGUFValueType, n: int, lazy_strings: bool = False):
     """n elements of type etype: list[str] for strings (a StringArray of the bytes with
     lazy_strings, from _LAZY_STRINGS_MIN elements), a numpy array otherwise."""
@@ -263,26 +280,10 @@ def _read_array(cur: _Cursor, etype: GGUFValueType, n: int, lazy_strings: bool =
         if n * 8 > cur.left():
             raise cur.error(f"array of {n} strings needs at least {n * 8} bytes, "
                             f"{cur.left()} left", start)
-        buf, pos, size = cur.buf, cur.pos, cur.size
-        lazy = lazy_strings and n >= _LAZY_STRINGS_MIN
-        out: list[str] = []
-        append = out.append
-        unpack = struct.Struct("<Q").unpack_from
-        i = 0
-        try:        # the fewest operations per string: a 262144-token vocabulary's loop 93 -> 78 ms
-            for i in range(n):
-                (length,) = unpack(buf, pos)
-                end = pos + 8 + length
-                if end > size:
-                    raise cur.error(f"string {i} of {n}: length {length} is larger than the "
-                                    f"{size - pos - 8} bytes left", pos)
-                if not lazy:
-                    append(buf[pos + 8:end].decode("utf-8", "surrogateescape"))
-                pos = end
-        except struct.error:        # fewer than 8 bytes left for the length
-            raise cur.error(f"truncated file: string {i} of {n} length needs 8 bytes", pos) from None
-        cur.pos = pos
-        return StringArray(bytes(buf[start:pos]), n) if lazy else out
+        if lazy_strings and n >= _LAZY_STRINGS_MIN:
+            _strings(cur, n, decode=False)
+            return StringArray(bytes(cur.buf[start:cur.pos]), n)
+        return _strings(cur, n, decode=True)
     dtype = _ARRAY_DTYPE[etype]
     nbytes = n * dtype.itemsize
     if nbytes > cur.left():
