@@ -71,6 +71,25 @@ def _token_ids(n: int) -> np.ndarray:
     return ids
 
 
+class _Full:
+    """A TokenDataArray field (ids, logits, p), read or written after a view's row is expanded
+    into the full arrays (held in the slot of the same name with a leading underscore)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, cur, owner=None):
+        if cur is None:         # on the class (help(), introspection)
+            return self
+        if cur._row is not None:
+            cur._materialize()
+        return getattr(cur, self.slot)
+
+    def __set__(self, cur, value: np.ndarray) -> None:
+        cur._materialize()
+        setattr(cur, self.slot, value)
+
+
 class TokenDataArray:
     """Candidates for the next token: llama_token_data_array as parallel numpy arrays.
 
@@ -84,6 +103,9 @@ class TokenDataArray:
     """
 
     __slots__ = ("_ids", "_logits", "_p", "_row", "sorted", "selected")
+    ids = _Full()
+    logits = _Full()
+    p = _Full()
 
     def __init__(self, ids: np.ndarray, logits: np.ndarray, p: np.ndarray, sorted: bool = False,
                  selected: int = -1) -> None:
@@ -110,36 +132,6 @@ class TokenDataArray:
         row, self._row = self._row, None
         if row is not None:
             self._ids, self._logits, self._p = _token_ids(row.size), np.array(row), np.zeros(row.size, dtype=_F32)
-
-    @property
-    def ids(self) -> np.ndarray:
-        self._materialize()
-        return self._ids
-
-    @ids.setter
-    def ids(self, value: np.ndarray) -> None:
-        self._materialize()
-        self._ids = value
-
-    @property
-    def logits(self) -> np.ndarray:
-        self._materialize()
-        return self._logits
-
-    @logits.setter
-    def logits(self, value: np.ndarray) -> None:
-        self._materialize()
-        self._logits = value
-
-    @property
-    def p(self) -> np.ndarray:
-        self._materialize()
-        return self._p
-
-    @p.setter
-    def p(self, value: np.ndarray) -> None:
-        self._materialize()
-        self._p = value
 
     @property
     def size(self) -> int:
