@@ -349,18 +349,24 @@ def _on_cpu(device) -> bool:
     return (jax.default_backend() if device is None else device.platform) == "cpu"
 
 
-def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array in a private anonymous mapping whose whole 2 MiB
-    pages are advised MADV_HUGEPAGE (Linux; elsewhere plain pages), starting on a 2 MiB boundary;
-    the mapping is unmapped when the array (and every view or jax array holding it) is gone."""
+def mapped_array(shape: tuple[int, ...], dtype, *, huge: bool = False) -> np.ndarray:
+    """An uninitialized C-contiguous array in a private anonymous mapping of its own, unmapped when
+    the array (and every view or jax array holding it) is gone; page-aligned, or with `huge`
+    starting on a 2 MiB boundary with its whole 2 MiB pages advised MADV_HUGEPAGE (Linux;
+    elsewhere plain pages)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf = np.frombuffer(mm, np.uint8)
-    start = -buf.ctypes.data % HUGE_PAGE
+    start = -buf.ctypes.data % HUGE_PAGE if huge else 0
     whole = nbytes // HUGE_PAGE * HUGE_PAGE   # the tail short of a page stays in 4 KiB pages
-    if sys.platform == "linux" and whole:
+    if huge and sys.platform == "linux" and whole:
         mm.madvise(mmap.MADV_HUGEPAGE, start, whole)
     return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """mapped_array in transparent huge pages (GGMLX_HUGE_PAGES)."""
+    return mapped_array(shape, dtype, huge=True)
 
 
 def _huge(nbytes: int, device) -> bool:
@@ -407,8 +413,7 @@ def host_array(shape: tuple[int, ...], dtype, device) -> np.ndarray:
     if _huge(nbytes, device):
         return huge_page_array(shape, dtype)
     if nbytes >= _MAPPED_MIN and sys.platform != "win32":    # (Windows' mmap takes no flags)
-        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return np.frombuffer(mm, np.uint8).view(dtype).reshape(shape)
+        return mapped_array(shape, dtype)
     buf = np.empty(nbytes + 64, np.uint8)
     start = -buf.ctypes.data % 64
     return buf[start:start + nbytes].view(dtype).reshape(shape)
