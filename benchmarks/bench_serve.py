@@ -10,8 +10,11 @@ Each client sends /v1/completions requests one after the other (a prompt of exac
 records the time to the first token and the gaps between tokens. Per N: aggregate generated
 tokens per second over the window, TTFT p50/p95, inter-token latency p50/p95, errors. Each N
 first runs --warmup seconds unmeasured, so compiles of new batch shapes stay out of the
-numbers. Targets (issue 13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8
-clients < 2 s with 64-token prompts.
+numbers. The clients of a run start spread over --stagger seconds, and its window opens only
+then (after --stagger + 1 s): N clients' numbers are those of N clients running, not of the
+ramp up to them (which cost a 15 s window of 8 clients ~6% of its tokens). Targets (issue
+13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8 clients < 2 s with 64-token
+prompts.
 
 --rounds R measures each N R times, the Ns alternating within each round (1, 8, 1, 8, ...), and
 reports each N over all its rounds, so a drift of the host's speed during the run reaches every N
@@ -132,13 +135,14 @@ def prepare_prompts(url: str, a, first: int, count: int) -> None:
             PROMPTS[k] = prompt_of(url + "/tokenize", k, a.prompt_tokens, c)
 
 
-def stream(c: httpx.Client, url: str, body: dict, t_end: float, leave_after: int | None):
-    """One streamed completion: (tokens, TTFT, gaps, left). With `leave_after`, the client closes
+def stream(c: httpx.Client, url: str, body: dict, t_from: float, t_end: float, leave_after: int | None):
+    """One streamed completion: (tokens, TTFT, gaps, left), counting only tokens that arrive in
+    the window [t_from, t_end] (TTFT: a request sent in it). With `leave_after`, the client closes
     the connection after that many tokens (left = True)."""
     t0 = last = time.perf_counter()
     ttft: float | None = None
     gaps: list[float] = []
-    n = 0
+    n = n_in = 0
     with c.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
@@ -153,14 +157,16 @@ def stream(c: httpx.Client, url: str, body: dict, t_end: float, leave_after: int
             if now > t_end:
                 break
             n += 1
-            if ttft is None:
-                ttft = now - t0
-            else:
-                gaps.append(now - last)
+            if now >= t_from:
+                n_in += 1
+                if n == 1 and t0 >= t_from:
+                    ttft = now - t0
+                elif n > 1 and last >= t_from:
+                    gaps.append(now - last)
             last = now
             if leave_after is not None and n >= leave_after:
-                return n, ttft, gaps, True      # leaving the block closes the connection mid-stream
-    return n, ttft, gaps, False
+                return n_in, ttft, gaps, True      # leaving the block closes the connection mid-stream
+    return n_in, ttft, gaps, False
 
 
 def hang_up(url: str, body: dict, delay: float) -> bool:
@@ -176,7 +182,8 @@ def hang_up(url: str, body: dict, delay: float) -> bool:
     return False
 
 
-def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counter: list[int], leaves: bool) -> None:
+def client(url: str, model: str, a, stats: Stats, t_from: float, t_end: float, cid: int, counter: list[int],
+           leaves: bool) -> None:
     """Requests one after the other until t_end. A client that `leaves` disconnects from each of
     its requests: half of them streamed and closed after a random number of tokens, half not
     streamed and hung up after a random delay."""
@@ -200,7 +207,7 @@ def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counte
                     n, ttft, gaps, left = 0, None, [], False
                 else:
                     leave_after = int(rng.integers(1, a.max_tokens)) if leaves else None
-                    n, ttft, gaps, left = stream(c, url, body, t_end, leave_after)
+                    n, ttft, gaps, left = stream(c, url, body, t_from, t_end, leave_after)
             except Exception as e:  # an error is a result here: count it and go on
                 stats.error(cid, e)
                 time.sleep(0.5)
@@ -209,7 +216,7 @@ def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counte
                 stats.tokens += n
                 if left:
                     stats.left["streaming, closed mid-stream"] += 1
-                else:
+                elif time.perf_counter() >= t_from:
                     stats.requests += 1
                 if ttft is not None:
                     stats.ttft.append(ttft)
@@ -217,20 +224,27 @@ def client(url: str, model: str, a, stats: Stats, t_end: float, cid: int, counte
 
 
 def run(url: str, model: str, a, n_clients: int, seconds: float, counter: list[int], leavers: int = 0) -> Stats:
-    """n_clients clients for `seconds`; the first `leavers` of them disconnect from their requests."""
+    """n_clients clients, measured for `seconds` once they all run (settle_s after they start); the
+    first `leavers` of them disconnect from their requests."""
     stats = Stats()
     a.n_clients = n_clients
     PROMPTS.clear()
     # generously more requests than the run can finish (each takes at least ~0.25 s)
-    prepare_prompts(url, a, counter[0] + 1, n_clients * (int(seconds * 4) + 2))
-    t_end = time.perf_counter() + seconds
-    threads = [threading.Thread(target=client, args=(url, model, a, stats, t_end, i, counter, i < leavers))
+    prepare_prompts(url, a, counter[0] + 1, n_clients * (int((seconds + settle_s(a)) * 4) + 2))
+    t_from = time.perf_counter() + settle_s(a)
+    t_end = t_from + seconds
+    threads = [threading.Thread(target=client, args=(url, model, a, stats, t_from, t_end, i, counter, i < leavers))
                for i in range(n_clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return stats
+
+
+def settle_s(a) -> float:
+    """Seconds from a run's start to its window: the clients' stagger and a second more."""
+    return a.stagger + 1.0
 
 
 def merged(runs: list[Stats]) -> Stats:
@@ -289,15 +303,21 @@ def engine_bench(a, ns: list[int]) -> int:
         return Job(prompt, params, lambda ev: None if isinstance(ev, Done) else tokens.__setitem__(0, tokens[0] + 1))
 
     def run_for(n: int, seconds: float) -> tuple[int, float, collections.Counter, collections.Counter]:
-        """(tokens, seconds, steps by token count, their seconds) of n clients for `seconds`."""
+        """(tokens, seconds, steps by token count, their seconds) of n clients for `seconds`, from
+        settle_s after they start."""
         steps: collections.Counter = collections.Counter()
         step_s: collections.Counter = collections.Counter()
-        t0 = time.perf_counter()
-        starts = [t0 + a.stagger * i / n for i in range(n)]
+        t_start = time.perf_counter()
+        starts = [t_start + a.stagger * i / n for i in range(n)]
         active: list[Job] = []
-        tokens[0] = 0
+        t0 = t_start + settle_s(a)
         while time.perf_counter() < t0 + seconds:
             now = time.perf_counter()
+            if now < t0:   # the ramp: its tokens and steps not counted
+                t_count = now
+                tokens[0] = 0
+                steps.clear()
+                step_s.clear()
             while starts and starts[0] <= now:
                 starts.pop(0)
                 active.append(new_job())
@@ -310,7 +330,7 @@ def engine_bench(a, ns: list[int]) -> int:
             k = batcher.step()
             steps[k] += 1
             step_s[k] += time.perf_counter() - ts
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t_count
         for job in active:
             batcher.cancel(job)
         while batcher.running or batcher.waiting:
