@@ -556,17 +556,19 @@ class GGUFReader:
         for shard in self.shards:
             self.tensors.update(shard.tensors)
 
-    def release(self, info: TensorInfo) -> None:
-        """Drop the pages of a tensor's bytes from this process's memory (madvise DONTNEED) once
-        they were converted into arrays of their own: a mapped page the loader read stays in the
-        process's RSS while the file is mapped, so a converted model would otherwise hold its file
-        twice at the peak of a load. The pages are the file's, read again if touched: pages
-        shared with a neighbouring tensor, or views still in use, only cost a re-read."""
+    def release(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> None:
+        """Drop the pages of a tensor's bytes [start, stop) (default: all) from this process's
+        memory (madvise DONTNEED) once they were converted into arrays of their own: a mapped page
+        the loader read stays in the process's RSS while the file is mapped, so a converted model
+        would otherwise hold its file twice at the peak of a load. The pages are the file's, read
+        again if touched: pages shared with a neighbouring range, or views still in use, only
+        cost a re-read."""
         mapping = self.shards[info.shard].mapping
-        if mapping is None or info.nbytes == 0 or sys.platform == "win32":   # (no madvise there)
+        stop = info.nbytes if stop is None else min(stop, info.nbytes)
+        if mapping is None or stop <= start or sys.platform == "win32":   # (no madvise there)
             return
-        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+        first = (info.offset + start) // mmap.PAGESIZE * mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, first, info.offset + stop - first)
 
     def _open_other_shards(self) -> None:
         first = self.shards[0]

@@ -398,7 +398,7 @@ def _load_generic(ml: GGUFMeta) -> HParams:
     if ml.has_key(LLMKV.VOCAB_SIZE):
         n_vocab = ml.get_key(LLMKV.VOCAB_SIZE, int)
     elif ml.has_key(LLMKV.TOKENIZER_LIST):
-        n_vocab = len(ml.get_arr(LLMKV.TOKENIZER_LIST, str))
+        n_vocab = ml.get_arr_len(LLMKV.TOKENIZER_LIST, str)
     else:
         raise ml.error(f"missing both '{ml.key_name(LLMKV.VOCAB_SIZE)}' and "
                       f"'{LLMKV.TOKENIZER_LIST.key()}': cannot tell the vocabulary size")

@@ -5,6 +5,7 @@ Tensor bytes go from the mmap straight to device buffers."""
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -124,6 +125,14 @@ class GGUFMeta:
         if arr is None:
             raise self._wrong_type(name, value, _ARRAY_NAMES[kind])
         return arr
+
+    def get_arr_len(self, key: LLMKV, kind: type[_V]) -> int:
+        """len(get_arr(key, kind)), without decoding a string array read lazily (Gemma3's 262144
+        tokens: ~190 MB of strings at the load's peak, when its vocabulary comes from the cache)."""
+        value = self.kv.get(self.key_name(key))
+        if kind is str and isinstance(value, gguf.StringArray):
+            return len(value)
+        return len(self.get_arr(key, kind))
 
     def get_key_or_arr(self, key: LLMKV, kind: type[_V], n: int, default: list[_V] | None = None) -> list[_V]:
         """n values: a scalar repeated n times, or an array of exactly n (one per layer)."""
@@ -271,7 +280,8 @@ class ModelLoader(GGUFMeta):
                                              self.mesh, split, weight_format, t.name)
                 else:
                     t.data = weights.to_device(entry.info.data, GGMLType(entry.info.type), t.ne, device,
-                                               weight_format, numerics, lanes=self.lane_weight(t.name))
+                                               weight_format, numerics, lanes=self.lane_weight(t.name),
+                                               release=functools.partial(self.reader.release, entry.info))
                 if weights.converted(t.data):      # its file pages are read: out of the RSS
                     self.reader.release(entry.info)
                 elif not weights.aliases(t.data, entry.info.data):   # copied, once the copy is done

@@ -407,6 +407,10 @@ def test_lazy_string_arrays(tmp_path):
     w.write(tmp_path / "s.gguf")
     eager, lazy = GGUFReader(tmp_path / "s.gguf"), GGUFReader(tmp_path / "s.gguf", lazy_strings=True)
     big = LLMKV.TOKENIZER_LIST.value
+    # its length (hparams' n_vocab without a vocab_size key) leaves it undecoded
+    assert GGUFMeta(lazy.kv).get_arr_len(LLMKV.TOKENIZER_LIST, str) == len(words)
+    assert lazy.kv[big]._strings is None
+    assert GGUFMeta(eager.kv).get_arr_len(LLMKV.TOKENIZER_LIST, str) == len(words)
     assert isinstance(lazy.kv[big], gguf.StringArray) and isinstance(lazy.kv["small"], list)
     assert len(lazy.kv[big]) == len(words) and lazy.kv[big][5] == words[5]
     assert lazy.kv[big] == eager.kv[big] == words and lazy.kv[big].tolist() == list(lazy.kv[big])
@@ -666,3 +670,11 @@ def test_release_drops_a_tensors_pages_and_keeps_its_bytes(tmp_path):
     assert before - _rss_file_kb() >= 3 * 1024
     assert np.array_equal(np.asarray(ta.data).view(np.float32).reshape(a.shape), a)
     assert np.array_equal(np.asarray(tb.data).view(np.float32).reshape(b.shape), b)
+    # a range of the bytes (a loader packing a tensor slice by slice): at least its pages (the
+    # kernel may drop a whole large folio around them; they read back the same)
+    before = _rss_file_kb()
+    f.release(ta, 1 << 20, 3 << 20)
+    assert before - _rss_file_kb() >= 1536
+    f.release(ta, 3 << 20, 1 << 30)     # (stop past the end: to the tensor's end)
+    f.release(ta, 5, 5)                 # (an empty range: nothing)
+    assert np.array_equal(np.asarray(ta.data).view(np.float32).reshape(a.shape), a)

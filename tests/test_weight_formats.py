@@ -139,6 +139,24 @@ def test_lanes_format_reads_as_the_blocks(t):
                                atol=2e-6 * np.abs(want).max())
 
 
+@needs_lanes
+def test_lanes_packing_in_slices_tells_each_range(monkeypatch):
+    """With `release`, to_device packs a lanes weight a slice of whole 16-row groups at a time
+    (PACK_SLICE_BYTES) and tells each packed range of the source once, in order (the loader drops
+    its file pages); the packed bytes are those of one whole pack."""
+    t, ne = GGMLType.Q8_0, (512, 80)
+    values = np.random.default_rng(3).standard_normal((ne[1], ne[0])).astype(np.float32)
+    data = np.asarray(quants.quantize(values, t)).reshape(-1)
+    row = data.size // ne[1]
+    monkeypatch.setattr(weights, "PACK_SLICE_BYTES", 32 * row + 5)     # slices of 32, 32, 16 rows
+    ranges: list[tuple[int, int]] = []
+    sliced = weights.to_device(data, t, ne, numerics="ggml", lanes=True, release=lambda a, b: ranges.append((a, b)))
+    whole = weights.to_device(data, t, ne, numerics="ggml", lanes=True)
+    assert ranges == [(0, 32 * row), (32 * row, 64 * row), (64 * row, 80 * row)]
+    assert sliced.spec.format == weights.FORMAT_LANES
+    np.testing.assert_array_equal(np.asarray(sliced.array), np.asarray(whole.array))
+
+
 def test_lanes_types_are_the_laid_out_types():
     """native.LANE_TYPES (what block_matmul reads in the lanes format) and weights.LANE_FIELDS
     (their layouts) name the same types."""
