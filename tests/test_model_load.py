@@ -12,7 +12,7 @@ from tiny_model import TinySpec, model_kv, model_tensors, write_gguf, write_mode
 
 import llm
 from ggmlx.types import GGMLType
-from llm.model import place_layers
+from llm.model import fuse_weights, place_layers
 
 SPEC = TinySpec(arch="llama", n_layer=2, seed=3)
 
@@ -153,6 +153,12 @@ def test_quantized_weights_keep_their_type(tmp_path):
     assert [m.data.spec.rows[1] for m in (wq, wk, wv)] == [0, wq.ne[1], wq.ne[1] + wk.ne[1]]
     assert fused.layers[0].ffn_gate.data.array is fused.layers[0].ffn_up.data.array
     assert sum(t.data.nbytes for t in fused.weight_tensors()) == sum(t.data.nbytes for t in model.weight_tensors())
+    # fuse_weights tells each member once its group's copy is made (the loader drops its file pages)
+    told: list[str] = []
+    assert fuse_weights(model, release=lambda t: told.append(t.name)) == 4
+    members = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
+    assert told == [f"blk.{il}.{n}.weight" for il in range(2) for n in members]
+    assert model.layers[1].wq.data.array is model.layers[1].wv.data.array
 
 
 def test_real_models_load(smollm2_path, gemma3_path):
