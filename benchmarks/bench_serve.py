@@ -94,6 +94,9 @@ def rss_mib(pid: int) -> float:
 
 
 class Stats:
+    """One run's results: tokens, requests done, TTFT and gaps inside its window; requests left
+    on purpose and errors over the whole run (a failure during the ramp still fails a soak)."""
+
     def __init__(self):
         self.lock = threading.Lock()
         self.ttft: list[float] = []
