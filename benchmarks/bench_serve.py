@@ -12,7 +12,7 @@ tokens per second over the window, TTFT p50/p95, inter-token latency p50/p95, er
 first runs --warmup seconds unmeasured, so compiles of new batch shapes stay out of the
 numbers. The clients of a run start spread over --stagger seconds, and its window opens only
 then (after --stagger + 1 s): N clients' numbers are those of N clients running, not of the
-ramp up to them (which cost a 15 s window of 8 clients ~6% of its tokens). Targets (issue
+ramp up to them (which cost a 15 s window of 8 clients 6-12% of its tokens). Targets (issue
 13, -np 8): tok/s at 8 clients >= 3x one client; TTFT p95 at 8 clients < 2 s with 64-token
 prompts.
 
@@ -314,9 +314,10 @@ def engine_bench(a, ns: list[int]) -> int:
         starts = [t_start + a.stagger * i / n for i in range(n)]
         active: list[Job] = []
         t0 = t_start + settle_s(a)
+        t_count: float | None = None    # when the window opened: the ramp's tokens and steps dropped then
         while time.perf_counter() < t0 + seconds:
             now = time.perf_counter()
-            if now < t0:   # the ramp: its tokens and steps not counted
+            if t_count is None and now >= t0:
                 t_count = now
                 tokens[0] = 0
                 steps.clear()
@@ -333,6 +334,7 @@ def engine_bench(a, ns: list[int]) -> int:
             k = batcher.step()
             steps[k] += 1
             step_s[k] += time.perf_counter() - ts
+        assert t_count is not None      # (the loop runs until t0 + seconds, past t0)
         elapsed = time.perf_counter() - t_count
         for job in active:
             batcher.cancel(job)
